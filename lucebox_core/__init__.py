@@ -1,0 +1,45 @@
+"""Lucebox core: hook specs, plugin registry, GGUF I/O, tokenizer, chat templates, engine, server.
+
+Plugins import what they need from here:
+
+    from lucebox_core import hookimpl, ModelFamily
+
+    @hookimpl
+    def lucebox_model_families():
+        return [ModelFamily(name="mine", architectures=["mine"], loader="my_pkg.model:load")]
+"""
+
+import pluggy
+
+__version__ = "0.1.0"
+
+hookimpl = pluggy.HookimplMarker("lucebox")
+
+from .errors import GGUFError, LuceboxError, PluginError, TemplateError  # noqa: E402
+from .specs import (  # noqa: E402
+    Converter,
+    DefaultModel,
+    Drafter,
+    KernelBackend,
+    KVPolicy,
+    ModelFamily,
+    Synthesizer,
+    Verifier,
+)
+
+__all__ = [
+    "__version__",
+    "hookimpl",
+    "LuceboxError",
+    "GGUFError",
+    "PluginError",
+    "TemplateError",
+    "ModelFamily",
+    "KernelBackend",
+    "KVPolicy",
+    "Drafter",
+    "Verifier",
+    "Synthesizer",
+    "Converter",
+    "DefaultModel",
+]

@@ -1,0 +1,51 @@
+"""The extension points of Lucebox.
+
+A plugin is a module named by an entry point of group `lucebox`; it implements any of these hooks with
+`@lucebox_core.hookimpl`. Each hook returns a list of *specs* (small `attrs` records from
+`lucebox_core.specs`) that name what the plugin provides and import the heavy code only when used, so
+that listing plugins never initialises a GPU.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("lucebox")
+
+
+@hookspec
+def lucebox_model_families():
+    """Model families: which GGUF architectures each loads and how it builds a model from a GGUF."""
+
+
+@hookspec
+def lucebox_kernel_backends():
+    """Kernel backends: a set of ops for a device, with availability and a priority."""
+
+
+@hookspec
+def lucebox_kv_policies():
+    """KV policies: how attention KV is stored, in what type, and what stays resident."""
+
+
+@hookspec
+def lucebox_drafters():
+    """Drafter kinds for speculative decoding (e.g. dflash): load a draft GGUF, propose tokens."""
+
+
+@hookspec
+def lucebox_verifiers():
+    """Verifiers for speculative decoding (e.g. chain, ddtree): build candidates, accept a prefix."""
+
+
+@hookspec
+def lucebox_synthesizers():
+    """Writers of random-weight GGUF files with a family's exact layout, for tests and benchmarks."""
+
+
+@hookspec
+def lucebox_converters():
+    """Converters from a Hugging Face checkpoint folder (by `model_type`) to a GGUF file."""
+
+
+@hookspec
+def lucebox_default_models():
+    """Models that can stand in when the user names none (e.g. a small synthetic one)."""

@@ -1,0 +1,170 @@
+"""Records that plugins return from their hooks.
+
+Each names one thing a plugin provides. Heavy code is referenced as a `"module:attribute"` string and
+imported only when used (`resolve`), so listing plugins stays cheap and never touches a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+Target = str | Callable[..., Any]
+
+
+def resolve(target: Target) -> Callable[..., Any]:
+    """Turn a `"package.module:attribute"` reference into the object it names."""
+    if callable(target):
+        return target
+    module_name, _, attribute = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attribute.split(".") if attribute else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _always_available() -> tuple[bool, str]:
+    return True, ""
+
+
+@attrs.frozen(kw_only=True)
+class ModelFamily:
+    """A model family: the GGUF architectures it loads and the function that builds a model.
+
+    `loader(gguf_file, backend, **options)` returns a model object the engine drives.
+    """
+
+    name: str
+    architectures: tuple[str, ...] = attrs.field(converter=tuple)
+    loader: Target
+    description: str = ""
+    kind = "model"
+
+    def load(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.loader)(*args, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class KernelBackend:
+    """A set of ops for a device. The available backend with the highest priority is chosen."""
+
+    name: str
+    factory: Target
+    priority: int = 0
+    availability: Callable[[], tuple[bool, str]] = _always_available
+    description: str = ""
+    kind = "backend"
+
+    def is_available(self) -> tuple[bool, str]:
+        try:
+            return self.availability()
+        except Exception as exc:  # an availability probe must never take the process down
+            return False, f"availability check failed: {exc}"
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.factory)(*args, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class KVPolicy:
+    """A way of storing and keeping attention KV resident (`full`, paged, kvflash...)."""
+
+    name: str
+    factory: Target
+    description: str = ""
+    kind = "kv_policy"
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.factory)(*args, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class Drafter:
+    """A drafter kind; `architectures` are the draft-GGUF architectures it loads."""
+
+    name: str
+    factory: Target
+    architectures: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    description: str = ""
+    kind = "drafter"
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.factory)(*args, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class Verifier:
+    """A verifier: turns proposals into a candidate set, runs one target pass, accepts a prefix."""
+
+    name: str
+    factory: Target
+    description: str = ""
+    kind = "verifier"
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.factory)(*args, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class Synthesizer:
+    """Writes random-weight GGUF files for one architecture.
+
+    `writer(path, *, size, type, seed, vocab)` writes the file; `sizes` and `types` list the choices.
+    """
+
+    name: str  # the architecture written, as in `general.architecture`
+    writer: Target
+    sizes: tuple[str, ...] = attrs.field(converter=tuple)
+    types: tuple[str, ...] = attrs.field(converter=tuple)
+    description: str = ""
+    kind = "synth"
+
+    def write(self, path: Path, **options: Any) -> Any:
+        return resolve(self.writer)(path, **options)
+
+
+@attrs.frozen(kw_only=True)
+class Converter:
+    """Converts a Hugging Face checkpoint folder whose config has one of `model_types` to GGUF.
+
+    `writer(hf_dir, path, *, type, vocab)` writes the file; `types` lists the output types.
+    """
+
+    name: str
+    model_types: tuple[str, ...] = attrs.field(converter=tuple)
+    writer: Target
+    types: tuple[str, ...] = attrs.field(converter=tuple)
+    description: str = ""
+    kind = "converter"
+
+    def convert(self, hf_dir: Path, path: Path, **options: Any) -> Any:
+        return resolve(self.writer)(hf_dir, path, **options)
+
+
+@attrs.frozen(kw_only=True)
+class DefaultModel:
+    """A model used when the user names none; `provider(home)` returns its path, creating it once."""
+
+    name: str
+    provider: Target
+    random_weights: bool = False
+    description: str = ""
+    kind = "default_model"
+
+    def path(self, home: Path) -> Path:
+        return Path(resolve(self.provider)(home))
+
+
+ALL_KINDS = {
+    "lucebox_model_families": ModelFamily,
+    "lucebox_kernel_backends": KernelBackend,
+    "lucebox_kv_policies": KVPolicy,
+    "lucebox_drafters": Drafter,
+    "lucebox_verifiers": Verifier,
+    "lucebox_synthesizers": Synthesizer,
+    "lucebox_converters": Converter,
+    "lucebox_default_models": DefaultModel,
+}

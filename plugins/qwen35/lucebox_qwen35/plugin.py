@@ -1,0 +1,53 @@
+"""The hooks `lucebox-qwen` implements. Everything heavy is imported lazily, by reference."""
+
+from lucebox_core import Converter, DefaultModel, ModelFamily, Synthesizer, hookimpl
+
+
+@hookimpl
+def lucebox_model_families():
+    return [
+        ModelFamily(
+            name="qwen35",
+            architectures=["qwen35"],
+            loader="lucebox_qwen35.model:load",
+            description="Qwen3.5 / Qwen3.6 dense: Gated DeltaNet + gated attention hybrid",
+        )
+    ]
+
+
+@hookimpl
+def lucebox_synthesizers():
+    return [
+        Synthesizer(
+            name="qwen35",
+            writer="lucebox_qwen35.synth:write",
+            sizes=["tiny", "0.8b", "27b"],
+            types=["f32", "f16", "q8_0", "q4_k_m"],
+            description="random-weight qwen35 GGUF with llama.cpp's exact layout",
+        )
+    ]
+
+
+@hookimpl
+def lucebox_converters():
+    return [
+        Converter(
+            name="qwen35",
+            model_types=["qwen3_5", "qwen3_5_text"],
+            writer="lucebox_qwen35.convert:convert",
+            types=["f32", "f16", "bf16", "q8_0"],
+            description="transformers Qwen3.5/3.6 checkpoint to GGUF (llama.cpp conventions)",
+        )
+    ]
+
+
+@hookimpl
+def lucebox_default_models():
+    return [
+        DefaultModel(
+            name="qwen35-tiny-random",
+            provider="lucebox_qwen35.default:provide",
+            random_weights=True,
+            description="tiny synthetic qwen35 model with random weights, written on first use",
+        )
+    ]
