@@ -30,6 +30,20 @@ def _always_available() -> tuple[bool, str]:
     return True, ""
 
 
+def target_available(target: Target) -> tuple[bool, str]:
+    """Whether a lazy target's module can be found, without importing it."""
+    import importlib.util
+
+    if callable(target):
+        return True, ""
+    module_name = target.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError) as exc:
+        return False, f"cannot locate {module_name}: {exc}"
+    return (True, "") if found else (False, f"module {module_name} is not installed")
+
+
 @attrs.frozen(kw_only=True)
 class ModelFamily:
     """A model family: the GGUF architectures it loads and the function that builds a model.
@@ -42,6 +56,9 @@ class ModelFamily:
     loader: Target
     description: str = ""
     kind = "model"
+
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.loader)
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
         return resolve(self.loader)(*args, **kwargs)
@@ -59,6 +76,9 @@ class KernelBackend:
     kind = "backend"
 
     def is_available(self) -> tuple[bool, str]:
+        found, reason = target_available(self.factory)
+        if not found:
+            return found, reason
         try:
             return self.availability()
         except Exception as exc:  # an availability probe must never take the process down
@@ -77,6 +97,9 @@ class KVPolicy:
     description: str = ""
     kind = "kv_policy"
 
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.factory)
+
     def create(self, *args: Any, **kwargs: Any) -> Any:
         return resolve(self.factory)(*args, **kwargs)
 
@@ -91,6 +114,9 @@ class Drafter:
     description: str = ""
     kind = "drafter"
 
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.factory)
+
     def create(self, *args: Any, **kwargs: Any) -> Any:
         return resolve(self.factory)(*args, **kwargs)
 
@@ -103,6 +129,9 @@ class Verifier:
     factory: Target
     description: str = ""
     kind = "verifier"
+
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.factory)
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
         return resolve(self.factory)(*args, **kwargs)
@@ -122,6 +151,9 @@ class Synthesizer:
     description: str = ""
     kind = "synth"
 
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.writer)
+
     def write(self, path: Path, **options: Any) -> Any:
         return resolve(self.writer)(path, **options)
 
@@ -140,6 +172,9 @@ class Converter:
     description: str = ""
     kind = "converter"
 
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.writer)
+
     def convert(self, hf_dir: Path, path: Path, **options: Any) -> Any:
         return resolve(self.writer)(hf_dir, path, **options)
 
@@ -153,6 +188,9 @@ class DefaultModel:
     random_weights: bool = False
     description: str = ""
     kind = "default_model"
+
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.provider)
 
     def path(self, home: Path) -> Path:
         return Path(resolve(self.provider)(home))

@@ -1,0 +1,256 @@
+"""The `lucebox` command.
+
+Every subcommand turns a `LuceboxError` (and an unreadable file) into one `error: ...` line on stderr
+and exit status 2, without a traceback. Heavy modules are imported inside the subcommands so that
+`lucebox plugins` and `lucebox --help` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from . import __version__
+from .errors import LuceboxError
+
+EXIT_USAGE = 2
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=None, ensure_ascii=False))
+
+
+# ----------------------------------------------------------------------------------------------- plugins
+
+
+def plugins_report() -> list[dict[str, Any]]:
+    """Every plugin with what it provides, as printed by `lucebox plugins --json`."""
+    from .plugins import registry
+
+    report = []
+    for info in registry().plugins:
+        provides = []
+        for spec in info.specs:
+            available, reason = spec.is_available()
+            provides.append({"kind": spec.kind, "name": spec.name, "available": available, "reason": reason})
+        entry = {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "module": info.module,
+            "builtin": info.builtin,
+            "provides": provides,
+        }
+        if info.error:
+            entry["error"] = info.error
+        report.append(entry)
+    return report
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    report = plugins_report()
+    if args.json:
+        _print_json(report)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Lucebox plugins", show_lines=False)
+    for column in ("plugin", "distribution", "version", "kind", "name", "available"):
+        table.add_column(column, overflow="fold")
+    for entry in report:
+        if "error" in entry:
+            table.add_row(entry["name"], entry["distribution"], entry["version"], "-", "-", f"[red]{entry['error']}[/red]")
+        for index, item in enumerate(entry["provides"]):
+            first = index == 0
+            status = "yes" if item["available"] else f"no: {item['reason']}"
+            table.add_row(
+                entry["name"] if first else "",
+                entry["distribution"] if first else "",
+                entry["version"] if first else "",
+                item["kind"],
+                item["name"],
+                status,
+            )
+    Console().print(table)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- info
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .errors import PluginError
+    from .ggufio import describe, format_description
+    from .plugins import registry
+
+    description = describe(args.file)
+    try:
+        family = registry().family_for(description.get("architecture"), args.file)
+        description["handled_by"] = family.name
+    except PluginError as exc:
+        description["handled_by"] = None
+        description["note"] = str(exc).removeprefix(f"{args.file}: ")
+    if args.json:
+        _print_json(description)
+        return 0
+    print(format_description(description))
+    if description["handled_by"]:
+        print(f"model family: {description['handled_by']}")
+    else:
+        print(f"note: {description['note']}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- synth
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .plugins import registry
+
+    synthesizer = registry().named("lucebox_synthesizers", args.arch, "synthetic-model writer for architecture")
+    if args.size not in synthesizer.sizes:
+        raise LuceboxError(f"--size {args.size!r} is not one of {', '.join(synthesizer.sizes)} for {args.arch}")
+    if args.type not in synthesizer.types:
+        raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(synthesizer.types)} for {args.arch}")
+    path = synthesizer.write(Path(args.output), size=args.size, type=args.type, seed=args.seed, vocab=args.vocab)
+    print(f"wrote {path} ({args.arch} {args.size} {args.type}, seed {args.seed}, RANDOM WEIGHTS)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- convert
+
+
+def _model_type(hf_dir: Path) -> str:
+    config_path = hf_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise LuceboxError(f"{config_path}: not found; is {hf_dir} a Hugging Face model folder?") from None
+    except (OSError, ValueError) as exc:
+        raise LuceboxError(f"{config_path}: cannot read: {exc}") from None
+    model_type = config.get("model_type") or config.get("text_config", {}).get("model_type")
+    if not isinstance(model_type, str):
+        raise LuceboxError(f"{config_path}: no 'model_type'")
+    return model_type
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .errors import PluginError
+    from .plugins import install_hint, registry
+
+    hf_dir = Path(args.hf_dir)
+    model_type = _model_type(hf_dir)
+    converters = [c for c in registry().converters() if model_type in c.model_types]
+    if not converters:
+        family = model_type.replace("qwen3_5", "qwen35").replace("_text", "")
+        raise PluginError(f"{hf_dir}: no installed plugin converts model_type {model_type!r}{install_hint(family)}")
+    converter = converters[0]
+    if args.type not in converter.types:
+        raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(converter.types)} for {model_type}")
+    path = converter.convert(hf_dir, Path(args.output), type=args.type, vocab=args.vocab)
+    print(f"wrote {path} ({model_type} -> GGUF {args.type})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- tokenize
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from .tokenizer import Tokenizer
+
+    if args.file is not None:
+        try:
+            raw = Path(args.file).read_bytes()  # byte-exact: no newline stripping
+        except OSError as exc:
+            raise LuceboxError(f"{args.file}: cannot read: {exc.strerror or exc}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise LuceboxError(f"{args.file}: not valid UTF-8 at byte {exc.start}") from None
+    else:
+        text = args.prompt
+    tokenizer = Tokenizer.from_gguf(args.model)
+    ids = tokenizer.encode(text, add_bos=False if args.no_bos else None, parse_special=args.parse_special)
+    if args.show_pieces:
+        for token_id in ids:
+            print(f"{token_id:>8} -> {tokenizer.id_to_token(token_id)!r}")
+    print(json.dumps(ids))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lucebox", description="Lucebox: fast local LLM inference.")
+    parser.add_argument("--version", action="version", version=f"lucebox {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = commands.add_parser("plugins", help="list installed plugins and what each provides")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.set_defaults(run=cmd_plugins)
+
+    p = commands.add_parser("info", help="describe a GGUF file (architecture, sizes, tensor types, tokenizer)")
+    p.add_argument("file", help="GGUF file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=cmd_info)
+
+    p = commands.add_parser("synth", help="write a random-weight GGUF with a family's exact layout")
+    p.add_argument("--arch", required=True, help="architecture, e.g. qwen35")
+    p.add_argument("--size", default="tiny", help="tiny, 0.8b, 27b (what the family offers)")
+    p.add_argument("--type", default="f32", help="f32, f16, q8_0, q4_k_m (what the family offers)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--vocab", help="tokenizer GGUF to take the vocabulary from (default: the family's)")
+    p.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    p.set_defaults(run=cmd_synth)
+
+    p = commands.add_parser("convert", help="convert a Hugging Face checkpoint folder to GGUF")
+    p.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+    p.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    p.add_argument("--type", default="f16", help="f32, f16, bf16, q8_0 (default f16)")
+    p.add_argument("--vocab", help="tokenizer GGUF to take tokenizer metadata from when the folder has none")
+    p.set_defaults(run=cmd_convert)
+
+    p = commands.add_parser("tokenize", help="print the token ids of a text as a JSON list (last line)")
+    p.add_argument("-m", "--model", required=True, help="GGUF file (only tokenizer metadata is read)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="text to tokenize")
+    source.add_argument("-f", "--file", help="file to tokenize, read byte for byte")
+    p.add_argument("--no-bos", action="store_true", help="never add BOS (default: as the GGUF says)")
+    p.add_argument("--parse-special", action="store_true", help="turn control-token text into its ids")
+    p.add_argument("--show-pieces", action="store_true", help="also print each id with its token text")
+    p.set_defaults(run=cmd_tokenize)
+
+    for register in _EXTRA_COMMANDS:
+        register(commands)
+    return parser
+
+
+# Later subcommands (generate, bench, serve) add themselves here from their own modules.
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.run(args) or 0)
+    except LuceboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
