@@ -182,6 +182,119 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def _comma_ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model, random weights)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length to allocate (default 4096)")
+    p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
+    p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
+
+
+def _load(args: argparse.Namespace, **options: Any) -> Any:
+    from .loading import load_model
+
+    return load_model(
+        args.model,
+        backend=args.backend,
+        device=args.device,
+        chat_template_file=getattr(args, "chat_template_file", None),
+        **options,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine, GenerationRequest
+    from .sampling import SamplingParams
+
+    loaded = _load(args)
+    tokenizer = loaded.tokenizer
+    if args.prompt_ids is not None:
+        prompt_ids = args.prompt_ids
+        if any(not 0 <= i < tokenizer.vocab_size for i in prompt_ids):
+            raise LuceboxError(f"--prompt-ids: every id must be in [0, {tokenizer.vocab_size})")
+    elif args.chat:
+        if loaded.chat_template is None:
+            raise LuceboxError(f"{loaded.path}: has no chat template; pass --chat-template-file")
+        text = loaded.chat_template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text, add_bos=False, parse_special=True)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt, parse_special=args.parse_special)
+    if not prompt_ids:
+        raise LuceboxError("the prompt is empty")
+    sampling = SamplingParams.from_gguf_defaults(
+        loaded.gguf.metadata,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+    engine = Engine(loaded.model, tokenizer, ctx_size=args.ctx_size)
+    request = GenerationRequest(
+        prompt_ids=prompt_ids, max_tokens=args.n_predict, sampling=sampling, stop=args.stop or (),
+        ignore_eos=args.ignore_eos,
+    )
+    if args.json:
+        result = engine.generate(request)
+        _print_json(
+            {
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "prompt_ids": list(prompt_ids),
+                "prompt_tokens": result.timings.prompt_tokens,
+                "generated_tokens": len(result.token_ids),
+                "prompt_tokens_per_s": round(result.timings.prompt_tokens_per_s, 3),
+                "decode_tokens_per_s": round(result.timings.decode_tokens_per_s, 3),
+                "backend": loaded.backend_name,
+            }
+        )
+        return 0
+    from .engine import Timings
+
+    timings = Timings()
+    finish = "length"
+    for step in engine.stream(engine.new_sequence(), request, timings):
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+        finish = step.finish_reason or finish
+    sys.stdout.write("\n")
+    print(
+        f"[{finish}] prompt {timings.prompt_tokens} tokens at {timings.prompt_tokens_per_s:.1f} tok/s, "
+        f"generated {timings.decode_tokens} tokens at {timings.decode_tokens_per_s:.1f} tok/s ({loaded.backend_name})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_bench, run_bench
+
+    loaded = _load(args)
+    ctx = max(args.ctx_size, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
+    rows = run_bench(loaded, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps, ctx_size=ctx)
+    if args.json:
+        _print_json(rows)
+    else:
+        print(format_bench(loaded, rows))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- parser
 
 
@@ -224,6 +337,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parse-special", action="store_true", help="turn control-token text into its ids")
     p.add_argument("--show-pieces", action="store_true", help="also print each id with its token text")
     p.set_defaults(run=cmd_tokenize)
+
+    p = commands.add_parser("generate", help="generate text from a prompt")
+    _add_model_arguments(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("-p", "--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_comma_ints, help="prompt as token ids, e.g. 1,2,3")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--chat", action="store_true", help="render -p as a user message through the chat template")
+    p.add_argument("--chat-template-file", help="jinja chat template to use instead of the GGUF's")
+    p.add_argument("--parse-special", action="store_true", help="turn control-token text in -p into its ids")
+    p.add_argument("--temp", type=float, help="temperature; 0 is greedy (default 0.8 or the GGUF's)")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 is off (default 40)")
+    p.add_argument("--top-p", type=float, help="keep the smallest set with this much mass; 1 is off (default 0.95)")
+    p.add_argument("--min-p", type=float, help="drop tokens below this fraction of the best; 0 is off (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, help="penalise recent tokens (1 is off, the default)")
+    p.add_argument("--presence-penalty", type=float, help="subtract from tokens seen recently (default 0)")
+    p.add_argument("--frequency-penalty", type=float, help="subtract per occurrence (default 0)")
+    p.add_argument("--seed", type=int, help="random seed; the same seed gives the same tokens")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, speeds) instead of text")
+    p.set_defaults(run=cmd_generate)
+
+    p = commands.add_parser("bench", help="measure prompt and decode speed, like llama-bench")
+    _add_model_arguments(p)
+    p.add_argument("-p", "--n-prompt", type=_comma_ints, default=[512], help="prompt lengths (default 512)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens to decode per test (default 128)")
+    p.add_argument("-d", "--depth", type=_comma_ints, default=[0], help="context depths for decode (default 0)")
+    p.add_argument("-r", "--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of results")
+    p.set_defaults(run=cmd_bench)
 
     for register in _EXTRA_COMMANDS:
         register(commands)
