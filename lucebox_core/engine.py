@@ -37,6 +37,21 @@ class GenerationRequest:
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    constraint: Any = None  # a `Constraint`: restricts which tokens may come next (grammars, JSON schema)
+
+
+class Constraint(Protocol):
+    """Constrained decoding: a mask of the tokens allowed next, advanced by each token chosen."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        """Boolean mask over the vocabulary, or None when anything goes."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    @property
+    def finished(self) -> bool:
+        """True once the constrained output is complete: generation stops there."""
 
 
 @attrs.frozen
@@ -46,6 +61,8 @@ class Step:
     token_id: int | None
     text: str
     finish_reason: str | None = None  # "stop" | "length" on the last step
+    logprob: float | None = None  # of token_id under the model (when the request asks for logprobs)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely alternatives, best first
 
 
 @attrs.define
@@ -141,22 +158,33 @@ class Engine:
         try:
             while True:
                 start = time.perf_counter()  # decode time counts the model and sampler, not the consumer
-                token = sampler.sample(sequence.pending_logits, sequence.tokens)
+                logits = sequence.pending_logits
+                if request.constraint is not None:
+                    allowed = request.constraint.allowed(logits.shape[-1])
+                    if allowed is not None:
+                        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+                token = sampler.sample(logits, sequence.tokens)
                 generated.append(token)
+                info = self._logprobs(sequence.pending_logits, token, request.logprobs)
+                if request.constraint is not None:
+                    request.constraint.accept(token)
                 # The new token is fed to the model only when another one is wanted after it.
                 sequence.unfed, sequence.pending_logits = [token], None
                 if token in self.eog_ids and not request.ignore_eos:
-                    yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop")
+                    yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
                     return
                 text = stops.push(detokenizer.push(token))
                 if stops.stopped:
-                    yield Step(token, text, "stop")
+                    yield Step(token, text, "stop", *info)
                     return
                 timings.decode_seconds += time.perf_counter() - start
-                if len(generated) >= request.max_tokens or sequence.length >= self.ctx_size:
-                    yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "length")
+                if request.constraint is not None and request.constraint.finished:
+                    yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
                     return
-                yield Step(token, text)
+                if len(generated) >= request.max_tokens or sequence.length >= self.ctx_size:
+                    yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "length", *info)
+                    return
+                yield Step(token, text, None, *info)
                 start = time.perf_counter()
                 logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
                 sequence.tokens.append(token)
@@ -165,6 +193,17 @@ class Engine:
                 timings.decode_seconds += time.perf_counter() - start
         finally:
             timings.decode_tokens += len(generated)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token: int, top: int | None) -> tuple[float | None, tuple]:
+        if top is None:
+            return None, ()
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        alternatives = ()
+        if top > 0:
+            values, ids = torch.topk(logprobs, top)
+            alternatives = tuple(zip(ids.tolist(), values.tolist()))
+        return float(logprobs[token]), alternatives
 
     def generate(self, request: GenerationRequest, sequence: Sequence | None = None) -> GenerationResult:
         sequence = sequence if sequence is not None else self.new_sequence()

@@ -12,8 +12,8 @@ Conventions shared by every op:
 - Recurrent Gated DeltaNet state is always fp32, `[B, H_v, D_k, D_v]`.
 - Ops are functional: they return new state instead of mutating what they are given, so a caller can keep
   the old state for speculative rollback.
-- Weights are either torch tensors or `QuantTensor`s (any object with `shape`, `dequantize(dtype, device)` and
-  `dequantize_rows(start, stop)`), in torch order `[out_features, in_features]` for matrices.
+- Weights are either torch tensors or `lucebox_core.quants.QuantTensor`s (raw GGUF blocks, dequantized on
+  the fly), in torch order: `[out_features, in_features]` for matrices.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class TorchBackend:
     def _dequantize(self, weight: Weight) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return weight.to(device=self.device, dtype=self.dtype)
-        return weight.dequantize(self.dtype, self.device).to(device=self.device, dtype=self.dtype)
+        return weight.dequantize(self.dtype, self.device)
 
     def _dense_size(self, weight: Weight) -> int:
         return math.prod(weight.shape) * torch.finfo(self.dtype).bits // 8
@@ -120,7 +120,7 @@ class TorchBackend:
     def _rows(self, weight: Weight, start: int, stop: int) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return weight[start:stop].to(device=self.device, dtype=self.dtype)
-        return weight.dequantize_rows(start, stop).to(device=self.device, dtype=self.dtype)
+        return weight.dequantize_rows(start, stop, self.dtype, self.device)
 
     # -- matmul and embedding --------------------------------------------------------------------------
 
@@ -144,9 +144,7 @@ class TorchBackend:
         cached = self.dense(weight) if isinstance(weight, torch.Tensor) else self._cached(weight)
         if cached is not None:
             return F.embedding(ids, cached)
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        rows = torch.cat([self._rows(weight, int(i), int(i) + 1) for i in unique.tolist()])
-        return rows[inverse]
+        return weight.lookup_rows(ids, self.dtype)
 
     # -- pointwise -------------------------------------------------------------------------------------
 
