@@ -23,6 +23,7 @@ from .specs import (  # noqa: E402
     KernelBackend,
     KVPolicy,
     ModelFamily,
+    ResponseParser,
     Synthesizer,
     Verifier,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "PluginError",
     "TemplateError",
     "ModelFamily",
+    "ResponseParser",
     "KernelBackend",
     "KVPolicy",
     "Drafter",

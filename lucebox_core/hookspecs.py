@@ -49,3 +49,8 @@ def lucebox_converters():
 @hookspec
 def lucebox_default_models():
     """Models that can stand in when the user names none (e.g. a small synthetic one)."""
+
+
+@hookspec
+def lucebox_response_parsers():
+    """Parsers that split a family's raw output into reasoning, content and tool calls, while streaming."""

@@ -94,6 +94,9 @@ class Registry:
     def default_models(self) -> list[Any]:
         return self._specs("lucebox_default_models")
 
+    def response_parsers(self) -> list[Any]:
+        return self._specs("lucebox_response_parsers")
+
     def family_for(self, architecture: str | None, path: Any = None) -> Any:
         """The model family that loads GGUF architecture `architecture`, or a PluginError saying what to install."""
         for family in self.model_families():

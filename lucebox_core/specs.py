@@ -196,6 +196,27 @@ class DefaultModel:
         return Path(resolve(self.provider)(home))
 
 
+@attrs.frozen(kw_only=True)
+class ResponseParser:
+    """Splits raw model output into reasoning, content and tool calls (incrementally, for streaming).
+
+    `architectures` are the GGUF architectures whose output format it reads; `factory(**options)` builds
+    a parser for one response.
+    """
+
+    name: str
+    factory: Target
+    architectures: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    description: str = ""
+    kind = "response_parser"
+
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.factory)
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.factory)(*args, **kwargs)
+
+
 ALL_KINDS = {
     "lucebox_model_families": ModelFamily,
     "lucebox_kernel_backends": KernelBackend,
@@ -205,4 +226,5 @@ ALL_KINDS = {
     "lucebox_synthesizers": Synthesizer,
     "lucebox_converters": Converter,
     "lucebox_default_models": DefaultModel,
+    "lucebox_response_parsers": ResponseParser,
 }
