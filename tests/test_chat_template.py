@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lucebox_core.chat_template import ChatTemplate
+from lucebox_core.chat_template import ChatTemplate, decode_tool_arguments
 from lucebox_core.errors import TemplateError
 
 transformers = pytest.importorskip("transformers")
@@ -306,6 +306,23 @@ def test_variants_change_the_output(compiled) -> None:
     assert "get_weather" in with_tools and "Zürich" not in with_tools
 
 
+@pytest.mark.parametrize("bad_arguments", ["{not json", "[1, 2]", ""])
+def test_decode_tool_arguments(bad_arguments: str) -> None:
+    json_round, dict_round = tool_round(arguments_as_json=True), tool_round(arguments_as_json=False)
+    decoded = decode_tool_arguments(json_round)
+    assert decoded == dict_round
+    assert json_round == tool_round(arguments_as_json=True), "the caller's messages are left alone"
+    # Templates that iterate over arguments (Qwen3.5) reject JSON strings but accept them decoded.
+    template = ChatTemplate.from_file(FIXTURES / "templates" / "Qwen3.5-4B.jinja")
+    with pytest.raises(TemplateError, match="mapping"):
+        template.render(json_round, tools=TOOLS)
+    assert template.render(decoded, tools=TOOLS) == template.render(dict_round, tools=TOOLS)
+    # Arguments that are not a JSON object are passed on unchanged for the template to judge.
+    odd = copy.deepcopy(json_round)
+    odd[2]["tool_calls"][0]["function"]["arguments"] = bad_arguments
+    assert decode_tool_arguments(odd)[2]["tool_calls"][0]["function"]["arguments"] == bad_arguments
+
+
 # --- environment details, against transformers ---------------------------------------------------
 
 CUSTOM_TEMPLATES = {
@@ -391,7 +408,7 @@ SANDBOX_ESCAPES = [
     "{{ dict.__call__.__globals__ }}",
     "{{ messages | attr('__class__') }}",
     "{{ '{0.__class__.__mro__}'.format(1) }}",
-    "{{ range.__self__ }}",
+    "{{ range.__globals__ }}",
     "{% set ns = namespace(_secret=1) %}",
     "{% set ns = namespace() %}{% set ns._secret = 1 %}",
     "{{ messages.append(1) }}",
@@ -404,7 +421,7 @@ def test_sandbox_escapes_raise_template_error(source: str) -> None:
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(TemplateError, match=r"^evil\.jinja .*line 1") as caught:
         ChatTemplate(source, name="evil.jinja").render(messages)
-    assert "sandbox" in str(caught.value) or "undefined" in str(caught.value)
+    assert "outside its sandbox" in str(caught.value)
     assert messages == [{"role": "user", "content": "hi"}]
 
 
@@ -451,11 +468,10 @@ def test_other_failures_are_template_errors(source: str, expected: str) -> None:
         ([["role", "user"]], {}),
         ([{"role": "user", "content": "x"}], {"tools": [lambda: None]}),
         ([{"role": "user", "content": "x"}], {"documents": "text"}),
-        ([{"role": "user", "content": "x"}], {"messages": []}),
     ],
 )
 def test_bad_inputs_are_template_errors(messages: Any, kwargs: dict) -> None:
-    with pytest.raises(TemplateError, match=r"^chat template "):
+    with pytest.raises(TemplateError, match=r"^chat template: "):
         ChatTemplate("{{ messages }}").render(messages, **kwargs)
 
 

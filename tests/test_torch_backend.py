@@ -191,3 +191,42 @@ def test_causal_conv1d_short_input_and_step():
     second, end = backend.causal_conv1d(x[:, 2:], weight, mid)
     torch.testing.assert_close(torch.cat([first, second], dim=1), whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(end, whole_state)
+
+
+# -- the full KV policy (what attention reads back) ------------------------------------------------------
+
+
+def test_full_kv_cache_append_crop_overflow():
+    from lucebox_core.errors import LuceboxError
+    from lucebox_core.kv import FullKVCache, KVLayerShape
+
+    cache = FullKVCache({3: KVLayerShape(2, 8, 6), 7: KVLayerShape(1, 4, 4)}, max_context=10)
+    k1, v1 = rand(4, 2, 8, seed=30), rand(4, 2, 6, seed=31)
+    k_all, v_all = cache.append(3, k1, v1)
+    torch.testing.assert_close(k_all, k1)
+    cache.append(7, rand(4, 1, 4), rand(4, 1, 4))
+    assert cache.length == 4
+    k2, v2 = rand(3, 2, 8, seed=32), rand(3, 2, 6, seed=33)
+    k_all, v_all = cache.append(3, k2, v2)
+    torch.testing.assert_close(k_all, torch.cat([k1, k2]))
+    torch.testing.assert_close(v_all, torch.cat([v1, v2]))
+    cache.crop(2)  # rollback
+    assert cache.length == 2
+    k_all, _ = cache.append(3, k2, v2)
+    torch.testing.assert_close(k_all, torch.cat([k1[:2], k2]))
+    cache.crop(5)
+    cache.ensure_room(5)
+    with pytest.raises(LuceboxError, match="context overflow"):
+        cache.ensure_room(6)
+    with pytest.raises(LuceboxError, match="context size 10"):
+        cache.append(3, rand(6, 2, 8), rand(6, 2, 6))
+    with pytest.raises(ValueError, match="do not match"):
+        cache.append(7, rand(1, 2, 4), rand(1, 2, 4))
+
+
+def test_full_kv_cache_stores_in_its_dtype():
+    from lucebox_core.kv import FullKVCache, KVLayerShape
+
+    cache = FullKVCache({0: KVLayerShape(1, 4, 4)}, max_context=4, dtype=torch.float16)
+    k, v = cache.append(0, rand(2, 1, 4), rand(2, 1, 4))
+    assert k.dtype == v.dtype == torch.float16 and cache.nbytes == 2 * 4 * 4 * 2

@@ -1,0 +1,446 @@
+"""Qwen3.5 / Qwen3.6 dense (GGUF architecture `qwen35`): the forward pass, written against backend ops.
+
+A stack of decoder layers, three Gated DeltaNet layers then one gated full-attention layer, repeated:
+
+    h = embed_tokens(ids)
+    for each decoder layer:   h += mixer(input_layernorm(h));  h += mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))
+
+where the mixer is `GatedDeltaNet` (linear attention with a decaying, delta-rule-updated fp32 state per
+value head, after a short causal convolution) or `GatedAttention` (softmax attention with q/k RMSNorm,
+partial NeoX RoPE and a sigmoid output gate). Names follow transformers' `modeling_qwen3_5.py`; the
+GGUF names are in `GGUF_NAMES`.
+
+What llama.cpp's converter baked into the GGUF, and what that means here:
+- zero-centred RMSNorm weights are stored with the 1 added: every norm is a plain `x_normed * w`;
+- `ssm_a` holds `-exp(A_log)`, so the decay is `g = ssm_a * softplus(a + dt_bias)`;
+- when there are more value heads than key heads, V heads are reordered from grouped to tiled (value head
+  `h` reads key head `h % num_k_heads`) consistently in every tensor, which is exactly the mapping of the
+  backend's gated-delta-rule ops, so the GGUF tensors are used as they are;
+- `attn_q` keeps transformers' per-head interleave `[q_h | gate_h]`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Collection, Mapping
+
+import attrs
+import torch
+
+from lucebox_core.errors import GGUFError, LuceboxError
+from lucebox_core.kv import FullKVCache, KVLayerShape
+
+from .layout import Qwen35Config, tensor_shapes
+
+ARCHITECTURE = "qwen35"
+
+# transformers name -> GGUF tensor name; `{i}` is the layer index.
+GGUF_NAMES: dict[str, str] = {
+    "embed_tokens": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",  # absent when tied to embed_tokens
+    "layers.{i}.input_layernorm": "blk.{i}.attn_norm.weight",
+    "layers.{i}.post_attention_layernorm": "blk.{i}.post_attention_norm.weight",
+    "layers.{i}.mlp.gate_proj": "blk.{i}.ffn_gate.weight",
+    "layers.{i}.mlp.up_proj": "blk.{i}.ffn_up.weight",
+    "layers.{i}.mlp.down_proj": "blk.{i}.ffn_down.weight",
+    # gated full attention
+    "layers.{i}.self_attn.q_proj": "blk.{i}.attn_q.weight",  # per head: [query | output gate]
+    "layers.{i}.self_attn.k_proj": "blk.{i}.attn_k.weight",
+    "layers.{i}.self_attn.v_proj": "blk.{i}.attn_v.weight",
+    "layers.{i}.self_attn.o_proj": "blk.{i}.attn_output.weight",
+    "layers.{i}.self_attn.q_norm": "blk.{i}.attn_q_norm.weight",
+    "layers.{i}.self_attn.k_norm": "blk.{i}.attn_k_norm.weight",
+    # Gated DeltaNet
+    "layers.{i}.linear_attn.in_proj_qkv": "blk.{i}.attn_qkv.weight",
+    "layers.{i}.linear_attn.in_proj_z": "blk.{i}.attn_gate.weight",
+    "layers.{i}.linear_attn.in_proj_b": "blk.{i}.ssm_beta.weight",
+    "layers.{i}.linear_attn.in_proj_a": "blk.{i}.ssm_alpha.weight",
+    "layers.{i}.linear_attn.conv1d": "blk.{i}.ssm_conv1d.weight",
+    "layers.{i}.linear_attn.A_log": "blk.{i}.ssm_a",  # stored as -exp(A_log)
+    "layers.{i}.linear_attn.dt_bias": "blk.{i}.ssm_dt.bias",
+    "layers.{i}.linear_attn.norm": "blk.{i}.ssm_norm.weight",
+    "layers.{i}.linear_attn.out_proj": "blk.{i}.ssm_out.weight",
+}
+
+Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tensor
+
+
+# -- mixers -------------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class GatedDeltaNetState:
+    """What one Gated DeltaNet layer carries between calls for one sequence."""
+
+    conv: torch.Tensor  # [1, conv_kernel - 1, conv_dim]: the last inputs of the short convolution
+    recurrent: torch.Tensor  # [1, num_v_heads, head_k_dim, head_v_dim], fp32
+
+
+@attrs.define
+class GatedDeltaNet:
+    """Linear attention with the gated delta rule (transformers' `Qwen3_5GatedDeltaNet`)."""
+
+    ops: Any
+    in_proj_qkv: Weight  # [2 * key_dim + value_dim, hidden]: q, k, v channels, convolved together
+    in_proj_z: Weight  # [value_dim, hidden]: the output gate
+    in_proj_b: Weight  # [num_v_heads, hidden]: beta, the write strength
+    in_proj_a: Weight  # [num_v_heads, hidden]: the decay input
+    conv1d: torch.Tensor  # [conv_dim, conv_kernel]
+    ssm_a: torch.Tensor  # [num_v_heads] fp32, = -exp(A_log)
+    dt_bias: torch.Tensor  # [num_v_heads] fp32
+    norm: torch.Tensor  # [head_v_dim]: plain RMSNorm weight of the gated output norm
+    out_proj: Weight  # [hidden, value_dim]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    eps: float
+    chunk_size: int = 64
+
+    def new_state(self, device: torch.device, dtype: torch.dtype) -> GatedDeltaNetState:
+        conv_dim, kernel = self.conv1d.shape
+        return GatedDeltaNetState(
+            conv=torch.zeros(1, kernel - 1, conv_dim, device=device, dtype=dtype),
+            recurrent=torch.zeros(1, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device),
+        )
+
+    def __call__(self, x: torch.Tensor, state: GatedDeltaNetState) -> torch.Tensor:
+        ops = self.ops
+        batch, tokens, _ = x.shape
+        key_dim = self.num_k_heads * self.head_k_dim
+
+        mixed_qkv = ops.linear(x, self.in_proj_qkv)
+        if tokens == 1:  # decode: the one-token kernels
+            conv_out, state.conv = ops.causal_conv1d_step(mixed_qkv[:, 0], self.conv1d, state.conv)
+            conv_out = conv_out[:, None]
+        else:
+            conv_out, state.conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
+        conv_out = ops.silu(conv_out)
+        query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
+        query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
+        key = ops.l2norm(key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
+        value = value.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
+
+        beta = ops.sigmoid(ops.linear(x, self.in_proj_b))
+        # g: the log of the per-token decay of the state, <= 0. In fp32: exp(A_log) can be large.
+        g = self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias)
+
+        if tokens == 1:
+            core, state.recurrent = ops.gated_delta_rule_recurrent(query, key, value, g, beta, state.recurrent)
+        else:
+            core, state.recurrent = ops.gated_delta_rule_chunked(
+                query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
+            )
+
+        # Gated RMSNorm, norm before gate: rmsnorm(core) * w * silu(z), per value head.
+        z = ops.linear(x, self.in_proj_z).reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
+        core = ops.rms_norm(core, self.norm, self.eps) * ops.silu(z)
+        return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
+
+
+@attrs.define
+class GatedAttention:
+    """Softmax attention with an output gate (transformers' `Qwen3_5Attention`)."""
+
+    ops: Any
+    layer_index: int
+    q_proj: Weight  # [num_heads * 2 * head_dim, hidden], per head [query | gate]
+    k_proj: Weight  # [num_kv_heads * head_dim, hidden]
+    v_proj: Weight  # [num_kv_heads * head_dim, hidden]
+    o_proj: Weight  # [hidden, num_heads * head_dim]
+    q_norm: torch.Tensor  # [head_dim]
+    k_norm: torch.Tensor  # [head_dim]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int  # only the first rope_dim dims of each head rotate
+    rope_theta: float
+    eps: float
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache) -> torch.Tensor:
+        ops = self.ops
+        batch, tokens, _ = x.shape
+        query_and_gate = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, 2 * self.head_dim)
+        query, gate = query_and_gate[..., : self.head_dim], query_and_gate[..., self.head_dim :]
+        query = ops.rms_norm(query, self.q_norm, self.eps)
+        key = ops.rms_norm(
+            ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps
+        )
+        value = ops.linear(x, self.v_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        # Text-only mRoPE (equal t/h/w positions) is plain 1-D RoPE.
+        query = ops.rope_neox(query, positions, self.rope_dim, self.rope_theta)
+        key = ops.rope_neox(key, positions, self.rope_dim, self.rope_theta)
+
+        past = kv.length
+        all_keys, all_values = kv.append(self.layer_index, key[0], value[0])
+        out = ops.attention(
+            query, all_keys[None].to(query.dtype), all_values[None].to(query.dtype),
+            scale=self.head_dim**-0.5, causal_offset=past,
+        )
+        out = out.reshape(batch, tokens, -1) * ops.sigmoid(gate.reshape(batch, tokens, -1))
+        return ops.linear(out, self.o_proj)
+
+
+@attrs.define
+class MLP:
+    """SwiGLU: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
+
+    ops: Any
+    gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        return ops.linear(ops.silu(ops.linear(x, self.gate_proj)) * ops.linear(x, self.up_proj), self.down_proj)
+
+
+@attrs.define
+class DecoderLayer:
+    index: int
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    mlp: MLP
+    linear_attn: GatedDeltaNet | None = None
+    self_attn: GatedAttention | None = None
+
+    @property
+    def is_linear(self) -> bool:
+        return self.linear_attn is not None
+
+
+# -- per-sequence state ----------------------------------------------------------------------------------
+
+
+@attrs.define
+class Qwen35State:
+    """Everything one sequence carries between forward calls.
+
+    `kv` holds K/V of the full-attention layers; `linear` the conv and recurrent state of each Gated
+    DeltaNet layer (overwritten by every call: snapshot it before a speculative pass). `captured` is
+    filled with the hidden states of the layers a forward call was asked to capture.
+    """
+
+    kv: FullKVCache
+    linear: dict[int, GatedDeltaNetState]
+    length: int = 0  # tokens seen
+    captured: dict[int, torch.Tensor] = attrs.Factory(dict)
+
+
+# -- the model -------------------------------------------------------------------------------------------
+
+
+class Qwen35Model:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        backend: Any,
+        embed_tokens: Weight,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: Weight,
+        *,
+        kv_dtype: torch.dtype | None = None,
+        source: str = "",
+    ) -> None:
+        self.config = config
+        self.ops = backend
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.tied_embeddings = lm_head is embed_tokens
+        self.kv_dtype = kv_dtype or backend.dtype
+        self.vocab_size = int(embed_tokens.shape[0])
+        self.context_length = int(config.context_length)
+        self.source = source
+
+    def __repr__(self) -> str:
+        linear = sum(layer.is_linear for layer in self.layers)
+        return (
+            f"Qwen35Model({self.source or 'in memory'}: {len(self.layers)} layers "
+            f"({linear} Gated DeltaNet, {len(self.layers) - linear} attention), vocab {self.vocab_size})"
+        )
+
+    def new_state(self, max_tokens: int | None = None) -> Qwen35State:
+        """A fresh sequence that can hold `max_tokens` positions (default: the model's context length)."""
+        max_tokens = self.context_length if max_tokens is None else max_tokens
+        device, dtype = self.ops.device, self.ops.dtype
+        kv_layers = {
+            layer.index: KVLayerShape(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.head_dim)
+            for layer in self.layers
+            if layer.self_attn is not None
+        }
+        return Qwen35State(
+            kv=FullKVCache(kv_layers, max_tokens, dtype=self.kv_dtype, device=device),
+            linear={
+                layer.index: layer.linear_attn.new_state(device, dtype)
+                for layer in self.layers
+                if layer.linear_attn is not None
+            },
+        )
+
+    def forward(
+        self,
+        state: Qwen35State,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        capture: Collection[int] = (),
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Run `token_ids` `[T]` after what `state` holds; return logits `[T, vocab]` (`[1, vocab]` with
+        `last_only`) and advance the state.
+
+        `positions` `[T]` default to `state.length + arange(T)`. A multi-token call (prefill, verification)
+        uses the chunked Gated DeltaNet, a one-token call the recurrent one. `capture`: layer indices whose
+        output hidden states (`[T, hidden]`, i.e. transformers' `hidden_states[i + 1]`) are stored in
+        `state.captured`, for drafters that read the target's features.
+        """
+        ops = self.ops
+        token_ids = token_ids.reshape(-1).to(ops.device)
+        tokens = token_ids.shape[0]
+        if positions is None:
+            positions = torch.arange(state.length, state.length + tokens, device=ops.device)
+        state.kv.ensure_room(tokens)
+        state.captured = {}
+
+        hidden = ops.embedding(token_ids, self.embed_tokens)[None]  # [1, T, hidden]
+        for layer in self.layers:
+            mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
+            if layer.linear_attn is not None:
+                hidden = hidden + layer.linear_attn(mixer_input, state.linear[layer.index])
+            else:
+                hidden = hidden + layer.self_attn(mixer_input, positions, state.kv)
+            hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
+            if layer.index in capture:
+                state.captured[layer.index] = hidden[0]
+        state.length += tokens
+
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = ops.rms_norm(hidden, self.norm, self.config.eps)
+        return ops.linear(hidden, self.lm_head)[0]
+
+    __call__ = forward
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+
+
+class _TensorSource:
+    """Tensors of one GGUF by transformers name, each checked against the shape the layout expects
+    (a missing or mis-shaped tensor raises a GGUFError naming the file and the tensor)."""
+
+    def __init__(self, gguf_file: Any, config: Qwen35Config, ops: Any):
+        self.gguf = gguf_file
+        self.shapes = tensor_shapes(config)
+        self.ops = ops
+
+    def _tensor(self, hf_name: str, layer: int | None) -> Any:
+        name = GGUF_NAMES[hf_name].format(i=layer)
+        return self.gguf.tensor(name, self.shapes[name])
+
+    def weight(self, hf_name: str, layer: int | None = None) -> Weight:
+        """A matrix, kept in its GGUF type."""
+        return self._tensor(hf_name, layer)
+
+    def vector(self, hf_name: str, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A small tensor (norm, conv kernel, per-head scalars), dequantized once."""
+        return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)
+
+
+_OPTIONS = {"kv_dtype", "gdn_chunk_size"}
+
+
+def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
+    """Build a `Qwen35Model` from a GGUF (a `GGUFFile` or a path) on `backend` (default: torch on the CPU).
+
+    Options: `kv_dtype` (torch dtype of the KV cache, default the backend's), `gdn_chunk_size` (64).
+    """
+    from lucebox_core.ggufio import GGUFFile
+    from lucebox_core.torch_backend import TorchBackend
+
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise LuceboxError(
+            f"unknown qwen35 model option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(_OPTIONS))})"
+        )
+    if isinstance(gguf_file, (str, os.PathLike)):
+        gguf_file = GGUFFile(gguf_file)
+    backend = backend if backend is not None else TorchBackend()
+    if gguf_file.architecture != ARCHITECTURE:
+        raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {ARCHITECTURE!r}")
+    config = Qwen35Config.from_gguf_metadata(gguf_file.metadata, tensor_names=gguf_file.tensors, source=str(gguf_file.path))
+    src = _TensorSource(gguf_file, config, backend)
+    chunk_size = int(options.get("gdn_chunk_size", 64))
+
+    embed_tokens = src.weight("embed_tokens")
+    lm_head = embed_tokens if config.tied_output else src.weight("lm_head")
+    layers = []
+    for i in range(config.n_layer):
+        layer = DecoderLayer(
+            index=i,
+            input_layernorm=src.vector("layers.{i}.input_layernorm", i),
+            post_attention_layernorm=src.vector("layers.{i}.post_attention_layernorm", i),
+            mlp=MLP(
+                backend,
+                gate_proj=src.weight("layers.{i}.mlp.gate_proj", i),
+                up_proj=src.weight("layers.{i}.mlp.up_proj", i),
+                down_proj=src.weight("layers.{i}.mlp.down_proj", i),
+            ),
+        )
+        if config.is_recurrent(i):
+            layer.linear_attn = _load_gated_delta_net(src, config, i, chunk_size)
+        else:
+            layer.self_attn = _load_gated_attention(src, config, i)
+        layers.append(layer)
+
+    return Qwen35Model(
+        config, backend, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head,
+        kv_dtype=options.get("kv_dtype"), source=str(gguf_file.path),
+    )
+
+
+def _load_gated_delta_net(src: _TensorSource, c: Qwen35Config, i: int, chunk_size: int) -> GatedDeltaNet:
+    p = "layers.{i}.linear_attn."
+    return GatedDeltaNet(
+        src.ops,
+        in_proj_qkv=src.weight(p + "in_proj_qkv", i),
+        in_proj_z=src.weight(p + "in_proj_z", i),
+        in_proj_b=src.weight(p + "in_proj_b", i),
+        in_proj_a=src.weight(p + "in_proj_a", i),
+        conv1d=src.vector(p + "conv1d", i),
+        ssm_a=src.vector(p + "A_log", i, dtype=torch.float32),
+        dt_bias=src.vector(p + "dt_bias", i, dtype=torch.float32),
+        norm=src.vector(p + "norm", i),
+        out_proj=src.weight(p + "out_proj", i),
+        num_k_heads=c.ssm_n_group,
+        num_v_heads=c.ssm_dt_rank,
+        head_k_dim=c.ssm_d_state,
+        head_v_dim=c.ssm_d_inner // c.ssm_dt_rank,
+        eps=c.eps,
+        chunk_size=chunk_size,
+    )
+
+
+def _load_gated_attention(src: _TensorSource, c: Qwen35Config, i: int) -> GatedAttention:
+    p = "layers.{i}.self_attn."
+    return GatedAttention(
+        src.ops,
+        layer_index=i,
+        q_proj=src.weight(p + "q_proj", i),
+        k_proj=src.weight(p + "k_proj", i),
+        v_proj=src.weight(p + "v_proj", i),
+        o_proj=src.weight(p + "o_proj", i),
+        q_norm=src.vector(p + "q_norm", i),
+        k_norm=src.vector(p + "k_norm", i),
+        num_heads=c.n_head,
+        num_kv_heads=c.n_head_kv,
+        head_dim=c.head_dim,
+        rope_dim=c.rope_dim,
+        rope_theta=c.rope_theta,
+        eps=c.eps,
+    )
