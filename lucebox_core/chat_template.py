@@ -17,6 +17,7 @@ alone would quietly render an empty string.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from importlib.metadata import version
@@ -66,8 +67,7 @@ class ChatTemplate:
     ) -> ChatTemplate | None:
         """The template stored in GGUF metadata, or None when the file has none.
 
-        BOS/EOS strings are looked up from `tokenizer.ggml.{bos,eos}_token_id` in `tokens`
-        (default: the metadata's `tokenizer.ggml.tokens`); a missing id gives "".
+        BOS/EOS strings come from `special_token_strings(metadata, tokens)`.
         """
         source = metadata.get("tokenizer.chat_template")
         if source is None:
@@ -75,24 +75,21 @@ class ChatTemplate:
         label = name or "chat template (GGUF key tokenizer.chat_template)"
         if not isinstance(source, str):
             raise TemplateError(f"{label}: expected a string, got {type(source).__name__}")
-        if tokens is None:
-            tokens = metadata.get("tokenizer.ggml.tokens") or ()
-        return cls(
-            source,
-            bos_token=_token_text(metadata.get("tokenizer.ggml.bos_token_id"), tokens),
-            eos_token=_token_text(metadata.get("tokenizer.ggml.eos_token_id"), tokens),
-            name=label,
-        )
+        bos_token, eos_token = special_token_strings(metadata, tokens)
+        return cls(source, bos_token=bos_token, eos_token=eos_token, name=label)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> ChatTemplate:
-        """A template read from a jinja file (`--chat-template-file`); BOS/EOS are left empty."""
+    def from_file(cls, path: str | Path, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+        """A template read from a jinja file (`--chat-template-file`).
+
+        The file holds no BOS/EOS strings; take them from the model with `special_token_strings`.
+        """
         label = f"chat template {path}"
         try:
             source = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise TemplateError(f"{label}: cannot read the file: {exc}") from None
-        return cls(source, name=label)
+        return cls(source, bos_token=bos_token, eos_token=eos_token, name=label)
 
     def render(
         self,
@@ -112,7 +109,7 @@ class ChatTemplate:
         context = _plain(
             {
                 "bos_token": self.bos_token,
-                "eos_token": "",
+                "eos_token": self.eos_token,
                 **template_kwargs,
                 "messages": _prepare_messages(messages, self.name),
                 "tools": _list_of_dicts(tools, "tools", self.name),
@@ -161,11 +158,29 @@ def _decode_call(call: Any) -> Any:
 # --- inputs -------------------------------------------------------------------------------------
 
 
+def special_token_strings(
+    metadata: Mapping[str, Any], tokens: Sequence[str] | None = None
+) -> tuple[str, str]:
+    """The (BOS, EOS) strings templates see as `bos_token`/`eos_token`, from GGUF tokenizer metadata.
+
+    Ids come from `tokenizer.ggml.{bos,eos}_token_id`, strings from `tokens` (default: the metadata's
+    `tokenizer.ggml.tokens`); a missing id gives "".
+    """
+    if tokens is None:
+        tokens = metadata.get("tokenizer.ggml.tokens", ())
+    return (
+        _token_text(metadata.get("tokenizer.ggml.bos_token_id"), tokens),
+        _token_text(metadata.get("tokenizer.ggml.eos_token_id"), tokens),
+    )
+
+
 def _token_text(token_id: Any, tokens: Sequence[str]) -> str:
     # An id outside the vocabulary is the tokenizer's problem to report, not the template's.
-    if isinstance(token_id, int) and 0 <= token_id < len(tokens):
-        return str(tokens[token_id])
-    return ""
+    try:
+        index = operator.index(token_id)  # ints, numpy integers
+    except TypeError:
+        return ""
+    return str(tokens[index]) if 0 <= index < len(tokens) else ""
 
 
 def _prepare_messages(messages: Any, name: str) -> list[dict]:
@@ -295,10 +310,17 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own `tojson` HTML-escapes `<>&'` and always sorts keys; prompts need the text unchanged.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 _ENVIRONMENT: _StrictSandbox | None = None
@@ -357,4 +379,3 @@ def _template_line(traceback: TracebackType | None) -> int | None:
             line = traceback.tb_lineno
         traceback = traceback.tb_next
     return line
-

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lucebox_core.chat_template import ChatTemplate, decode_tool_arguments
+from lucebox_core.chat_template import ChatTemplate, decode_tool_arguments, special_token_strings
 from lucebox_core.errors import TemplateError
 
 transformers = pytest.importorskip("transformers")
@@ -101,7 +101,10 @@ def tool_round(arguments_as_json: bool) -> list[dict]:
             "role": "assistant",
             "content": "Let me check.",
             "reasoning_content": "Two tools are needed.",
-            "tool_calls": [call("call_1", "get_weather", WEATHER_ARGS), call("call_2", "search", SEARCH_ARGS)],
+            "tool_calls": [
+                call("call_1", "get_weather", WEATHER_ARGS),
+                call("call_2", "search", SEARCH_ARGS),
+            ],
         },
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp": 21}'},
         {"role": "tool", "tool_call_id": "call_2", "name": "search", "content": "No rain expected."},
@@ -110,7 +113,10 @@ def tool_round(arguments_as_json: bool) -> list[dict]:
 
 
 CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
-    "system_user": ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}], None),
+    "system_user": (
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
+        None,
+    ),
     "user_only": ([{"role": "user", "content": "What is 2+2?"}], None),
     "multi_turn": (
         [
@@ -163,7 +169,11 @@ CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": "c9", "type": "function", "function": {"name": "search", "arguments": {"query": "x"}}}
+                    {
+                        "id": "c9",
+                        "type": "function",
+                        "function": {"name": "search", "arguments": {"query": "x"}},
+                    }
                 ],
             },
             {"role": "tool", "tool_call_id": "c9", "content": "found"},
@@ -173,12 +183,15 @@ CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
     "content_parts": (
         [
             {"role": "system", "content": [{"type": "text", "text": "Parts system."}]},
-            {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Two."}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Two."}],
+            },
         ],
         None,
     ),
     "unicode": (
-        [{"role": "user", "content": "日本語 🚀 «quotes» \"double\" <tag> & \\backslash\\\n\ttab"}],
+        [{"role": "user", "content": '日本語 🚀 «quotes» "double" <tag> & \\backslash\\\n\ttab'}],
         [{"type": "function", "function": {"name": "ünï", "description": "é ☃ <>", "parameters": {}}}],
     ),
     "no_user_query": ([{"role": "system", "content": "Only a system prompt."}], None),
@@ -198,8 +211,8 @@ VARIANTS = [
 ]
 
 TEXT_PIECES = [
-    "hello", "Ünïcödé", "日本語", "🚀", " spaced ", "\n", "line\nbreak", "<b>", "&amp;", '"q"', "'s'",
-    "{{ not jinja }}", "{% raw %}", "</think>", "tab\t", "  ", "x" * 30,
+    "hello", "Ünïcödé", "日本語", "🚀", " spaced ", "\n", "line\nbreak", "<b>", "&amp;", '"q"',
+    "'s'", "{{ not jinja }}", "{% raw %}", "</think>", "tab\t", "  ", "x" * 30,
 ]  # fmt: skip
 
 
@@ -275,7 +288,9 @@ def assert_parity(source: str, ours: ChatTemplate, messages: list[dict], tools: 
         expected = outcome(reference_render, source, messages, tools=tools, **variant)
         got = outcome(ours.render, copy.deepcopy(messages), tools=copy.deepcopy(tools), **variant)
         if expected[0] == "raised":
-            assert got == ("raised", "TemplateError"), f"{variant}: transformers raised {expected[1]}, we gave {got}"
+            assert got == ("raised", "TemplateError"), (
+                f"{variant}: transformers raised {expected[1]}, we gave {got}"
+            )
         else:
             assert got == expected, f"{variant}: rendering differs"
             rendered += 1
@@ -293,15 +308,21 @@ def test_fixture_templates_match_transformers(compiled, conversation: str) -> No
 
 def test_fixture_templates_match_transformers_on_random_conversations(compiled) -> None:
     source, ours = compiled
-    rendered = sum(assert_parity(source, ours, *conversation) for conversation in RANDOM_CONVERSATIONS.values())
-    assert rendered > len(RANDOM_CONVERSATIONS) * len(VARIANTS) // 2, "most random conversations should render"
+    rendered = sum(
+        assert_parity(source, ours, *conversation) for conversation in RANDOM_CONVERSATIONS.values()
+    )
+    assert rendered > len(RANDOM_CONVERSATIONS) * len(VARIANTS) // 2, (
+        "most random conversations should render"
+    )
 
 
 def test_variants_change_the_output(compiled) -> None:
     # Guards against a comparison that passes because nothing reaches the template.
     _, ours = compiled
     messages = CONVERSATIONS["multi_turn"][0]
-    assert ours.render(messages, add_generation_prompt=True) != ours.render(messages, add_generation_prompt=False)
+    assert ours.render(messages, add_generation_prompt=True) != ours.render(
+        messages, add_generation_prompt=False
+    )
     with_tools = ours.render(messages, tools=TOOLS)
     assert "get_weather" in with_tools and "Zürich" not in with_tools
 
@@ -331,15 +352,20 @@ CUSTOM_TEMPLATES = {
         "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(separators=(',', ':')) }}|"
         "{{ x | tojson(sort_keys=true) }}|{{ x | tojson(ensure_ascii=true) }}"
     ),
-    "whitespace": "{% for m in messages %}\n    {% if m.role == 'user' %}\n  U:{{ m.content }}\n    {% endif %}\n{% endfor %}\n",
+    "whitespace": "{% for m in messages %}\n    {% if m.role == 'user' %}\n  U:{{ m.content }}\n"
+    "    {% endif %}\n{% endfor %}\n",
     "loopcontrols": "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
     "{% if m.role == 'system' %}{% continue %}{% endif %}[{{ m.content }}]{% endfor %}",
     "special_tokens_and_kwargs": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}|{{ custom_flag }}|"
     "{{ enable_thinking is defined }}|{{ add_generation_prompt }}|{{ tools is none }}",
-    "documents": "{% for d in documents %}<doc title={{ d.title }}>{{ d.text }}</doc>{% endfor %}{{ messages | length }}",
-    "namespace_and_dict": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+    "documents": "{% for d in documents %}<doc title={{ d.title }}>{{ d.text }}</doc>{% endfor %}"
+    "{{ messages | length }}",
+    "namespace_and_dict": "{% set ns = namespace(n=0) %}"
+    "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
     "{{ ns.n }}|{{ dict(a=1, b=2) | dictsort }}|{{ dict.fromkeys(['x', 'y'], 0) | dictsort }}",
-    "generation_scope": "{% set x = 'outer' %}{% generation %}{% set x = 'inner' %}<{{ x }}>{% endgeneration %}{{ x }}",
+    "generation_scope": "{% set x = 'outer' %}"
+    "{% generation %}{% set x = 'inner' %}<{{ x }}>{% endgeneration %}{{ x }}",
+    "none_keys_dropped": "{{ messages[2] | tojson }}|{{ messages[2].tool_calls is defined }}",
     "undefined_prints_empty": "[{{ nothing }}][{{ messages[0].missing }}][{{ messages[0].get('missing') }}]",
 }
 PAYLOAD = {"b": "é <&> 'q' \"dq\" 🚀", "a": [1, 2.5, True, None, {"z": "ü"}]}
@@ -348,9 +374,16 @@ PAYLOAD = {"b": "é <&> 'q' \"dq\" 🚀", "a": [1, 2.5, True, None, {"z": "ü"}]
 @pytest.mark.parametrize("name", list(CUSTOM_TEMPLATES))
 def test_environment_matches_transformers(name: str) -> None:
     source = CUSTOM_TEMPLATES[name]
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
-                {"role": "user", "content": "U2"}]  # fmt: skip
-    kwargs = {"custom_flag": "on", "payload": PAYLOAD, "documents": [{"title": "T1", "text": "body one"}, {"title": "T2", "text": "two"}]}
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "user", "content": "U2", "tool_calls": None, "reasoning": None, "thinking": "T"},
+    ]
+    kwargs = {
+        "custom_flag": "on",
+        "payload": PAYLOAD,
+        "documents": [{"title": "T1", "text": "body one"}, {"title": "T2", "text": "two"}],
+    }
     expected = reference_render(source, messages, add_generation_prompt=True, **kwargs)
     got = ChatTemplate(source, bos_token=BOS, eos_token=EOS).render(messages, **kwargs)
     assert got == expected
@@ -496,7 +529,10 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("vocab", "bos", "eos"),
-    [("ggml-vocab-qwen35.gguf", "<|endoftext|>", "<|endoftext|>"), ("ggml-vocab-gemma-4.gguf", "<bos>", "<eos>")],
+    [
+        ("ggml-vocab-qwen35.gguf", "<|endoftext|>", "<|endoftext|>"),
+        ("ggml-vocab-gemma-4.gguf", "<bos>", "<eos>"),
+    ],
 )
 def test_from_metadata(vocab: str, bos: str, eos: str) -> None:
     metadata = read_metadata(FIXTURES / "vocab" / vocab)
@@ -507,8 +543,13 @@ def test_from_metadata(vocab: str, bos: str, eos: str) -> None:
     assert "tokenizer.chat_template" in template.name
 
     messages = CONVERSATIONS["multi_turn"][0]
-    expected = reference_render(template.source, messages, make_reference_tokenizer(bos, eos), add_generation_prompt=True)
+    expected = reference_render(
+        template.source, messages, make_reference_tokenizer(bos, eos), add_generation_prompt=True
+    )
     assert template.render(messages) == expected
+    assert special_token_strings(metadata) == (bos, eos)
+    from_file = ChatTemplate.from_file(FIXTURES / "templates" / "google-gemma-4-31B-it.jinja", bos_token=bos)
+    assert from_file.render(messages).startswith(bos)
 
 
 def test_from_metadata_without_template_and_with_explicit_tokens() -> None:
@@ -517,6 +558,10 @@ def test_from_metadata_without_template_and_with_explicit_tokens() -> None:
                 "tokenizer.ggml.eos_token_id": 99}  # fmt: skip
     template = ChatTemplate.from_metadata(metadata, ["a", "b", "c"])
     assert template is not None and (template.bos_token, template.eos_token) == ("b", "")
+    numpy = pytest.importorskip("numpy")
+    metadata |= {"tokenizer.ggml.eos_token_id": numpy.uint32(2), "tokenizer.ggml.tokens": ["x", "y", "z"]}
+    template = ChatTemplate.from_metadata(metadata)
+    assert template is not None and (template.bos_token, template.eos_token) == ("y", "z")
     with pytest.raises(TemplateError, match="tokenizer.chat_template"):
         ChatTemplate.from_metadata({"tokenizer.chat_template": 5})
 
@@ -525,7 +570,9 @@ def test_from_file(tmp_path: Path) -> None:
     path = FIXTURES / "templates" / "Qwen3-Coder.jinja"
     template = ChatTemplate.from_file(path)
     messages = CONVERSATIONS["system_user"][0]
-    assert template.render(messages) == reference_render(path.read_text(), messages, add_generation_prompt=True)
+    assert template.render(messages) == reference_render(
+        path.read_text(), messages, add_generation_prompt=True
+    )
     assert str(path) in template.name
 
     missing = tmp_path / "missing.jinja"
