@@ -59,7 +59,7 @@ def load_model(
     **options: Any,
 ) -> LoadedModel:
     """Open `path` (the default model when None), pick its family and a backend, build everything."""
-    from .chat_template import ChatTemplate
+    from .chat_template import ChatTemplate, special_token_strings
     from .ggufio import GGUFFile
     from .plugins import registry
     from .tokenizer import Tokenizer
@@ -72,7 +72,8 @@ def load_model(
     model = family.load(gguf_file, ops, **options)
     tokenizer = Tokenizer.from_metadata(gguf_file.metadata, source=str(path))
     if chat_template_file is not None:
-        template = ChatTemplate.from_file(chat_template_file)
+        bos_token, eos_token = special_token_strings(gguf_file.metadata)
+        template = ChatTemplate.from_file(chat_template_file, bos_token=bos_token, eos_token=eos_token)
     else:
         template = ChatTemplate.from_metadata(gguf_file.metadata)
     return LoadedModel(path, gguf_file, family, ops, backend_spec.name, model, tokenizer, template)

@@ -300,15 +300,15 @@ class Tokenizer:
             if self.bos_id is None:
                 raise LuceboxError(f"{self.source or 'tokenizer'}: no BOS token to add")
             ids.append(self.bos_id)
-        fragments = self._split_special(text, parse_special)
+        fragments = self._split_special(_valid_unicode(text), parse_special)
         texts = [f for f in fragments if isinstance(f, str)]
-        encoded = iter(self._backend.encode_batch(texts, add_special_tokens=False) if len(texts) > 1 else
-                       [self._backend.encode(t, add_special_tokens=False) for t in texts])  # fmt: skip
+        if len(texts) == 1:
+            encodings = [self._backend.encode(texts[0], add_special_tokens=False)]
+        else:  # in parallel, in Rust
+            encodings = self._backend.encode_batch(texts, add_special_tokens=False)
+        encoded = iter(encodings)
         for fragment in fragments:
-            if isinstance(fragment, str):
-                ids.extend(next(encoded).ids)
-            else:
-                ids.append(fragment)
+            ids.extend(next(encoded).ids if isinstance(fragment, str) else (fragment,))
         return ids
 
     def _split_special(self, text: str, parse_special: bool) -> list[str | int]:
@@ -409,6 +409,15 @@ class IncrementalDetokenizer:
 
 # --- building blocks ------------------------------------------------------------------------------
 
+
+def _valid_unicode(text: str) -> str:
+    """`text` with lone surrogates (JSON allows "\\ud83d") replaced by U+FFFD, which HF requires."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
 _FILE_CACHE: OrderedDict[tuple[str, int, int], Tokenizer] = OrderedDict()
 _FILE_CACHE_SIZE = 4
 _FILE_CACHE_LOCK = threading.Lock()
@@ -418,18 +427,22 @@ def _backend(
     model: str, pre: _PreTokenizer, tokens: Sequence[str], ids: Mapping[str, int], merges: Sequence[str]
 ) -> HFTokenizer:
     """The HF tokenizer that encodes text free of special tokens."""
-    pairs = [_split_merge(merge) for merge in merges]
-    # llama.cpp tolerates merges whose parts or result are not tokens (they can never be used to
-    # emit a token); HF refuses to build with them.
-    pairs = [(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids]
-    backend = HFTokenizer(
-        models.BPE(
+    pairs = list(map(_split_merge, merges))
+
+    def bpe(pairs: list[tuple[str, str]]) -> models.BPE:
+        return models.BPE(
             vocab=dict(ids),
             merges=pairs,
             byte_fallback=model == "gemma4",  # "<0xXX>" tokens for characters no merge reaches
             ignore_merges=pre.ignore_merges,
         )
-    )
+
+    try:
+        model_bpe = bpe(pairs)
+    except Exception:  # what HF raises for a merge that names no token
+        # llama.cpp tolerates such merges (they can never produce a token), so drop them.
+        model_bpe = bpe([(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids])
+    backend = HFTokenizer(model_bpe)
     splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
     if model == "gemma4":
         backend.normalizer = normalizers.Replace(" ", _SPACE_ESCAPE)

@@ -23,7 +23,7 @@ What llama.cpp's converter baked into the GGUF, and what that means here:
 from __future__ import annotations
 
 import os
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 import attrs
 import torch
@@ -159,7 +159,8 @@ class GatedAttention:
     rope_theta: float
     eps: float
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, past: int) -> torch.Tensor:
+        """`past`: positions the cache held before this forward call; query `i` sees keys `0 .. past + i`."""
         ops = self.ops
         batch, tokens, _ = x.shape
         query_and_gate = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, 2 * self.head_dim)
@@ -173,7 +174,6 @@ class GatedAttention:
         query = ops.rope_neox(query, positions, self.rope_dim, self.rope_theta)
         key = ops.rope_neox(key, positions, self.rope_dim, self.rope_theta)
 
-        past = kv.length
         all_keys, all_values = kv.append(self.layer_index, key[0], value[0])
         out = ops.attention(
             query, all_keys[None].to(query.dtype), all_values[None].to(query.dtype),
@@ -305,6 +305,7 @@ class Qwen35Model:
         if positions is None:
             positions = torch.arange(state.length, state.length + tokens, device=ops.device)
         state.kv.ensure_room(tokens)
+        past = state.kv.length  # read once: each attention layer appends to the cache as the pass goes
         state.captured = {}
 
         hidden = ops.embedding(token_ids, self.embed_tokens)[None]  # [1, T, hidden]
@@ -313,7 +314,7 @@ class Qwen35Model:
             if layer.linear_attn is not None:
                 hidden = hidden + layer.linear_attn(mixer_input, state.linear[layer.index])
             else:
-                hidden = hidden + layer.self_attn(mixer_input, positions, state.kv)
+                hidden = hidden + layer.self_attn(mixer_input, positions, state.kv, past)
             hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
             if layer.index in capture:
                 state.captured[layer.index] = hidden[0]
@@ -352,6 +353,28 @@ class _TensorSource:
         return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)
 
 
+class _MetadataView(Mapping[str, Any]):
+    """GGUF metadata decoded key by key on access: `GGUFFile.metadata` would decode the whole
+    248k-entry vocabulary, which takes seconds and is not needed to build the model."""
+
+    def __init__(self, gguf_file: Any):
+        self.gguf = gguf_file
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.gguf:
+            raise KeyError(key)
+        return self.gguf.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.gguf
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.gguf.keys())
+
+    def __len__(self) -> int:
+        return len(self.gguf.keys())
+
+
 _OPTIONS = {"kv_dtype", "gdn_chunk_size"}
 
 
@@ -373,7 +396,9 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     backend = backend if backend is not None else TorchBackend()
     if gguf_file.architecture != ARCHITECTURE:
         raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {ARCHITECTURE!r}")
-    config = Qwen35Config.from_gguf_metadata(gguf_file.metadata, tensor_names=gguf_file.tensors, source=str(gguf_file.path))
+    config = Qwen35Config.from_gguf_metadata(
+        _MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
+    )
     src = _TensorSource(gguf_file, config, backend)
     chunk_size = int(options.get("gdn_chunk_size", 64))
 

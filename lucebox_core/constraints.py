@@ -1,0 +1,196 @@
+"""Constrained decoding with llguidance: JSON, JSON schema and Lark grammars as engine `Constraint`s.
+
+llguidance (Rust, MIT) compiles the grammar and computes, each step, the set of tokens that keep the
+output inside it. It needs the raw bytes of every token: we take them from our `Tokenizer`
+(`token_bytes`, which undoes GPT-2's byte-to-unicode mapping). Control tokens are marked special
+(llguidance's convention: a 0xFF byte in front) so grammar text can never be spelled with them; the
+grammar can still name one as `<[id]>`. Padding ids (`[PAD123]` placeholders of llama.cpp's converter,
+unused tokens, and ids past the vocabulary in a padded output layer) are never allowed.
+
+The token table costs about a second to build for a 250k vocabulary, so it is cached per tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from typing import Any, Mapping
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+import torch
+
+from .errors import LuceboxError
+
+__all__ = [
+    "ConstraintError",
+    "GrammarConstraint",
+    "grammar_tokenizer",
+    "json_object_constraint",
+    "json_schema_constraint",
+    "lark_constraint",
+    "response_format_constraint",
+    "lark_literal",
+]
+
+_PLACEHOLDER = re.compile(r"\[PAD\d+\]")  # names llama.cpp's converter gives ids missing from the vocab
+
+
+class ConstraintError(LuceboxError):
+    """A grammar or JSON schema that cannot be used (invalid, or unsupported by llguidance)."""
+
+
+class _TokenizerBridge:
+    """The shape `llguidance.TokenizerWrapper` reads: token bytes, special ids, and an encode call."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eot_ids)
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens: list[bytes] = []
+        self.special_token_ids: list[int] = []
+        for token_id in range(tokenizer.vocab_size):
+            if tokenizer.is_control(token_id):
+                self.tokens.append(b"\xff" + tokenizer.id_to_token(token_id).encode())
+                self.special_token_ids.append(token_id)
+            elif _PLACEHOLDER.fullmatch(tokenizer.id_to_token(token_id)):
+                self.tokens.append(b"")  # llguidance never allows an empty token
+            else:
+                self.tokens.append(tokenizer.token_bytes(token_id))
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        # llguidance asks for canonical tokenizations of forced text (it calls this with UTF-8 bytes).
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._encode(text, add_bos=False)
+
+
+_CACHE: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_CACHE_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
+    """llguidance's view of our `Tokenizer` (built once per tokenizer, then cached)."""
+    with _CACHE_LOCK:
+        cached = _CACHE.get(tokenizer)
+        if cached is None:
+            bridge = llguidance.TokenizerWrapper(_TokenizerBridge(tokenizer))
+            cached = llguidance.LLTokenizer(bridge, eos_token=sorted(tokenizer.eot_ids))
+            _CACHE[tokenizer] = cached
+        return cached
+
+
+class GrammarConstraint:
+    """The engine's `Constraint` for one generation under an llguidance grammar.
+
+    `allowed` gives the tokens that keep the output a prefix of the language (end-of-generation ids
+    only where the output so far is complete); `finished` turns true when nothing more can be added.
+    """
+
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        self._ll_tokenizer = grammar_tokenizer(tokenizer)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
+        if is_error:
+            raise ConstraintError(f"invalid grammar: {messages[0] if messages else 'unknown error'}")
+        self._matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise ConstraintError(f"invalid grammar: {self._matcher.get_error()}")
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self._ll_tokenizer.vocab_size)
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
+        self._raise_on_error()
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        mask = np.zeros(vocab_size, dtype=bool)
+        known = min(vocab_size, self._ll_tokenizer.vocab_size)
+        mask[:known] = bits[:known]
+        return torch.from_numpy(mask)
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.consume_token(int(token_id)):
+            self._raise_on_error(f"token {token_id} is not allowed by the grammar")
+
+    @property
+    def finished(self) -> bool:
+        return self._matcher.is_stopped()
+
+    @property
+    def complete(self) -> bool:
+        """True when the output so far is a whole sentence of the grammar (it may still go on)."""
+        return self._matcher.is_accepting()
+
+    def _raise_on_error(self, context: str = "") -> None:
+        if self._matcher.is_error():
+            detail = self._matcher.get_error()
+            raise ConstraintError(f"{context}: {detail}" if context else detail)
+
+
+def lark_constraint(tokenizer: Any, lark: str) -> GrammarConstraint:
+    """Output must match a Lark grammar (llguidance's dialect; `%json {...}` embeds a JSON schema)."""
+    return GrammarConstraint(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def json_schema_constraint(tokenizer: Any, schema: Mapping[str, Any], *, after_reasoning: bool = False) -> GrammarConstraint:
+    """Output must be JSON valid under `schema`; with `after_reasoning`, only after `</think>`."""
+    if not isinstance(schema, Mapping):
+        raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        body = json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise ConstraintError(f"the JSON schema cannot be serialised: {exc}") from exc
+    if not after_reasoning:
+        return GrammarConstraint(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(body))
+    lark = f"start: {reasoning_rule(tokenizer)} answer\nanswer: %json {body}\n{REASONING_RULES}"
+    return lark_constraint(tokenizer, lark)
+
+
+def json_object_constraint(tokenizer: Any, *, after_reasoning: bool = False) -> GrammarConstraint:
+    """Output must be one JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    return json_schema_constraint(tokenizer, {"type": "object"}, after_reasoning=after_reasoning)
+
+
+def response_format_constraint(
+    tokenizer: Any, response_format: Mapping[str, Any] | None, *, after_reasoning: bool = False
+) -> GrammarConstraint | None:
+    """The constraint for an OpenAI `response_format` (or a Responses API `text.format`), or None.
+
+    Accepts `{"type": "text"}`, `{"type": "json_object"}`, and `{"type": "json_schema", "json_schema":
+    {"schema": {...}}}` (Chat Completions) or `{"type": "json_schema", "schema": {...}}` (Responses).
+    """
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return json_object_constraint(tokenizer, after_reasoning=after_reasoning)
+    if kind == "json_schema":
+        holder = response_format.get("json_schema", response_format)
+        schema = holder.get("schema") if isinstance(holder, Mapping) else None
+        if schema is None:
+            raise ConstraintError("response_format json_schema has no 'schema'")
+        return json_schema_constraint(tokenizer, schema, after_reasoning=after_reasoning)
+    raise ConstraintError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
+
+
+def lark_literal(tokenizer: Any, text: str) -> str:
+    """`text` as a Lark item: the special-token reference when it is one control token, else a string."""
+    token_id = tokenizer.token_to_id(text)
+    if token_id is not None and tokenizer.is_control(token_id):
+        return f"<[{token_id}]>"
+    return json.dumps(text)
+
+
+# Free text up to the end of the reasoning, for prompts that leave the model inside `<think>`.
+REASONING_RULES = 'REASONING_TEXT: /(?s:.*)/\nreasoning_text_lazy[lazy]: /(?s:.*)<\\/think>/\nGAP: /[ \\t\\r\\n]*/'
+
+
+def reasoning_rule(tokenizer: Any) -> str:
+    """A Lark expression for `…</think>` plus blank lines, whether `</think>` is a control token or text."""
+    close = lark_literal(tokenizer, "</think>")
+    if close.startswith("<["):
+        return f"REASONING_TEXT {close} GAP"
+    return "reasoning_text_lazy GAP"

@@ -1,0 +1,116 @@
+"""Prometheus metrics in the text exposition format, without a client library.
+
+Only the three kinds the server needs: counters (optionally with labels), gauges read at scrape time,
+and histograms. Updates come from the event loop and worker threads alike, so each metric holds a lock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable
+
+PREFIX = "lucebox_"
+
+
+def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
+    if not pairs:
+        return ""
+    inner = ",".join(f'{key}="{value}"' for key, value in pairs)
+    return "{" + inner + "}"
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Counter:
+    def __init__(self, name: str, help: str):
+        self.name, self.help = PREFIX + name, help
+        self._values: dict[tuple[tuple[str, str], ...], float] = {}
+        self._lock = threading.Lock()
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: str) -> float:
+        return self._values.get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        with self._lock:
+            values = dict(self._values) or {(): 0.0}
+        lines += [f"{self.name}{_labels(key)} {_number(value)}" for key, value in sorted(values.items())]
+        return lines
+
+
+class Gauge:
+    def __init__(self, name: str, help: str, read: Callable[[], float]):
+        self.name, self.help, self.read = PREFIX + name, help, read
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge", f"{self.name} {_number(self.read())}"]
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help = PREFIX + name, help
+        self.buckets = tuple(sorted(buckets)) + (math.inf,)
+        self._counts = [0] * len(self.buckets)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._sum += value
+            for index, bound in enumerate(self.buckets):
+                if value <= bound:
+                    self._counts[index] += 1
+
+    @property
+    def count(self) -> int:
+        return self._counts[-1]
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        with self._lock:
+            for bound, count in zip(self.buckets, self._counts):
+                lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {count}')
+            lines.append(f"{self.name}_sum {_number(self._sum)}")
+            lines.append(f"{self.name}_count {self._counts[-1]}")
+        return lines
+
+
+class ServerMetrics:
+    """Everything `/metrics` reports."""
+
+    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]):
+        self.requests = Counter("requests_total", "HTTP requests handled, by endpoint and status")
+        self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
+        self.generated_tokens = Counter("generated_tokens_total", "tokens generated")
+        self.cancelled = Counter("cancelled_generations_total", "generations stopped because the client left")
+        self.ttft = Histogram(
+            "time_to_first_token_seconds", "time from request to first generated token",
+            (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.decode_speed = Histogram(
+            "decode_tokens_per_second", "decode speed of each finished generation",
+            (1, 5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 1000),
+        )
+        self.prefill_speed = Histogram(
+            "prefill_tokens_per_second", "prompt processing speed of each generation",
+            (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000),
+        )
+        self.queue_depth = Gauge("queue_depth", "generations waiting for a free slot", queue_depth)
+        self.running = Gauge("running_generations", "generations in progress", running)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in (self.requests, self.prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
+                       self.decode_speed, self.prefill_speed, self.queue_depth, self.running):
+            lines += metric.render()
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,142 @@
+"""Running generations off the event loop.
+
+The model's forward pass is blocking torch code, so generations run on worker threads: `parallel`
+threads (the `-np` flag), each driving one sequence at a time, fed from one FIFO queue so requests are
+served in arrival order and none is dropped. Each job streams its `Step`s back to the event loop
+through an asyncio queue. A job cancelled by its client (a disconnect) stops at the next token, and its
+sequence (KV cache, recurrent state) is dropped, which frees the slot for the next job in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator
+
+import attrs
+
+from ..engine import Engine, GenerationRequest, Step, Timings
+
+log = logging.getLogger("lucebox.server")
+
+
+@attrs.frozen
+class Finished:
+    """The last item of a job: how long prefill and decode took."""
+
+    timings: Timings
+
+
+@attrs.frozen
+class Failed:
+    error: BaseException
+
+
+class Job:
+    """One generation: submitted by a handler, run by a worker, consumed with `async for`."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._loop = loop
+        self._items: asyncio.Queue[Step | Finished | Failed] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _emit(self, item: Step | Finished | Failed) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Step | Finished]:
+        """Steps as they come, then one `Finished`; a failure in the worker is raised here."""
+        try:
+            while True:
+                item = await self._items.get()
+                if isinstance(item, Failed):
+                    raise item.error
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            # However the consumer stops (done, disconnect, error), the worker stops too.
+            self.cancel()
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, parallel: int = 1):
+        self.engine = engine
+        self.parallel = max(1, parallel)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._running = 0
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"lucebox-slot-{index}", daemon=True)
+            for index in range(self.parallel)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request, asyncio.get_running_loop())
+        self._queue.put(job)
+        return job
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled:
+                continue
+            with self._lock:
+                self._running += 1
+            try:
+                self._run(job)
+            finally:
+                with self._lock:
+                    self._running -= 1
+
+    def _run(self, job: Job) -> None:
+        timings = Timings()
+        sequence = self.engine.new_sequence()
+        steps = self.engine.stream(sequence, job.request, timings)
+        try:
+            for step in steps:
+                if job.first_token_at is None:
+                    job.first_token_at = time.perf_counter()
+                job._emit(step)
+                if job.cancelled:
+                    break
+            job._emit(Finished(timings))
+        except BaseException as exc:  # handed to the request's handler, which turns it into an API error
+            if not isinstance(exc, Exception):
+                raise
+            log.debug("generation failed: %r", exc)
+            job._emit(Failed(exc))
+        finally:
+            steps.close()
+            del sequence  # the KV cache and recurrent state go with it

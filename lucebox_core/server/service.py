@@ -1,0 +1,143 @@
+"""What the server serves: the configuration, the model (loaded in the background), its scheduler.
+
+The socket opens before the model is loaded, so `/health` can say 503 "loading" to orchestrators;
+generation endpoints answer 503 until the model is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import attrs
+
+from .errors import APIError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("lucebox.server")
+
+
+@attrs.define(kw_only=True)
+class ServeConfig:
+    model: str | None = None  # GGUF path; None = the embedded default model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ctx_size: int = 4096
+    model_name: str | None = None  # the id reported to clients (default: the file's stem)
+    chat_template_file: str | None = None
+    api_key: str | None = None
+    parallel: int = 1
+    backend: str | None = None
+    device: str | None = None
+    think_max_tokens: int | None = None  # close a thought that runs longer than this
+    thinking_default: bool = False  # thinking when the request does not say (Lucebox's default: off)
+    responses_kept: int = 256  # recent /v1/responses kept for previous_response_id
+
+
+class ModelService:
+    """The loaded model and everything that runs generations on it."""
+
+    def __init__(self, config: ServeConfig, on_load_error: Callable[[BaseException], None] | None = None):
+        self.config = config
+        self.status = "loading"
+        self.error: str | None = None
+        self.loaded: Any = None  # LoadedModel
+        self.engine: Any = None
+        self.scheduler: Any = None
+        self.parser_spec: Any = None  # the family's ResponseParser spec
+        self.started = time.time()
+        self.metrics = ServerMetrics(
+            queue_depth=lambda: self.scheduler.queue_depth if self.scheduler else 0,
+            running=lambda: self.scheduler.running if self.scheduler else 0,
+        )
+        self.responses: OrderedDict[str, Any] = OrderedDict()
+        self._on_load_error = on_load_error
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ loading
+
+    def start_loading(self) -> threading.Thread:
+        thread = threading.Thread(target=self.load, name="lucebox-load", daemon=True)
+        thread.start()
+        return thread
+
+    def load(self) -> None:
+        from ..engine import Engine
+        from ..loading import load_model
+        from .scheduler import Scheduler
+
+        try:
+            loaded = load_model(
+                self.config.model, backend=self.config.backend, device=self.config.device,
+                chat_template_file=self.config.chat_template_file,
+            )
+            engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size)
+            self.parser_spec = _parser_for(loaded)
+            self.loaded, self.engine = loaded, engine
+            self.scheduler = Scheduler(engine, self.config.parallel)
+            self.status = "ok"
+            log.info("model %s ready (%s backend, context %d)", loaded.path, loaded.backend_name, engine.ctx_size)
+        except BaseException as exc:
+            self.status, self.error = "error", str(exc)
+            log.error("cannot load the model: %s", exc)
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    def require_ready(self) -> None:
+        if self.status == "loading":
+            raise APIError(503, "the model is still loading; retry shortly", type="server_unavailable",
+                           code="model_loading")
+        if self.status != "ok":
+            raise APIError(503, f"the model failed to load: {self.error}", type="server_unavailable",
+                           code="model_load_failed")
+
+    # ----------------------------------------------------------------------------------- identity
+
+    @property
+    def model_name(self) -> str:
+        if self.config.model_name:
+            return self.config.model_name
+        if self.loaded is not None:
+            return self.loaded.path.stem
+        if self.config.model:
+            from pathlib import Path
+
+            return Path(self.config.model).stem
+        return "lucebox-default"
+
+    @property
+    def ctx_size(self) -> int:
+        return self.engine.ctx_size if self.engine is not None else self.config.ctx_size
+
+    @property
+    def architecture(self) -> str | None:
+        return self.loaded.gguf.architecture if self.loaded is not None else None
+
+    # ------------------------------------------------------------------------- stored responses
+
+    def remember_response(self, response_id: str, record: Any) -> None:
+        with self._lock:
+            self.responses[response_id] = record
+            self.responses.move_to_end(response_id)
+            while len(self.responses) > self.config.responses_kept:
+                self.responses.popitem(last=False)
+
+    def recall_response(self, response_id: str) -> Any:
+        with self._lock:
+            return self.responses.get(response_id)
+
+
+def _parser_for(loaded: Any) -> Any:
+    """The response parser a plugin offers for this model's architecture (else reasoning-only)."""
+    from ..parsing import response_parser_for
+
+    return response_parser_for(loaded.gguf.architecture)

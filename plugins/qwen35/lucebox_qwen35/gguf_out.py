@@ -1,0 +1,117 @@
+"""Write a GGUF file tensor by tensor, chunk by chunk, atomically.
+
+`gguf.GGUFWriter` writes the header, metadata and tensor directory; the tensor data is then streamed
+from a callback, so no tensor (let alone the file) has to sit in memory whole. The file is written
+under a temporary name in the target directory, fsynced and renamed into place, so a reader (or a
+second process writing the same file) never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import attrs
+import numpy as np
+from gguf import GGUFWriter, GGMLQuantizationType
+
+from .filetypes import nbytes
+
+Chunk = Any  # bytes-like: a contiguous numpy array, bytes or memoryview
+
+
+@attrs.frozen
+class TensorPlan:
+    """One tensor to write: name, numpy-order shape and ggml type."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.ggml_type, self.shape)
+
+
+def _progress(total: int, description: str) -> Any:
+    """A rich progress bar on an interactive stderr, else None."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+    )
+    progress.start()
+    progress.add_task(description, total=total)
+    return progress
+
+
+def write_gguf(
+    path: str | Path,
+    *,
+    arch: str,
+    add_metadata: Callable[[GGUFWriter], None],
+    tensors: Sequence[TensorPlan],
+    data: Callable[[TensorPlan], Iterable[Chunk]],
+    description: str = "writing",
+) -> Path:
+    """Write `tensors` (their bytes streamed by `data(plan)`) and metadata to `path`, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    writer = GGUFWriter(None, arch)
+    add_metadata(writer)
+    for plan in tensors:
+        # With a raw ggml type the writer takes `shape` as the logical numpy-order shape.
+        writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), plan.nbytes, raw_dtype=plan.ggml_type)
+    align = writer.data_alignment
+    progress = None
+    try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        progress = _progress(sum(p.nbytes for p in tensors), description)
+        with open(tmp, "ab") as out:
+            for plan in tensors:
+                out.write(bytes(-out.tell() % align))
+                written = 0
+                for chunk in data(plan):
+                    n = chunk.nbytes if isinstance(chunk, np.ndarray) else len(chunk)
+                    out.write(chunk)
+                    written += n
+                    if progress is not None:
+                        progress.advance(progress.task_ids[0], n)
+                if written != plan.nbytes:
+                    raise RuntimeError(f"{plan.name}: wrote {written} bytes, expected {plan.nbytes}")
+            out.write(bytes(-out.tell() % align))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        if progress is not None:
+            progress.stop()
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not possible on every platform; the rename itself is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
