@@ -36,6 +36,10 @@ __all__ = [
     "lark_literal",
 ]
 
+# Whitespace between JSON tokens is bounded: enough for pretty-printing a few levels deep, but a model
+# cannot fall into an endless run of newlines (llama.cpp bounds it for the same reason).
+JSON_OPTIONS = {"whitespace_pattern": r"[ \t\n\r]{0,32}"}
+
 _PLACEHOLDER = re.compile(r"\[PAD\d+\]")  # names llama.cpp's converter gives ids missing from the vocab
 
 
@@ -137,6 +141,8 @@ def json_schema_constraint(tokenizer: Any, schema: Mapping[str, Any], *, after_r
     """Output must be JSON valid under `schema`; with `after_reasoning`, only after `</think>`."""
     if not isinstance(schema, Mapping):
         raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    if "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": JSON_OPTIONS}
     try:
         body = json.dumps(schema)
     except (TypeError, ValueError) as exc:
@@ -185,7 +191,7 @@ def lark_literal(tokenizer: Any, text: str) -> str:
 
 
 # Free text up to the end of the reasoning, for prompts that leave the model inside `<think>`.
-REASONING_RULES = 'REASONING_TEXT: /(?s:.*)/\nreasoning_text_lazy[lazy]: /(?s:.*)<\\/think>/\nGAP: /[ \\t\\r\\n]*/'
+REASONING_RULES = 'REASONING_TEXT: /(?s:.*)/\nreasoning_text_lazy[lazy]: /(?s:.*)<\\/think>/\nGAP: /[ \\t\\r\\n]{0,8}/'
 
 
 def reasoning_rule(tokenizer: Any) -> str:

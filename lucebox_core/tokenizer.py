@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import codecs
 import enum
-import mmap
 import os
-import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
-import numpy as np
-from tokenizers import Regex
+from tokenizers import Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, normalizers, pre_tokenizers
 
 from .errors import GGUFError, LuceboxError
 
-__all__ = ["TokenType", "Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "TokenType", "Tokenizer"]
 
 
 class TokenType(enum.IntEnum):
@@ -118,7 +115,8 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
 }
 
 # --- special-token names ---------------------------------------------------------------------------
-# llama.cpp finds these by text when the GGUF does not give their ids, and marks them CONTROL.
+# llama.cpp finds these by text when the GGUF does not give their ids, and marks them CONTROL
+# (here only among control and user-defined tokens: see Tokenizer._special_token).
 
 _EOT_NAMES = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
@@ -219,7 +217,7 @@ class Tokenizer:
             (self._tokens[i], i, bool(self._attrs[i] & (_Attr.CONTROL | _Attr.UNKNOWN))) for i in specials
         ]
         merges = _string_list(metadata, "tokenizer.ggml.merges", where)
-        self._backend = _backend(self.model, pre, self._tokens, self._ids, merges)
+        self._backend = _build_backend(self.model, pre, self._ids, merges)
 
     # --- construction ---
 
@@ -235,14 +233,16 @@ class Tokenizer:
         try:
             stat = path.stat()
         except OSError as exc:
-            raise GGUFError(f"{path}: cannot read: {exc.strerror}") from exc
+            raise GGUFError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
         key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         with _FILE_CACHE_LOCK:
             cached = _FILE_CACHE.get(key)
             if cached is not None:
                 _FILE_CACHE.move_to_end(key)
                 return cached
-        tokenizer = cls(_read_gguf_metadata(path), source=str(path))
+        from .ggufio import GGUFFile  # here, because it imports torch
+
+        tokenizer = cls(GGUFFile(path).metadata, source=str(path))
         with _FILE_CACHE_LOCK:
             _FILE_CACHE[key] = tokenizer
             while len(_FILE_CACHE) > _FILE_CACHE_SIZE:
@@ -350,8 +350,8 @@ class Tokenizer:
                 return latin1.encode("latin-1")
             except UnicodeEncodeError:  # not a byte-level token after all: keep its text
                 return text.encode()
-        if attr & _Attr.BYTE:  # "<0xXX>"
-            return bytes([int(text[3:5], 16)])
+        if attr & _Attr.BYTE:
+            return bytes([int(text[3:5], 16)]) if len(text) == 6 and text.startswith("<0x") else text.encode()
         return b""  # unused tokens print nothing, as in llama.cpp
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -380,7 +380,10 @@ class Tokenizer:
         return id in self.eot_ids
 
     def __repr__(self) -> str:
-        return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size}, source={self.source!r})"
+        return (
+            f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size}, "
+            f"source={self.source!r})"
+        )
 
 
 class IncrementalDetokenizer:
@@ -423,9 +426,7 @@ _FILE_CACHE_SIZE = 4
 _FILE_CACHE_LOCK = threading.Lock()
 
 
-def _backend(
-    model: str, pre: _PreTokenizer, tokens: Sequence[str], ids: Mapping[str, int], merges: Sequence[str]
-) -> HFTokenizer:
+def _build_backend(model: str, pre: _PreTokenizer, ids: Mapping[str, int], merges: Sequence[str]) -> HFTokenizer:
     """The HF tokenizer that encodes text free of special tokens."""
     pairs = list(map(_split_merge, merges))
 
@@ -439,8 +440,9 @@ def _backend(
 
     try:
         model_bpe = bpe(pairs)
-    except Exception:  # what HF raises for a merge that names no token
-        # llama.cpp tolerates such merges (they can never produce a token), so drop them.
+    except Exception:  # noqa: BLE001 -- HF raises a bare Exception for a merge whose parts or result are not tokens
+        # llama.cpp would apply such a merge and then spell the result byte by byte. Vocabularies
+        # from the converters have none; drop them rather than refuse the file.
         model_bpe = bpe([(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids])
     backend = HFTokenizer(model_bpe)
     splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
@@ -482,71 +484,3 @@ def _string_list(metadata: Mapping[str, Any], key: str, where: str) -> list[str]
     if not isinstance(value, Sequence) or isinstance(value, str) or not all(isinstance(v, str) for v in value[:1]):
         raise GGUFError(f"{where}: {key} is missing or not an array of strings")
     return list(value)
-
-
-# --- GGUF metadata ---------------------------------------------------------------------------------
-# A metadata-only reader: gguf.GGUFReader takes 6-15 s on these vocabularies because it builds a numpy
-# view per array element. To be replaced by lucebox_core.ggufio once it exists.
-
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-def _read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file as plain Python values (strings, numbers, lists)."""
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as exc:  # an empty file cannot be mapped
-            raise GGUFError(f"{path}: not a GGUF file (empty)") from exc
-    with buf:
-        view = memoryview(buf)
-        try:
-            magic, _version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-            if magic != b"GGUF":
-                raise GGUFError(f"{path}: not a GGUF file (bad magic {magic!r})")
-            offset = 24
-            metadata: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key, offset = _read_string(buf, view, offset)
-                (kind,) = struct.unpack_from("<I", buf, offset)
-                value, offset = _read_value(buf, view, offset + 4, kind, path, key)
-                metadata[key] = value
-        except struct.error as exc:
-            raise GGUFError(f"{path}: metadata is truncated") from exc
-        finally:
-            view.release()
-    return metadata
-
-
-def _read_string(buf: mmap.mmap, view: memoryview, offset: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, offset)
-    offset += 8
-    if offset + length > len(buf):
-        raise struct.error("string beyond the end of the file")
-    return str(view[offset : offset + length], "utf-8", "replace"), offset + length
-
-
-def _read_value(buf: mmap.mmap, view: memoryview, offset: int, kind: int, path: Path, key: str) -> tuple[Any, int]:
-    if kind == _STRING:
-        return _read_string(buf, view, offset)
-    if kind in _SCALAR_FORMATS:
-        fmt = _SCALAR_FORMATS[kind]
-        return struct.unpack_from(fmt, buf, offset)[0], offset + struct.calcsize(fmt)
-    if kind != _ARRAY:
-        raise GGUFError(f"{path}: {key} has unknown value type {kind}")
-    item_kind, count = struct.unpack_from("<IQ", buf, offset)
-    offset += 12
-    if item_kind == _STRING:
-        strings = []
-        for _ in range(count):
-            text, offset = _read_string(buf, view, offset)
-            strings.append(text)
-        return strings, offset
-    if item_kind not in _SCALAR_FORMATS:
-        raise GGUFError(f"{path}: {key} is an array of unsupported type {item_kind}")
-    dtype = np.dtype(_SCALAR_FORMATS[item_kind].replace("?", "b1"))
-    end = offset + count * dtype.itemsize
-    if end > len(buf):
-        raise struct.error("array beyond the end of the file")
-    return np.frombuffer(buf, dtype, count, offset).tolist(), end

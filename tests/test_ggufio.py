@@ -14,7 +14,6 @@ from gguf.constants import GGUFValueType
 
 from lucebox_core.errors import GGUFError
 from lucebox_core.ggufio import GGUFFile, describe, format_description
-from lucebox_core.quants import block_size
 from test_quants import random_block_bytes, random_float_bytes
 
 VOCAB_DIR = Path("/work/shared/fixtures/vocab")

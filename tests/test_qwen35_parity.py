@@ -62,6 +62,17 @@ def random_model(config: Qwen3_5TextConfig, seed: int) -> Qwen3_5ForCausalLM:
     return model
 
 
+def write_byte_tokenizer(path: Path) -> None:
+    """A 256-token byte-level BPE tokenizer.json (no merges): the converter needs a vocabulary; the
+    converter pads it to the model's 320 rows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE({ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.save(str(path))
+
+
 CASES = {
     "tied-equal-heads": dict(tied=True, key_heads=2, value_heads=2, seed=1),
     "untied-2k-6v-heads": dict(tied=False, key_heads=2, value_heads=6, seed=2),  # 27B-like V-head reorder
@@ -76,6 +87,7 @@ def converted(request, tmp_path_factory):
     hf_model = random_model(config, case["seed"])
     folder = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(folder / "hf")
+    write_byte_tokenizer(folder / "hf" / "tokenizer.json")
     gguf_path = folder / "model.gguf"
     convert(folder / "hf", gguf_path, type="f32")
     return hf_model, gguf_path, case

@@ -103,12 +103,17 @@ def _from_validation(exc: ValidationException) -> APIError:
     first = problems[0] if isinstance(problems[0], dict) else {}
     key = first.get("key")
     message = str(first.get("message", exc.detail))
+    if message.startswith("Object missing required field"):
+        # msgspec: "Object missing required field `x` - at `$.messages[0]`"
+        field, _, where = message.removeprefix("Object missing required field ").partition(" - at ")
+        field = field.strip("`")
+        path = where.strip("`").removeprefix("$").lstrip(".")
+        param = f"{path}.{field}" if path else field
+        return invalid(f"missing required field `{param}`", param=param)
     if key == "data":  # the body as a whole: missing, or not an object
         return invalid(f"the request body must be a JSON object ({message})" if message != "'data'" else
                        "the request body is missing; send a JSON object")
     param = str(key) if key else None
-    if message.startswith("Object missing required field"):
-        return invalid(message.replace("Object missing", "missing"), param=param)
     return invalid(f"invalid value for `{key}`: {message}" if key else message, param=param)
 
 

@@ -173,7 +173,9 @@ def generation_request(service: ModelService, prompt: Prompt, options: Options, 
             "(or start the server with a larger -c/--ctx-size)", param="messages", code="context_length_exceeded",
         )
     room = ctx - len(prompt.ids)
-    max_tokens = options.max_tokens if options.max_tokens is not None else room
+    max_tokens = options.max_tokens
+    if max_tokens is None:  # the client set no limit: the server's default, else what fits
+        max_tokens = min(service.config.default_max_tokens or room, room)
     if max_tokens > room:
         raise invalid(
             f"`{options.max_tokens_param}` is {max_tokens} but only {room} tokens fit in the context "

@@ -19,6 +19,8 @@ from typing import Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from lucebox_core.errors import LuceboxError
+
 from . import layout
 from . import vocab as vocab_source
 from .filetypes import file_type, stays_f32, tensor_type
@@ -106,8 +108,11 @@ def write(
 ) -> Path:
     """Write a random-weight qwen35 GGUF of `size` (tiny, 0.8b, 27b) and `type` (f32, f16, q8_0,
     q4_k_m) to `path`; `vocab` is a GGUF to take the vocabulary from (default: the packaged one)."""
-    cfg = layout.size(size)
-    ftype = file_type(type, TYPES)
+    try:
+        cfg = layout.size(size)
+        ftype = file_type(type, TYPES)
+    except ValueError as exc:
+        raise LuceboxError(str(exc)) from None
     tokens = vocab_source.synthetic(vocab, cfg.vocab)
     tensors = plan(cfg, type)
     total = sum(int(np.prod(p.shape)) for p in tensors)

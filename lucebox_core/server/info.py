@@ -1,0 +1,119 @@
+"""The endpoints around generation: models, health, props, metrics, tokenize, detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Response, get, post
+
+from .. import __version__
+from .errors import invalid
+from .schemas import DetokenizeRequest, TokenizeRequest
+from .service import ModelService
+
+ENDPOINTS = [
+    "GET /health", "GET /v1/models", "GET /props", "GET /metrics", "POST /tokenize", "POST /detokenize",
+    "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+]
+EFFORTS = ["none", "low", "medium", "high"]
+
+
+def _model_card(service: ModelService) -> dict:
+    return {
+        "id": service.model_name, "object": "model", "created": int(service.started), "owned_by": "lucebox",
+        "context_length": service.ctx_size, "max_context_length": service.ctx_size,
+    }
+
+
+@get("/v1/models", summary="List the served model (OpenAI)", tags=["openai"])
+async def list_models(service: ModelService) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(service)]}
+
+
+@get("/v1/models/{model_id:path}", summary="Describe a model (any id names the served model)", tags=["openai"])
+async def retrieve_model(model_id: str, service: ModelService) -> dict[str, Any]:
+    return _model_card(service)
+
+
+@get("/health", summary="200 when ready, 503 while loading or after a failed load", tags=["server"])
+async def health(service: ModelService) -> Response[dict[str, Any]]:
+    if service.status == "ok":
+        return Response({"status": "ok"}, status_code=200)
+    body: dict[str, Any] = {"status": service.status}
+    if service.error:
+        body["error"] = service.error
+    return Response(body, status_code=503, headers={"Retry-After": "1"} if service.status == "loading" else None)
+
+
+@get("/props", summary="Model, context and runtime settings (Lucebox /props, schema 2)", tags=["server"])
+async def props(service: ModelService) -> dict[str, Any]:
+    config = service.config
+    loaded = service.loaded
+    body: dict[str, Any] = {
+        "server": {"name": "lucebox", "version": __version__, "props_schema": 2},
+        "build_info": f"lucebox {__version__} props_schema=2",
+        "status": service.status,
+        "model_alias": service.model_name,
+        "model_path": str(loaded.path) if loaded else config.model,
+        "total_slots": config.parallel,
+        "api": {"endpoints": ENDPOINTS},
+        "speculative": {"enabled": False, "ddtree_budget": None},
+        "speculative_mode": "off",
+        "model": None,
+        "default_generation_settings": {"n_ctx": service.ctx_size},
+    }
+    if loaded is None:
+        return body
+    from ..sampling import SamplingParams
+
+    metadata = loaded.gguf.metadata
+    sampling = SamplingParams.from_gguf_defaults(metadata)
+    has_parser = service.parser_spec is not None and service.parser_spec.name != "plain"
+    body.update({
+        "model": {
+            "arch": service.architecture, "name": metadata.get("general.name"), "family": loaded.family.name,
+            "draft_path": None, "vocab_size": loaded.tokenizer.vocab_size,
+            "n_ctx_train": loaded.model.context_length,
+        },
+        "default_generation_settings": {
+            "n_ctx": service.ctx_size, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
+        },
+        "capabilities": {"reasoning_supported": True, "speculative_supported": False, "tools_supported": has_parser},
+        "reasoning": {"supported": True, "default": "on" if config.thinking_default else "off",
+                      "supported_efforts": EFFORTS, "think_max_tokens": config.think_max_tokens},
+        "runtime": {"backend": loaded.backend_name, "target_device": config.device or "default",
+                    "parallel": config.parallel, "chunk": service.engine.prefill_chunk},
+        "sampling": {"capabilities": {f"supports_{name}": True for name in (
+            "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+            "seed", "stop", "logprobs", "response_format", "tools")}},
+        "chat_template": loaded.chat_template.source if loaded.chat_template else None,
+        "response_parser": service.parser_spec.name if service.parser_spec else None,
+    })
+    return body
+
+
+@get("/metrics", summary="Prometheus metrics", tags=["server"], media_type="text/plain; version=0.0.4")
+async def metrics(service: ModelService) -> str:
+    return service.metrics.render()
+
+
+@post("/tokenize", status_code=200, summary="Text to token ids (llama.cpp)", tags=["server"])
+async def tokenize(data: TokenizeRequest, service: ModelService) -> dict[str, Any]:
+    service.require_ready()
+    tokenizer = service.loaded.tokenizer
+    ids = tokenizer.encode(data.content, add_bos=data.add_special, parse_special=data.parse_special)
+    if data.with_pieces:
+        return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
+    return {"tokens": ids}
+
+
+@post("/detokenize", status_code=200, summary="Token ids to text (llama.cpp)", tags=["server"])
+async def detokenize(data: DetokenizeRequest, service: ModelService) -> dict[str, Any]:
+    service.require_ready()
+    tokenizer = service.loaded.tokenizer
+    bad = [i for i in data.tokens if not 0 <= i < tokenizer.vocab_size]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})", param="tokens")
+    return {"content": tokenizer.decode(data.tokens)}

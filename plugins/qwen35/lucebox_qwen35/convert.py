@@ -1,0 +1,269 @@
+"""Convert a transformers Qwen3.5 / Qwen3.6 dense checkpoint folder to a qwen35 GGUF.
+
+Follows llama.cpp's converter (`conversion/qwen.py`, `Qwen3_5TextModel`) so the result loads in
+llama.cpp and in Lucebox alike:
+
+- zero-centred RMSNorm weights are stored as `1 + w` (every norm but `linear_attn.norm`);
+- `A_log` becomes `ssm_a = -exp(A_log)`, `dt_bias` becomes `ssm_dt.bias`, the conv kernel
+  `[C, 1, K]` is squeezed to `[C, K]`;
+- `q_proj` keeps its per-head `[q | gate]` interleave;
+- with fewer GDN key heads than value heads, value heads move from HF's grouped order to the tiled
+  order (`layout.reorder_v_heads`) in the V rows of `attn_qkv`, `attn_gate`, `ssm_beta`,
+  `ssm_alpha`, `ssm_a`, `ssm_dt.bias`, the conv's V channels and the columns of `ssm_out`.
+
+Transforms run in float32 (llama.cpp runs them in the checkpoint dtype, so for bf16 checkpoints its
+`1 + w` is rounded to bf16 where ours is not). Vision (`model.visual.*`) and MTP (`mtp.*`) weights
+are skipped. Tensors are read, transformed and written one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import attrs
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from lucebox_core.errors import LuceboxError
+
+from . import layout
+from . import vocab as vocab_source
+from .filetypes import file_type, tensor_type
+from .gguf_out import TensorPlan, write_gguf
+
+TYPES = ("f32", "f16", "bf16", "q8_0")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+_TEXT_PREFIXES = ("model.language_model.", "model.")
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+T = GGMLQuantizationType
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Checkpoint:
+    """The safetensors files of a folder (single file, sharded with an index, or a plain set)."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        from safetensors import safe_open
+
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({hf_dir / f for f in weight_map.values()})
+        else:
+            files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise LuceboxError(f"{hf_dir}: no *.safetensors weights found")
+        self.location: dict[str, Path] = {}
+        self.handles: dict[Path, Any] = {}
+        for file in files:
+            if not file.is_file():
+                raise LuceboxError(f"{index}: names shard {file.name}, which is missing")
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise LuceboxError(f"{file}: cannot open as safetensors: {exc}") from None
+            self.handles[file] = handle
+            for key in handle.keys():
+                self.location[key] = file
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.location
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.location[key]].get_slice(key).get_shape())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self.handles[self.location[key]].get_tensor(key)
+
+
+@attrs.frozen
+class _Source:
+    """Where a GGUF tensor comes from: an HF key, its expected on-disk shape and the transform."""
+
+    key: str
+    hf_shape: tuple[int, ...]
+    transform: Transform
+
+
+def _plus_one(w: torch.Tensor) -> torch.Tensor:
+    return w + 1.0
+
+
+def _identity(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, _Source]:
+    """The HF source of every GGUF tensor of `cfg`, with llama.cpp's transforms."""
+    k_heads, v_heads, d = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.ssm_d_state
+
+    def v_rows(width: int) -> Transform:
+        return lambda w: layout.reorder_v_heads(w, 0, k_heads, v_heads, width)
+
+    def qkv(w: torch.Tensor) -> torch.Tensor:
+        qk = 2 * cfg.gdn_key_dim
+        return torch.cat([w[:qk], layout.reorder_v_heads(w[qk:], 0, k_heads, v_heads, d)], dim=0)
+
+    def conv(w: torch.Tensor) -> torch.Tensor:
+        return qkv(w.reshape(w.shape[0], w.shape[-1]))
+
+    def ssm_a(w: torch.Tensor) -> torch.Tensor:
+        return v_rows(1)(-torch.exp(w))
+
+    def out_columns(w: torch.Tensor) -> torch.Tensor:
+        return layout.reorder_v_heads(w, 1, k_heads, v_heads, d)
+
+    shapes = layout.tensor_shapes(cfg)
+    sources: dict[str, _Source] = {}
+
+    def add(name: str, key: str, transform: Transform = _identity, hf_shape: tuple[int, ...] | None = None) -> None:
+        sources[name] = _Source(key, hf_shape or shapes[name], transform)
+
+    add("token_embd.weight", prefix + "embed_tokens.weight")
+    for il in range(cfg.n_layer):
+        blk, hf = f"blk.{il}.", f"{prefix}layers.{il}."
+        add(blk + "attn_norm.weight", hf + "input_layernorm.weight", _plus_one)
+        add(blk + "post_attention_norm.weight", hf + "post_attention_layernorm.weight", _plus_one)
+        if cfg.is_recurrent(il):
+            la = hf + "linear_attn."
+            add(blk + "attn_qkv.weight", la + "in_proj_qkv.weight", qkv)
+            add(blk + "attn_gate.weight", la + "in_proj_z.weight", v_rows(d))
+            add(blk + "ssm_conv1d.weight", la + "conv1d.weight", conv, (cfg.gdn_conv_dim, 1, cfg.ssm_d_conv))
+            add(blk + "ssm_dt.bias", la + "dt_bias", v_rows(1))
+            add(blk + "ssm_a", la + "A_log", ssm_a)
+            add(blk + "ssm_beta.weight", la + "in_proj_b.weight", v_rows(1))
+            add(blk + "ssm_alpha.weight", la + "in_proj_a.weight", v_rows(1))
+            add(blk + "ssm_norm.weight", la + "norm.weight")  # plain `w`, not zero-centred
+            add(blk + "ssm_out.weight", la + "out_proj.weight", out_columns)
+        else:
+            sa = hf + "self_attn."
+            add(blk + "attn_q.weight", sa + "q_proj.weight")
+            add(blk + "attn_k.weight", sa + "k_proj.weight")
+            add(blk + "attn_v.weight", sa + "v_proj.weight")
+            add(blk + "attn_output.weight", sa + "o_proj.weight")
+            add(blk + "attn_q_norm.weight", sa + "q_norm.weight", _plus_one)
+            add(blk + "attn_k_norm.weight", sa + "k_norm.weight", _plus_one)
+        add(blk + "ffn_gate.weight", hf + "mlp.gate_proj.weight")
+        add(blk + "ffn_up.weight", hf + "mlp.up_proj.weight")
+        add(blk + "ffn_down.weight", hf + "mlp.down_proj.weight")
+    add("output_norm.weight", prefix + "norm.weight", _plus_one)
+    if not cfg.tied_output:
+        add("output.weight", "lm_head.weight")
+    return sources
+
+
+def _encode(x: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    if ggml_type == T.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if ggml_type == T.F16:
+        return np.ascontiguousarray(x, dtype=np.float16)
+    return quants.quantize(np.ascontiguousarray(x, dtype=np.float32), ggml_type)
+
+
+def _read_config(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise LuceboxError(f"{config_path}: missing; {hf_dir} is not a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise LuceboxError(f"{config_path}: not valid JSON ({exc})") from None
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise LuceboxError(
+            f"{config_path}: model_type {model_type!r} is not a dense Qwen3.5 ({' or '.join(MODEL_TYPES)})"
+        )
+    text = config.get("text_config") or config
+    if text is not config and text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        raise LuceboxError(f"{config_path}: text_config.model_type {text.get('model_type')!r} is not qwen3_5_text")
+    return config, text
+
+
+def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: str | Path | None = None) -> Path:
+    """Convert the checkpoint in `hf_dir` to a `type` (f32, f16, bf16, q8_0) GGUF at `path`.
+
+    The vocabulary comes from `vocab` (a GGUF to copy `tokenizer.*` keys from) when given, else
+    from the folder's `tokenizer.json`; it is padded with `[PAD{i}]` tokens to the model's size.
+    """
+    hf_dir = Path(hf_dir)
+    try:
+        file_type(type, TYPES)
+    except ValueError as exc:
+        raise LuceboxError(str(exc)) from None
+    config, text = _read_config(hf_dir)
+    checkpoint = _Checkpoint(hf_dir)
+    prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in checkpoint), None)
+    if prefix is None:
+        raise LuceboxError(
+            f"{hf_dir}: no embedding tensor (model.language_model.embed_tokens.weight or model.embed_tokens.weight)"
+        )
+    try:
+        cfg = layout.Qwen35Config.from_hf_config(text, tied_output="lm_head.weight" not in checkpoint)
+    except ValueError as exc:
+        raise LuceboxError(f"{hf_dir / 'config.json'}: {exc}") from None
+
+    tokens = _vocabulary(hf_dir, vocab)
+    try:
+        tokens.pad_to(cfg.vocab)
+    except ValueError as exc:
+        raise LuceboxError(f"{vocab or hf_dir / 'tokenizer.json'}: {exc} (vocab_size {cfg.vocab})") from None
+
+    sources = _sources(cfg, prefix)
+    _check(checkpoint, sources, prefix, hf_dir)
+    plans = [
+        TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
+        for name, shape in layout.tensor_shapes(cfg).items()
+    ]
+
+    def data(plan: TensorPlan) -> Iterator[np.ndarray]:
+        source = sources[plan.name]
+        weight = source.transform(checkpoint.tensor(source.key).to(torch.float32))
+        yield _encode(weight.numpy(), plan.ggml_type).reshape(-1).view(np.uint8)
+
+    def add_metadata(writer: Any) -> None:
+        writer.add_name(str(config.get("_name_or_path") or hf_dir.resolve().name))
+        writer.add_file_type(int(file_type(type)))
+        if type == "q8_0":
+            writer.add_quantization_version(2)
+        layout.add_metadata(writer, cfg)
+        tokens.add_to_writer(writer)
+
+    return write_gguf(
+        path, arch=layout.ARCH, add_metadata=add_metadata, tensors=plans, data=data, description=f"converting to {type}"
+    )
+
+
+def _vocabulary(hf_dir: Path, vocab: str | Path | None) -> vocab_source.Vocab:
+    if vocab is not None:
+        return vocab_source.from_gguf(vocab)
+    found = vocab_source.from_hf_folder(hf_dir)
+    if found is None:
+        raise LuceboxError(
+            f"{hf_dir}: no tokenizer.json; pass a vocabulary GGUF (--vocab FILE) to copy the tokenizer from"
+        )
+    return found
+
+
+def _check(checkpoint: _Checkpoint, sources: dict[str, _Source], prefix: str, hf_dir: Path) -> None:
+    """Fail before writing anything if a tensor is missing, mis-shaped or unexpected."""
+    for name, source in sources.items():
+        if source.key not in checkpoint:
+            raise LuceboxError(f"{hf_dir}: missing tensor {source.key} (for {name})")
+        shape = checkpoint.shape(source.key)
+        if shape != source.hf_shape:
+            raise LuceboxError(
+                f"{checkpoint.location[source.key]}: tensor {source.key} has shape {list(shape)}, "
+                f"expected {list(source.hf_shape)} from config.json"
+            )
+    used = {s.key for s in sources.values()} | {"lm_head.weight"}
+    unexpected = [
+        key for key in checkpoint.location
+        if key not in used and not key.startswith(_SKIPPED_PREFIXES) and key.startswith(prefix)
+    ]
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5])
+        raise LuceboxError(f"{hf_dir}: tensors that the qwen35 layout has no place for: {shown}")

@@ -1,0 +1,446 @@
+"""Qwen3.5 / Qwen3-Coder tool calls, read from the output as it streams, and forced by grammar.
+
+The chat templates teach this format (values sit between newlines; non-strings are JSON):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+Also read: a bare `<function=…>…</function>` (Qwen3-Coder sometimes drops the wrapper) and the older
+Qwen JSON form `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+
+Arguments stream as JSON fragments: a string parameter's text as it arrives, other values once their
+`</parameter>` closes (parsed, and typed by the tool's JSON schema). A call cut off at the end of the
+output is still a call once its function name is known (its open value is closed where the text
+stops); before that, the text is given back as content.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import secrets
+from typing import Any, Callable, Iterable, Mapping
+
+from lucebox_core.constraints import GrammarConstraint, lark_constraint, lark_literal, reasoning_rule, REASONING_RULES
+from lucebox_core.errors import LuceboxError
+from lucebox_core.parsing import (
+    ContentDelta,
+    Event,
+    PlainContent,
+    ReasoningParser,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    partial_suffix,
+)
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
+_NAME_LIMIT = 256  # a "name" longer than this is not a tag after all
+
+
+def create_parser(
+    *, tools: Iterable[Mapping[str, Any]] | None = None, thinking: bool = False, call_id: Callable[[int], str] | None = None
+) -> ReasoningParser:
+    """The response parser for one Qwen3.5 response (the `ResponseParser` factory).
+
+    Without tools (none given, or `tool_choice: "none"`) nothing is read as a call: all is content.
+    """
+    content = QwenToolCallParser(tools, call_id=call_id) if tools else PlainContent()
+    return ReasoningParser(content, thinking=thinking)
+
+
+def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Function name -> JSON schema of its parameters, from OpenAI (`function.parameters`), flat
+    (Responses API `parameters`) or Anthropic (`input_schema`) tool definitions."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        spec = tool.get("function", tool)
+        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+            schema = spec.get("parameters") or spec.get("input_schema") or {}
+            found[spec["name"]] = dict(schema) if isinstance(schema, Mapping) else {}
+    return found
+
+
+def _types(schema: Mapping[str, Any] | None) -> set[str]:
+    kind = (schema or {}).get("type")
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def coerce_value(text: str, schema: Mapping[str, Any] | None) -> Any:
+    """A parameter's text as the value its schema asks for; text that does not parse stays a string."""
+    types = _types(schema)
+    if schema is None or types == {"string"}:
+        return text
+    stripped = text.strip()
+    if "null" in types and stripped in ("null", "None"):
+        return None
+    if "boolean" in types and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"  # the template renders Python's True/False
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        value = text
+        if types & {"object", "array"}:  # a Python literal ({'a': 1}) is a common slip
+            try:
+                value = ast.literal_eval(stripped)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                value = text
+    if "integer" in types and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if "string" in types and not isinstance(value, str) and not (types - {"string"}):
+        return text
+    return value
+
+
+class _Call:
+    """One tool call being read."""
+
+    def __init__(self, index: int, opening: str) -> None:
+        self.index = index
+        self.raw = [opening]
+        self.name = ""
+        self.fragments: list[str] = []
+        self.parameter_schema: Mapping[str, Any] | None = None
+        self.streams_string = False
+        self.value: list[str] = []
+
+
+class QwenToolCallParser:
+    """The content parser for Qwen's XML tool calls (see the module docstring)."""
+
+    def __init__(self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None) -> None:
+        self.schemas = tool_parameters(tools)
+        self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
+        self._buffer = ""
+        self._state = "content"
+        self._held_space = ""  # content's trailing whitespace: dropped if a tool call follows
+        self._after_call = False  # content right after a call loses its leading whitespace
+        self._calls = 0
+        self._call: _Call | None = None
+
+    # --- the ContentParser protocol ---
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        events: list[Event] = []
+        while self._step(events, final=False):
+            pass
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        while self._step(events, final=True):
+            pass
+        if self._call is not None:
+            if self._call.name:  # cut off inside the call: it ends where the text does
+                self._take(len(self._buffer))
+                self._end_call(events)
+            else:  # never got as far as a name: it was text
+                self._abandon_call(events)
+        if self._buffer:
+            self._content(self._buffer, events)
+            self._buffer = ""
+        self._held_space = ""
+        return events
+
+    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False) -> GrammarConstraint | None:
+        """A constraint making the output a tool call when `tool_choice` is "required" or names a function."""
+        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking)
+
+    # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
+
+    def _step(self, events: list[Event], *, final: bool) -> bool:
+        return getattr(self, f"_in_{self._state}")(events, final)
+
+    def _in_content(self, events: list[Event], final: bool) -> bool:
+        starts = [(i, tag) for tag in (CALL_OPEN, FUNCTION_OPEN) if (i := self._buffer.find(tag)) >= 0]
+        if not starts:
+            keep = 0 if final else partial_suffix(self._buffer, (CALL_OPEN, FUNCTION_OPEN))
+            self._content(self._buffer[: len(self._buffer) - keep], events)
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            return False
+        at, tag = min(starts)
+        self._content(self._buffer[:at], events)
+        self._held_space = ""
+        self._call = _Call(self._calls, tag)
+        self._buffer = self._buffer[at + len(tag) :]
+        self._state = "call_open" if tag == CALL_OPEN else "function_name"
+        return True
+
+    def _in_call_open(self, events: list[Event], final: bool) -> bool:
+        rest = self._buffer.lstrip()
+        if rest.startswith(FUNCTION_OPEN):
+            self._take(len(self._buffer) - len(rest) + len(FUNCTION_OPEN))
+            self._state = "function_name"
+        elif rest.startswith("{"):
+            self._state = "json_call"
+        elif FUNCTION_OPEN.startswith(rest) and not final:
+            return False
+        else:
+            self._abandon_call(events)
+        return True
+
+    def _in_function_name(self, events: list[Event], final: bool) -> bool:
+        end = self._buffer.find(">")
+        name = self._buffer[:end].strip() if end >= 0 else ""
+        if end < 0 and not final and len(self._buffer) <= _NAME_LIMIT and "\n" not in self._buffer:
+            return False
+        if end < 0 or not name or len(name) > _NAME_LIMIT or any(c in name for c in "<\n"):
+            self._abandon_call(events)
+            return True
+        call = self._call
+        assert call is not None
+        call.name = name
+        self._take(end + 1)
+        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+        self._state = "parameters"
+        return True
+
+    def _in_parameters(self, events: list[Event], final: bool) -> bool:
+        rest = self._buffer.lstrip()
+        skipped = len(self._buffer) - len(rest)
+        for tag, state in ((PARAMETER_OPEN, "parameter_name"), (FUNCTION_CLOSE, "call_close")):
+            if rest.startswith(tag):
+                self._take(skipped + len(tag))
+                self._state = state
+                return True
+        if not rest or (not final and (PARAMETER_OPEN.startswith(rest) or FUNCTION_CLOSE.startswith(rest))):
+            return False
+        # Stray text inside a call: kept in raw_text, skipped up to the next tag.
+        next_tag = rest.find("<", 1)
+        if next_tag < 0 and not final:
+            return False
+        self._take(skipped + (next_tag if next_tag >= 0 else len(rest)))
+        return True
+
+    def _in_parameter_name(self, events: list[Event], final: bool) -> bool:
+        end = self._buffer.find(">")
+        if end < 0:
+            return False
+        call = self._call
+        assert call is not None
+        name = self._buffer[:end].strip()
+        self._take(end + 1)
+        properties = self.schemas.get(call.name, {}).get("properties") or {}
+        call.parameter_schema = properties.get(name)
+        # Parameters the schema does not declare are read as text, as the template wrote them.
+        call.streams_string = call.parameter_schema is None or _types(call.parameter_schema) == {"string"}
+        call.value = []
+        opening = ("{" if not call.fragments else ", ") + json.dumps(name, ensure_ascii=False) + ": "
+        self._arguments(events, opening + ('"' if call.streams_string else ""))
+        self._state = "value_start"
+        return True
+
+    def _in_value_start(self, events: list[Event], final: bool) -> bool:
+        if not self._buffer and not final:
+            return False
+        if self._buffer.startswith("\n"):
+            self._take(1)
+        self._state = "value"
+        return True
+
+    def _in_value(self, events: list[Event], final: bool) -> bool:
+        end = self._buffer.find(PARAMETER_CLOSE)
+        if end < 0:
+            # Hold back what may begin the closing tag; when cut off, the value ends where the text
+            # does, less a half-written closing tag.
+            keep = partial_suffix(self._buffer, ("\n" + PARAMETER_CLOSE, PARAMETER_CLOSE))
+            self._value_text(events, self._buffer[: len(self._buffer) - keep])
+            if final:
+                self._take(len(self._buffer))
+                self._close_value(events)
+                self._state = "parameters"
+            return False
+        value = self._buffer[:end]
+        value = value[:-1] if value.endswith("\n") else value
+        self._value_text(events, value)  # takes the value out of the buffer
+        self._take(end - len(value) + len(PARAMETER_CLOSE))
+        self._close_value(events)
+        self._state = "parameters"
+        return True
+
+    def _in_call_close(self, events: list[Event], final: bool) -> bool:
+        rest = self._buffer.lstrip()
+        if rest.startswith(CALL_CLOSE):
+            self._take(len(self._buffer) - len(rest) + len(CALL_CLOSE))
+        elif (not rest or CALL_CLOSE.startswith(rest)) and not final:
+            return False
+        self._end_call(events)
+        return True
+
+    def _in_json_call(self, events: list[Event], final: bool) -> bool:
+        end = self._buffer.find(CALL_CLOSE)
+        if end < 0 and not final:
+            return False
+        body = self._buffer if end < 0 else self._buffer[:end]
+        try:
+            parsed = json.loads(body)
+            name, arguments = parsed["name"], parsed.get("arguments", parsed.get("parameters", {}))
+            if not isinstance(name, str) or not isinstance(arguments, (dict, str)):
+                raise ValueError
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except (ValueError, KeyError, TypeError):
+            if final:
+                self._abandon_call(events)
+            else:  # "</tool_call>" inside a JSON string: read on to the next closing tag
+                return self._json_call_not_closed_at(end, events)
+            return True
+        call = self._call
+        assert call is not None
+        call.name = name
+        self._take(end + len(CALL_CLOSE) if end >= 0 else len(self._buffer))
+        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+        self._arguments(events, json.dumps(arguments, ensure_ascii=False))
+        self._end_call(events, arguments_done=True)
+        return True
+
+    def _json_call_not_closed_at(self, end: int, events: list[Event]) -> bool:
+        later = self._buffer.find(CALL_CLOSE, end + 1)
+        if later < 0:
+            return False
+        self._abandon_call(events)  # two closing tags and neither ends valid JSON: not a call
+        return True
+
+    # --- helpers ---
+
+    def _take(self, size: int) -> None:
+        """Move `size` characters from the buffer into the current call's raw text."""
+        assert self._call is not None
+        self._call.raw.append(self._buffer[:size])
+        self._buffer = self._buffer[size:]
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body) :]
+        if body:
+            events.append(ContentDelta(body))
+
+    def _arguments(self, events: list[Event], fragment: str) -> None:
+        assert self._call is not None
+        if fragment:
+            self._call.fragments.append(fragment)
+            events.append(ToolCallArgsDelta(self._call.index, fragment))
+
+    def _value_text(self, events: list[Event], text: str) -> None:
+        call = self._call
+        assert call is not None
+        call.value.append(text)
+        self._take(len(text))
+        if call.streams_string and text:
+            self._arguments(events, json.dumps(text, ensure_ascii=False)[1:-1])
+
+    def _close_value(self, events: list[Event]) -> None:
+        call = self._call
+        assert call is not None
+        if call.streams_string:
+            self._arguments(events, '"')
+        else:
+            value = coerce_value("".join(call.value), call.parameter_schema)
+            self._arguments(events, json.dumps(value, ensure_ascii=False))
+
+    def _end_call(self, events: list[Event], *, arguments_done: bool = False) -> None:
+        call = self._call
+        assert call is not None
+        if self._state in ("value_start", "value"):
+            self._close_value(events)
+        if not arguments_done:
+            self._arguments(events, "}" if call.fragments else "{}")
+        events.append(ToolCallEnd(call.index, "".join(call.fragments), "".join(call.raw)))
+        self._calls += 1
+        self._call, self._state, self._after_call = None, "content", True
+
+    def _abandon_call(self, events: list[Event]) -> None:
+        """What looked like a call is not one: its text so far goes out as content."""
+        call = self._call
+        assert call is not None
+        self._call, self._state = None, "content"
+        self._content("".join(call.raw), events)
+
+
+# --- tool_choice ------------------------------------------------------------------------------------
+
+
+def forced_prefix(tool_choice: Any) -> str:
+    """Text to put at the start of the answer so the model can only go on with a call ("" if none).
+
+    For a named function the prefix includes the function header; the parser must then be fed the
+    prefix first (it is part of the answer), and the prompt must end with it.
+    """
+    name = _chosen_name(tool_choice)
+    if name is not None:
+        return f"{CALL_OPEN}\n{FUNCTION_OPEN}{name}>\n"
+    return f"{CALL_OPEN}\n" if tool_choice == "required" else ""
+
+
+def _chosen_name(tool_choice: Any) -> str | None:
+    if isinstance(tool_choice, Mapping):
+        function = tool_choice.get("function", tool_choice)  # OpenAI {"type":"function","function":{...}}
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise LuceboxError(f"tool_choice names no function: {json.dumps(tool_choice)}")
+        return name
+    return None
+
+
+def tool_choice_constraint(
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False
+) -> GrammarConstraint | None:
+    """A grammar that admits only tool calls (after the reasoning, when `thinking`), or None.
+
+    "required" allows any declared function, one or more calls; a named choice allows exactly that
+    function. Parameter names must be declared ones and non-string values must be valid JSON of their
+    schema; whether every required parameter is present is left to the model.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    name = _chosen_name(tool_choice)
+    if name is None and tool_choice != "required":
+        raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
+    names = [name] if name is not None else list(schemas)
+    if not names:
+        raise LuceboxError("tool_choice asks for a tool call but no tools were given")
+    unknown = [n for n in names if n not in schemas]
+    if unknown:
+        raise LuceboxError(f"tool_choice names {unknown[0]!r}, which is not among the tools given")
+    return lark_constraint(tokenizer, tool_call_grammar(tokenizer, {n: schemas[n] for n in names}, thinking=thinking,
+                                                        single=name is not None))  # fmt: skip
+
+
+def tool_call_grammar(
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], *, thinking: bool = False, single: bool = False
+) -> str:
+    """The Lark grammar (llguidance dialect) of one or more Qwen XML calls to the functions in `schemas`."""
+    open_call, close_call = lark_literal(tokenizer, CALL_OPEN), lark_literal(tokenizer, CALL_CLOSE)
+    calls = "call" if single else 'call ("\\n" call)*'
+    lines = [
+        f"start: {reasoning_rule(tokenizer) + ' ' if thinking else ''}{calls}",
+        f'call: {open_call} "\\n" ({" | ".join(f"function_{i}" for i in range(len(schemas)))}) '
+        f'"</function>\\n" {close_call}',
+        'text_value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/',
+        REASONING_RULES,
+    ]
+    for i, (function, schema) in enumerate(schemas.items()):
+        properties = schema.get("properties") or {}
+        parameters = " | ".join(f"parameter_{i}_{j}" for j in range(len(properties)))
+        lines.append(f'function_{i}: {json.dumps(f"<function={function}>" + chr(10))}' + (f" ({parameters})*" if parameters else ""))
+        for j, (parameter, parameter_schema) in enumerate(properties.items()):
+            head = json.dumps(f"<parameter={parameter}>\n")
+            if _types(parameter_schema) == {"string"} or not isinstance(parameter_schema, Mapping):
+                lines.append(f"parameter_{i}_{j}: {head} text_value")
+            else:
+                body = json.dumps(dict(parameter_schema))
+                lines.append(f'parameter_{i}_{j}: {head} %json {body} "\\n</parameter>\\n"')
+    return "\n".join(lines)
