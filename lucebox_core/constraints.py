@@ -16,7 +16,8 @@ import json
 import re
 import threading
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import llguidance
 import llguidance.numpy
@@ -32,8 +33,8 @@ __all__ = [
     "json_object_constraint",
     "json_schema_constraint",
     "lark_constraint",
-    "response_format_constraint",
     "lark_literal",
+    "response_format_constraint",
 ]
 
 # Whitespace between JSON tokens is bounded: enough for pretty-printing a few levels deep, but a model
@@ -137,7 +138,9 @@ def lark_constraint(tokenizer: Any, lark: str) -> GrammarConstraint:
     return GrammarConstraint(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark))
 
 
-def json_schema_constraint(tokenizer: Any, schema: Mapping[str, Any], *, after_reasoning: bool = False) -> GrammarConstraint:
+def json_schema_constraint(
+    tokenizer: Any, schema: Mapping[str, Any], *, after_reasoning: bool = False
+) -> GrammarConstraint:
     """Output must be JSON valid under `schema`; with `after_reasoning`, only after `</think>`."""
     if not isinstance(schema, Mapping):
         raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")

@@ -11,26 +11,27 @@ tool-call parser, or `PlainContent`), and the lookup of a family's parser in the
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
 from .specs import ResponseParser
 
 __all__ = [
-    "ReasoningDelta",
+    "PLAIN_PARSER",
     "ContentDelta",
-    "ToolCallStart",
+    "ContentParser",
+    "Event",
+    "PlainContent",
+    "ReasoningDelta",
+    "ReasoningParser",
     "ToolCallArgsDelta",
     "ToolCallEnd",
-    "Event",
-    "ContentParser",
-    "PlainContent",
-    "ReasoningParser",
+    "ToolCallStart",
     "create_plain_parser",
-    "PLAIN_PARSER",
-    "response_parser_for",
     "partial_suffix",
+    "response_parser_for",
 ]
 
 

@@ -1,6 +1,6 @@
 """The hooks `lucebox-qwen` implements. Everything heavy is imported lazily, by reference."""
 
-from lucebox_core import Converter, DefaultModel, ModelFamily, Synthesizer, hookimpl
+from lucebox_core import Converter, DefaultModel, ModelFamily, ResponseParser, Synthesizer, hookimpl
 
 
 @hookimpl
@@ -49,5 +49,17 @@ def lucebox_default_models():
             provider="lucebox_qwen35.default:provide",
             random_weights=True,
             description="tiny synthetic qwen35 model with random weights, written on first use",
+        )
+    ]
+
+
+@hookimpl
+def lucebox_response_parsers():
+    return [
+        ResponseParser(
+            name="qwen35",
+            factory="lucebox_qwen35.tool_calls:create_parser",
+            architectures=["qwen35", "qwen35moe"],
+            description="<think> reasoning and Qwen XML tool calls (<tool_call><function=...><parameter=...>)",
         )
     ]

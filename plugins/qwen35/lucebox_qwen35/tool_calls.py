@@ -24,9 +24,9 @@ from __future__ import annotations
 import ast
 import json
 import secrets
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from lucebox_core.constraints import GrammarConstraint, lark_constraint, lark_literal, reasoning_rule, REASONING_RULES
 from lucebox_core.errors import LuceboxError
 from lucebox_core.parsing import (
     ContentDelta,
@@ -44,9 +44,15 @@ FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 _NAME_LIMIT = 256  # a "name" longer than this is not a tag after all
 
+if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
+    from lucebox_core.constraints import GrammarConstraint
+
 
 def create_parser(
-    *, tools: Iterable[Mapping[str, Any]] | None = None, thinking: bool = False, call_id: Callable[[int], str] | None = None
+    *,
+    tools: Iterable[Mapping[str, Any]] | None = None,
+    thinking: bool = False,
+    call_id: Callable[[int], str] | None = None,
 ) -> ReasoningParser:
     """The response parser for one Qwen3.5 response (the `ResponseParser` factory).
 
@@ -102,8 +108,9 @@ def coerce_value(text: str, schema: Mapping[str, Any] | None) -> Any:
 class _Call:
     """One tool call being read."""
 
-    def __init__(self, index: int, opening: str) -> None:
+    def __init__(self, index: int, opening: str, *, space_before: str) -> None:
         self.index = index
+        self.space_before = space_before
         self.raw = [opening]
         self.name = ""
         self.fragments: list[str] = []
@@ -115,7 +122,9 @@ class _Call:
 class QwenToolCallParser:
     """The content parser for Qwen's XML tool calls (see the module docstring)."""
 
-    def __init__(self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None
+    ) -> None:
         self.schemas = tool_parameters(tools)
         self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
         self._buffer = ""
@@ -168,8 +177,8 @@ class QwenToolCallParser:
             return False
         at, tag = min(starts)
         self._content(self._buffer[:at], events)
-        self._held_space = ""
-        self._call = _Call(self._calls, tag)
+        self._call = _Call(self._calls, tag, space_before=self._held_space)
+        self._held_space = ""  # whitespace before a call is dropped (given back if it is no call)
         self._buffer = self._buffer[at + len(tag) :]
         self._state = "call_open" if tag == CALL_OPEN else "function_name"
         return True
@@ -259,7 +268,7 @@ class QwenToolCallParser:
                 self._state = "parameters"
             return False
         value = self._buffer[:end]
-        value = value[:-1] if value.endswith("\n") else value
+        value = value.removesuffix("\n")
         self._value_text(events, value)  # takes the value out of the buffer
         self._take(end - len(value) + len(PARAMETER_CLOSE))
         self._close_value(events)
@@ -284,7 +293,7 @@ class QwenToolCallParser:
             parsed = json.loads(body)
             name, arguments = parsed["name"], parsed.get("arguments", parsed.get("parameters", {}))
             if not isinstance(name, str) or not isinstance(arguments, (dict, str)):
-                raise ValueError
+                raise TypeError("not a call")
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except (ValueError, KeyError, TypeError):
             if final:
@@ -367,6 +376,7 @@ class QwenToolCallParser:
         call = self._call
         assert call is not None
         self._call, self._state = None, "content"
+        self._held_space = call.space_before
         self._content("".join(call.raw), events)
 
 
@@ -415,27 +425,32 @@ def tool_choice_constraint(
     unknown = [n for n in names if n not in schemas]
     if unknown:
         raise LuceboxError(f"tool_choice names {unknown[0]!r}, which is not among the tools given")
-    return lark_constraint(tokenizer, tool_call_grammar(tokenizer, {n: schemas[n] for n in names}, thinking=thinking,
-                                                        single=name is not None))  # fmt: skip
+    from lucebox_core.constraints import lark_constraint
+
+    chosen = {n: schemas[n] for n in names}
+    return lark_constraint(tokenizer, tool_call_grammar(tokenizer, chosen, thinking=thinking, single=name is not None))
 
 
 def tool_call_grammar(
     tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], *, thinking: bool = False, single: bool = False
 ) -> str:
     """The Lark grammar (llguidance dialect) of one or more Qwen XML calls to the functions in `schemas`."""
+    from lucebox_core.constraints import REASONING_RULES, lark_literal, reasoning_rule
+
     open_call, close_call = lark_literal(tokenizer, CALL_OPEN), lark_literal(tokenizer, CALL_CLOSE)
     calls = "call" if single else 'call ("\\n" call)*'
+    functions = " | ".join(f"function_{i}" for i in range(len(schemas)))
     lines = [
         f"start: {reasoning_rule(tokenizer) + ' ' if thinking else ''}{calls}",
-        f'call: {open_call} "\\n" ({" | ".join(f"function_{i}" for i in range(len(schemas)))}) '
-        f'"</function>\\n" {close_call}',
+        f'call: {open_call} "\\n" ({functions}) "</function>\\n" {close_call}',
         'text_value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/',
         REASONING_RULES,
     ]
     for i, (function, schema) in enumerate(schemas.items()):
         properties = schema.get("properties") or {}
         parameters = " | ".join(f"parameter_{i}_{j}" for j in range(len(properties)))
-        lines.append(f'function_{i}: {json.dumps(f"<function={function}>" + chr(10))}' + (f" ({parameters})*" if parameters else ""))
+        head = json.dumps(f"<function={function}>\n")
+        lines.append(f"function_{i}: {head}" + (f" ({parameters})*" if parameters else ""))
         for j, (parameter, parameter_schema) in enumerate(properties.items()):
             head = json.dumps(f"<parameter={parameter}>\n")
             if _types(parameter_schema) == {"string"} or not isinstance(parameter_schema, Mapping):
