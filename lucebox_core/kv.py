@@ -9,7 +9,7 @@ head dims.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import attrs
 import torch

@@ -275,7 +275,7 @@ class TorchBackend:
         if value_heads != key_heads:
             # Tiled: value head h reads key head h % H_k (the GGUF order; see the module docstring).
             repeats = value_heads // key_heads
-            q, k = q.repeat_interleave(repeats, 2), k.repeat_interleave(repeats, 2)
+            q, k = q.repeat(1, 1, repeats, 1), k.repeat(1, 1, repeats, 1)
         scale = key_dim**-0.5 if scale is None else scale
         q = q.transpose(1, 2).float() * scale
         k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
@@ -339,7 +339,7 @@ class TorchBackend:
         """
         input_dtype = v.dtype
         q, k, v, g, beta, state = self._gdn_inputs(q, k, v, g, beta, state, scale)
-        batch, heads, tokens, key_dim = k.shape
+        batch, heads, tokens, _ = k.shape
         value_dim = v.shape[-1]
         # Pad to whole chunks with tokens that change nothing: beta = 0 writes nothing, g = 0 decays nothing.
         pad = (-tokens) % chunk_size

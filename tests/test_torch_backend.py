@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants as gguf_quants
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend

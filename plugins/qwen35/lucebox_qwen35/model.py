@@ -23,7 +23,8 @@ What llama.cpp's converter baked into the GGUF, and what that means here:
 from __future__ import annotations
 
 import os
-from typing import Any, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
 
 import attrs
 import torch
