@@ -1,15 +1,21 @@
 """Reading GGUF files: checked metadata access and zero-copy tensors from the memory map.
 
-`GGUFFile` wraps `gguf.GGUFReader`, which maps the file and parses the header. Every way a file can be
-broken (missing, not GGUF, truncated, inconsistent) surfaces as one `GGUFError` naming the file and,
-where there is one, the key or tensor at fault; nothing from numpy or struct leaks out.
+`GGUFFile` maps the file and parses the header itself with `struct` over the map: GGUFReader builds a
+numpy view for every element of every array, which makes opening a 250k-token vocabulary take seconds.
+Here opening only walks the header to find where each value lies; values are decoded when first asked
+for. Every way a file can be broken (missing, not GGUF, truncated, inconsistent) surfaces as one
+`GGUFError` naming the file and, where there is one, the key or tensor at fault; nothing from numpy or
+struct leaks out. The `gguf` package is used only for its constants.
 """
 
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
+import mmap
 import os
+import struct
 import sys
 import warnings
 from collections import Counter
@@ -19,19 +25,42 @@ from typing import Any, get_args, get_origin
 import attrs
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
-from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, GGUFReader, ReaderField
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
 
 from .errors import GGUFError
 from .quants import SUPPORTED_TYPES, QuantTensor
 
 _MISSING: Any = object()
+_SUPPORTED_VERSIONS = (2, 3)  # version 1 used 32-bit counts and lengths
 _PREAMBLE_BYTES = 24  # magic, version, tensor count, metadata count
 # The least bytes one metadata entry (key length, empty key, value type, a 1-byte value) and one tensor
 # description (name length, empty name, dimension count, type, offset) can take; used to reject
 # absurd counts before parsing.
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_MAX_ARRAY_NESTING = 16
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+# Each numeric value type: its struct format (for a single value) and numpy dtype (for an array, decoded
+# in one call; the same dtypes GGUFReader uses, so values come out identical).
+_NUMBER_FORMATS: dict[GGUFValueType, tuple[struct.Struct, np.dtype]] = {
+    value_type: (struct.Struct("<" + code), np.dtype(dtype))
+    for value_type, code, dtype in [
+        (GGUFValueType.UINT8, "B", "<u1"), (GGUFValueType.INT8, "b", "<i1"),
+        (GGUFValueType.UINT16, "H", "<u2"), (GGUFValueType.INT16, "h", "<i2"),
+        (GGUFValueType.UINT32, "I", "<u4"), (GGUFValueType.INT32, "i", "<i4"),
+        (GGUFValueType.UINT64, "Q", "<u8"), (GGUFValueType.INT64, "q", "<i8"),
+        (GGUFValueType.FLOAT32, "f", "<f4"), (GGUFValueType.FLOAT64, "d", "<f8"),
+        (GGUFValueType.BOOL, "?", "?"),
+    ]
+}
 
 
 @attrs.frozen
@@ -49,119 +78,197 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+@attrs.frozen
+class _Field:
+    """Where one metadata value lies in the map; decoded on first use.
+
+    For a string, `start` is its first byte and `count` its length in bytes; for an array, `start` is its
+    first element and `count` the number of elements; for a number, `count` is 1.
+    """
+
+    value_type: GGUFValueType
+    item_type: GGUFValueType | None  # arrays only
+    start: int
+    count: int
+
+
+@attrs.frozen
+class _RawTensor:
+    """A tensor description as the header states it, before any check."""
+
+    name: str
+    ne: tuple[int, ...]  # GGUF order, innermost dimension first
+    raw_type: int
+    relative_offset: int
+
+
 class _PastEndOfFile(Exception):
     def __init__(self, offset: int, end: int):
         super().__init__(f"a read of bytes {offset}..{end}")
-        self.offset, self.end = offset, end
 
 
-class _HeaderError(Exception):
-    """A parse failure inside GGUFReader, with the last metadata key that parsed, for context."""
-
-    def __init__(self, cause: Exception, last_key: str | None):
-        super().__init__(str(cause))
-        self.cause, self.last_key = cause, last_key
+class _Malformed(Exception):
+    pass
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader with bounds-checked reads and tensor table checks.
+class _UnsupportedValue(Exception):
+    pass
 
-    GGUFReader slices its memory map without checking the end, so a truncated file yields short arrays
-    that fail later in confusing ways (or, for an array of numbers, loop over empty reads). Here every
-    read past the end raises at once, and the tensor table is checked (type, alignment, bounds,
-    overlap) before GGUFReader builds views on it, so errors can name the tensor. Both hooks override
-    GGUFReader internals (`_get`, `_build_tensors`), which have kept their signatures across gguf
-    releases.
+
+class _HeaderCursor:
+    """Bounds-checked reads of the header, front to back."""
+
+    def __init__(self, buffer: mmap.mmap, position: int):
+        self.buffer, self.size, self.position = buffer, len(buffer), position
+
+    def take(self, n_bytes: int) -> int:
+        """Step over `n_bytes`; return where they start."""
+        start = self.position
+        end = start + n_bytes
+        if end > self.size:
+            raise _PastEndOfFile(start, end)
+        self.position = end
+        return start
+
+    def u32(self) -> int:
+        return _U32.unpack_from(self.buffer, self.take(4))[0]
+
+    def u64(self) -> int:
+        return _U64.unpack_from(self.buffer, self.take(8))[0]
+
+    def name(self, what: str) -> str:
+        """A key or tensor name: a length-prefixed string that must be UTF-8 to be looked up at all."""
+        length = self.u64()
+        start = self.take(length)
+        try:
+            return self.buffer[start : start + length].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Malformed(f"{what} at byte {start} is not UTF-8 ({exc.reason})") from None
+
+    def value_type(self, raw: int, key: str) -> GGUFValueType:
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise _Malformed(f"metadata key {key!r} has unknown value type {raw}") from None
+
+    def field(self, key: str) -> _Field:
+        value_type = self.value_type(self.u32(), key)
+        if value_type == GGUFValueType.STRING:
+            length = self.u64()
+            return _Field(value_type, None, self.take(length), length)
+        if value_type != GGUFValueType.ARRAY:
+            return _Field(value_type, None, self.take(_NUMBER_FORMATS[value_type][0].size), 1)
+        item_type = self.value_type(self.u32(), key)
+        count = self.u64()
+        start = self.position
+        self.skip_items(item_type, count, key)
+        return _Field(value_type, item_type, start, count)
+
+    def skip_items(self, item_type: GGUFValueType, count: int, key: str, depth: int = 0) -> None:
+        """Step over `count` array elements of `item_type`."""
+        if item_type in _NUMBER_FORMATS:
+            self.take(count * _NUMBER_FORMATS[item_type][0].size)
+        elif item_type == GGUFValueType.STRING:
+            self.position = _skip_strings(self.buffer, self.position, count)
+        else:  # arrays of arrays: rare, so walked element by element
+            if depth >= _MAX_ARRAY_NESTING:  # a corrupt file must not exhaust Python's recursion limit
+                raise _Malformed(f"metadata key {key!r} nests arrays more than {_MAX_ARRAY_NESTING} deep")
+            for _ in range(count):
+                inner_type = self.value_type(self.u32(), key)
+                self.skip_items(inner_type, self.u64(), key, depth + 1)
+
+    def tensor(self) -> _RawTensor:
+        name = self.name("a tensor name")
+        n_dims = self.u32()
+        ne = struct.unpack_from(f"<{n_dims}Q", self.buffer, self.take(8 * n_dims))
+        return _RawTensor(name, ne, self.u32(), self.u64())
+
+
+def _skip_strings(buffer: mmap.mmap, position: int, count: int) -> int:
+    """The end of `count` length-prefixed strings starting at `position`.
+
+    This loop is most of the time it takes to open a file with a large vocabulary, so it stays minimal.
     """
+    size = len(buffer)
+    if position + 8 * count > size:  # each string takes at least its 8-byte length
+        raise _PastEndOfFile(position, position + 8 * count)
+    unpack_length = _U64.unpack_from
+    start = position
+    try:
+        for _ in range(count):
+            start = position
+            position += 8 + unpack_length(buffer, position)[0]
+            if position > size:
+                raise _PastEndOfFile(start + 8, position)
+    except struct.error:  # the length itself lies past the end
+        raise _PastEndOfFile(start, start + 8) from None
+    return position
 
-    def __init__(self, path: Path, file_size: int):
-        self._path, self._file_size = path, file_size
-        self._plain: np.ndarray | None = None
-        try:
-            super().__init__(path, mode="r")
-        except GGUFError:
-            raise
-        except Exception as exc:  # any failure while parsing means the header is malformed
-            keys = [key for key in getattr(self, "fields", {}) if not key.startswith("GGUF.")]
-            raise _HeaderError(exc, keys[-1] if keys else None) from exc
 
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        if self._plain is None:
-            # Slicing the np.memmap subclass costs several times more than slicing a plain view of it,
-            # and the header of a large vocabulary takes millions of slices.
-            self._plain = self.data.view(np.ndarray)
-        dtype = np.dtype(dtype)
-        end = offset + dtype.itemsize * int(count)
-        if end > self._plain.shape[0]:
-            raise _PastEndOfFile(offset, end)
-        values = self._plain[offset:end].view(dtype)
-        order = self.byte_order if override_order is None else override_order
-        return values if order in ("I", "<") else values.view(dtype.newbyteorder(order))
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        spans = []
-        for field in fields:
-            _name_len, name_data, _n_dims, dims, raw_type, relative_offset = field.parts
-            name = bytes(name_data).decode("utf-8")
-            spans.append(self._check_tensor(name, dims.tolist(), int(raw_type[0]), start_offs,
-                                            int(relative_offset[0])))
-        spans.sort()
-        for (_, prev_end, prev_name), (start, _, name) in zip(spans, spans[1:]):
-            if start < prev_end:
-                raise GGUFError(f"{self._path}: tensor {name!r} overlaps the data of tensor {prev_name!r}")
-        super()._build_tensors(start_offs, fields)
-
-    def _check_tensor(self, name: str, ne: list[int], raw_type: int, data_start: int,
-                      relative_offset: int) -> tuple[int, int, str]:
-        where = f"{self._path}: tensor {name!r}"
-        try:
-            ggml_type = GGMLQuantizationType(raw_type)
-            blocks, block_bytes = GGML_QUANT_SIZES[ggml_type]
-        except (ValueError, KeyError):
-            raise GGUFError(f"{where} has unknown ggml type {raw_type}") from None
-        row = ne[0] if ne else 1
-        if row % blocks:
-            raise GGUFError(f"{where}: a {ggml_type.name} row of {row} values is not a whole number of "
-                            f"{blocks}-value blocks")
-        if relative_offset % self.alignment:
-            raise GGUFError(f"{where}: data offset {relative_offset} is not a multiple of the file's "
-                            f"alignment {self.alignment}")
-        start = data_start + relative_offset
-        end = start + math.prod(ne) // blocks * block_bytes
-        if end > self._file_size:
-            raise GGUFError(f"{where}: data (bytes {start}..{end}) lies past the end of the file "
-                            f"({self._file_size} bytes); the file is probably truncated")
-        return start, end, name
+def _decode_strings(buffer: mmap.mmap, position: int, count: int) -> list[str]:
+    """`count` length-prefixed UTF-8 strings starting at `position` (already bounds-checked)."""
+    unpack_length = _U64.unpack_from
+    strings = []
+    append = strings.append
+    for _ in range(count):
+        length = unpack_length(buffer, position)[0]
+        position += 8
+        append(buffer[position : position + length].decode("utf-8"))
+        position += length
+    return strings
 
 
 class GGUFFile:
     """An open GGUF file: metadata as Python values and tensors as zero-copy `QuantTensor`s.
 
-    Opening parses and checks the whole header; tensor data stays in the memory map until used.
+    Opening parses and checks the whole header; metadata values are decoded on first use, and tensor
+    data stays in the memory map until used.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.file_size = _check_preamble(self.path)
-        try:
-            self._reader = _CheckedReader(self.path, self.file_size)
-        except _HeaderError as exc:
-            after = f" (the last metadata key that parsed is {exc.last_key!r})" if exc.last_key else ""
-            if isinstance(exc.cause, _PastEndOfFile):
-                raise GGUFError(f"{self.path}: truncated header: {exc.cause} runs past the end of the "
-                                f"file ({self.file_size} bytes){after}") from None
-            raise GGUFError(f"{self.path}: malformed header ({type(exc.cause).__name__}: "
-                            f"{exc.cause}){after}") from exc.cause
-        self.version = int(self._reader.fields["GGUF.version"].parts[0][0])
-        self._fields = {key: field for key, field in self._reader.fields.items()
-                        if not key.startswith("GGUF.")}
+        self._buffer = _map_file(self.path)
+        self.file_size = len(self._buffer)
+        self.version, tensor_count, kv_count = _check_preamble(self.path, self._buffer)
+        self._fields: dict[str, _Field] = {}
         self._values: dict[str, Any] = {}
-        self.tensors: dict[str, TensorInfo] = {
-            t.name: TensorInfo(t.name, GGMLQuantizationType(t.tensor_type),
-                               tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes),
-                               int(t.data_offset))
-            for t in self._reader.tensors
-        }
+        cursor = _HeaderCursor(self._buffer, _PREAMBLE_BYTES)
+        try:
+            raw_tensors = self._parse_header(cursor, kv_count, tensor_count)
+        except (_PastEndOfFile, _Malformed) as exc:
+            keys = list(self._fields)
+            after = f" (the last metadata key that parsed is {keys[-1]!r})" if keys else ""
+            if isinstance(exc, _PastEndOfFile):
+                raise GGUFError(f"{self.path}: truncated header: {exc} runs past the end of the file "
+                                f"({self.file_size} bytes){after}") from None
+            raise GGUFError(f"{self.path}: malformed header: {exc}{after}") from None
+        alignment = self._alignment()
+        data_start = -(-cursor.position // alignment) * alignment
+        self.tensors: dict[str, TensorInfo] = _check_tensors(self.path, raw_tensors, data_start, alignment,
+                                                             self.file_size)
+        # The whole file as a read-only numpy array, for zero-copy tensor views.
+        self._map = np.frombuffer(self._buffer, dtype=np.uint8)
+
+    def _parse_header(self, cursor: _HeaderCursor, kv_count: int, tensor_count: int) -> list[_RawTensor]:
+        for _ in range(kv_count):
+            key = cursor.name("a metadata key")
+            if key in self._fields:
+                raise _Malformed(f"metadata key {key!r} appears twice")
+            self._fields[key] = cursor.field(key)
+        return [cursor.tensor() for _ in range(tensor_count)]
+
+    def _alignment(self) -> int:
+        field = self._fields.get("general.alignment")
+        if field is None:
+            return GGUF_DEFAULT_ALIGNMENT
+        if field.value_type != GGUFValueType.UINT32:
+            raise GGUFError(f"{self.path}: metadata key 'general.alignment' has type {field.value_type.name}, "
+                            f"expected UINT32")
+        alignment = self._value("general.alignment")
+        if alignment == 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{self.path}: metadata key 'general.alignment' is {alignment}, which is not a "
+                            f"power of two")
+        return alignment
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, architecture={self.architecture!r}, tensors={len(self.tensors)})"
@@ -214,15 +321,16 @@ class GGUFFile:
         return self.get(f"{architecture}.{suffix}", type, default)
 
     def _gguf_type(self, key: str) -> str:
-        types = self._fields[key].types
-        if types[0] == GGUFValueType.ARRAY:
-            return "ARRAY of " + (types[-1].name if len(types) > 1 else "nothing (empty)")
-        return types[0].name
+        field = self._fields[key]
+        if field.value_type != GGUFValueType.ARRAY:
+            return field.value_type.name
+        assert field.item_type is not None
+        return "ARRAY of " + (field.item_type.name if field.count else "nothing (empty)")
 
     def _value(self, key: str) -> Any:
         if key not in self._values:
             try:
-                self._values[key] = _field_value(self._fields[key])
+                self._values[key] = _field_value(self._buffer, self._fields[key])
             except UnicodeDecodeError as exc:
                 raise GGUFError(f"{self.path}: metadata key {key!r} holds a string that is not UTF-8 "
                                 f"({exc.reason} at byte {exc.start})") from None
@@ -251,7 +359,7 @@ class GGUFFile:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             raise GGUFError(f"{self.path}: tensor {name!r} has type {info.ggml_type.name}, which Lucebox "
                             f"cannot decode (supported: {supported})")
-        raw = self._reader.data[info.offset : info.offset + info.n_bytes]
+        raw = self._map[info.offset : info.offset + info.n_bytes]
         with warnings.catch_warnings():
             # The map is read-only on purpose (a 16 GB file must not become private memory), and torch
             # warns that it cannot mark tensors read-only. QuantTensor documents that its bytes are
@@ -261,16 +369,22 @@ class GGUFFile:
         return QuantTensor(name, info.ggml_type, info.shape, data)
 
 
-def _check_preamble(path: Path) -> int:
-    """Check the fixed 24-byte start of the file; return the file size."""
+def _map_file(path: Path) -> mmap.mmap:
+    """The whole file, memory-mapped read-only."""
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(_PREAMBLE_BYTES)
+            if os.fstat(f.fileno()).st_size == 0:
+                raise GGUFError(f"{path}: the file is empty, not a GGUF file")
+            # The map stays valid after the file is closed.
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as exc:
         raise GGUFError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
-    if not head:
-        raise GGUFError(f"{path}: the file is empty, not a GGUF file")
+
+
+def _check_preamble(path: Path, buffer: mmap.mmap) -> tuple[int, int, int]:
+    """Check the fixed 24-byte start of the file; return (version, tensor count, metadata key count)."""
+    size = len(buffer)
+    head = buffer[:_PREAMBLE_BYTES]
     if head[:4] != GGUF_MAGIC.to_bytes(4, "little"):
         raise GGUFError(f"{path}: not a GGUF file (starts with {head[:4]!r}, expected b'GGUF')")
     if len(head) < _PREAMBLE_BYTES:
@@ -278,9 +392,9 @@ def _check_preamble(path: Path) -> int:
     version = int.from_bytes(head[4:8], "little")
     if version & 0xFFFF == 0 and version:
         raise GGUFError(f"{path}: big-endian GGUF files are not supported")
-    if version not in READER_SUPPORTED_VERSIONS:
+    if version not in _SUPPORTED_VERSIONS:
         raise GGUFError(f"{path}: unsupported GGUF version {version} (supported: "
-                        f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))})")
+                        f"{', '.join(map(str, _SUPPORTED_VERSIONS))})")
     if sys.byteorder != "little":
         raise GGUFError(f"{path}: reading GGUF tensors needs a little-endian machine")
     tensor_count = int.from_bytes(head[8:16], "little")
@@ -288,27 +402,57 @@ def _check_preamble(path: Path) -> int:
     if kv_count * _MIN_KV_BYTES + tensor_count * _MIN_TENSOR_INFO_BYTES > size - _PREAMBLE_BYTES:
         raise GGUFError(f"{path}: corrupt header: it claims {kv_count} metadata keys and {tensor_count} "
                         f"tensors, more than a {size}-byte file can hold")
-    return size
+    return version, tensor_count, kv_count
 
 
-class _UnsupportedValue(Exception):
-    pass
+def _check_tensors(path: Path, raw_tensors: list[_RawTensor], data_start: int, alignment: int,
+                   file_size: int) -> dict[str, TensorInfo]:
+    """The tensor table, checked: known types, whole blocks, aligned, inside the file, no overlaps."""
+    tensors: dict[str, TensorInfo] = {}
+    for raw in raw_tensors:
+        where = f"{path}: tensor {raw.name!r}"
+        try:
+            ggml_type = GGMLQuantizationType(raw.raw_type)
+            blocks, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{where} has unknown ggml type {raw.raw_type}") from None
+        row = raw.ne[0] if raw.ne else 1
+        if row % blocks:
+            raise GGUFError(f"{where}: a {ggml_type.name} row of {row} values is not a whole number of "
+                            f"{blocks}-value blocks")
+        if raw.relative_offset % alignment:
+            raise GGUFError(f"{where}: data offset {raw.relative_offset} is not a multiple of the file's "
+                            f"alignment {alignment}")
+        start = data_start + raw.relative_offset
+        n_bytes = math.prod(raw.ne) // blocks * block_bytes
+        if start + n_bytes > file_size:
+            raise GGUFError(f"{where}: data (bytes {start}..{start + n_bytes}) lies past the end of the file "
+                            f"({file_size} bytes); the file is probably truncated")
+        if raw.name in tensors:
+            raise GGUFError(f"{where} is described twice")
+        tensors[raw.name] = TensorInfo(raw.name, ggml_type, tuple(reversed(raw.ne)), n_bytes, start)
+    spans = sorted((info.offset, info.offset + info.n_bytes, info.name) for info in tensors.values())
+    for (_, prev_end, prev_name), (start, _, name) in itertools.pairwise(spans):
+        if start < prev_end:
+            raise GGUFError(f"{path}: tensor {name!r} overlaps the data of tensor {prev_name!r}")
+    return tensors
 
 
-def _field_value(field: ReaderField) -> Any:
-    """A ReaderField as a Python value. Strings are decoded strictly as UTF-8."""
-    kind = field.types[0]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8")
-    if kind != GGUFValueType.ARRAY:
-        return field.parts[-1][0].item()
-    if len(field.types) == 1:  # an empty array records no element type
+def _field_value(buffer: mmap.mmap, field: _Field) -> Any:
+    """A metadata value as a Python value. Strings are decoded strictly as UTF-8."""
+    if field.value_type == GGUFValueType.STRING:
+        return buffer[field.start : field.start + field.count].decode("utf-8")
+    if field.value_type != GGUFValueType.ARRAY:
+        return _NUMBER_FORMATS[field.value_type][0].unpack_from(buffer, field.start)[0]
+    if field.count == 0:
         return []
-    if field.types[1] == GGUFValueType.ARRAY:
+    if field.item_type == GGUFValueType.ARRAY:
         raise _UnsupportedValue("arrays of arrays are not supported")
-    if field.types[1] == GGUFValueType.STRING:
-        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-    return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    if field.item_type == GGUFValueType.STRING:
+        return _decode_strings(buffer, field.start, field.count)
+    assert field.item_type is not None
+    dtype = _NUMBER_FORMATS[field.item_type][1]
+    return np.frombuffer(buffer, dtype=dtype, count=field.count, offset=field.start).tolist()
 
 
 def _as_type(value: Any, expected: Any) -> Any:

@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -11,10 +12,10 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 from gguf.constants import GGUFValueType
+from test_quants import random_block_bytes, random_float_bytes
 
 from lucebox_core.errors import GGUFError
 from lucebox_core.ggufio import GGUFFile, describe, format_description
-from test_quants import random_block_bytes, random_float_bytes
 
 VOCAB_DIR = Path("/work/shared/fixtures/vocab")
 TOKENS = ["<s>", "hello", "héllo", "日本", " world"]
@@ -96,7 +97,7 @@ def test_tensor_bytes_are_a_view_on_the_file_map_without_warnings(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qt = gf.tensor("blk.0.ffn_up.weight")
-    file_map = gf._reader.data
+    file_map = gf._map
     assert qt.data.data_ptr() == file_map.ctypes.data + info.offset
     with open(path, "rb") as f:
         f.seek(info.offset)
@@ -368,3 +369,197 @@ def test_describe_vocab_only_fixtures(fixture, architecture, tokenizer, vocab_si
     assert any(line.startswith("vocab size") and line.endswith(str(vocab_size)) for line in lines)
     # the table is aligned: every value starts in the same column
     assert len({len(line) - len(line.split("  ", 1)[1].lstrip()) for line in lines}) == 1
+
+
+# --- parity with gguf's own reader -----------------------------------------------------------------------
+
+
+def reader_type(field: gguf.ReaderField) -> str:
+    """gguf's type list for a field, in the words `GGUFFile` uses in its type errors."""
+    if field.types[0] == GGUFValueType.ARRAY:
+        return "ARRAY of " + (field.types[-1].name if len(field.types) > 1 else "nothing (empty)")
+    return field.types[0].name
+
+
+def assert_same_metadata(gf: GGUFFile, reader: gguf.GGUFReader, refused: tuple[str, ...] = ()) -> None:
+    """Same keys in the same order, equal values of the same Python types, same type names; keys in
+    `refused` hold values Lucebox refuses to decode (checked separately)."""
+    fields = {key: field for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert gf.keys() == list(fields)
+    assert gf.version == reader.fields["GGUF.version"].contents()
+    for key, field in fields.items():
+        if key in refused:
+            continue
+        ours, theirs = gf.get(key), field.contents()
+        assert ours == theirs, key
+        if isinstance(theirs, list):
+            assert [type(item) for item in ours] == [type(item) for item in theirs], key
+        else:
+            assert type(ours) is type(theirs), key
+        assert gf._gguf_type(key) == reader_type(field), key
+
+
+@pytest.mark.skipif(not VOCAB_DIR.is_dir(), reason=f"needs the shared vocabulary fixtures in {VOCAB_DIR}")
+def test_vocab_fixture_metadata_matches_gguf_reader():
+    path = VOCAB_DIR / "ggml-vocab-qwen35.gguf"
+    gf = GGUFFile(path)
+    assert_same_metadata(gf, gguf.GGUFReader(path))
+    assert len(gf.get("tokenizer.ggml.tokens")) == 151936 and gf.tensors == {}
+
+
+def write_every_value_type(path: Path, rng: np.random.Generator) -> Path:
+    """A file with random values of every scalar type and arrays of each, plus an array of arrays."""
+    integer_types = {
+        GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8,
+        GGUFValueType.UINT16: np.uint16, GGUFValueType.INT16: np.int16,
+        GGUFValueType.UINT32: np.uint32, GGUFValueType.INT32: np.int32,
+        GGUFValueType.UINT64: np.uint64, GGUFValueType.INT64: np.int64,
+    }
+
+    def random_values(value_type: GGUFValueType, n: int) -> list:
+        if value_type in integer_types:
+            limits = np.iinfo(integer_types[value_type])
+            return rng.integers(limits.min, limits.max, n, dtype=integer_types[value_type], endpoint=True).tolist()
+        if value_type == GGUFValueType.FLOAT32:
+            return [float(x) for x in rng.standard_normal(n).astype(np.float32)]
+        if value_type == GGUFValueType.FLOAT64:
+            return [float(x) for x in rng.standard_normal(n)]
+        if value_type == GGUFValueType.BOOL:
+            return [bool(x) for x in rng.integers(0, 2, n)]
+        alphabet = ["a", "é", "日", "🙂", " ", "\n", "\x00"]
+        return ["".join(rng.choice(alphabet, rng.integers(0, 6))) for _ in range(n)]
+
+    writer = gguf.GGUFWriter(path, "testarch")
+    for value_type in [*integer_types, GGUFValueType.FLOAT32, GGUFValueType.FLOAT64, GGUFValueType.BOOL,
+                       GGUFValueType.STRING]:
+        name = value_type.name.lower()
+        writer.add_key_value(f"test.{name}", random_values(value_type, 1)[0], value_type)
+        writer.add_key_value(f"test.{name}_array", random_values(value_type, 17), GGUFValueType.ARRAY,
+                             value_type)
+    writer.add_key_value("test.nested", [[1, 2], [3]], GGUFValueType.ARRAY, GGUFValueType.ARRAY)
+    writer.add_uint32("test.after_nested", 12345)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_every_value_type_matches_gguf_reader(tmp_path):
+    path = write_every_value_type(tmp_path / "values.gguf", np.random.default_rng(7))
+    gf = GGUFFile(path)
+    reader = gguf.GGUFReader(path)
+    assert gf.get("test.uint64_array", list[int]) != [0] * 17  # random, not zeros
+    assert gf.get("test.after_nested", int) == 12345  # the array of arrays was stepped over correctly
+    with pytest.raises(GGUFError, match=r"values\.gguf: metadata key 'test.nested': arrays of arrays"):
+        gf.get("test.nested")
+    assert_same_metadata(gf, reader, refused=("test.nested",))  # gguf flattens it; Lucebox refuses it
+
+
+def test_tensor_infos_match_gguf_reader(model):
+    path, _ = model
+    gf = GGUFFile(path)
+    reader = gguf.GGUFReader(path)
+    assert list(gf.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        info = gf.tensors[t.name]
+        assert info.ggml_type == t.tensor_type
+        assert info.shape == tuple(reversed(t.shape.tolist()))
+        assert info.n_elements == t.n_elements
+        assert info.n_bytes == t.n_bytes
+        assert info.offset == t.data_offset
+        assert gf._map[info.offset : info.offset + info.n_bytes].tobytes() == t.data.tobytes()
+    assert_same_metadata(gf, reader)
+
+
+def count_numpy_calls(action) -> int:
+    """How many calls into numpy (functions or array methods) `action()` makes."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            if isinstance(owner, np.ndarray) or (getattr(arg, "__module__", None) or "").startswith("numpy"):
+                calls += 1
+        elif event == "call" and frame.f_code.co_filename.startswith(os.path.dirname(np.__file__)):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_large_vocabulary_is_read_without_per_token_numpy_work(tmp_path):
+    """GGUFReader makes several numpy views per array element, which is what made opening slow."""
+    n_tokens = 20_000
+    tokens = [f"tok{i}" for i in range(n_tokens)]
+    writer = gguf.GGUFWriter(tmp_path / "vocab.gguf", "testarch")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * n_tokens)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+    def open_and_read():
+        gf = GGUFFile(tmp_path / "vocab.gguf")
+        assert gf.get("tokenizer.ggml.tokens") == tokens
+        assert gf.get("tokenizer.ggml.token_type") == [1] * n_tokens
+
+    assert count_numpy_calls(open_and_read) < 50
+    # the measure itself sees gguf's per-element work
+    assert count_numpy_calls(lambda: gguf.GGUFReader(tmp_path / "vocab.gguf")) > n_tokens
+
+
+# --- more broken files ----------------------------------------------------------------------------------
+
+
+def test_duplicate_metadata_key(model):
+    path, _ = model
+    type_offset, _ = key_offsets(path, "testarch.logit_scale")
+    name = b"testarch.block_count"  # as long as the key it replaces
+    patch(path, type_offset - len(name), name)
+    message = open_error(path)
+    assert "malformed header" in message and "'testarch.block_count' appears twice" in message
+
+
+def test_metadata_key_that_is_not_utf8(model):
+    path, _ = model
+    type_offset, _ = key_offsets(path, "testarch.use_bias")
+    patch(path, type_offset - len("testarch.use_bias"), b"\xff")
+    message = open_error(path)
+    assert "malformed header" in message and "not UTF-8" in message
+    assert "'testarch.logit_scale'" in message  # the last key that parsed
+
+
+@pytest.mark.parametrize("token, extra", [(1, 3), (4, 3), (4, 8 + 2)])
+def test_truncated_inside_the_token_strings(model, token, extra):
+    """Cut `extra` bytes into token `token` (its 8-byte length, then its text): the whole array no
+    longer fits, the length is cut short, or the text is."""
+    path, _ = model
+    _, value_offset = key_offsets(path, "tokenizer.ggml.tokens")
+    token_start = value_offset + 4 + 8 + sum(8 + len(t.encode()) for t in TOKENS[:token])
+    truncate(path, token_start + extra)
+    message = open_error(path)
+    assert "truncated header" in message and "'tokenizer.ggml.model'" in message
+
+
+def test_duplicate_tensor_name(model):
+    path, _ = model
+    type_offset, _ = tensor_info_offsets(path, "blk.0.attn_q.weight")
+    name_offset = type_offset - 4 - 8 * 2 - len("blk.0.attn_q.weight")
+    patch(path, name_offset, b"blk.0.attn_k.weight")
+    message = open_error(path)
+    assert "'blk.0.attn_k.weight'" in message and "twice" in message
+
+
+def test_alignment_of_the_wrong_type(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "align.gguf", "testarch")
+    writer.add_key_value("general.alignment", 32.0, GGUFValueType.FLOAT32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    message = open_error(tmp_path / "align.gguf")
+    assert "'general.alignment'" in message and "FLOAT32" in message
