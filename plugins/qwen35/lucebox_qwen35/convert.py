@@ -19,8 +19,9 @@ are skipped. Tensors are read, transformed and written one at a time.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -67,7 +68,7 @@ class _Checkpoint:
             except Exception as exc:  # safetensors raises its own error types
                 raise LuceboxError(f"{file}: cannot open as safetensors: {exc}") from None
             self.handles[file] = handle
-            for key in handle.keys():
+            for key in handle.keys():  # a safetensors handle, not a dict
                 self.location[key] = file
 
     def __contains__(self, key: str) -> bool:

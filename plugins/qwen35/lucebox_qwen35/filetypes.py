@@ -64,9 +64,10 @@ def _q4_k_m_type(name: str, shape: tuple[int, ...], n_layer: int, tied_output: b
         return T.Q6_K if _fits(T.Q6_K, row_length) else T.Q8_0
     wanted = T.Q4_K
     layer = layer_of(name)
-    if layer is not None and (name.endswith((".attn_v.weight", ".attn_qkv.weight", ".ffn_down.weight"))):
-        if use_more_bits(layer, n_layer):
-            wanted = T.Q6_K
+    # One attn_v-like tensor per layer (attn_v or attn_qkv), so llama.cpp's counter is the layer index.
+    more_bits_kind = name.endswith((".attn_v.weight", ".attn_qkv.weight", ".ffn_down.weight"))
+    if layer is not None and more_bits_kind and use_more_bits(layer, n_layer):
+        wanted = T.Q6_K
     if not _fits(wanted, row_length):
         wanted = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}[wanted]
         if not _fits(wanted, row_length):

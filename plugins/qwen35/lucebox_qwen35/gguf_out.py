@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from .filetypes import nbytes
 
@@ -41,8 +42,7 @@ def _progress(total: int, description: str) -> Any:
     if not sys.stderr.isatty():
         return None
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -21,9 +21,11 @@ Qwen3.5 vocabulary terms used below, with the GGUF key each is stored under:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
+import numpy as np
 from gguf import GGUFValueType
 
 from lucebox_core.errors import GGUFError
@@ -31,7 +33,7 @@ from lucebox_core.errors import GGUFError
 ARCH = "qwen35"
 
 
-def _default_recurrent(self: "Qwen35Config") -> tuple[bool, ...]:
+def _default_recurrent(self: Qwen35Config) -> tuple[bool, ...]:
     # llama.cpp's fallback when `attention.recurrent_layers` is absent: full attention every
     # `full_attention_interval`-th layer (i % 4 == 3 for the real models), GDN everywhere else.
     return tuple((i + 1) % self.full_attention_interval != 0 for i in range(self.n_layer))
@@ -136,7 +138,7 @@ class Qwen35Config:
         *,
         tensor_names: Iterable[str] | None = None,
         source: str = "GGUF metadata",
-    ) -> "Qwen35Config":
+    ) -> Qwen35Config:
         """Read the config back from GGUF metadata (key -> plain Python value).
 
         `tensor_names`, when given, decides `tied_output` (no `output.weight`). `source` names the
@@ -190,10 +192,10 @@ class Qwen35Config:
                 ssm_dt_rank=int(get("ssm.time_step_rank")),
                 ssm_d_inner=int(get("ssm.inner_size")),
                 full_attention_interval=interval,
-                rope_theta=float(get("rope.freq_base")),
+                rope_theta=_from_f32(get("rope.freq_base")),
                 rope_dim=int(get("rope.dimension_count")),
                 rope_sections=tuple(sections),
-                eps=float(get("attention.layer_norm_rms_epsilon")),
+                eps=_from_f32(get("attention.layer_norm_rms_epsilon")),
                 vocab=vocab,
                 context_length=int(get("context_length")),
                 tied_output=tied,
@@ -203,7 +205,7 @@ class Qwen35Config:
             raise GGUFError(f"{source}: {exc}") from None
 
     @classmethod
-    def from_hf_config(cls, text: Mapping[str, Any], *, tied_output: bool) -> "Qwen35Config":
+    def from_hf_config(cls, text: Mapping[str, Any], *, tied_output: bool) -> Qwen35Config:
         """Build the config from a transformers `qwen3_5_text` config dict (the `text_config`).
 
         Raises `ValueError` naming the offending key; the converter turns it into a user error.
@@ -263,6 +265,11 @@ class Qwen35Config:
             tied_output=tied_output,
             recurrent=recurrent,
         )
+
+
+def _from_f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-6, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
 
 
 # GGUF value types of the keys `to_gguf_metadata` returns, as llama.cpp's converter writes them.

@@ -1,20 +1,20 @@
 """Random-weight qwen35 GGUF files with llama.cpp's exact layout, metadata and type mixes.
 
-Weights look like a fresh initialisation: matrices zero-mean with std 0.02, norms ~1, GDN decay
+Weights look like a fresh initialisation: matrices zero-mean with std 0.02, norms in [0.9, 1.1], GDN decay
 `ssm_a` in [-16, -1] and `ssm_dt.bias` = softplus^-1 of dt in [1e-3, 0.1] (Qwen3.5's own init
 ranges), conv taps uniform in [-0.5, 0.5]. Quantized matrices are random blocks built directly
 (`kquants`), never encoded from floats.
 
 Small files (up to `INDEPENDENT_LIMIT` weights: tiny and 0.8b) get independent random data for
-every tensor. Larger ones (27b) are assembled from a pool of pre-made random blocks per type,
-copied at random block offsets chunk by chunk: writing is then bound by the disk, not numpy, and
-memory stays at a few pools plus one chunk.
+every tensor. Larger ones (27b) are assembled from a pool of pre-made random blocks per type, each
+block of a tensor drawn from it at random: writing is then bound by the disk, not by random number
+generation, and memory stays at a few pools plus one chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -34,7 +34,7 @@ POOL_WEIGHTS = 1 << 24  # weights per pool (per ggml type) for larger files
 CHUNK_WEIGHTS = 1 << 20  # weights produced / copied per write
 
 
-def plan(cfg: layout.Qwen35Config, type: str) -> list[TensorPlan]:
+def tensor_plans(cfg: layout.Qwen35Config, type: str) -> list[TensorPlan]:
     """The tensors of a `type` file of `cfg`, in file order, with their ggml types."""
     return [
         TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
@@ -47,7 +47,7 @@ def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
     n = int(np.prod(shape))
     if name.endswith("_norm.weight"):
         # Stored as llama.cpp stores them: already `1 + w` for the zero-centred norms.
-        return 1.0 + 0.05 * rng.standard_normal(n)
+        return rng.uniform(0.9, 1.1, n)
     if name.endswith(".ssm_a"):
         return -np.exp(rng.uniform(np.log(1.0), np.log(16.0), n))
     if name.endswith(".ssm_dt.bias"):
@@ -79,22 +79,22 @@ class _Weights:
             for start in range(0, n, CHUNK_WEIGHTS):
                 yield random_blocks(plan.ggml_type, min(CHUNK_WEIGHTS, n - start), WEIGHT_STD, rng)
             return
-        # Copy chunks from random block offsets of the pool, so tensors (and rows) differ.
+        # Each chunk gathers randomly chosen blocks of the pool: a row repeats another only if all
+        # its blocks were drawn the same (about pool_blocks ** -blocks_per_row).
         pool = self._pool(plan.ggml_type)
-        weights_per_block, block_bytes = GGML_QUANT_SIZES[plan.ggml_type]
-        pool_blocks = POOL_WEIGHTS // weights_per_block
+        weights_per_block = GGML_QUANT_SIZES[plan.ggml_type][0]
         chunk_blocks = CHUNK_WEIGHTS // weights_per_block
         remaining = n // weights_per_block
         while remaining:
             take = min(chunk_blocks, remaining)
-            start = int(rng.integers(0, pool_blocks - take + 1))
-            yield pool[start * block_bytes : (start + take) * block_bytes]
+            yield np.take(pool, rng.integers(0, len(pool), take), axis=0)
             remaining -= take
 
     def _pool(self, ggml_type: GGMLQuantizationType) -> np.ndarray:
         if ggml_type not in self.pools:
             rng = np.random.default_rng([self.seed, 1 << 31, int(ggml_type)])
-            self.pools[ggml_type] = random_blocks(ggml_type, POOL_WEIGHTS, WEIGHT_STD, rng)
+            blocks = random_blocks(ggml_type, POOL_WEIGHTS, WEIGHT_STD, rng)
+            self.pools[ggml_type] = blocks.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])  # one row per block
         return self.pools[ggml_type]
 
 
@@ -114,7 +114,7 @@ def write(
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
     tokens = vocab_source.synthetic(vocab, cfg.vocab)
-    tensors = plan(cfg, type)
+    tensors = tensor_plans(cfg, type)
     total = sum(int(np.prod(p.shape)) for p in tensors)
 
     def add_metadata(writer) -> None:
