@@ -374,8 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Later subcommands (generate, bench, serve) add themselves here from their own modules.
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+def _add_serve_parser(commands: Any) -> None:
+    from .server.cli import add_serve_parser
+
+    add_serve_parser(commands)
+
+
+# Subcommands that live in their own modules.
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = [_add_serve_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,8 @@ import json
 from typing import Any, AsyncIterator
 
 from litestar import Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from . import sse
 from .errors import APIError, invalid
@@ -193,11 +195,12 @@ def _json_object(text: str) -> dict:
 
 
 @post("/v1/messages", status_code=200, summary="Create a message (Anthropic Messages API)", tags=["anthropic"])
-async def messages(data: MessagesRequest, service: ModelService) -> Response[Any]:
+async def messages(data: JSONBody[MessagesRequest], service: NamedDependency[ModelService]) -> Response[Any]:
     conversation = _conversation(data)
     sampling = {key: value for key, value in {"temperature": data.temperature, "top_p": data.top_p,
                                               "top_k": data.top_k}.items() if value is not None}
-    options = Options(max_tokens=data.max_tokens, sampling=sampling,
+    budget = data.thinking.budget_tokens if data.thinking is not None and data.thinking.type == "enabled" else None
+    options = Options(max_tokens=data.max_tokens, sampling=sampling, think_budget=budget,
                       stop=stop_list(data.stop_sequences, "stop_sequences"))
     generation = start_chat(service, conversation, options)
     message = {
@@ -232,7 +235,7 @@ async def _stream(generation: Generation, builder: MessageBuilder) -> AsyncItera
 
 @post("/v1/messages/count_tokens", status_code=200, summary="Count a request's input tokens (Anthropic)",
       tags=["anthropic"])
-async def count_tokens(data: CountTokensRequest, service: ModelService) -> dict[str, int]:
+async def count_tokens(data: JSONBody[CountTokensRequest], service: NamedDependency[ModelService]) -> dict[str, int]:
     service.require_ready()
     prompt = render_chat(service, _conversation(data))
     return {"input_tokens": len(prompt.ids)}

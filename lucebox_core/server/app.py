@@ -74,7 +74,9 @@ KNOWN_PATHS = {
 
 def create_app(config: ServeConfig, service: ModelService | None = None, *, load: bool = True) -> Litestar:
     """The app for `config`. The model loads in the background once the server starts (unless `load`
-    is False, or `service` already holds a loaded model)."""
+    is False, or `service` already holds a loaded model). A `service` passed in stays open when the app
+    shuts down (its owner closes it, and may serve it from several apps)."""
+    owned = service is None
     service = service if service is not None else ModelService(config)
 
     def on_startup() -> None:
@@ -91,7 +93,7 @@ def create_app(config: ServeConfig, service: ModelService | None = None, *, load
         openapi_config=OpenAPIConfig(title="Lucebox", version=__version__,
                                      description="OpenAI-, Responses- and Anthropic-compatible LLM server"),
         on_startup=[on_startup],
-        on_shutdown=[service.close],
+        on_shutdown=[service.close] if owned else [],
         request_max_body_size=64 * 1024 * 1024,
         state={"service": service},
         debug=False,

@@ -21,7 +21,7 @@ def add_serve_parser(commands: Any) -> None:
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="sequences generated at once; the rest wait in a queue (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=None,
-                   help="max tokens for requests that set none (default: what fits in the context)")
+                   help="most tokens one request may generate (default: what fits in the context)")
     p.add_argument("--model-name", help="model id reported to clients (default: the file name); any id is accepted")
     p.add_argument("--chat-template-file", help="jinja chat template to use instead of the GGUF's")
     p.add_argument("--api-key", default=os.environ.get("LUCEBOX_API_KEY"),
@@ -49,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model=args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, model_name=args.model_name,
         chat_template_file=args.chat_template_file, api_key=args.api_key, parallel=args.parallel,
-        backend=args.backend, device=args.device, default_max_tokens=args.n_predict,
+        backend=args.backend, device=args.device, n_predict=args.n_predict,
         think_max_tokens=args.think_max_tokens, thinking_default=args.reasoning == "on",
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -67,7 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=3))
     print(f"Lucebox listening on http://{args.host}:{args.port} (OpenAI base URL http://{args.host}:{args.port}/v1); "
           "the model loads in the background", file=sys.stderr)
-    server.run()
+    try:
+        server.run()
+    finally:
+        service.close()
     if failure:
         raise LuceboxError(f"cannot load the model: {failure[0]}")
     if not server.started:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from ..errors import LuceboxError
 
@@ -123,11 +123,12 @@ def handle_exception(request: Request, exc: Exception) -> Response:
         error = exc
     elif isinstance(exc, ValidationException):
         error = _from_validation(exc)
+    elif isinstance(exc, HTTPException) and isinstance(exc.__cause__, SerializationException):
+        detail = str(exc.detail).removeprefix("JSON is malformed: ")
+        error = invalid(f"the request body is not valid JSON: {detail}", code="malformed_json")
     elif isinstance(exc, HTTPException):
         detail = str(exc.detail)
-        if exc.status_code == 400 and "JSON is malformed" in detail:
-            detail = f"the request body is not valid JSON: {detail.removeprefix('JSON is malformed: ')}"
-        error = APIError(exc.status_code, detail, code="malformed_json" if "JSON" in detail else None)
+        error = APIError(exc.status_code, detail)
         if exc.status_code >= 500:
             log.error("server error on %s %s: %s", request.method, request.url.path, detail)
     elif isinstance(exc, LuceboxError):

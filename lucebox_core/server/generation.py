@@ -12,12 +12,13 @@ import time
 from typing import Any, AsyncIterator, Iterable
 
 import attrs
+import torch
 
 from ..chat_template import decode_tool_arguments
 from ..engine import GenerationRequest, Step
 from ..errors import LuceboxError
 from ..sampling import SamplingParams
-from .errors import APIError, invalid
+from .errors import invalid
 from .scheduler import Finished
 from .service import ModelService
 
@@ -57,6 +58,7 @@ class Options:
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
     json_schema: dict | None = None  # structured output: this schema
     json_object: bool = False  # structured output: any JSON object
+    think_budget: int | None = None  # close the reasoning after this many tokens (may only tighten --think-max-tokens)
 
 
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
@@ -119,6 +121,19 @@ class Prompt:
     in_reasoning: bool = False  # the template opened a thought the model will continue
 
 
+def one_system_message(messages: list[dict]) -> list[dict]:
+    """All system (and developer) messages merged into one, first.
+
+    Clients send several (Codex: `instructions` plus developer messages; some put one mid-conversation),
+    while most templates (Qwen's among them) accept one system message, at the beginning only.
+    """
+    systems = [m for m in messages if m.get("role") == "system"]
+    if len(systems) <= 1 and (not systems or messages[0] is systems[0]):
+        return messages
+    merged = {"role": "system", "content": "\n\n".join(str(m.get("content") or "") for m in systems)}
+    return [merged] + [m for m in messages if m.get("role") != "system"]
+
+
 def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
     loaded = service.loaded
     template = loaded.chat_template
@@ -136,7 +151,7 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
     if conversation.tool_choice.name is not None:  # a named choice: only that tool is offered
         tools = [t for t in tools if t["function"]["name"] == conversation.tool_choice.name]
     try:
-        text = template.render(decode_tool_arguments(conversation.messages), tools=tools or None,
+        text = template.render(decode_tool_arguments(one_system_message(conversation.messages)), tools=tools or None,
                                add_generation_prompt=True, **kwargs)
     except LuceboxError as exc:
         raise invalid(f"the conversation cannot be rendered: {exc}", param="messages") from None
@@ -173,21 +188,27 @@ def generation_request(service: ModelService, prompt: Prompt, options: Options, 
             "(or start the server with a larger -c/--ctx-size)", param="messages", code="context_length_exceeded",
         )
     room = ctx - len(prompt.ids)
-    max_tokens = options.max_tokens
-    if max_tokens is None:  # the client set no limit: the server's default, else what fits
-        max_tokens = min(service.config.default_max_tokens or room, room)
-    if max_tokens > room:
+    if options.max_tokens is not None and options.max_tokens > room:
         raise invalid(
-            f"`{options.max_tokens_param}` is {max_tokens} but only {room} tokens fit in the context "
+            f"`{options.max_tokens_param}` is {options.max_tokens} but only {room} tokens fit in the context "
             f"({ctx}) after the {len(prompt.ids)}-token prompt", param=options.max_tokens_param,
             code="context_length_exceeded",
         )
+    max_tokens = options.max_tokens if options.max_tokens is not None else room
+    if service.config.n_predict is not None:  # the server's limit (-n), as llama-server applies it
+        max_tokens = min(max_tokens, service.config.n_predict)
+    overrides = dict(options.sampling)
+    if 0 < overrides.get("temperature", 1.0) < 1e-6:
+        overrides["temperature"] = 0.0  # logits divided by so small a number overflow: it is greedy anyway
     try:
-        sampling = SamplingParams.from_gguf_defaults(service.loaded.gguf.metadata, **options.sampling)
+        sampling = SamplingParams.from_gguf_defaults(service.loaded.gguf.metadata, **overrides)
     except (LuceboxError, TypeError, ValueError) as exc:
         raise invalid(f"invalid sampling settings: {exc}") from None
     if constraint is None:
         constraint = structured_output_constraint(service, options, prompt)
+    budgets = [b for b in (service.config.think_max_tokens, options.think_budget) if b is not None]
+    if budgets:
+        constraint = ThinkBudget.wrap(constraint, service.loaded.tokenizer, min(budgets), prompt.in_reasoning)
     return GenerationRequest(
         prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling, stop=options.stop,
         logprobs=options.logprobs, constraint=constraint,
@@ -202,10 +223,54 @@ def structured_output_constraint(service: ModelService, options: Options, prompt
     from ..constraints import json_schema_constraint
 
     schema = options.json_schema if options.json_schema is not None else {"type": "object"}
+    # Compact JSON, as OpenAI's structured outputs give: free whitespace lets a weak model pad
+    # forever (until max_tokens) without ever closing the object. A schema may say otherwise.
+    schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
     try:
         return json_schema_constraint(service.loaded.tokenizer, schema, after_reasoning=prompt.in_reasoning)
     except LuceboxError as exc:
         raise invalid(f"the JSON schema cannot be enforced: {exc}", param="response_format") from None
+
+
+class ThinkBudget:
+    """A constraint that ends a thought after `budget` tokens by allowing only `</think>` next.
+
+    It wraps the request's other constraint (a JSON grammar that leaves the reasoning free, say), which
+    still sees every token; the model then goes on to answer as if it had closed the thought itself.
+    """
+
+    def __init__(self, inner: Any, open_id: int | None, close_id: int, budget: int, thinking: bool):
+        self.inner, self.open_id, self.close_id, self.budget = inner, open_id, close_id, budget
+        self.thinking = thinking
+        self.spent = 0
+
+    @classmethod
+    def wrap(cls, inner: Any, tokenizer: Any, budget: int, thinking: bool) -> Any:
+        close_id = tokenizer.token_to_id("</think>")
+        if close_id is None:  # a model without a single-token close tag has no thought to cut
+            return inner
+        return cls(inner, tokenizer.token_to_id("<think>"), close_id, max(0, budget), thinking)
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        if self.thinking and self.spent >= self.budget:
+            forced = torch.zeros(vocab_size, dtype=torch.bool)
+            forced[self.close_id] = True
+            return forced
+        return self.inner.allowed(vocab_size) if self.inner is not None else None
+
+    def accept(self, token_id: int) -> None:
+        if self.inner is not None:
+            self.inner.accept(token_id)
+        if token_id == self.close_id:
+            self.thinking = False
+        elif token_id == self.open_id:
+            self.thinking = True
+        elif self.thinking:
+            self.spent += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.inner is not None and self.inner.finished
 
 
 # ------------------------------------------------------------------------------------ the events

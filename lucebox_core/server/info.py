@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 
 from .. import __version__
 from .errors import invalid
@@ -27,17 +29,17 @@ def _model_card(service: ModelService) -> dict:
 
 
 @get("/v1/models", summary="List the served model (OpenAI)", tags=["openai"])
-async def list_models(service: ModelService) -> dict[str, Any]:
+async def list_models(service: NamedDependency[ModelService]) -> dict[str, Any]:
     return {"object": "list", "data": [_model_card(service)]}
 
 
 @get("/v1/models/{model_id:path}", summary="Describe a model (any id names the served model)", tags=["openai"])
-async def retrieve_model(model_id: str, service: ModelService) -> dict[str, Any]:
+async def retrieve_model(model_id: FromPath[str], service: NamedDependency[ModelService]) -> dict[str, Any]:
     return _model_card(service)
 
 
 @get("/health", summary="200 when ready, 503 while loading or after a failed load", tags=["server"])
-async def health(service: ModelService) -> Response[dict[str, Any]]:
+async def health(service: NamedDependency[ModelService]) -> Response[dict[str, Any]]:
     if service.status == "ok":
         return Response({"status": "ok"}, status_code=200)
     body: dict[str, Any] = {"status": service.status}
@@ -47,7 +49,7 @@ async def health(service: ModelService) -> Response[dict[str, Any]]:
 
 
 @get("/props", summary="Model, context and runtime settings (Lucebox /props, schema 2)", tags=["server"])
-async def props(service: ModelService) -> dict[str, Any]:
+async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
     config = service.config
     loaded = service.loaded
     body: dict[str, Any] = {
@@ -95,12 +97,12 @@ async def props(service: ModelService) -> dict[str, Any]:
 
 
 @get("/metrics", summary="Prometheus metrics", tags=["server"], media_type="text/plain; version=0.0.4")
-async def metrics(service: ModelService) -> str:
+async def metrics(service: NamedDependency[ModelService]) -> str:
     return service.metrics.render()
 
 
 @post("/tokenize", status_code=200, summary="Text to token ids (llama.cpp)", tags=["server"])
-async def tokenize(data: TokenizeRequest, service: ModelService) -> dict[str, Any]:
+async def tokenize(data: JSONBody[TokenizeRequest], service: NamedDependency[ModelService]) -> dict[str, Any]:
     service.require_ready()
     tokenizer = service.loaded.tokenizer
     ids = tokenizer.encode(data.content, add_bos=data.add_special, parse_special=data.parse_special)
@@ -110,7 +112,7 @@ async def tokenize(data: TokenizeRequest, service: ModelService) -> dict[str, An
 
 
 @post("/detokenize", status_code=200, summary="Token ids to text (llama.cpp)", tags=["server"])
-async def detokenize(data: DetokenizeRequest, service: ModelService) -> dict[str, Any]:
+async def detokenize(data: JSONBody[DetokenizeRequest], service: NamedDependency[ModelService]) -> dict[str, Any]:
     service.require_ready()
     tokenizer = service.loaded.tokenizer
     bad = [i for i in data.tokens if not 0 <= i < tokenizer.vocab_size]

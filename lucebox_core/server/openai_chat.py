@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-import msgspec
 from litestar import Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from ..errors import LuceboxError
 from . import sse
@@ -143,6 +144,9 @@ def start_chat(service: ModelService, conversation: Conversation, options: Optio
             constraint = parser.constraint_for(wanted, service.loaded.tokenizer)
         except LuceboxError as exc:
             raise invalid(f"the tool call cannot be enforced: {exc}", param="tool_choice") from None
+        if constraint is None:
+            raise invalid(f"this model family ({service.architecture}) has no tool-call grammar, so a tool call "
+                          "cannot be forced; use tool_choice 'auto'", param="tool_choice")
     request = generation_request(service, prompt, options, constraint)
     return Generation(service, prompt, request, parser)
 
@@ -155,7 +159,7 @@ def _logprob_entry(entry: TokenLogprob) -> dict:
 
 
 @post("/v1/chat/completions", status_code=200, summary="Chat completion (OpenAI)", tags=["openai"])
-async def chat_completions(data: ChatCompletionRequest, service: ModelService) -> Response[Any]:
+async def chat_completions(data: JSONBody[ChatCompletionRequest], service: NamedDependency[ModelService]) -> Response[Any]:
     conversation, options = conversation_and_options(data)
     generation = start_chat(service, conversation, options)
     chat_id, created, model = new_id("chatcmpl-"), now(), service.model_name

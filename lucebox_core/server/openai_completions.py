@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from litestar import Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from . import sse
 from .errors import invalid
@@ -32,7 +34,7 @@ def _logprobs(entries: list[TokenLogprob], offset: int) -> dict:
 
 
 @post("/v1/completions", status_code=200, summary="Text completion (OpenAI legacy)", tags=["openai"])
-async def completions(data: CompletionRequest, service: ModelService) -> Response[Any]:
+async def completions(data: JSONBody[CompletionRequest], service: NamedDependency[ModelService]) -> Response[Any]:
     service.require_ready()
     if data.n not in (None, 1) or data.best_of not in (None, 1):
         raise invalid("only `n` = 1 (and `best_of` = 1) is supported", param="n")

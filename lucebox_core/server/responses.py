@@ -9,11 +9,12 @@ into output items, for the stream and for the final object alike.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator
 
 import attrs
 from litestar import Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from . import sse
 from .errors import APIError, invalid
@@ -248,7 +249,7 @@ class ResponseBuilder:
 
 
 @post("/v1/responses", status_code=200, summary="Create a response (OpenAI Responses API)", tags=["openai"])
-async def create_response(data: ResponsesRequest, service: ModelService) -> Response[Any]:
+async def create_response(data: JSONBody[ResponsesRequest], service: NamedDependency[ModelService]) -> Response[Any]:
     conversation, options, messages = conversation_and_options(data, service)
     generation = start_chat(service, conversation, options)
     response = {

@@ -14,11 +14,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import attrs
 
 from ..engine import Engine, GenerationRequest, Step, Timings
+from .errors import APIError
 
 log = logging.getLogger("lucebox.server")
 
@@ -80,6 +81,7 @@ class Scheduler:
         self.parallel = max(1, parallel)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running = 0
+        self.closed = False
         self._lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._work, name=f"lucebox-slot-{index}", daemon=True)
@@ -97,11 +99,14 @@ class Scheduler:
         return self._running
 
     def submit(self, request: GenerationRequest) -> Job:
+        if self.closed:
+            raise APIError(503, "the server is shutting down", type="server_unavailable")
         job = Job(request, asyncio.get_running_loop())
         self._queue.put(job)
         return job
 
     def close(self) -> None:
+        self.closed = True
         for _ in self._threads:
             self._queue.put(None)
 

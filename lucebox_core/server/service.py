@@ -32,7 +32,7 @@ class ServeConfig:
     parallel: int = 1
     backend: str | None = None
     device: str | None = None
-    default_max_tokens: int | None = None  # for requests that set none (default: what fits in the context)
+    n_predict: int | None = None  # most tokens one request generates (None: what fits in the context)
     think_max_tokens: int | None = None  # close a thought that runs longer than this
     thinking_default: bool = False  # thinking when the request does not say (Lucebox's default: off)
     responses_kept: int = 256  # recent /v1/responses kept for previous_response_id

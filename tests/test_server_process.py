@@ -1,0 +1,95 @@
+"""`lucebox serve` as a real process: the socket is up before the model, /health says so, a client
+that leaves mid-stream frees its slot, and a model that cannot load ends the process with an error."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+
+from lucebox_core.server.testing import free_port
+
+
+def start(*args: str, home) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "LUCEBOX_HOME": str(home)}
+    process = subprocess.Popen([sys.executable, "-m", "lucebox_core.server", "--port", str(port), *args],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def stop(process: subprocess.Popen) -> str:
+    if process.poll() is None:
+        process.terminate()
+    output, _ = process.communicate(timeout=30)
+    return output
+
+
+def wait_for_socket(process: subprocess.Popen, url: str, timeout: float = 60) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(f"{url}/health", timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError("the server never opened its socket")
+
+
+def test_health_while_loading_then_disconnect_frees_the_slot(tmp_path):
+    process, url = start("-c", "4096", "-np", "1", home=tmp_path)
+    try:
+        first = wait_for_socket(process, url)
+        statuses = [first.status_code]
+        if first.status_code == 503:
+            assert first.json()["status"] == "loading"
+        while statuses[-1] != 200:
+            time.sleep(0.1)
+            statuses.append(httpx.get(f"{url}/health").status_code)
+            assert process.poll() is None and len(statuses) < 1200
+        # The model (written on first use into the fresh LUCEBOX_HOME) takes seconds to appear.
+        assert statuses[0] == 503 and set(statuses) == {503, 200}
+
+        # A stream that would run for thousands of tokens; leave after its first token.
+        body = {"model": "m", "messages": [{"role": "user", "content": "Write a long story."}], "stream": True,
+                "max_tokens": 4000, "temperature": 1.0}
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                        break
+        # With one slot, this request could only run once the abandoned one has stopped.
+        started = time.monotonic()
+        quick = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        elapsed = time.monotonic() - started
+        assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 2
+        assert elapsed < 30, f"the abandoned stream kept the slot for {elapsed:.1f}s"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert re.search(r"^lucebox_cancelled_generations_total 1$", metrics, re.MULTILINE), metrics
+        assert re.search(r"^lucebox_running_generations 0$", metrics, re.MULTILINE)
+    finally:
+        output = stop(process)
+    assert "Traceback" not in output, output
+
+
+def test_a_model_that_cannot_load_ends_the_server(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    process, url = start("-m", str(broken), home=tmp_path)
+    process.wait(timeout=120)
+    output = process.communicate()[0]
+    assert process.returncode == 2
+    assert "error: cannot load the model" in output and "broken.gguf" in output
+
+
+def test_a_missing_model_file_is_refused_at_once(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "lucebox_core.server", "-m", str(tmp_path / "none.gguf")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no such file" in result.stderr
