@@ -155,7 +155,8 @@ class MessageBuilder:
             events.append(self._delta({"type": "thinking_delta", "thinking": event.text} if kind == "thinking"
                                       else {"type": "text_delta", "text": event.text}))
         elif isinstance(event, ToolCallStart):
-            block = {"type": "tool_use", "id": new_id("toolu_"), "name": event.name, "input": {}}
+            # The call's own id under Anthropic's prefix, so tool-call replay finds it when it comes back.
+            block = {"type": "tool_use", "id": "toolu_" + event.id.split("_", 1)[-1], "name": event.name, "input": {}}
             self.calls[event.index] = block
             self.arguments[event.index] = ""
             events += self._open(block)

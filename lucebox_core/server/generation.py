@@ -19,6 +19,7 @@ from ..engine import GenerationRequest, Step
 from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .errors import invalid
+from .replay import content_after_reasoning
 from .scheduler import Finished
 from .service import ModelService
 
@@ -151,7 +152,8 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
     if conversation.tool_choice.name is not None:  # a named choice: only that tool is offered
         tools = [t for t in tools if t["function"]["name"] == conversation.tool_choice.name]
     try:
-        text = template.render(decode_tool_arguments(one_system_message(conversation.messages)), tools=tools or None,
+        messages = service.tool_replay.restore(one_system_message(conversation.messages))
+        text = template.render(decode_tool_arguments(messages), tools=tools or None,
                                add_generation_prompt=True, **kwargs)
     except LuceboxError as exc:
         raise invalid(f"the conversation cannot be rendered: {exc}", param="messages") from None
@@ -372,7 +374,7 @@ class Generation:
         metrics = service.metrics
         generated = 0
         reasoning_chars = 0
-        tool_calls = 0
+        call_ids: list[str] = []
         finish = "length"
         try:
             async for item in self.job:
@@ -387,7 +389,7 @@ class Generation:
                 self.raw_text.append(step.text)
                 for event in self._parse(step.text, final=step.finish_reason is not None):
                     if isinstance(event, ToolCallStart):
-                        tool_calls += 1
+                        call_ids.append(event.id)
                     if isinstance(event, TextDelta) and event.reasoning:
                         reasoning_chars += len(event.text)
                     yield event
@@ -397,8 +399,11 @@ class Generation:
                 return
         except LuceboxError as exc:
             raise invalid(str(exc)) from None
-        if tool_calls and finish == "stop":
+        if call_ids and finish == "stop":
             finish = "tool_calls"
+        if call_ids:
+            raw = content_after_reasoning("".join(self.raw_text), self.prompt.in_reasoning)
+            service.tool_replay.remember(call_ids, raw)
         reasoning_tokens = 0
         if reasoning_chars:
             reasoning_tokens = min(generated, len(tokenizer.encode(

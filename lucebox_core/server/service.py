@@ -16,6 +16,7 @@ import attrs
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .replay import ToolCallReplay
 
 log = logging.getLogger("lucebox.server")
 
@@ -55,6 +56,7 @@ class ModelService:
             running=lambda: self.scheduler.running if self.scheduler else 0,
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
+        self.tool_replay = ToolCallReplay()
         self._on_load_error = on_load_error
         self._lock = threading.Lock()
 
