@@ -8,6 +8,8 @@ second process writing the same file) never sees a partial file.
 
 from __future__ import annotations
 
+import logging
+
 import os
 import secrets
 import sys
@@ -18,6 +20,9 @@ from typing import Any
 import attrs
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
+
+# gguf's writer logs every file it writes at INFO; our own progress bar and messages say enough.
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 from .filetypes import nbytes
 
