@@ -1,7 +1,7 @@
 """What the core provides itself, registered through the same hooks as any plugin."""
 
 from . import hookimpl
-from .specs import KernelBackend, KVPolicy
+from .specs import Drafter, KernelBackend, KVPolicy, Verifier
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -33,4 +33,32 @@ def lucebox_kv_policies():
             factory="lucebox_core.kv:FullKVCache",
             description="every position's K and V kept, contiguous per sequence",
         )
+    ]
+
+
+@hookimpl
+def lucebox_drafters():
+    return [
+        Drafter(
+            name="dflash",
+            factory="lucebox_core.speculative.dflash:load",
+            architectures=["dflash-draft", "qwen35-dflash-draft"],
+            description="DFlash block-diffusion drafter conditioned on captured target features",
+        )
+    ]
+
+
+@hookimpl
+def lucebox_verifiers():
+    return [
+        Verifier(
+            name="chain",
+            factory="lucebox_core.speculative.loop:ChainVerifier",
+            description="one drafted block verified as a chain; speculative sampling at temperature > 0",
+        ),
+        Verifier(
+            name="ddtree",
+            factory="lucebox_core.speculative.loop:DDTreeVerifier",
+            description="best-first draft tree (chain pre-seed, budget 22 or auto) verified in one pass",
+        ),
     ]

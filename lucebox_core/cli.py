@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import __version__
 from .errors import LuceboxError
@@ -116,7 +117,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise LuceboxError(f"--size {args.size!r} is not one of {', '.join(synthesizer.sizes)} for {args.arch}")
     if args.type not in synthesizer.types:
         raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(synthesizer.types)} for {args.arch}")
-    path = synthesizer.write(Path(args.output), size=args.size, type=args.type, seed=args.seed, vocab=args.vocab)
+    extra = {"target": args.target} if args.target else {}
+    path = synthesizer.write(Path(args.output), size=args.size, type=args.type, seed=args.seed, vocab=args.vocab,
+                             **extra)
     print(f"wrote {path} ({args.arch} {args.size} {args.type}, seed {args.seed}, RANDOM WEIGHTS)")
     return 0
 
@@ -199,6 +202,55 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
 
 
+def _tree_budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the tree budget must be at least 1, got {value}")
+    return value
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser, *, force: bool) -> None:
+    """The speculative-decoding flags (generate, bench, serve)."""
+    p.add_argument("-md", "--model-draft", "--draft", dest="model_draft",
+                   help="DFlash draft GGUF: enables speculative decoding")
+    p.add_argument("--spec-type", choices=("chain", "ddtree"), default="ddtree",
+                   help="verify one drafted block (chain) or a best-first draft tree (ddtree, the default)")
+    p.add_argument("--tree-budget", type=_tree_budget, default=22,
+                   help="drafted nodes per ddtree verify (default 22), or 'auto': from the measured verify-cost "
+                        "curve and the drafter's confidence")
+    p.add_argument("--draft-block-size", type=int, help="positions per draft block (default: the draft's, 16)")
+    if force:
+        p.add_argument("--force-accept", type=float, metavar="K",
+                       help="benchmark aid: replace the first K drafts per step by the target's own greedy "
+                            "continuation (computed first) so exactly K are accepted; fractional K mixes "
+                            "floor and ceil. Output equals plain greedy. Never a real acceptance rate.")
+
+
+def load_speculative(args: argparse.Namespace, loaded: Any) -> Any:
+    """The `SpeculativeDecoder` the flags ask for, or None without -md."""
+    if not getattr(args, "model_draft", None):
+        if getattr(args, "force_accept", None) is not None:
+            raise LuceboxError("--force-accept needs a drafter (-md/--model-draft FILE)")
+        return None
+    from .plugins import registry
+    from .speculative import SpeculativeDecoder
+
+    force = getattr(args, "force_accept", None)
+    if force is not None and not 0 <= force:
+        raise LuceboxError(f"--force-accept must be >= 0, got {force}")
+    drafter = registry().named("lucebox_drafters", "dflash", "drafter").create(args.model_draft, loaded.model)
+    decoder = SpeculativeDecoder(loaded.model, drafter, spec_type=args.spec_type, budget=args.tree_budget,
+                                 block_size=args.draft_block_size)
+    if force is not None and force > decoder.block_size - 1:
+        raise LuceboxError(f"--force-accept {force} exceeds the {decoder.block_size - 1} drafts of a block")
+    return decoder
+
+
 def _load(args: argparse.Namespace, **options: Any) -> Any:
     from .loading import load_model
 
@@ -241,13 +293,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
-    engine = Engine(loaded.model, tokenizer, ctx_size=args.ctx_size)
+    speculative = load_speculative(args, loaded)
+    engine = Engine(loaded.model, tokenizer, ctx_size=args.ctx_size, speculative=speculative)
     request = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=args.n_predict, sampling=sampling, stop=args.stop or (),
         ignore_eos=args.ignore_eos,
     )
+    if args.force_accept is not None:
+        if not sampling.greedy:
+            raise LuceboxError("--force-accept needs greedy decoding (--temp 0)")
+        import attrs
+
+        # The plain greedy continuation, one block past the end so the last step is forced like the others.
+        reference = engine.generate(
+            attrs.evolve(request, speculative=False, max_tokens=args.n_predict + speculative.block_size)
+        )
+        request = attrs.evolve(request, force_accept=args.force_accept, force_reference=reference.token_ids)
     if args.json:
         result = engine.generate(request)
+        spec_info = {}
+        if speculative is not None:
+            spec_info = {
+                "accepted_lengths": result.timings.accepted_lengths,
+                "mean_accepted_length": round(result.timings.mean_accepted_length, 3),
+                "speculative": speculative.describe(),
+                "forced_accept": args.force_accept,
+            }
         _print_json(
             {
                 "token_ids": result.token_ids,
@@ -259,6 +330,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "prompt_tokens_per_s": round(result.timings.prompt_tokens_per_s, 3),
                 "decode_tokens_per_s": round(result.timings.decode_tokens_per_s, 3),
                 "backend": loaded.backend_name,
+                **spec_info,
             }
         )
         return 0
@@ -271,9 +343,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         finish = step.finish_reason or finish
     sys.stdout.write("\n")
+    accepted = ""
+    if timings.accepted_lengths:
+        forced = " FORCED" if args.force_accept is not None else ""
+        accepted = f", {timings.mean_accepted_length:.2f} tokens per verify{forced}"
     print(
         f"[{finish}] prompt {timings.prompt_tokens} tokens at {timings.prompt_tokens_per_s:.1f} tok/s, "
-        f"generated {timings.decode_tokens} tokens at {timings.decode_tokens_per_s:.1f} tok/s ({loaded.backend_name})",
+        f"generated {timings.decode_tokens} tokens at {timings.decode_tokens_per_s:.1f} tok/s ({loaded.backend_name})"
+        f"{accepted}",
         file=sys.stderr,
     )
     return 0
@@ -287,7 +364,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     loaded = _load(args)
     ctx = max(args.ctx_size, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
-    rows = run_bench(loaded, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps, ctx_size=ctx)
+    speculative = load_speculative(args, loaded)
+    rows = run_bench(loaded, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps, ctx_size=ctx,
+                     speculative=speculative, force_accept=args.force_accept)
     if args.json:
         _print_json(rows)
     else:
@@ -318,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="f32", help="f32, f16, q8_0, q4_k_m (what the family offers)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--vocab", help="tokenizer GGUF to take the vocabulary from (default: the family's)")
+    p.add_argument("--target", help="for drafter architectures: the target GGUF the drafter must fit")
     p.add_argument("-o", "--output", required=True, help="GGUF file to write")
     p.set_defaults(run=cmd_synth)
 
@@ -358,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, speeds) instead of text")
+    add_speculative_arguments(p, force=True)
     p.set_defaults(run=cmd_generate)
 
     p = commands.add_parser("bench", help="measure prompt and decode speed, like llama-bench")
@@ -367,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--depth", type=_comma_ints, default=[0], help="context depths for decode (default 0)")
     p.add_argument("-r", "--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
     p.add_argument("--json", action="store_true", help="print a JSON list of results")
+    add_speculative_arguments(p, force=True)
     p.set_defaults(run=cmd_bench)
 
     for register in _EXTRA_COMMANDS:

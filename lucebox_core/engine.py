@@ -12,13 +12,16 @@ The model is anything with `vocab_size`, `context_length`, `new_state(max_tokens
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Protocol, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol
 
 import attrs
 import torch
 
 from .errors import LuceboxError
 from .sampling import Sampler, SamplingParams, StopMatcher
+from .speculative.loop import ForcedStep, forced_accept_counts
 
 
 class CausalLM(Protocol):
@@ -39,6 +42,11 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     constraint: Any = None  # a `Constraint`: restricts which tokens may come next (grammars, JSON schema)
+    speculative: bool = True  # use the engine's drafter, if it has one (logprobs and constraints decode plainly)
+    # `--force-accept`: the plain greedy continuation of this request, and the mean number of drafts per
+    # step to replace with it, so the real verifier accepts exactly that many (benchmarks, tests).
+    force_accept: float | None = None
+    force_reference: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
 class Constraint(Protocol):
@@ -71,6 +79,12 @@ class Timings:
     prompt_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    # Speculative decoding: per verify step, the tokens it produced (accepted drafts + the bonus).
+    accepted_lengths: list[int] = attrs.Factory(list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -97,6 +111,7 @@ class Sequence:
     tokens: list[int] = attrs.Factory(list)  # every token the model has seen, in order
     pending_logits: torch.Tensor | None = None  # logits after the last token, not yet sampled from
     unfed: list[int] = attrs.Factory(list)  # generated tokens the model has not seen yet (the last one)
+    draft: Any = None  # the drafter's state for this sequence (speculative decoding)
 
     @property
     def length(self) -> int:
@@ -104,15 +119,22 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None, prefill_chunk: int = 512):
+    """`speculative`: a `lucebox_core.speculative.SpeculativeDecoder` (drafter + verifier) for the model, or None."""
+
+    def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None, prefill_chunk: int = 512,
+                 speculative: Any = None):
         self.model = model
         self.tokenizer = tokenizer
         self.ctx_size = min(ctx_size or model.context_length, model.context_length)
         self.prefill_chunk = prefill_chunk
         self.eog_ids = frozenset(getattr(tokenizer, "eot_ids", ()) or ())
+        self.speculative = speculative
 
     def new_sequence(self) -> Sequence:
-        return Sequence(self.model.new_state(self.ctx_size))
+        sequence = Sequence(self.model.new_state(self.ctx_size))
+        if self.speculative is not None:
+            sequence.draft = self.speculative.prepare(sequence.state, self.ctx_size)
+        return sequence
 
     def _synchronize(self, logits: torch.Tensor) -> None:
         if logits.device.type == "cuda":
@@ -155,41 +177,84 @@ class Engine:
         if request.max_tokens <= 0:
             yield Step(None, "", "length")
             return
+        speculative = (
+            self.speculative is not None and sequence.draft is not None and request.speculative
+            and request.logprobs is None and request.constraint is None
+        )
+        forced_counts = forced_accept_counts(request.force_accept) if request.force_accept is not None else None
         try:
             while True:
                 start = time.perf_counter()  # decode time counts the model and sampler, not the consumer
-                logits = sequence.pending_logits
-                if request.constraint is not None:
-                    allowed = request.constraint.allowed(logits.shape[-1])
-                    if allowed is not None:
-                        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-                token = sampler.sample(logits, sequence.tokens)
-                generated.append(token)
-                info = self._logprobs(sequence.pending_logits, token, request.logprobs)
-                if request.constraint is not None:
-                    request.constraint.accept(token)
-                # The new token is fed to the model only when another one is wanted after it.
-                sequence.unfed, sequence.pending_logits = [token], None
-                if token in self.eog_ids and not request.ignore_eos:
-                    yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
-                    return
-                text = stops.push(detokenizer.push(token))
-                if stops.stopped:
-                    yield Step(token, text, "stop", *info)
-                    return
-                timings.decode_seconds += time.perf_counter() - start
-                if request.constraint is not None and request.constraint.finished:
-                    yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
-                    return
-                if len(generated) >= request.max_tokens or sequence.length >= self.ctx_size:
-                    yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "length", *info)
-                    return
-                yield Step(token, text, None, *info)
-                start = time.perf_counter()
-                logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
-                sequence.tokens.append(token)
-                sequence.unfed, sequence.pending_logits = [], logits[-1]
-                self._synchronize(logits)
+                block = None
+                if speculative and sequence.length + self.speculative.block_size > self.ctx_size:
+                    # No room left for a whole block: finish plainly, feeding the pending token first.
+                    speculative = False
+                    if sequence.pending_logits is None and sequence.unfed:
+                        logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
+                        sequence.tokens.extend(sequence.unfed)
+                        sequence.unfed, sequence.pending_logits = [], logits[-1]
+                if speculative and sequence.pending_logits is None and sequence.unfed:
+                    # The pending token is the root of a drafted block: one target pass verifies it all.
+                    root = sequence.unfed[0]
+                    forced = None
+                    if forced_counts is not None:
+                        after = request.force_reference[len(generated):]
+                        forced = ForcedStep(tuple(after[: self.speculative.block_size]), next(forced_counts))
+                    block = self.speculative.step(
+                        sequence.state, sequence.draft, root, sequence.tokens + [root], sampler, forced
+                    )
+                    self._synchronize(block.verification.logits)
+                    timings.accepted_lengths.append(len(block.tokens))
+                    tokens = block.tokens
+                else:
+                    logits = sequence.pending_logits
+                    if request.constraint is not None:
+                        allowed = request.constraint.allowed(logits.shape[-1])
+                        if allowed is not None:
+                            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+                    history = sequence.tokens + sequence.unfed
+                    tokens = [sampler.sample(logits, history)]
+                emitted = 0
+                try:
+                    for token in tokens:
+                        info = (None, ())
+                        if block is None:
+                            info = self._logprobs(sequence.pending_logits, token, request.logprobs)
+                        emitted += 1
+                        generated.append(token)
+                        if request.constraint is not None:
+                            request.constraint.accept(token)
+                        # The new token is fed to the model only when another one is wanted after it.
+                        if block is not None:  # the previous pending token is now part of the committed path
+                            sequence.tokens.append(sequence.unfed[0])
+                        sequence.unfed, sequence.pending_logits = [token], None
+                        if token in self.eog_ids and not request.ignore_eos:
+                            yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
+                            return
+                        text = stops.push(detokenizer.push(token))
+                        if stops.stopped:
+                            yield Step(token, text, "stop", *info)
+                            return
+                        timings.decode_seconds += time.perf_counter() - start
+                        if request.constraint is not None and request.constraint.finished:
+                            yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
+                            return
+                        if len(generated) >= request.max_tokens or sequence.length >= self.ctx_size:
+                            yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "length", *info)
+                            return
+                        yield Step(token, text, None, *info)
+                        start = time.perf_counter()
+                finally:
+                    if block is not None and emitted:
+                        # Keep exactly what was emitted: the root and the accepted nodes before the last
+                        # emitted token, which stays pending like any sampled token.
+                        block.commit(emitted)
+                if block is None and not speculative:
+                    token = tokens[0]
+                    logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
+                    sequence.tokens.append(token)
+                    sequence.unfed, sequence.pending_logits = [], logits[-1]
+                    self._synchronize(logits)
                 timings.decode_seconds += time.perf_counter() - start
         finally:
             timings.decode_tokens += len(generated)

@@ -32,6 +32,9 @@ def add_serve_parser(commands: Any) -> None:
     p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
     p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from ..cli import add_speculative_arguments
+
+    add_speculative_arguments(p, force=False)
     p.set_defaults(run=cmd_serve)
 
 
@@ -51,7 +54,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template_file=args.chat_template_file, api_key=args.api_key, parallel=args.parallel,
         backend=args.backend, device=args.device, n_predict=args.n_predict,
         think_max_tokens=args.think_max_tokens, thinking_default=args.reasoning == "on",
+        model_draft=args.model_draft, spec_type=args.spec_type, tree_budget=args.tree_budget,
+        draft_block_size=args.draft_block_size,
     )
+    if args.model_draft is not None and not os.path.isfile(args.model_draft):
+        raise LuceboxError(f"{args.model_draft}: no such file")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None

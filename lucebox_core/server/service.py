@@ -10,7 +10,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -37,6 +38,10 @@ class ServeConfig:
     think_max_tokens: int | None = None  # close a thought that runs longer than this
     thinking_default: bool = False  # thinking when the request does not say (Lucebox's default: off)
     responses_kept: int = 256  # recent /v1/responses kept for previous_response_id
+    model_draft: str | None = None  # DFlash draft GGUF: speculative decoding
+    spec_type: str = "ddtree"
+    tree_budget: int | str = 22
+    draft_block_size: int | None = None
 
 
 class ModelService:
@@ -77,7 +82,8 @@ class ModelService:
                 self.config.model, backend=self.config.backend, device=self.config.device,
                 chat_template_file=self.config.chat_template_file,
             )
-            engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size)
+            engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size,
+                            speculative=self._speculative(loaded))
             self.parser_spec = _parser_for(loaded)
             self.loaded, self.engine = loaded, engine
             self.scheduler = Scheduler(engine, self.config.parallel)
@@ -90,6 +96,22 @@ class ModelService:
                 self._on_load_error(exc)
             if not isinstance(exc, Exception):
                 raise
+
+    def _speculative(self, loaded: Any) -> Any:
+        if not self.config.model_draft:
+            return None
+        from ..plugins import registry
+        from ..speculative import SpeculativeDecoder
+
+        drafter = registry().named("lucebox_drafters", "dflash", "drafter").create(self.config.model_draft, loaded.model)
+        return SpeculativeDecoder(loaded.model, drafter, spec_type=self.config.spec_type,
+                                  budget=self.config.tree_budget, block_size=self.config.draft_block_size)
+
+    @property
+    def drafter_info(self) -> dict[str, Any] | None:
+        """What `/props` reports about speculative decoding (None without a drafter)."""
+        speculative = self.engine.speculative if self.engine is not None else None
+        return speculative.describe() if speculative is not None else None
 
     def close(self) -> None:
         if self.scheduler is not None:

@@ -22,8 +22,10 @@ What llama.cpp's converter baked into the GGUF, and what that means here:
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
@@ -31,10 +33,13 @@ import torch
 
 from lucebox_core.errors import GGUFError, LuceboxError
 from lucebox_core.kv import FullKVCache, KVLayerShape
+from lucebox_core.speculative.trees import TreeIndex
 
 from .layout import Qwen35Config, tensor_shapes
 
 ARCHITECTURE = "qwen35"
+# `<|MASK|>`-like slot of the Qwen3.5/3.6 vocabulary that z-lab's DFlash drafters were trained with.
+QWEN35_MASK_TOKEN_ID = 248070
 
 # transformers name -> GGUF tensor name; `{i}` is the layer index.
 GGUF_NAMES: dict[str, str] = {
@@ -141,6 +146,52 @@ class GatedDeltaNet:
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
 
 
+    def verify_tree(
+        self, x: torch.Tensor, state: GatedDeltaNetState, tree: TreeIndex
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the nodes of a candidate tree `x` `[1, N, hidden]`, each from its parent's state, leaving
+        `state` untouched. Returns the output `[1, N, hidden]` and, per node, the conv state
+        `[N, K-1, C]` and the recurrent state `[N, H_v, D_k, D_v]` after that node.
+
+        Node `i`'s convolution window is the inputs along its own ancestry (then the committed conv
+        state), and its recurrent step starts from its parent's state (the root's from `state`): the
+        per-node form of the one-token decode kernels, so a committed path equals plain decoding.
+        """
+        ops = self.ops
+        _, nodes, _ = x.shape
+        key_dim = self.num_k_heads * self.head_k_dim
+        kernel = self.conv1d.shape[1]
+
+        mixed_qkv = ops.linear(x, self.in_proj_qkv)[0]  # [N, C]
+        # Rows 0..K-2 are the committed conv inputs, row K-1+i the input of node i.
+        history = torch.cat([state.conv[0].to(mixed_qkv.dtype), mixed_qkv], dim=0)
+        windows = history[tree.conv_windows(kernel)]  # [N, K, C], oldest first
+        conv_out = (windows * self.conv1d.to(windows.dtype).t()).sum(dim=1)  # as causal_conv1d_step
+        node_conv = windows[:, 1:]
+        conv_out = ops.silu(conv_out)[:, None]  # [N, 1, C]: one token per node, nodes as the batch
+        query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
+        query = ops.l2norm(query.reshape(nodes, 1, self.num_k_heads, self.head_k_dim))
+        key = ops.l2norm(key.reshape(nodes, 1, self.num_k_heads, self.head_k_dim))
+        value = value.reshape(nodes, 1, self.num_v_heads, self.head_v_dim)
+        beta = ops.sigmoid(ops.linear(x, self.in_proj_b))[0][:, None]  # [N, 1, H_v]
+        g = (self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias))[0][:, None]
+
+        # Slot 0 holds the committed state, slot i + 1 the state after node i.
+        states = torch.empty(nodes + 1, *state.recurrent.shape[1:], device=x.device, dtype=torch.float32)
+        states[0] = state.recurrent[0]
+        core = torch.empty(nodes, 1, self.num_v_heads, self.head_v_dim, device=x.device, dtype=value.dtype)
+        for level in tree.levels:  # parents are one level up, so their states are ready
+            out, states[level + 1] = ops.gated_delta_rule_recurrent(
+                query[level], key[level], value[level], g[level], beta[level], states[tree.parents[level] + 1]
+            )
+            core[level] = out
+        node_state = states[1:]
+
+        z = ops.linear(x, self.in_proj_z).reshape(nodes, 1, self.num_v_heads, self.head_v_dim)
+        core = ops.rms_norm(core, self.norm, self.eps) * ops.silu(z)
+        return ops.linear(core.reshape(1, nodes, -1), self.out_proj), node_conv, node_state
+
+
 @attrs.define
 class GatedAttention:
     """Softmax attention with an output gate (transformers' `Qwen3_5Attention`)."""
@@ -160,8 +211,7 @@ class GatedAttention:
     rope_theta: float
     eps: float
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, past: int) -> torch.Tensor:
-        """`past`: positions the cache held before this forward call; query `i` sees keys `0 .. past + i`."""
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
         ops = self.ops
         batch, tokens, _ = x.shape
         query_and_gate = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, 2 * self.head_dim)
@@ -174,14 +224,38 @@ class GatedAttention:
         # Text-only mRoPE (equal t/h/w positions) is plain 1-D RoPE.
         query = ops.rope_neox(query, positions, self.rope_dim, self.rope_theta)
         key = ops.rope_neox(key, positions, self.rope_dim, self.rope_theta)
+        return query, gate, key, value
 
+    def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        batch, tokens = out.shape[:2]
+        out = out.reshape(batch, tokens, -1) * self.ops.sigmoid(gate.reshape(batch, tokens, -1))
+        return self.ops.linear(out, self.o_proj)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, past: int) -> torch.Tensor:
+        """`past`: positions the cache held before this forward call; query `i` sees keys `0 .. past + i`."""
+        query, gate, key, value = self._project(x, positions)
         all_keys, all_values = kv.append(self.layer_index, key[0], value[0])
-        out = ops.attention(
+        out = self.ops.attention(
             query, all_keys[None].to(query.dtype), all_values[None].to(query.dtype),
             scale=self.head_dim**-0.5, causal_offset=past,
         )
-        out = out.reshape(batch, tokens, -1) * ops.sigmoid(gate.reshape(batch, tokens, -1))
-        return ops.linear(out, self.o_proj)
+        return self._output(out, gate)
+
+    def verify_tree(
+        self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tree nodes `x` `[1, N, hidden]` attend to the whole cache plus the nodes `visible` `[N, N]` lets
+        them see (their ancestors and themselves); the cache is not written. Returns the output and the
+        nodes' K and V rows (in the cache's dtype), for `commit` to keep the accepted ones."""
+        query, gate, key, value = self._project(x, positions)
+        past_keys, past_values = kv.get(self.layer_index)
+        key_rows, value_rows = key[0].to(kv.dtype), value[0].to(kv.dtype)
+        all_keys = torch.cat([past_keys, key_rows])[None].to(query.dtype)
+        all_values = torch.cat([past_values, value_rows])[None].to(query.dtype)
+        mask = torch.cat([torch.ones(len(visible), past_keys.shape[0], dtype=torch.bool, device=visible.device),
+                          visible], dim=1)
+        out = self.ops.attention(query, all_keys, all_values, scale=self.head_dim**-0.5, mask=mask)
+        return self._output(out, gate), key_rows, value_rows
 
 
 @attrs.define
@@ -228,6 +302,23 @@ class Qwen35State:
     linear: dict[int, GatedDeltaNetState]
     length: int = 0  # tokens seen
     captured: dict[int, torch.Tensor] = attrs.Factory(dict)
+    # The drafter's feature ring (`Qwen35Model.enable_capture`): row `pos % capacity` holds the outputs
+    # of `capture_layers`, concatenated, for committed position `pos`.
+    capture_layers: tuple[int, ...] = ()
+    features: torch.Tensor | None = None
+
+
+@attrs.frozen
+class TreeVerification:
+    """What `Qwen35Model.verify` computed for a candidate tree, kept until `commit` picks a path."""
+
+    tree: TreeIndex
+    committed: int  # state.length at verification: the root's position
+    logits: torch.Tensor  # [N, vocab]
+    features: torch.Tensor | None  # [N, n_capture * hidden]
+    kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> K, V rows of every node
+    conv: dict[int, torch.Tensor]  # GDN layer -> [N, K-1, C], conv state after each node
+    recurrent: dict[int, torch.Tensor]  # GDN layer -> [N, H_v, D_k, D_v], state after each node
 
 
 # -- the model -------------------------------------------------------------------------------------------
@@ -310,6 +401,7 @@ class Qwen35Model:
         state.captured = {}
 
         hidden = ops.embedding(token_ids, self.embed_tokens)[None]  # [1, T, hidden]
+        taps = []
         for layer in self.layers:
             mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
             if layer.linear_attn is not None:
@@ -319,6 +411,10 @@ class Qwen35Model:
             hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
             if layer.index in capture:
                 state.captured[layer.index] = hidden[0]
+            if layer.index in state.capture_layers:
+                taps.append(hidden[0])
+        if state.features is not None:
+            self._store_features(state, state.length, self._concat_taps(state, taps))
         state.length += tokens
 
         if last_only:
@@ -327,6 +423,119 @@ class Qwen35Model:
         return ops.linear(hidden, self.lm_head)[0]
 
     __call__ = forward
+
+    # -- the target side of speculative decoding ------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden
+
+    @property
+    def draft_mask_token_id(self) -> int:
+        """The token DFlash drafters fill a block with: Qwen3.5/3.6's `<|MASK|>` slot (a control token)."""
+        return QWEN35_MASK_TOKEN_ID
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[T, hidden]` (drafters share the target's table)."""
+        return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head alone, `[..., hidden] -> [..., vocab]`: no final norm (a drafter applies its own)."""
+        return self.ops.linear(hidden, self.lm_head)
+
+    def enable_capture(self, state: Qwen35State, layers: Collection[int], capacity: int) -> None:
+        """Keep the outputs of `layers` (0-based: transformers' `hidden_states[i + 1]`) of every committed
+        position in a ring of `capacity` rows, for a drafter. Positions already seen are not captured."""
+        bad = [i for i in layers if not 0 <= i < len(self.layers)]
+        if bad:
+            raise LuceboxError(f"cannot capture layers {bad}: the target has {len(self.layers)} layers")
+        state.capture_layers = tuple(layers)
+        state.features = torch.zeros(
+            capacity, len(layers) * self.config.hidden, device=self.ops.device, dtype=self.ops.dtype
+        )
+
+    def read_features(self, state: Qwen35State, start: int, end: int) -> torch.Tensor:
+        """Captured features of committed positions `start .. end-1` (`[end - start, n * hidden]`)."""
+        assert state.features is not None, "enable_capture was not called on this state"
+        capacity = state.features.shape[0]
+        if start < end - capacity or end > state.length:
+            raise LuceboxError(f"features of positions {start}..{end - 1} are not held (ring of {capacity})")
+        slots = torch.arange(start, end, device=state.features.device) % capacity
+        return state.features[slots]
+
+    def _concat_taps(self, state: Qwen35State, taps: list[torch.Tensor]) -> torch.Tensor:
+        # `taps` follow layer order; the ring follows `capture_layers` order.
+        order = sorted(state.capture_layers)
+        return torch.cat([taps[order.index(i)] for i in state.capture_layers], dim=-1)
+
+    def _store_features(self, state: Qwen35State, start: int, rows: torch.Tensor) -> None:
+        assert state.features is not None
+        capacity = state.features.shape[0]
+        rows = rows[-capacity:]
+        start += max(0, len(rows) - capacity)
+        slots = torch.arange(start, start + len(rows), device=state.features.device) % capacity
+        state.features[slots] = rows.to(state.features.dtype)
+
+    def verify(self, state: Qwen35State, tokens: Seq[int] | torch.Tensor, parents: Seq[int]) -> TreeVerification:
+        """Run a candidate tree in one forward pass without committing anything.
+
+        `tokens[0]` is the root (the pending token, at position `state.length`), node `i` has parent
+        `parents[i]` (`-1` for the root; parents precede children) and sits at position
+        `state.length + depth(i)`. Each node sees the committed prefix and its own ancestors; Gated
+        DeltaNet and conv state follow each node's own parent chain. Chain verification is the tree
+        with parents `[-1, 0, 1, ...]`.
+        """
+        ops = self.ops
+        tree = TreeIndex.build(parents, device=ops.device)
+        token_ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(ops.device)
+        committed = state.length
+        if committed + int(tree.depths.max()) + 1 > state.kv.max_context:
+            raise LuceboxError(
+                f"context overflow: verifying {tree.size} nodes at position {committed} needs positions up to "
+                f"{committed + int(tree.depths.max())}; the context holds {state.kv.max_context}"
+            )
+        positions = committed + tree.depths
+        visible = tree.visibility()
+        kv_rows, conv, recurrent, taps = {}, {}, {}, []
+        hidden = ops.embedding(token_ids, self.embed_tokens)[None]
+        for layer in self.layers:
+            mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
+            if layer.linear_attn is not None:
+                out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
+                    mixer_input, state.linear[layer.index], tree
+                )
+            else:
+                out, k_rows, v_rows = layer.self_attn.verify_tree(mixer_input, positions, state.kv, visible)
+                kv_rows[layer.index] = (k_rows, v_rows)
+            hidden = hidden + out
+            hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
+            if layer.index in state.capture_layers:
+                taps.append(hidden[0])
+        features = self._concat_taps(state, taps) if state.features is not None else None
+        logits = ops.linear(ops.rms_norm(hidden, self.norm, self.config.eps), self.lm_head)[0]
+        return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
+
+    def commit(self, state: Qwen35State, verification: TreeVerification, path: Seq[int]) -> None:
+        """Keep the accepted `path` (node indices from the root, each the parent of the next): their KV
+        rows compacted to positions `committed .. committed + len(path) - 1`, the conv and recurrent
+        state after the last of them and their features. Nothing of any other node survives."""
+        path = list(path)
+        if not path or path[0] != 0 or any(
+            int(verification.tree.parents[b]) != a for a, b in itertools.pairwise(path)
+        ):
+            raise ValueError(f"{path} is not a path from the root of the verified tree")
+        committed = verification.committed  # committing again (a longer path) first undoes the last one
+        index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
+        state.kv.crop(committed)
+        for layer, (k_rows, v_rows) in verification.kv_rows.items():
+            state.kv.append(layer, k_rows[index], v_rows[index])
+        last = path[-1]
+        for layer, linear in state.linear.items():
+            linear.conv = verification.conv[layer][last : last + 1].clone()
+            linear.recurrent = verification.recurrent[layer][last : last + 1].clone()
+        if state.features is not None and verification.features is not None:
+            self._store_features(state, committed, verification.features[index])
+        state.length = committed + len(path)
 
 
 # -- loading ---------------------------------------------------------------------------------------------

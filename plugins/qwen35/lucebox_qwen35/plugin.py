@@ -24,7 +24,14 @@ def lucebox_synthesizers():
             sizes=["tiny", "0.8b", "27b"],
             types=["f32", "f16", "q8_0", "q4_k_m"],
             description="random-weight qwen35 GGUF with llama.cpp's exact layout",
-        )
+        ),
+        Synthesizer(
+            name="qwen35-dflash-draft",
+            writer="lucebox_qwen35.draft_synth:write",
+            sizes=["tiny", "full"],
+            types=["f32", "f16", "q8_0", "q4_k_m"],
+            description="random-weight DFlash drafter fitting a qwen35 target (needs --target FILE)",
+        ),
     ]
 
 

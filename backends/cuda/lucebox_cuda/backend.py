@@ -1,0 +1,219 @@
+"""`CudaBackend`: the torch reference ops, with the hot ones replaced by NVRTC-compiled CUDA kernels.
+
+Anything without a kernel yet (or a shape or dtype a kernel does not take) falls through to
+`TorchBackend`, which stays the oracle every kernel is checked against (`scripts/cuda_check.py`).
+
+Weights stay in their GGUF block formats on the GPU: the raw bytes of each `QuantTensor` are uploaded
+once and kept; the matrix-vector kernels dequantize them in registers. Batches of more than `MAX_BATCH`
+activation rows (prefill) dequantize a bounded tile of weight rows at a time into a scratch buffer and
+multiply it with torch (tensor cores through cuBLAS).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lucebox_core.errors import LuceboxError
+from lucebox_core.quants import QuantTensor
+from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight
+
+from . import catalogue
+from .nvrtc import CudaModule, Float, Int, KernelProgram, Pointer, compile_program, ensure_context, launch
+
+ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
+
+
+def device_arch(device: torch.device) -> str:
+    """The NVRTC architecture name of a CUDA device: `sm_90` for compute capability 9.0."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    return tensor.data_ptr() % ALIGNMENT == 0
+
+
+class CudaBackend(TorchBackend):
+    """Ops for one NVIDIA GPU. `dtype` is the activation dtype (bf16 by default; f16 and f32 work too)."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        weight_cache_bytes: int | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise LuceboxError(f"the cuda backend runs on a CUDA device, not {str(device)!r}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device, dtype, weight_cache_bytes)
+        self.arch = device_arch(self.device)
+        self._modules: dict[KernelProgram, CudaModule] = {}
+        self._functions: dict[str, Any] = {}
+        self._device_weights: dict[int, tuple[QuantTensor, QuantTensor]] = {}  # id -> (host, device copy)
+
+    def __repr__(self) -> str:
+        return f"CudaBackend(device={str(self.device)!r}, arch={self.arch}, dtype={self.dtype})"
+
+    # -- kernels ---------------------------------------------------------------------------------------
+
+    def kernel(self, program: KernelProgram, name: str) -> Any:
+        """The loaded kernel `name` of `program`, compiled (or read from the disk cache) on first use."""
+        function = self._functions.get(name)
+        if function is None:
+            module = self._modules.get(program)
+            if module is None:
+                module = self._modules[program] = CudaModule(compile_program(program, self.arch), self.device.index)
+            function = self._functions[name] = module.function(name)
+        return function
+
+    def _launch(self, kernel: tuple[KernelProgram, str], grid: int, block: int, *args: Any) -> None:
+        function = self.kernel(*kernel)
+        ensure_context(self.device.index)
+        launch(function, grid, block, args, stream=torch.cuda.current_stream(self.device).cuda_stream)
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    def device_weight(self, weight: QuantTensor) -> QuantTensor:
+        """`weight`'s raw bytes on this GPU, 16-byte aligned, uploaded on first use and kept."""
+        entry = self._device_weights.get(id(weight))
+        if entry is not None and entry[0] is weight:
+            return entry[1]
+        on_device = weight
+        if weight.data.device != self.device or not _aligned(weight.data):
+            on_device = QuantTensor(weight.name, weight.ggml_type, weight.shape,
+                                    weight.data.to(self.device, non_blocking=False).clone())
+        # The entry holds `weight` itself so that its id cannot be reused by another object.
+        self._device_weights[id(weight)] = (weight, on_device)
+        return on_device
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """Bytes of raw GGUF weight data held on the GPU."""
+        return sum(copy.nbytes for _, copy in self._device_weights.values())
+
+    def _kernel_format(self, x: torch.Tensor, weight: Weight) -> str | None:
+        """The kernel weight-format name if the kernels take this (x, weight) pair, else None."""
+        if not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
+            return None
+        weight_format = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
+        if weight_format is None or x.dtype not in catalogue.ACTIVATIONS or x.device != self.device:
+            return None
+        if x.shape[-1] != weight.shape[1] or weight.shape[1] % catalogue.ROW_MULTIPLE[weight_format]:
+            return None
+        return weight_format
+
+    # -- matmul and embedding --------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        weight_format = self._kernel_format(x, weight)
+        if weight_format is None:
+            return super().linear(x, weight)
+        out_features, in_features = weight.shape
+        rows = x.numel() // in_features
+        x2 = x.reshape(rows, in_features)
+        if rows == 0:
+            out = x2.new_empty(0, out_features)
+        elif rows <= catalogue.MAX_BATCH:
+            out = self.matvec(x2, weight, weight_format)
+        else:
+            out = self._tiled_linear(x2, weight, weight_format)
+        return out.reshape(*x.shape[:-1], out_features)
+
+    def matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ weight.T` for x `[rows, in]` with 1 <= rows <= MAX_BATCH, reading each weight byte once.
+
+        `out`: a contiguous `[rows, out_features]` tensor of x's dtype to write into (default: a new one).
+        """
+        weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
+        x = x.contiguous()
+        if not _aligned(x):
+            x = x.clone()
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        if out is None:
+            out = torch.empty(rows, out_features, dtype=x.dtype, device=self.device)
+        elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
+        data = self.device_weight(weight).data
+        kernel = catalogue.matvec(weight_format, catalogue.ACTIVATIONS[x.dtype], catalogue.batch_tile(rows))
+        grid = -(-out_features // catalogue.MATVEC_WARPS)
+        self._launch(kernel, grid, 32 * catalogue.MATVEC_WARPS, Pointer(data.data_ptr()), Pointer(x.data_ptr()),
+                     Pointer(out.data_ptr()), Int(out_features), Int(in_features), Int(rows))
+        return out
+
+    def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,
+                        weight_format: str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `start:stop` of `weight` as a dense `[stop - start, in]` tensor, decoded on the GPU
+        (into `out` if given: contiguous, that shape, `dtype`)."""
+        weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
+        dtype = dtype or self.dtype
+        out_features, in_features = weight.shape
+        data = self.device_weight(weight).data
+        row_bytes = data.numel() // out_features
+        count = max(stop - start, 0)
+        tile = torch.empty(count, in_features, dtype=dtype, device=self.device) if out is None else out
+        if tile.shape != (count, in_features) or tile.dtype != dtype or not tile.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(count, in_features)}")
+        if count == 0:
+            return tile
+        pieces = count * in_features // 8  # a piece is 8 or more values; the kernel loops over the rest
+        grid = min(-(-pieces // 256), 65535)
+        rows_data = data[start * row_bytes : stop * row_bytes]
+        self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[dtype]), grid, 256,
+                     Pointer(rows_data.data_ptr()), Pointer(tile.data_ptr()), Int(count), Int(in_features))
+        return tile
+
+    def _tiled_linear(self, x: torch.Tensor, weight: QuantTensor, weight_format: str) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        rows_per_tile = max(1, STREAM_BLOCK_BYTES // (in_features * x.element_size()))
+        if rows_per_tile < out_features:
+            # Tiles start on rows whose bytes stay 16-byte aligned (rows of 34- or 210-byte blocks may not be).
+            rows_per_tile = max(8, rows_per_tile // 8 * 8)
+        parts = [
+            F.linear(x, self.dequantize_rows(weight, start, min(start + rows_per_tile, out_features), x.dtype,
+                                             weight_format))
+            for start in range(0, out_features, rows_per_tile)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, QuantTensor):
+            # Gather the rows' raw bytes on the GPU and decode only those.
+            return self.device_weight(weight).lookup_rows(ids.to(self.device), self.dtype)
+        return super().embedding(ids, weight)
+
+    # -- normalisation ---------------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference `rms_norm` in one kernel; `out` (contiguous, like x) is written if given."""
+        n = x.shape[-1]
+        if (
+            x.device != self.device
+            or x.dtype not in catalogue.ACTIVATIONS
+            or weight.dtype not in catalogue.ACTIVATIONS
+            or weight.numel() != n
+            or x.numel() == 0
+        ):
+            result = super().rms_norm(x, weight, eps)
+            return result if out is None else out.copy_(result)
+        x = x.contiguous()
+        weight = weight.to(self.device).contiguous()
+        if out is None:
+            out = torch.empty_like(x)
+        elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+        rows = x.numel() // n
+        threads = min(1024, max(32, -(-n // 4 // 32) * 32))
+        kernel = catalogue.rms_norm(catalogue.ACTIVATIONS[x.dtype], catalogue.ACTIVATIONS[weight.dtype])
+        self._launch(kernel, rows, threads, Pointer(x.data_ptr()), Pointer(weight.data_ptr()),
+                     Pointer(out.data_ptr()), Int(n), Float(eps))
+        return out

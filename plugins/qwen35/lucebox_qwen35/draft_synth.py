@@ -1,0 +1,96 @@
+"""Random-weight DFlash drafters (`qwen35-dflash-draft`) that fit a given qwen35 target GGUF.
+
+The drafter's hidden size is the target's (it reads the target's embeddings and output head); the
+captured layers follow Lucebox's default rule. `full` has the published Qwen3.5-27B drafter's shape
+(5 layers, 32/8 heads x 128, FFN 17408 when the target is 27B; scaled to the target's hidden size
+otherwise); `tiny` is one or two small layers for tests. Matrices are random blocks of the requested
+type (`kquants`), norms F32 near 1, like the target synthesizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from lucebox_core.errors import LuceboxError
+from lucebox_core.speculative.dflash import (
+    DraftConfig,
+    add_metadata,
+    default_target_layers,
+)
+
+from . import layout
+from .filetypes import file_type, stays_f32, tensor_type
+from .gguf_meta import read_metadata
+from .gguf_out import TensorPlan, write_gguf
+from .kquants import random_blocks
+from .model import QWEN35_MASK_TOKEN_ID
+
+ARCH = "qwen35-dflash-draft"
+SIZES = ("tiny", "full")
+TYPES = ("f32", "f16", "q8_0", "q4_k_m")
+WEIGHT_STD = 0.02
+CHUNK_WEIGHTS = 1 << 20  # a multiple of every block size
+
+
+def draft_config(target: layout.Qwen35Config, size: str) -> DraftConfig:
+    hidden = target.hidden
+    if size == "tiny":
+        head_dim = 64
+        n_head = max(2, min(4, hidden // head_dim))
+        return DraftConfig(
+            architecture=ARCH, n_layer=2, hidden=hidden, ffn=2 * hidden, n_head=n_head, n_head_kv=max(1, n_head // 2),
+            head_dim=head_dim, eps=target.eps, rope_theta=1e6, block_size=16,
+            target_layer_ids=default_target_layers(target.n_layer, min(3, target.n_layer)),
+            mask_token_id=QWEN35_MASK_TOKEN_ID, vocab=target.vocab,
+        )
+    if size == "full":
+        head_dim = 128
+        n_head = 32 if hidden >= 4096 else max(2, hidden // head_dim)
+        ffn = 17408 if hidden == 5120 else 3 * hidden + (-3 * hidden) % 256
+        return DraftConfig(
+            architecture=ARCH, n_layer=5, hidden=hidden, ffn=ffn, n_head=n_head, n_head_kv=max(1, n_head // 4),
+            head_dim=head_dim, eps=target.eps, rope_theta=1e6, block_size=16,
+            target_layer_ids=default_target_layers(target.n_layer, 5), mask_token_id=QWEN35_MASK_TOKEN_ID,
+            vocab=target.vocab,
+        )
+    raise LuceboxError(f"unknown {ARCH} size {size!r}; choose one of {', '.join(SIZES)}")
+
+
+def _target_config(target: str | Path) -> layout.Qwen35Config:
+    metadata = {key: value for key, (value, _, _) in read_metadata(Path(target)).items()}
+    return layout.Qwen35Config.from_gguf_metadata(metadata, source=str(target))
+
+
+def write(path: str | Path, *, size: str = "tiny", type: str = "f32", seed: int = 0, vocab: str | Path | None = None,
+          target: str | Path | None = None) -> Path:
+    """Write a random DFlash drafter for the qwen35 GGUF `target` to `path`."""
+    if target is None:
+        raise LuceboxError(f"--arch {ARCH} needs --target FILE: the qwen35 GGUF the drafter is for")
+    try:
+        ftype = file_type(type, TYPES)
+    except ValueError as exc:
+        raise LuceboxError(str(exc)) from None
+    cfg = draft_config(_target_config(target), size)
+    plans = [
+        TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=False))
+        for name, shape in cfg.tensor_shapes().items()
+    ]
+
+    def data(plan: TensorPlan) -> Iterator[np.ndarray]:
+        rng = np.random.default_rng([seed, plans.index(plan)])
+        n = int(np.prod(plan.shape))
+        if stays_f32(plan.name, plan.shape):
+            yield rng.uniform(0.9, 1.1, n).astype(np.float32)
+            return
+        for start in range(0, n, CHUNK_WEIGHTS):
+            yield random_blocks(plan.ggml_type, min(CHUNK_WEIGHTS, n - start), WEIGHT_STD, rng)
+
+    def add(writer) -> None:
+        writer.add_name(f"DFlash draft {size} RANDOM WEIGHTS (synthetic, seed {seed}) for {Path(target).name}")
+        writer.add_file_type(int(ftype))
+        add_metadata(writer, cfg)
+
+    return write_gguf(path, arch=ARCH, add_metadata=add, tensors=plans, data=data, description=f"{ARCH} {size} {type}")

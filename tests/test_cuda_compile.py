@@ -1,0 +1,74 @@
+"""Every CUDA kernel source compiles with NVRTC for each architecture it claims (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="lucebox-cuda's dependencies (cuda-bindings) are not installed")
+
+from lucebox_cuda import catalogue, nvrtc  # noqa: E402
+
+# Portable kernels claim every architecture from Ampere consumer cards to Blackwell consumer cards.
+ARCHITECTURES = ("sm_86", "sm_89", "sm_90", "sm_120")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUCEBOX_HOME", str(tmp_path))
+
+
+def test_every_source_has_a_compile_check():
+    assert set(catalogue.compile_check_programs()) == set(nvrtc.kernel_files())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("source", sorted(catalogue.compile_check_programs()))
+def test_source_compiles(source, arch):
+    program = catalogue.compile_check_programs()[source]
+    cubin = nvrtc.compile_program(program, arch, use_cache=False)
+    assert cubin[:4] == b"\x7fELF"  # machine code for the exact architecture, not PTX
+    # Every instantiated kernel is in the image under its extern "C" name.
+    for line in program.instantiations:
+        macro, args = line.split("(", 1)
+        parts = [part.strip() for part in args.rstrip(")").split(",")]
+        name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm"}[macro]
+        assert f"{name}_{'_'.join(parts)}".encode() in cubin
+
+
+def test_catalogue_names_match_the_macros():
+    program, name = catalogue.matvec("q6_k", "f16", 5)
+    assert name == "matvec_q6_k_f16_5"
+    assert name.encode() in nvrtc.compile_program(program, "sm_90", use_cache=False)
+
+
+def test_compile_error_carries_the_log():
+    broken = nvrtc.KernelProgram("matvec.cu", ["LUCEBOX_MATVEC(q3_k, bf16, 1)"])  # no such format
+    with pytest.raises(nvrtc.CudaCompileError, match=r"matvec\.cu for sm_90:\n.*W_q3_k"):
+        nvrtc.compile_program(broken, "sm_90", use_cache=False)
+
+
+def test_disk_cache_is_keyed_by_source_and_arch(tmp_path):
+    program, _ = catalogue.rms_norm("bf16", "f32")
+    first = nvrtc.compile_program(program, "sm_89")
+    cached = sorted((tmp_path / "cuda-cache").glob("*.cubin"))
+    assert len(cached) == 1 and cached[0].read_bytes() == first
+    # A second call is served from the file: prove it by planting different bytes there.
+    cached[0].write_bytes(b"planted")
+    assert nvrtc.compile_program(program, "sm_89") == b"planted"
+    # Another architecture or another instantiation is another entry.
+    nvrtc.compile_program(program, "sm_90")
+    other, _ = catalogue.rms_norm("f16", "f32")
+    nvrtc.compile_program(other, "sm_89")
+    assert len(list((tmp_path / "cuda-cache").glob("*.cubin"))) == 3
+    keys = {nvrtc.cache_key(program, "sm_89"), nvrtc.cache_key(program, "sm_90"), nvrtc.cache_key(other, "sm_89")}
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize(("rows", "tile"), [(1, 1), (8, 8), (9, 12), (13, 16), (33, 48), (64, 64)])
+def test_batch_tile(rows, tile):
+    assert catalogue.batch_tile(rows) == tile
+
+
+def test_batch_tile_rejects_more_than_the_maximum():
+    with pytest.raises(ValueError, match="maximum of 64"):
+        catalogue.batch_tile(65)
