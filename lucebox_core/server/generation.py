@@ -318,6 +318,7 @@ class Usage:
     reasoning_tokens: int
     prompt_ms: float
     decode_ms: float
+    accepted_lengths: tuple[int, ...] = ()  # per speculative step: accepted drafts + bonus
 
     @property
     def total_tokens(self) -> int:
@@ -325,11 +326,15 @@ class Usage:
 
     def timings(self) -> dict:
         decode_s = self.decode_ms / 1000
-        return {
+        timings = {
             "prompt_n": self.prompt_tokens, "prompt_ms": round(self.prompt_ms, 3),
             "predicted_n": self.completion_tokens, "predicted_ms": round(self.decode_ms, 3),
             "predicted_per_second": round(self.completion_tokens / decode_s, 3) if decode_s > 0 else 0.0,
         }
+        if self.accepted_lengths:
+            timings["accepted_lengths"] = list(self.accepted_lengths)
+            timings["mean_accepted_length"] = round(sum(self.accepted_lengths) / len(self.accepted_lengths), 3)
+        return timings
 
     def openai(self) -> dict:
         return {
@@ -409,7 +414,9 @@ class Generation:
             reasoning_tokens = min(generated, len(tokenizer.encode(
                 "".join(self.raw_text)[: reasoning_chars + 16], add_bos=False)))
         usage = Usage(len(self.prompt.ids), generated, reasoning_tokens,
-                      timings.prompt_seconds * 1000, timings.decode_seconds * 1000)
+                      timings.prompt_seconds * 1000, timings.decode_seconds * 1000, tuple(timings.accepted_lengths))
+        for accepted in timings.accepted_lengths:
+            metrics.accepted_length.observe(accepted)
         metrics.prompt_tokens.inc(timings.prompt_tokens)
         metrics.generated_tokens.inc(generated)
         if self.job.first_token_at is not None:

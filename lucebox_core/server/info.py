@@ -67,6 +67,10 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
     }
     if loaded is None:
         return body
+    drafter = service.drafter_info
+    if drafter is not None:
+        body["speculative"] = {"enabled": True, "ddtree_budget": drafter.get("tree_budget"), **drafter}
+        body["speculative_mode"] = "dflash"
     from ..sampling import SamplingParams
 
     metadata = loaded.gguf.metadata
@@ -75,14 +79,14 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
     body.update({
         "model": {
             "arch": service.architecture, "name": metadata.get("general.name"), "family": loaded.family.name,
-            "draft_path": None, "vocab_size": loaded.tokenizer.vocab_size,
+            "draft_path": service.config.model_draft, "vocab_size": loaded.tokenizer.vocab_size,
             "n_ctx_train": loaded.model.context_length,
         },
         "default_generation_settings": {
             "n_ctx": service.ctx_size, "temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k, "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
         },
-        "capabilities": {"reasoning_supported": True, "speculative_supported": False, "tools_supported": has_parser},
+        "capabilities": {"reasoning_supported": True, "speculative_supported": True, "tools_supported": has_parser},
         "reasoning": {"supported": True, "default": "on" if config.thinking_default else "off",
                       "supported_efforts": EFFORTS, "think_max_tokens": config.think_max_tokens},
         "runtime": {"backend": loaded.backend_name, "target_device": config.device or "default",

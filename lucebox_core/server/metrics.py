@@ -105,12 +105,16 @@ class ServerMetrics:
             "prefill_tokens_per_second", "prompt processing speed of each generation",
             (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000),
         )
+        self.accepted_length = Histogram(
+            "speculative_accepted_length", "tokens committed per speculative verify step (accepted drafts + bonus)",
+            (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 24, 32),
+        )
         self.queue_depth = Gauge("queue_depth", "generations waiting for a free slot", queue_depth)
         self.running = Gauge("running_generations", "generations in progress", running)
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
-                       self.decode_speed, self.prefill_speed, self.queue_depth, self.running):
+                       self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running):
             lines += metric.render()
         return "\n".join(lines) + "\n"

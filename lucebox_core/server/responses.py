@@ -223,6 +223,7 @@ class ResponseBuilder:
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens,
+            "timings": usage.timings(),
         }
         if done.finish_reason == "length":
             self.response["status"] = "incomplete"

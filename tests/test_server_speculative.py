@@ -1,0 +1,67 @@
+"""The server with a DFlash drafter: same output as without, accepted lengths in timings, /props, /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from lucebox_core.loading import default_model_path
+from lucebox_core.plugins import registry
+from lucebox_core.server.app import create_app
+from lucebox_core.server.service import ModelService, ServeConfig
+from lucebox_core.server.testing import ServerThread
+
+ASK = [{"role": "user", "content": "Count to five."}]
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    home = tmp_path_factory.mktemp("lucebox-home")
+    patch.setenv("LUCEBOX_HOME", str(home))
+    target = default_model_path(announce=False)
+    draft = home / "draft.gguf"
+    registry().named("lucebox_synthesizers", "qwen35-dflash-draft", "synth").write(draft, size="tiny", type="f32",
+                                                                                   seed=1, target=target)
+    plain = ModelService(ServeConfig(ctx_size=256))
+    speculative = ModelService(ServeConfig(ctx_size=256, model_draft=str(draft), spec_type="ddtree", tree_budget=8))
+    for service in (plain, speculative):
+        service.load()
+        assert service.status == "ok", service.error
+    yield plain, speculative
+    for service in (plain, speculative):
+        service.close()
+    patch.undo()
+
+
+def test_drafted_output_equals_plain_greedy_and_reports_acceptance(services):
+    plain, speculative = services
+    texts = []
+    for service in (plain, speculative):
+        with ServerThread(create_app(service.config, service)) as url:
+            response = httpx.post(f"{url}/v1/chat/completions", json={
+                "model": "m", "messages": ASK, "max_tokens": 6, "temperature": 0}, timeout=300).json()
+            texts.append(response["choices"][0]["message"]["content"])
+            timings = response["usage"]["timings"]
+            if service is speculative:
+                assert timings["accepted_lengths"] and all(n >= 1 for n in timings["accepted_lengths"])
+                props = httpx.get(f"{url}/props").json()
+                assert props["speculative"]["enabled"] and props["speculative_mode"] == "dflash"
+                assert props["speculative"]["spec_type"] == "ddtree" and props["model"]["draft_path"]
+                metrics = httpx.get(f"{url}/metrics").text
+                count = next(line for line in metrics.splitlines()
+                             if line.startswith("lucebox_speculative_accepted_length_count"))
+                assert float(count.split()[-1]) >= 1
+            else:
+                assert "accepted_lengths" not in timings
+    assert texts[0] == texts[1]
+
+
+def test_streaming_with_a_drafter(services):
+    _, speculative = services
+    with ServerThread(create_app(speculative.config, speculative)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        stream = client.chat.completions.create(model="m", messages=ASK, max_tokens=5, temperature=0, stream=True)
+        finish = [chunk.choices[0].finish_reason for chunk in stream if chunk.choices]
+        assert finish[-1] in ("length", "stop")
