@@ -115,7 +115,18 @@ def guarded(kind: str, case: str, fn) -> None:
 MATVEC_CASES = (
     [(fmt, dtype, batch) for fmt in FORMATS for dtype in DTYPES for batch in (1, 3, 8)]
     + [(fmt, torch.bfloat16, batch) for fmt in FORMATS for batch in (2, 5, 13, 33, 64)]
+    + [(fmt, torch.float16, batch) for fmt in catalogue.MMA_FORMATS for batch in (16, 64)]
 )
+
+
+def matvec_variants(fmt: str, dtype: torch.dtype, batch: int) -> list[str]:
+    """Every kernel variant that serves this case (the default first)."""
+    act = catalogue.ACTIVATIONS[dtype]
+    return list(catalogue.MATVEC_VARIANTS) if catalogue.has_mma_kernel(fmt, act, batch) else ["simt"]
+
+
+def matvec_program(fmt: str, dtype: torch.dtype, batch: int, variant: str) -> nvrtc.KernelProgram:
+    return catalogue.matvec_kernel(fmt, catalogue.ACTIVATIONS[dtype], batch, 16, variant).program
 
 
 def _compile_one(args: tuple[nvrtc.KernelProgram, str]) -> tuple[str, float]:
@@ -126,8 +137,10 @@ def _compile_one(args: tuple[nvrtc.KernelProgram, str]) -> tuple[str, float]:
 
 
 def precompile(arch: str) -> None:
-    programs = {catalogue.matvec(fmt, catalogue.ACTIVATIONS[dtype], catalogue.batch_tile(batch))[0]
-                for fmt, dtype, batch in MATVEC_CASES}
+    programs = {matvec_program(fmt, dtype, batch, variant)
+                for fmt, dtype, batch in MATVEC_CASES for variant in matvec_variants(fmt, dtype, batch)}
+    programs |= {matvec_program(fmt, torch.bfloat16, batch, variant)
+                 for fmt, _, batch in TIMING_CASES for variant in matvec_variants(fmt, torch.bfloat16, batch)}
     programs |= {catalogue.dequant(fmt, catalogue.ACTIVATIONS[d])[0] for fmt in FORMATS for d in DTYPES}
     programs |= {catalogue.rms_norm(catalogue.ACTIVATIONS[a], catalogue.ACTIVATIONS[w])[0]
                  for a in DTYPES for w in DTYPES}
@@ -145,22 +158,25 @@ def precompile(arch: str) -> None:
 
 
 def check_matvec(backend: CudaBackend, gen: torch.Generator) -> None:
+    """Every variant of each case on the same fresh inputs (the tensor-core and the CUDA-core kernel)."""
     device = backend.device
     for fmt, dtype, batch in MATVEC_CASES:
-        for rows, cols in ((1001, 5120), (67, 17408)) if batch in (1, 8) else ((1001, 5120),):
+        shapes = ((1001, 5120), (67, 17408), (517, 1280)) if batch in (1, 8) else ((1001, 5120),)
+        for rows, cols in shapes:
             case = f"{fmt} {str(dtype)[6:]} batch {batch} [{rows}x{cols}]"
 
-            def run(fmt=fmt, dtype=dtype, batch=batch, rows=rows, cols=cols) -> None:
+            def run(fmt=fmt, dtype=dtype, batch=batch, rows=rows, cols=cols, case=case) -> None:
                 weight = random_weight(fmt, rows, cols, gen, device)
                 x = torch.randn(batch, cols, generator=gen, device=device).to(dtype)
                 dense64 = quants.dequantize(weight.data, weight.ggml_type, weight.shape).double()
                 ref = x.double() @ dense64.T
-                out = torch.full((batch, rows), float("nan"), dtype=dtype, device=device)
-                backend.matvec(x, weight, out=out)
-                torch.cuda.synchronize()
                 oracle = TorchBackend(device, dtype, weight_cache_bytes=0).linear(x, weight)
-                record("matvec", case, relative_error(out, ref), MATVEC_BOUND[dtype],
-                       f"torch backend err {relative_error(oracle, ref):.1e}")
+                for variant in matvec_variants(fmt, dtype, batch):
+                    out = torch.full((batch, rows), float("nan"), dtype=dtype, device=device)
+                    backend.matvec(x, weight, out=out, variant=variant)
+                    torch.cuda.synchronize()
+                    record("matvec", f"{case} {variant}", relative_error(out, ref), MATVEC_BOUND[dtype],
+                           f"torch backend err {relative_error(oracle, ref):.1e}")
 
             guarded("matvec", case, run)
 
@@ -254,20 +270,23 @@ def graph_time_us(launch_all, launches: int, replays: int = 15) -> float:
     return statistics.median(event_time_ms(graph.replay, replays)) * 1e3 / launches
 
 
-TIMING_CASES = [  # (format, [out, in] torch order, batch)
-    ("q4_k", (17408, 5120), 1), ("q4_k", (5120, 17408), 1), ("q4_k", (10240, 5120), 1),
-    ("q4_k", (248320, 5120), 1), ("q6_k", (5120, 17408), 1), ("q6_k", (248320, 5120), 1),
+# The 27B shapes (gate/up, down, qkv, attention output, head) at batch 1, then small batches.
+SHAPES_27B = ((17408, 5120), (5120, 17408), (10240, 5120), (6144, 5120), (248320, 5120))
+TIMING_CASES = [  # (format, [out, in] torch order, batch); every variant of each is timed
+    *[("q4_k", shape, 1) for shape in SHAPES_27B],
+    *[("q6_k", shape, 1) for shape in SHAPES_27B],
     ("q5_k", (17408, 5120), 1), ("q8_0", (10240, 5120), 1), ("q8_0", (5120, 17408), 1),
     ("bf16", (17408, 5120), 1), ("f16", (17408, 5120), 1),
     *[("q4_k", (17408, 5120), b) for b in (2, 4, 8, 16, 32, 64)],
-    *[("q6_k", (5120, 17408), b) for b in (4, 16)],
+    *[("q4_k", (5120, 17408), b) for b in (4, 16)],
+    *[("q6_k", (5120, 17408), b) for b in (2, 4, 8, 16)],
 ]
 
 
 def time_kernels(backend: CudaBackend, gen: torch.Generator, copy_gbs: float) -> None:
     device = backend.device
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    log(f"\n{'kernel':34s} {'batch':>5s} {'us':>9s} {'GB/s':>8s} {'% copy':>7s}")
+    log(f"\n{'kernel':40s} {'batch':>5s} {'us':>9s} {'GB/s':>8s} {'% copy':>7s}")
     for fmt, (rows, cols), batch in TIMING_CASES:
         try:
             probe = random_weight(fmt, 8, cols, gen, device)
@@ -280,18 +299,21 @@ def time_kernels(backend: CudaBackend, gen: torch.Generator, copy_gbs: float) ->
             outs = [torch.empty(batch, rows, dtype=dtype, device=device) for _ in range(copies)]
             launches = copies * max(1, 24 // copies)
 
-            def launch_all() -> None:
-                for i in range(launches):
-                    k = i % copies
-                    backend.matvec(xs[k], weights[k], out=outs[k])
+            for variant in matvec_variants(fmt, dtype, batch):
 
-            us = graph_time_us(launch_all, launches)
-            gbs = weight_bytes / (us * 1e-6) / 1e9
-            name = f"matvec {fmt} [{rows}x{cols}]"
-            log(f"{name:34s} {batch:5d} {us:9.1f} {gbs:8.0f} {100 * gbs / copy_gbs:6.1f}%")
-            RESULTS["timing"].append({"kernel": "matvec", "format": fmt, "rows": rows, "cols": cols,
-                                      "batch": batch, "us": us, "weight_bytes": weight_bytes, "gb_s": gbs,
-                                      "pct_copy": 100 * gbs / copy_gbs, "copies": copies})
+                def launch_all(variant=variant) -> None:
+                    for i in range(launches):
+                        k = i % copies
+                        backend.matvec(xs[k], weights[k], out=outs[k], variant=variant)
+
+                us = graph_time_us(launch_all, launches)
+                gbs = weight_bytes / (us * 1e-6) / 1e9
+                name = f"matvec {variant} {fmt} [{rows}x{cols}]"
+                log(f"{name:40s} {batch:5d} {us:9.1f} {gbs:8.0f} {100 * gbs / copy_gbs:6.1f}%")
+                RESULTS["timing"].append({"kernel": "matvec", "variant": variant, "format": fmt, "rows": rows,
+                                          "cols": cols, "batch": batch, "us": us, "weight_bytes": weight_bytes,
+                                          "gb_s": gbs, "pct_copy": 100 * gbs / copy_gbs, "copies": copies})
+            del weights, xs, outs
         except Exception as exc:
             log(f"timing {fmt} {rows}x{cols} batch {batch} raised {type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -304,7 +326,7 @@ def time_kernels(backend: CudaBackend, gen: torch.Generator, copy_gbs: float) ->
         us = graph_time_us(lambda: [torch.nn.functional.linear(x, dense[i % copies]) for i in range(launches)],
                            launches)
         gbs = rows * cols * 2 / (us * 1e-6) / 1e9
-        log(f"{f'cuBLAS bf16 dense [{rows}x{cols}]':34s} {1:5d} {us:9.1f} {gbs:8.0f} {100 * gbs / copy_gbs:6.1f}%")
+        log(f"{f'cuBLAS bf16 dense [{rows}x{cols}]':40s} {1:5d} {us:9.1f} {gbs:8.0f} {100 * gbs / copy_gbs:6.1f}%")
         RESULTS["timing"].append({"kernel": "cublas_bf16", "rows": rows, "cols": cols, "batch": 1, "us": us,
                                   "gb_s": gbs, "pct_copy": 100 * gbs / copy_gbs})
 

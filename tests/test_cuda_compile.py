@@ -31,7 +31,8 @@ def test_source_compiles(source, arch):
     for line in program.instantiations:
         macro, args = line.split("(", 1)
         parts = [part.strip() for part in args.rstrip(")").split(",")]
-        name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm"}[macro]
+        name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
+                "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm"}[macro]
         assert f"{name}_{'_'.join(parts)}".encode() in cubin
 
 
@@ -72,3 +73,27 @@ def test_batch_tile(rows, tile):
 def test_batch_tile_rejects_more_than_the_maximum():
     with pytest.raises(ValueError, match="maximum of 64"):
         catalogue.batch_tile(65)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "act", "rows", "shape", "variant", "name", "grid", "block"),
+    [
+        ("q4_k", "bf16", 1, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 1088, 256),  # 16 rows a block
+        ("q4_k", "bf16", 1, (5120, 17408), "mma", "matvec_mma_q4_k_bf16_1", 320, 128),  # few row groups
+        ("q4_k", "bf16", 8, (17408, 5120), "mma", "matvec_mma_q4_k_bf16_8", 1088, 128),
+        ("q6_k", "bf16", 1, (17408, 5120), "mma", "matvec_mma_q6_k_bf16_1", 1088, 128),
+        ("q4_k", "bf16", 1, (248320, 5120), "mma", "matvec_mma_q4_k_bf16_1", 15520, 128),  # many waves
+        ("q6_k", "f16", 13, (17408, 5120), "mma", "matvec_mma_q6_k_f16_16", 1088, 128),
+        ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128),  # fp32 beyond 8: CUDA cores
+        ("q8_0", "bf16", 1, (17408, 5120), "simt", "matvec_q8_0_bf16_1", 4352, 128),  # no tensor-core Q8_0
+    ],
+)
+def test_matvec_kernel_choice(fmt, act, rows, shape, variant, name, grid, block):
+    kernel = catalogue.matvec_kernel(fmt, act, rows, shape[0])
+    assert (kernel.variant, kernel.name, kernel.grid, kernel.block) == (variant, name, grid, block)
+
+
+def test_matvec_kernel_refuses_a_missing_variant():
+    with pytest.raises(ValueError, match="no tensor-core matvec for q8_0"):
+        catalogue.matvec_kernel("q8_0", "bf16", 1, 64, variant="mma")
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 64, variant="simt").name == "matvec_q4_k_bf16_1"

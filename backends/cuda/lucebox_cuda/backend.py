@@ -127,10 +127,12 @@ class CudaBackend(TorchBackend):
         return out.reshape(*x.shape[:-1], out_features)
 
     def matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str | None = None, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, variant: str | None = None) -> torch.Tensor:
         """`x @ weight.T` for x `[rows, in]` with 1 <= rows <= MAX_BATCH, reading each weight byte once.
 
         `out`: a contiguous `[rows, out_features]` tensor of x's dtype to write into (default: a new one).
+        `variant`: "mma" or "mma8" (tensor cores, K-quants; 4 or 8 warps per 16 rows) or "simt" (CUDA
+        cores, every format); by default the tensor-core kernel wherever it exists.
         """
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
         x = x.contiguous()
@@ -143,10 +145,9 @@ class CudaBackend(TorchBackend):
         elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
         data = self.device_weight(weight).data
-        kernel = catalogue.matvec(weight_format, catalogue.ACTIVATIONS[x.dtype], catalogue.batch_tile(rows))
-        grid = -(-out_features // catalogue.MATVEC_WARPS)
-        self._launch(kernel, grid, 32 * catalogue.MATVEC_WARPS, Pointer(data.data_ptr()), Pointer(x.data_ptr()),
-                     Pointer(out.data_ptr()), Int(out_features), Int(in_features), Int(rows))
+        kernel = catalogue.matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features, variant)
+        self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, Pointer(data.data_ptr()),
+                     Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(out_features), Int(in_features), Int(rows))
         return out
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,
