@@ -15,6 +15,8 @@ import torch
 
 from .engine import Engine
 
+DECODE_WARMUP_STEPS = 2
+
 
 def decode_bytes_per_token(gguf_file: Any) -> int:
     """Weight bytes one decode step reads: all tensors, less the embedding table when the head is separate."""
@@ -36,7 +38,8 @@ def _sync(device: Any) -> None:
 def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int], reps: int, ctx_size: int,
               speculative: Any = None, force_accept: float | None = None) -> list[dict]:
     model = loaded.model
-    engine = Engine(model, loaded.tokenizer, ctx_size=ctx_size)
+    # Room for the decode warm-up steps past depth + n_gen.
+    engine = Engine(model, loaded.tokenizer, ctx_size=ctx_size + DECODE_WARMUP_STEPS)
     vocab = model.vocab_size
     rows: list[dict] = []
 
@@ -54,6 +57,10 @@ def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int],
         if depth:
             engine.prefill(sequence, _random_ids(depth, vocab, seed).tolist())
         token = torch.tensor([int(_random_ids(1, vocab, seed + 1))])
+        # Two untimed steps: the first records the decode step's CUDA graph for this KV window (graphs.py),
+        # the second replays it once, as llama-bench's own warm-up run does.
+        for _ in range(DECODE_WARMUP_STEPS):
+            model.forward(sequence.state, token)
         _sync(None)
         start = time.perf_counter()
         for _ in range(steps):

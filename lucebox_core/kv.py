@@ -98,6 +98,31 @@ class FullKVCache:
         self._lengths[layer] = end
         return self._keys[layer][:end], self._values[layer][:end]
 
+    # -- the static-shape decode step (CUDA graphs) ------------------------------------------------------
+    # A captured step may not depend on host values, so it writes at a position held in a device tensor
+    # and reads a fixed-size window of the buffers (masked by that position); the host fill pointers are
+    # moved afterwards with `extend_to`.
+
+    def write_at(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one position's `k` `[1, kv_heads, k_head_dim]` and `v` at the row named by the device tensor
+        `position` `[1]` (long); the fill pointer does not move."""
+        self._keys[layer].index_copy_(0, position, k.to(self.dtype))
+        self._values[layer].index_copy_(0, position, v.to(self.dtype))
+
+    def window(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first `size` rows of `layer`'s K and V buffers, whatever they hold: the caller masks
+        rows past its position."""
+        if not 0 < size <= self.max_context:
+            raise ValueError(f"a window of {size} rows does not fit the context size {self.max_context}")
+        return self._keys[layer][:size], self._values[layer][:size]
+
+    def extend_to(self, length: int) -> None:
+        """Declare rows below `length` written in every layer (after `write_at`)."""
+        if length > self.max_context:
+            raise LuceboxError(f"context overflow: {length} positions do not fit in the context size {self.max_context}")
+        for layer in self._lengths:
+            self._lengths[layer] = max(self._lengths[layer], length)
+
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the K and V `layer` holds now."""
         end = self._lengths[layer]

@@ -236,6 +236,29 @@ class TorchBackend:
         out = out.reshape(batch, q_heads, q_len, -1).transpose(1, 2)
         return out.to(q.dtype)
 
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """One query token against a fixed-size window of a KV buffer, masked on the device (the static
+        decode step that a CUDA graph replays: no host value decides a shape or a mask).
+
+        q `[1, 1, Hq, D]`; k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, the first N rows of the cache (rows past
+        `position` may hold anything); `position` `[1]` long, on the device: the query's position, which
+        sees keys `0 .. position`. Equals `attention(q, k[None], v[None], scale=scale, causal_offset=p)`.
+        The products run in q's dtype, so the window is read once rather than upcast; softmax in fp32.
+        """
+        rows, kv_heads, head_dim = k.shape
+        q_heads = q.shape[2]
+        # The query heads that share a KV head are the rows of one small matrix product against it.
+        queries = q.reshape(kv_heads, q_heads // kv_heads, head_dim)
+        keys = k.to(q.dtype).permute(1, 2, 0)  # [Hkv, D, N], a strided view: no copy
+        values = v.to(q.dtype).permute(1, 0, 2)  # [Hkv, N, Dv]
+        scores = torch.bmm(queries, keys).float() * scale  # [Hkv, group, N]
+        unseen = torch.arange(rows, device=k.device) > position.reshape(1)
+        probs = torch.softmax(scores.masked_fill(unseen, float("-inf")), dim=-1)
+        out = torch.bmm(probs.to(q.dtype), values)  # [Hkv, group, Dv]
+        return out.reshape(1, 1, q_heads, -1)
+
     # -- short convolution -----------------------------------------------------------------------------
 
     def causal_conv1d(

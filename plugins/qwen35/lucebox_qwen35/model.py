@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from lucebox_core.errors import GGUFError, LuceboxError
+from lucebox_core.graphs import MIN_WINDOW, StepGraphs, graphs_enabled, kv_window
 from lucebox_core.kv import FullKVCache, KVLayerShape
 from lucebox_core.speculative.trees import TreeIndex
 
@@ -78,7 +79,8 @@ Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tenso
 
 @attrs.define
 class GatedDeltaNetState:
-    """What one Gated DeltaNet layer carries between calls for one sequence."""
+    """What one Gated DeltaNet layer carries between calls for one sequence. Both tensors are updated in
+    place (a recorded decode step holds their addresses): copy them to keep an old state."""
 
     conv: torch.Tensor  # [1, conv_kernel - 1, conv_dim]: the last inputs of the short convolution
     recurrent: torch.Tensor  # [1, num_v_heads, head_k_dim, head_v_dim], fp32
@@ -119,10 +121,11 @@ class GatedDeltaNet:
 
         mixed_qkv = ops.linear(x, self.in_proj_qkv)
         if tokens == 1:  # decode: the one-token kernels
-            conv_out, state.conv = ops.causal_conv1d_step(mixed_qkv[:, 0], self.conv1d, state.conv)
+            conv_out, new_conv = ops.causal_conv1d_step(mixed_qkv[:, 0], self.conv1d, state.conv)
             conv_out = conv_out[:, None]
         else:
-            conv_out, state.conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
+            conv_out, new_conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
+        state.conv.copy_(new_conv)
         conv_out = ops.silu(conv_out)
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
@@ -134,11 +137,12 @@ class GatedDeltaNet:
         g = self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias)
 
         if tokens == 1:
-            core, state.recurrent = ops.gated_delta_rule_recurrent(query, key, value, g, beta, state.recurrent)
+            core, new_recurrent = ops.gated_delta_rule_recurrent(query, key, value, g, beta, state.recurrent)
         else:
-            core, state.recurrent = ops.gated_delta_rule_chunked(
+            core, new_recurrent = ops.gated_delta_rule_chunked(
                 query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
             )
+        state.recurrent.copy_(new_recurrent)
 
         # Gated RMSNorm, norm before gate: rmsnorm(core) * w * silu(z), per value head.
         z = ops.linear(x, self.in_proj_z).reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
@@ -241,6 +245,15 @@ class GatedAttention:
         )
         return self._output(out, gate)
 
+    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: FullKVCache, window: int) -> torch.Tensor:
+        """One token `x` `[1, 1, hidden]` at the device position `position` `[1]`: its K/V written at that
+        row, attention over the first `window` rows masked past it. No host value but `window`."""
+        query, gate, key, value = self._project(x, position)
+        kv.write_at(self.layer_index, position, key[0], value[0])
+        keys, values = kv.window(self.layer_index, window)
+        out = self.ops.decode_attention(query, keys, values, position, scale=self.head_dim**-0.5)
+        return self._output(out, gate)
+
     def verify_tree(
         self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, visible: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,6 +319,20 @@ class Qwen35State:
     # of `capture_layers`, concatenated, for committed position `pos`.
     capture_layers: tuple[int, ...] = ()
     features: torch.Tensor | None = None
+    # The static decode step's inputs and recordings (made on the first `decode_step`).
+    decode: StaticDecode | None = None
+
+
+@attrs.define
+class StaticDecode:
+    """The fixed device inputs of one sequence's decode step, and its CUDA graphs (one per KV window)."""
+
+    token: torch.Tensor  # [1] long
+    position: torch.Tensor  # [1] long: the new token's position, = the sequence length before the step
+    # [1, 1, hidden]: the token's embedding, gathered eagerly before the step (the GGUF dequantizers in
+    # lucebox_core.quants build small host constants, a host-to-device copy that a graph cannot record).
+    embedded: torch.Tensor
+    graphs: StepGraphs | None = None  # made on the first graphed step
 
 
 @attrs.frozen
@@ -348,6 +375,10 @@ class Qwen35Model:
         self.vocab_size = int(embed_tokens.shape[0])
         self.context_length = int(config.context_length)
         self.source = source
+        # One-token forward calls take the static decode step, replayed as a CUDA graph, on CUDA devices.
+        self.decode_graphs = graphs_enabled(backend.device)
+        self.decode_min_window = MIN_WINDOW
+        self._graph_pool: Any = None
 
     def __repr__(self) -> str:
         linear = sum(layer.is_linear for layer in self.layers)
@@ -392,7 +423,11 @@ class Qwen35Model:
         `state.captured`, for drafters that read the target's features.
         """
         ops = self.ops
-        token_ids = token_ids.reshape(-1).to(ops.device)
+        token_ids = token_ids.reshape(-1)
+        if (self.decode_graphs and token_ids.shape[0] == 1 and positions is None and not capture
+                and state.features is None):
+            return self.decode_step(state, token_ids)
+        token_ids = token_ids.to(ops.device)
         tokens = token_ids.shape[0]
         if positions is None:
             positions = torch.arange(state.length, state.length + tokens, device=ops.device)
@@ -423,6 +458,68 @@ class Qwen35Model:
         return ops.linear(hidden, self.lm_head)[0]
 
     __call__ = forward
+
+    # -- the static decode step ------------------------------------------------------------------------
+
+    def decode_step(self, state: Qwen35State, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+        """Feed one token at position `state.length` through the static-shape step; return logits `[1, vocab]`
+        and advance the state, exactly as `forward` does for one token.
+
+        The step reads the token and its position from fixed device tensors, writes K/V at that position
+        (attention reads a fixed window of the cache, masked on the device), updates the Gated DeltaNet
+        state in place and leaves the logits in a buffer of its own, so with `graphs` (default: on for
+        CUDA devices) each window size is recorded once per sequence as a CUDA graph and then replayed.
+        """
+        ops = self.ops
+        length = state.length
+        state.kv.ensure_room(1)
+        use_graphs = self.decode_graphs if graphs is None else graphs
+        if state.decode is None:
+            state.decode = StaticDecode(
+                token=torch.zeros(1, dtype=torch.long, device=ops.device),
+                position=torch.zeros(1, dtype=torch.long, device=ops.device),
+                embedded=torch.zeros(1, 1, self.config.hidden, dtype=ops.dtype, device=ops.device),
+            )
+        buffers = state.decode
+        if use_graphs and buffers.graphs is None:
+            buffers.graphs = StepGraphs(ops.device, self._pool())
+        if isinstance(token, torch.Tensor) and token.device == ops.device:
+            buffers.token.copy_(token.reshape(1))
+        else:  # a host value: a fill launch, no copy that would wait for the device
+            buffers.token.fill_(int(token.reshape(-1)[0]) if isinstance(token, torch.Tensor) else int(token))
+        buffers.position.fill_(length)
+        buffers.embedded.copy_(ops.embedding(buffers.token, self.embed_tokens).reshape(buffers.embedded.shape))
+        window = kv_window(length + 1, state.kv.max_context, self.decode_min_window)
+        if use_graphs and buffers.graphs is not None and buffers.graphs.failure is None:
+            # The recording's buffer is overwritten by the next replay: hand out a copy.
+            logits = buffers.graphs.run(window, lambda: self._static_step(state, window)).clone()
+        else:
+            logits = self._static_step(state, window)
+        state.kv.extend_to(length + 1)
+        state.length = length + 1
+        state.captured = {}
+        return logits
+
+    def _pool(self) -> Any:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+    def _static_step(self, state: Qwen35State, window: int) -> torch.Tensor:
+        """The decode step as a function of device buffers and `window` alone (what a graph records)."""
+        ops = self.ops
+        buffers = state.decode
+        assert buffers is not None
+        hidden = buffers.embedded
+        for layer in self.layers:
+            mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
+            if layer.linear_attn is not None:
+                hidden = hidden + layer.linear_attn(mixer_input, state.linear[layer.index])
+            else:
+                hidden = hidden + layer.self_attn.decode_static(mixer_input, buffers.position, state.kv, window)
+            hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
+        hidden = ops.rms_norm(hidden, self.norm, self.config.eps)
+        return ops.linear(hidden, self.lm_head)[0]
 
     # -- the target side of speculative decoding ------------------------------------------------------
 
@@ -530,9 +627,9 @@ class Qwen35Model:
         for layer, (k_rows, v_rows) in verification.kv_rows.items():
             state.kv.append(layer, k_rows[index], v_rows[index])
         last = path[-1]
-        for layer, linear in state.linear.items():
-            linear.conv = verification.conv[layer][last : last + 1].clone()
-            linear.recurrent = verification.recurrent[layer][last : last + 1].clone()
+        for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
+            linear.conv.copy_(verification.conv[layer][last : last + 1])
+            linear.recurrent.copy_(verification.recurrent[layer][last : last + 1])
         if state.features is not None and verification.features is not None:
             self._store_features(state, committed, verification.features[index])
         state.length = committed + len(path)
