@@ -44,9 +44,9 @@ def kv_window(length: int, max_context: int, minimum: int = MIN_WINDOW) -> int:
 class StepGraphs:
     """Recordings of one step function, one per key (the KV window), for one sequence's buffers.
 
-    `pool`: a graph memory pool (`torch.cuda.graph_pool_handle()`) shared with other `StepGraphs` of the
-    same model, so the intermediates of every recording live in one place; safe because replays never
-    overlap (one stream) and each recording's output buffer stays referenced here.
+    `pool`: a graph memory pool (`torch.cuda.graph_pool_handle()`) for this sequence's recordings, so their
+    intermediates live in one place; safe because replays never overlap (one stream) and each recording's
+    output buffer stays referenced here. Do not share it across sequences, whose graphs die separately.
     """
 
     def __init__(self, device: str | torch.device, pool: Any = None) -> None:

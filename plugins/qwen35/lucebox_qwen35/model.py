@@ -378,7 +378,6 @@ class Qwen35Model:
         # One-token forward calls take the static decode step, replayed as a CUDA graph, on CUDA devices.
         self.decode_graphs = graphs_enabled(backend.device)
         self.decode_min_window = MIN_WINDOW
-        self._graph_pool: Any = None
 
     def __repr__(self) -> str:
         linear = sum(layer.is_linear for layer in self.layers)
@@ -482,7 +481,10 @@ class Qwen35Model:
             )
         buffers = state.decode
         if use_graphs and buffers.graphs is None:
-            buffers.graphs = StepGraphs(ops.device, self._pool())
+            # A memory pool per sequence: its recordings are made, replayed and freed together. A pool
+            # shared across sequences tripped PyTorch's allocator (use_count assertion) once an earlier
+            # sequence's graphs were freed while a later one was recording (H200 run 3).
+            buffers.graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle())
         if isinstance(token, torch.Tensor) and token.device == ops.device:
             buffers.token.copy_(token.reshape(1))
         else:  # a host value: a fill launch, no copy that would wait for the device
@@ -499,11 +501,6 @@ class Qwen35Model:
         state.length = length + 1
         state.captured = {}
         return logits
-
-    def _pool(self) -> Any:
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
 
     def _static_step(self, state: Qwen35State, window: int) -> torch.Tensor:
         """The decode step as a function of device buffers and `window` alone (what a graph records)."""
