@@ -320,6 +320,13 @@ class GGUFFile:
                             f"(needed to look up '<architecture>.{suffix}')")
         return self.get(f"{architecture}.{suffix}", type, default)
 
+    def value_type(self, key: str) -> tuple[GGUFValueType, GGUFValueType | None]:
+        """The GGUF type a key is stored with, and its items' type for an array (to copy it exactly)."""
+        if key not in self._fields:
+            raise GGUFError(f"{self.path}: no metadata key {key!r}")
+        field = self._fields[key]
+        return field.value_type, field.item_type
+
     def _gguf_type(self, key: str) -> str:
         field = self._fields[key]
         if field.value_type != GGUFValueType.ARRAY:

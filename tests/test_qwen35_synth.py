@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, quants
 from lucebox_qwen35 import default, layout, synth
 from lucebox_qwen35.filetypes import stays_f32, tensor_type, use_more_bits
-from lucebox_qwen35.gguf_meta import read_metadata
+from lucebox_core.ggufio import GGUFFile
 from lucebox_qwen35.gguf_out import TensorPlan
 from lucebox_qwen35.vocab import CHAT_CONTROL_TOKENS, packaged_chat_template, packaged_vocab_path
 
@@ -174,17 +174,17 @@ def test_metadata(readers, type_name):
 
 
 def test_padded_vocabulary_and_special_tokens(written, readers):
-    md = read_metadata(written["q8_0"])
+    md = GGUFFile(written["q8_0"])
     f = readers["q8_0"].fields
     tokens = f["tokenizer.ggml.tokens"].contents()
     types = f["tokenizer.ggml.token_type"].contents()
-    assert tokens == md["tokenizer.ggml.tokens"][0]  # the fast reader agrees with gguf's
+    assert tokens == md.get("tokenizer.ggml.tokens")  # our reader agrees with gguf's
     assert len(tokens) == len(types) == 248320
-    source = read_metadata(packaged_vocab_path())
-    real = source["tokenizer.ggml.tokens"][0]
+    source = GGUFFile(packaged_vocab_path())
+    real = source.get("tokenizer.ggml.tokens")
     # Every real token (and so every merge) keeps its id; only placeholders were replaced.
     assert tokens[:151646] == real[:151646]
-    assert f["tokenizer.ggml.merges"].contents() == source["tokenizer.ggml.merges"][0]
+    assert f["tokenizer.ggml.merges"].contents() == source.get("tokenizer.ggml.merges")
     for text, token_id in CHAT_CONTROL_TOKENS.items():
         assert real[token_id].startswith("[PAD")
         assert tokens.index(text) == token_id and types[token_id] == 3

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lucebox_core.ggufio import GGUFFile
 from lucebox_core.errors import LuceboxError
 from lucebox_core.speculative.dflash import (
     DraftConfig,
@@ -23,7 +24,6 @@ from lucebox_core.speculative.dflash import (
 
 from . import layout
 from .filetypes import file_type, stays_f32, tensor_type
-from .gguf_meta import read_metadata
 from .gguf_out import TensorPlan, write_gguf
 from .kquants import random_blocks
 from .model import QWEN35_MASK_TOKEN_ID
@@ -60,7 +60,10 @@ def draft_config(target: layout.Qwen35Config, size: str) -> DraftConfig:
 
 
 def _target_config(target: str | Path) -> layout.Qwen35Config:
-    metadata = {key: value for key, (value, _, _) in read_metadata(Path(target)).items()}
+    target_file = GGUFFile(target)
+    # Every key but the token arrays' (the vocabulary size comes from `qwen35.vocab_size` or their length).
+    metadata = {key: target_file.get(key) for key in target_file.keys()
+                if not key.startswith("tokenizer.") or key == "tokenizer.ggml.tokens"}
     return layout.Qwen35Config.from_gguf_metadata(metadata, source=str(target))
 
 

@@ -18,7 +18,7 @@ from gguf import GGUFValueType, TokenType
 
 from lucebox_core.errors import GGUFError, LuceboxError
 
-from .gguf_meta import read_metadata
+from lucebox_core.ggufio import GGUFFile
 
 _PAD_TOKEN = re.compile(r"\[PAD\d+\]")
 
@@ -112,13 +112,14 @@ def from_gguf(path: str | Path) -> Vocab:
     path = Path(path)
     arrays: dict[str, Any] = {}
     keys: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
-    for key, (value, vtype, sub) in read_metadata(path).items():
+    source = GGUFFile(path)
+    for key in source.keys():
         if not key.startswith("tokenizer."):
             continue
         if key in _ARRAY_KEYS:
-            arrays[_ARRAY_KEYS[key]] = value
+            arrays[_ARRAY_KEYS[key]] = source.get(key)
         else:
-            keys[key] = (value, vtype, sub)
+            keys[key] = (source.get(key), *source.value_type(key))
     if "tokens" not in arrays:
         raise GGUFError(f"{path}: no tokenizer.ggml.tokens key, so no vocabulary to copy")
     n = len(arrays["tokens"])
