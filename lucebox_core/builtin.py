@@ -1,7 +1,7 @@
 """What the core provides itself, registered through the same hooks as any plugin."""
 
 from . import hookimpl
-from .specs import Drafter, KernelBackend, KVPolicy, Verifier
+from .specs import Converter, Drafter, KernelBackend, KVPolicy, Verifier
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -61,4 +61,18 @@ def lucebox_verifiers():
             factory="lucebox_core.speculative.loop:DDTreeVerifier",
             description="best-first draft tree (chain pre-seed, budget 22 or auto) verified in one pass",
         ),
+    ]
+
+
+@hookimpl
+def lucebox_converters():
+    return [
+        Converter(
+            name="dflash",
+            model_types=["qwen3"],
+            hf_architectures=["DFlashDraftModel"],
+            writer="lucebox_core.speculative.dflash:convert_zlab",
+            types=["f32", "f16", "bf16", "q8_0"],
+            description="z-lab DFlash drafter checkpoint (safetensors + config.json) to a dflash-draft GGUF",
+        )
     ]

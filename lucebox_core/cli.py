@@ -127,7 +127,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------- convert
 
 
-def _model_type(hf_dir: Path) -> str:
+def _hf_config(hf_dir: Path) -> dict:
     config_path = hf_dir / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -135,10 +135,12 @@ def _model_type(hf_dir: Path) -> str:
         raise LuceboxError(f"{config_path}: not found; is {hf_dir} a Hugging Face model folder?") from None
     except (OSError, ValueError) as exc:
         raise LuceboxError(f"{config_path}: cannot read: {exc}") from None
-    model_type = config.get("model_type") or config.get("text_config", {}).get("model_type")
-    if not isinstance(model_type, str):
+    if not isinstance(config, dict):
+        raise LuceboxError(f"{config_path}: not a JSON object")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if not isinstance(config.get("model_type") or text.get("model_type"), str):
         raise LuceboxError(f"{config_path}: no 'model_type'")
-    return model_type
+    return config
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -146,16 +148,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .plugins import install_hint, registry
 
     hf_dir = Path(args.hf_dir)
-    model_type = _model_type(hf_dir)
-    converters = [c for c in registry().converters() if model_type in c.model_types]
+    config = _hf_config(hf_dir)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    model_type = config.get("model_type") or text.get("model_type")
+    # Converters that also name HF architectures are the more specific: they go first.
+    candidates = sorted(registry().converters(), key=lambda c: not c.hf_architectures)
+    converters = [c for c in candidates if c.accepts(config)]
     if not converters:
         family = model_type.replace("qwen3_5", "qwen35").replace("_text", "")
         raise PluginError(f"{hf_dir}: no installed plugin converts model_type {model_type!r}{install_hint(family)}")
     converter = converters[0]
     if args.type not in converter.types:
-        raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(converter.types)} for {model_type}")
-    path = converter.convert(hf_dir, Path(args.output), type=args.type, vocab=args.vocab)
-    print(f"wrote {path} ({model_type} -> GGUF {args.type})")
+        raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(converter.types)} for {converter.name}")
+    options = {"type": args.type}
+    if args.vocab is not None:
+        options["vocab"] = args.vocab
+    path = converter.convert(hf_dir, Path(args.output), **options)
+    print(f"wrote {path} ({converter.name}: {model_type} -> GGUF {args.type})")
     return 0
 
 

@@ -169,8 +169,19 @@ class Converter:
     model_types: tuple[str, ...] = attrs.field(converter=tuple)
     writer: Target
     types: tuple[str, ...] = attrs.field(converter=tuple)
+    # When set, the config's `architectures` must name one of these too: z-lab's DFlash drafters say
+    # `model_type: qwen3` like every Qwen3 checkpoint, and only `DFlashDraftModel` tells them apart.
+    hf_architectures: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     description: str = ""
     kind = "converter"
+
+    def accepts(self, config: dict) -> bool:
+        """Whether a Hugging Face `config.json` (as a dict) is one this converter handles."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        model_type = config.get("model_type") or text.get("model_type")
+        if model_type not in self.model_types:
+            return False
+        return not self.hf_architectures or bool(set(config.get("architectures") or ()) & set(self.hf_architectures))
 
     def is_available(self) -> tuple[bool, str]:
         return target_available(self.writer)

@@ -77,7 +77,11 @@ def test_family_tools_come_from_hooks():
     assert any("qwen3_5" in c.model_types for c in registry.converters())
     assert registry.default_models(), "lucebox-qwen provides a default model"
     bare = discover(allowed="")
-    assert bare.synthesizers() == [] and bare.converters() == [] and bare.default_models() == []
+    assert bare.synthesizers() == [] and bare.default_models() == []
+    # The core converts only what it owns itself (DFlash drafter checkpoints), never a model family.
+    assert [c.name for c in bare.converters()] == ["dflash"]
+    assert not bare.converters()[0].accepts({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    assert bare.converters()[0].accepts({"model_type": "qwen3", "architectures": ["DFlashDraftModel"]})
 
 
 def test_lucebox_plugins_json_lists_every_plugin():

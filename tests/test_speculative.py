@@ -7,6 +7,8 @@ almost nothing, so `force_accept` drives the accept path through the real verifi
 from __future__ import annotations
 
 import json
+import sys
+import subprocess
 
 import numpy as np
 import pytest
@@ -344,7 +346,12 @@ def test_zlab_checkpoint_converts_and_drafts_like_a_from_scratch_reference(tmp_p
               "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "block_size": 8, "vocab_size": 248320, "dflash_config": {"target_layer_ids": [1, 3, 6]}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    out = dflash.convert_zlab(tmp_path, tmp_path / "draft.gguf", type="f32")
+    # Through `lucebox convert`, which picks the DFlash converter by the config's architectures.
+    out = tmp_path / "draft.gguf"
+    result = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "convert", str(tmp_path), "-o", str(out),
+                             "--type", "f32"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert GGUFFile(out).architecture == "dflash-draft"
     model = loaded.model
     drafter = dflash.load(out, model)
     assert drafter.config.target_layer_ids == (1, 3, 6) and drafter.block_size == 8
