@@ -76,7 +76,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 item["name"],
                 status,
             )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped: don't fold names at rich's default 80 columns
+        console = Console(width=160)
+    console.print(table)
     return 0
 
 
