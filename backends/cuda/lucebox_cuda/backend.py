@@ -11,6 +11,8 @@ multiply it with torch (tensor cores through cuBLAS).
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -34,6 +36,24 @@ def device_arch(device: torch.device) -> str:
 
 def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % ALIGNMENT == 0
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    """`lucebox_cuda.triton_ops` if Triton imports here, else None (the torch ops then serve)."""
+    try:
+        from . import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def _triton_takes(device: torch.device, *tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on these tensors: Triton importable, all on `device`, floats."""
+    if _triton_ops() is None:
+        return False
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    return all(t.device == device and (t.dtype in floats or not t.is_floating_point()) for t in tensors)
 
 
 class CudaBackend(TorchBackend):
@@ -218,3 +238,37 @@ class CudaBackend(TorchBackend):
         self._launch(kernel, rows, threads, Pointer(x.data_ptr()), Pointer(weight.data_ptr()),
                      Pointer(out.data_ptr()), Int(n), Float(eps))
         return out
+
+    # -- Triton kernels (lucebox_cuda.triton_ops) ------------------------------------------------------
+
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """The reference `decode_attention`, split over the window's rows (flash-decoding) in Triton."""
+        if not _triton_takes(self.device, q, k, v, position) or k.dim() != 3 or q.shape[2] % k.shape[1]:
+            return super().decode_attention(q, k, v, position, scale=scale)
+        return _triton_ops().decode_attention(q, k, v, position, scale=scale)
+
+    def gated_delta_rule_recurrent(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor | None,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference recurrence; one token (decode) runs as one Triton kernel, more fall through."""
+        tensors = (q, k, v, g, beta) + (() if state is None else (state,))
+        if q.shape[1] != 1 or v.shape[2] % k.shape[2] or not _triton_takes(self.device, *tensors):
+            return super().gated_delta_rule_recurrent(q, k, v, g, beta, state, scale)
+        return _triton_ops().gated_delta_rule_step(q, k, v, g, beta, state, scale)
+
+    def causal_conv1d_step(
+        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference one-token convolution (no activation) as one Triton kernel."""
+        if not _triton_takes(self.device, x, weight, state):
+            return super().causal_conv1d_step(x, weight, state)
+        return _triton_ops().causal_conv1d_step(x, weight, state)

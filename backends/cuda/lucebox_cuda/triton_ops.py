@@ -1,0 +1,453 @@
+"""Triton kernels for the small non-matmul ops of the decode step, with thin torch-facing wrappers.
+
+Each wrapper takes the same tensors as the `TorchBackend` op of the same name (`lucebox_core.torch_backend`)
+and gives the same result; the kernels accumulate in fp32 whatever the activation dtype. No host value
+depends on device data, so every wrapper can be recorded in a CUDA graph.
+
+- `decode_attention`: one query token against a window of the KV cache, split over the sequence
+  (flash-decoding: each program reduces one slice of rows for all query heads of one KV head to a partial
+  max, sum and output, and a second kernel combines the slices), so a long context fills the GPU.
+- `gated_delta_rule_step`: one token of the Gated DeltaNet recurrence, one program per (sequence, value
+  head, slice of value dims); the fp32 state slice stays in registers between the decay, the delta
+  update and the readout.
+- `causal_conv1d_step`: one token of the depthwise causal convolution, optionally followed by SiLU.
+
+The wrappers run under `TRITON_INTERPRET=1` on CPU tensors too (that is how CI tests them).
+`python -m lucebox_cuda.triton_ops` checks and times every kernel against the torch reference on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of the KV window one attention program reads per loop step. 64 rows of 256 dims of bf16 are 32 KiB
+# for K and as much for V: enough bytes in flight per program without spilling.
+ATTENTION_BLOCK_ROWS = 64
+# Programs the attention split aims for per streaming multiprocessor: 2 keep every SM busy while a
+# program waits on memory.
+PROGRAMS_PER_SM = 2
+# Value dims one Gated DeltaNet program owns: a [128, 32] fp32 state slice is 32 registers a thread with
+# 4 warps, and 27B's 48 value heads of 128 dims make 192 programs.
+DELTA_BLOCK_VALUES = 32
+# Channels one convolution program owns.
+CONV_BLOCK_CHANNELS = 256
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _device_scope(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device's current stream: make that the tensor's device."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dim with stride 1 and every other dim with the tensor's own strides."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 products in full precision (Triton's default for fp32 is TF32); half types are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# -- decode attention ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, position_ptr, max_ptr, sum_ptr, acc_ptr,
+    rows, scale,
+    stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Partial attention of the GROUP query heads of one KV head over one slice of rows.
+
+    Writes, per query head and split, the running max of the scores, the sum of exp(score - max) and the
+    unnormalised output sum(exp(score - max) * v): the three numbers the combine kernel needs.
+    """
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    group_index = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + group_index
+    head_ok = group_index < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    value_dims = tl.arange(0, BLOCK_DV)
+
+    # The query heads of a group form the rows of a small matrix, padded to the 16 rows tl.dot needs.
+    q = tl.load(q_ptr + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+
+    # The query at `position` sees rows 0 .. position; the window may end sooner.
+    visible_rows = tl.minimum(tl.load(position_ptr) + 1, rows)
+    start = split * (BLOCKS_PER_SPLIT * BLOCK_N)
+    end = tl.minimum(start + BLOCKS_PER_SPLIT * BLOCK_N, visible_rows)
+
+    running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    # A fixed trip count and a skip, not range(start, end): Triton 3.6's interpreter cannot take a loop
+    # bound read from memory under numpy >= 2.4 (triton-lang/triton#9171), and the skip costs nothing.
+    for block in range(BLOCKS_PER_SPLIT):
+        block_start = start + block * BLOCK_N
+        if block_start < end:
+            offsets = block_start + tl.arange(0, BLOCK_N)
+            row_ok = offsets < end
+            k = tl.load(k_ptr + offsets[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
+                        mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+            # Products in q's dtype, as the reference does: the window is read once, never upcast in memory.
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [G, N] fp32
+            scores = tl.where(row_ok[None, :], scores, float("-inf"))
+            block_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the block has a visible row
+            rescale = tl.exp(running_max - block_max)
+            probs = tl.exp(scores - block_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            v = tl.load(v_ptr + offsets[:, None] * stride_vn + kv_head * stride_vh + value_dims[None, :],
+                        mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            running_max = block_max
+
+    # A split wholly past the position stores max -inf and sum 0: the combine gives it weight 0.
+    partial = heads * splits + split
+    tl.store(max_ptr + partial, running_max, mask=head_ok)
+    tl.store(sum_ptr + partial, running_sum, mask=head_ok)
+    tl.store(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :], acc,
+             mask=head_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
+
+
+@triton.jit
+def _decode_attention_combine_kernel(
+    max_ptr, sum_ptr, acc_ptr, out_ptr, splits, stride_oh,
+    VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Softmax-weighted merge of one query head's partial results (split 0 always holds row 0)."""
+    head = tl.program_id(0)
+    split_index = tl.arange(0, BLOCK_S)
+    split_ok = split_index < splits
+    value_dims = tl.arange(0, BLOCK_DV)
+    partial = head * splits + split_index
+    split_max = tl.load(max_ptr + partial, mask=split_ok, other=float("-inf"))
+    split_sum = tl.load(sum_ptr + partial, mask=split_ok, other=0.0)
+    split_acc = tl.load(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :],
+                        mask=split_ok[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+    weight = tl.exp(split_max - tl.max(split_max, axis=0))  # exp(-inf) = 0 for empty or padded splits
+    out = tl.sum(split_acc * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
+    tl.store(out_ptr + head * stride_oh + value_dims, out.to(out_ptr.dtype.element_ty), mask=value_dims < VALUE_DIM)
+
+
+def attention_splits(rows: int, kv_heads: int, device: torch.device, block_rows: int = ATTENTION_BLOCK_ROWS) -> int:
+    """How many slices of rows decode attention splits a window of `rows` into: enough that
+    `kv_heads * splits` programs cover every SM `PROGRAMS_PER_SM` times, never a slice under one block."""
+    blocks = max(1, math.ceil(rows / block_rows))
+    if device.type == "cuda":
+        target_programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target_programs = 4 * kv_heads  # the interpreter: a few splits, so tests exercise the combine
+    return min(blocks, max(1, math.ceil(target_programs / kv_heads)))
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float,
+    splits: int | None = None, block_rows: int = ATTENTION_BLOCK_ROWS, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`TorchBackend.decode_attention`: q `[1, 1, Hq, D]`, k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, `position`
+    `[1]` long on the device (rows past it are masked) -> `[1, 1, Hq, Dv]` in q's dtype.
+
+    `splits`: slices of rows reduced in parallel (default `attention_splits`); a fixed window gives a
+    fixed launch, so the call records into a CUDA graph. `out`: a contiguous result tensor to write into.
+    """
+    rows, kv_heads, head_dim = k.shape
+    q_heads, value_dim = q.shape[2], v.shape[2]
+    if q.shape[:2] != (1, 1) or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads:
+        raise ValueError(f"decode_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    group = q_heads // kv_heads
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if splits is None:
+        splits = attention_splits(rows, kv_heads, q.device, block_rows)
+    blocks = max(1, math.ceil(rows / block_rows))
+    blocks_per_split = math.ceil(blocks / splits)
+    splits = math.ceil(blocks / blocks_per_split)  # no split that starts past the window
+    if out is None:
+        out = torch.empty(1, 1, q_heads, value_dim, device=q.device, dtype=q.dtype)
+    split_max = torch.empty(q_heads, splits, device=q.device, dtype=torch.float32)
+    split_sum = torch.empty_like(split_max)
+    split_acc = torch.empty(q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
+    with _device_scope(q):
+        _decode_attention_split_kernel[(kv_heads, splits)](
+            q, k, v, position, split_max, split_sum, split_acc,
+            rows, scale,
+            q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCKS_PER_SPLIT=blocks_per_split,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_rows,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+            DOT_PRECISION=_dot_precision(q.dtype),
+        )
+        _decode_attention_combine_kernel[(q_heads,)](
+            split_max, split_sum, split_acc, out, splits, out.stride(2),
+            VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_DV=triton.next_power_of_2(value_dim),
+        )
+    return out
+
+
+# -- Gated DeltaNet recurrent step ---------------------------------------------------------------------
+
+
+@triton.jit
+def _gated_delta_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, new_state_ptr, out_ptr,
+    scale, key_heads, value_heads,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_gb, stride_gh, stride_betab, stride_betah,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One token for one (sequence, value head) and BLOCK_V of its value dims: the state's columns are
+    independent in the delta rule, so a column slice is a whole problem."""
+    sequence_head = tl.program_id(0)
+    batch = sequence_head // value_heads
+    head = sequence_head % value_heads
+    key_head = head % key_heads  # tiled heads: the GGUF order (see TorchBackend.gated_delta_rule_recurrent)
+    key_dims = tl.arange(0, BLOCK_K)
+    value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_ok = key_dims < KEY_DIM
+    value_ok = value_dims < VALUE_DIM
+
+    q = tl.load(q_ptr + batch * stride_qb + key_head * stride_qh + key_dims, mask=key_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + batch * stride_kb + key_head * stride_kh + key_dims, mask=key_ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + batch * stride_vb + head * stride_vh + value_dims, mask=value_ok, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + batch * stride_gb + head * stride_gh).to(tl.float32))
+    beta = tl.load(beta_ptr + batch * stride_betab + head * stride_betah).to(tl.float32)
+
+    # The state is [B, H_v, D_k, D_v], contiguous, fp32.
+    tile = (sequence_head * KEY_DIM + key_dims[:, None]) * VALUE_DIM + value_dims[None, :]
+    tile_ok = key_ok[:, None] & value_ok[None, :]
+    state = tl.load(state_ptr + tile, mask=tile_ok, other=0.0) * decay
+    update = (v - tl.sum(state * k[:, None], axis=0)) * beta  # beta * (v - S^T k)
+    state += k[:, None] * update[None, :]
+    out = tl.sum(state * (q * scale)[:, None], axis=0)  # S^T q
+    tl.store(new_state_ptr + tile, state, mask=tile_ok)
+    tl.store(out_ptr + sequence_head * VALUE_DIM + value_dims, out.to(out_ptr.dtype.element_ty), mask=value_ok)
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None, scale: float | None = None, *, new_state: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TorchBackend.gated_delta_rule_recurrent` for one token: q, k `[B, 1, H_k, D_k]`, v `[B, 1, H_v, D_v]`,
+    g, beta `[B, 1, H_v]`, state `[B, H_v, D_k, D_v]` fp32 (None: zeros) -> (o `[B, 1, H_v, D_v]` in v's
+    dtype, the new fp32 state).
+
+    `new_state`: where to write the new state (contiguous fp32); pass `state` itself to update it in
+    place (each program reads its slice before writing it). By default a new tensor, leaving `state` as it
+    was, as the op contract asks. `out`: a contiguous `[B, 1, H_v, D_v]` tensor of v's dtype to write o into.
+    """
+    batch, tokens, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if tokens != 1 or q.shape != k.shape or v.shape[:2] != (batch, 1) or value_heads % key_heads:
+        raise ValueError(f"gated_delta_rule_step shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if state is None:
+        state = torch.zeros(batch, value_heads, key_dim, value_dim, device=v.device, dtype=torch.float32)
+    state = state.float().contiguous()
+    if new_state is None:
+        new_state = torch.empty_like(state)
+    elif new_state.shape != state.shape or new_state.dtype != torch.float32 or not new_state.is_contiguous():
+        raise ValueError(f"new_state must be a contiguous float32 tensor of shape {tuple(state.shape)}")
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if out is None:
+        out = torch.empty(batch, 1, value_heads, value_dim, device=v.device, dtype=v.dtype)
+    elif out.shape != (batch, 1, value_heads, value_dim) or out.dtype != v.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {v.dtype} tensor of shape {(batch, 1, value_heads, value_dim)}")
+    scale = key_dim**-0.5 if scale is None else scale
+    block_values = min(DELTA_BLOCK_VALUES, triton.next_power_of_2(value_dim))
+    grid = (batch * value_heads, math.ceil(value_dim / block_values))
+    with _device_scope(v):
+        _gated_delta_step_kernel[grid](
+            q, k, v, g, beta, state, new_state, out,
+            scale, key_heads, value_heads,
+            q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+            g.stride(0), g.stride(2), beta.stride(0), beta.stride(2),
+            KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
+        )
+    return out, new_state
+
+
+# -- causal conv1d step --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _causal_conv1d_step_kernel(
+    x_ptr, weight_ptr, state_ptr, y_ptr, new_state_ptr, channels,
+    stride_xb, stride_wc, stride_wk, stride_sb, stride_sk, stride_nb, stride_nk, stride_yb,
+    KERNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
+):
+    """y[c] = sum_j weight[c, j] * window[j, c] over the window (state rows, then x); the new state is
+    the window's last KERNEL-1 rows."""
+    batch = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < channels
+    taps = tl.arange(0, BLOCK_K)
+    from_state = (taps[:, None] < KERNEL - 1) & col_ok[None, :]
+    window = tl.load(state_ptr + batch * stride_sb + taps[:, None] * stride_sk + cols[None, :],
+                     mask=from_state, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + batch * stride_xb + cols, mask=col_ok, other=0.0)
+    window = tl.where(taps[:, None] == KERNEL - 1, x.to(tl.float32)[None, :], window)
+    weight = tl.load(weight_ptr + cols[None, :] * stride_wc + taps[:, None] * stride_wk,
+                     mask=(taps[:, None] < KERNEL) & col_ok[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(window * weight, axis=0)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + batch * stride_yb + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+    # Updating the state in place moves rows between threads: every read above must land first.
+    tl.debug_barrier()
+    shifted = (taps[:, None] >= 1) & (taps[:, None] < KERNEL) & col_ok[None, :]
+    tl.store(new_state_ptr + batch * stride_nb + (taps[:, None] - 1) * stride_nk + cols[None, :],
+             window.to(new_state_ptr.dtype.element_ty), mask=shifted)
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, *, activation: str | None = None,
+    new_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TorchBackend.causal_conv1d_step`: x `[B, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, C]`,
+    new state `[B, K-1, C]`), both in x's dtype.
+
+    `activation="silu"` applies SiLU to y in the same kernel (the reference op applies none; the model
+    applies it next). `new_state`: where to write the new state (x's dtype, last dim contiguous); pass
+    `state` itself to shift it in place. By default a new tensor, leaving `state` as it was. `out`: a
+    `[B, C]` tensor of x's dtype (last dim contiguous) to write y into.
+    """
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', not {activation!r}")
+    batch, channels = x.shape
+    kernel = weight.shape[1]
+    if weight.shape[0] != channels or state.shape != (batch, kernel - 1, channels):
+        raise ValueError(f"causal_conv1d_step shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"state {tuple(state.shape)}")
+    x, state = _last_dim_contiguous(x), _last_dim_contiguous(state)
+    if new_state is None:
+        new_state = torch.empty(batch, kernel - 1, channels, device=x.device, dtype=x.dtype)
+    elif new_state.shape != state.shape or new_state.dtype != x.dtype or new_state.stride(-1) != 1:
+        raise ValueError(f"new_state must be a {x.dtype} tensor of shape {tuple(state.shape)}, last dim contiguous")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {tuple(x.shape)}, last dim contiguous")
+    grid = (batch, math.ceil(channels / CONV_BLOCK_CHANNELS))
+    with _device_scope(x):
+        _causal_conv1d_step_kernel[grid](
+            x, weight, state, out, new_state, channels,
+            x.stride(0), weight.stride(0), weight.stride(1), state.stride(0), state.stride(1),
+            new_state.stride(0), new_state.stride(1), out.stride(0),
+            KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=CONV_BLOCK_CHANNELS,
+            SILU=activation == "silu",
+        )
+    return out, new_state
+
+
+# -- GPU check and timing: python -m lucebox_cuda.triton_ops -----------------------------------------
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int = 50) -> float:
+    """Median of CUDA-event timings of `fn` on the current stream, after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    result, reference = result.double(), reference.double()
+    if not torch.isfinite(result).all():
+        return float("inf")
+    return ((result - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def _decode_cases(dtype: torch.dtype, device: torch.device) -> list[tuple[str, Callable, str, tuple, dict]]:
+    """(label, kernel wrapper, reference op name, arguments, keyword arguments) at the 27B decode shapes:
+    attention 24 query / 4 KV heads of 256 dims, Gated DeltaNet 16 key / 48 value heads of 128 dims,
+    conv 10240 channels with kernel 4."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).to(dtype)
+
+    cases = []
+    for window, position in ((4096, 3000), (32768, 32767), (32768, 1000)):
+        attention_args = (randn(1, 1, 24, 256), randn(window, 4, 256), randn(window, 4, 256),
+                          torch.tensor([position], device=device))
+        cases.append((f"decode_attention window {window} position {position}", decode_attention,
+                      "decode_attention", attention_args, {"scale": 256**-0.5}))
+    unit = torch.nn.functional.normalize
+    delta_args = (unit(randn(1, 1, 16, 128).float(), dim=-1).to(dtype),
+                  unit(randn(1, 1, 16, 128).float(), dim=-1).to(dtype),
+                  randn(1, 1, 48, 128), -2 * torch.rand(1, 1, 48, device=device),
+                  torch.rand(1, 1, 48, device=device).to(dtype), torch.randn(1, 48, 128, 128, device=device))
+    cases.append(("gated_delta_rule_step 16/48 heads 128x128", gated_delta_rule_step, "gated_delta_rule_recurrent",
+                  delta_args, {}))
+    conv_args = (randn(1, 10240), randn(10240, 4), randn(1, 3, 10240))
+    cases.append(("causal_conv1d_step 10240 channels, kernel 4", causal_conv1d_step, "causal_conv1d_step",
+                  conv_args, {}))
+    return cases
+
+
+def main() -> int:
+    """Check every kernel against `TorchBackend` on the GPU at the 27B shapes and time both; print a table.
+
+    Results are poisoned with NaN before the checked run and compared with the reference op run in fp32 on
+    the same (rounded) inputs. Returns 1, naming the kernel, if a relative error exceeds its dtype's bound.
+    """
+    from lucebox_core.torch_backend import TorchBackend
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: run the CPU tests (tests/test_cuda_triton.py) instead")
+        return 1
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    bounds = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+    oracle = TorchBackend(device, torch.float32, weight_cache_bytes=0)
+    failures = []
+    print(f"{torch.cuda.get_device_name(device)}, Triton {triton.__version__}, torch {torch.__version__}")
+    print(f"{'op':<44} {'dtype':<9} {'rel err':>9} {'triton ms':>10} {'torch ms':>9}")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        reference = TorchBackend(device, dtype, weight_cache_bytes=0)
+        for label, kernel, op, args, kwargs in _decode_cases(dtype, device):
+            upcast = tuple(t.float() if t.is_floating_point() else t for t in args)
+            expected = getattr(oracle, op)(*upcast, **kwargs)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            poisoned = {"out": torch.full_like(expected[0], float("nan"), dtype=dtype)}
+            if len(expected) == 2:  # (output, state): the state keeps its dtype (fp32 for Gated DeltaNet)
+                poisoned["new_state"] = torch.full_like(expected[1], float("nan"), dtype=args[-1].dtype)
+            result = kernel(*args, **kwargs, **poisoned)
+            result = result if isinstance(result, tuple) else (result,)
+            error = max(_relative_error(a, b) for a, b in zip(result, expected))
+            triton_ms = _median_ms(functools.partial(kernel, *args, **kwargs, **poisoned))
+            torch_ms = _median_ms(functools.partial(getattr(reference, op), *args, **kwargs))
+            dtype_name = str(dtype).removeprefix("torch.")
+            print(f"{label:<44} {dtype_name:<9} {error:>9.2e} {triton_ms:>10.4f} {torch_ms:>9.4f}")
+            if not error <= bounds[dtype]:
+                failures.append(f"{label} {dtype}: relative error {error:.2e} > {bounds[dtype]:.0e}")
+    for failure in failures:
+        print("FAIL", failure)
+    print("all kernels within bounds" if not failures else f"{len(failures)} kernel checks failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""The Triton decode kernels (lucebox_cuda.triton_ops) against the torch reference ops, run on the CPU by
+Triton's interpreter. Shapes include the 27B ones, scaled down where the interpreter would be slow."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# Triton decides at decoration time whether a kernel is compiled or interpreted: set this before the
+# kernels' module is first imported.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
+
+import torch
+import torch.nn.functional as F
+from lucebox_cuda import triton_ops
+from triton.runtime.interpreter import InterpretedFunction
+
+from lucebox_core.torch_backend import TorchBackend
+
+if not isinstance(triton_ops._decode_attention_split_kernel, InterpretedFunction):
+    pytest.skip("lucebox_cuda.triton_ops was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+
+REFERENCE = TorchBackend("cpu", torch.float32)
+
+
+def relative_error(result: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(result).all(), "the kernel left NaN (an unwritten output) or produced inf"
+    return ((result.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def nan_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(tensor, float("nan"))
+
+
+# -- decode attention ----------------------------------------------------------------------------------
+
+# (query heads, KV heads, head dim, value dim, window rows, position): GQA ratios 1, 3 and 6 (27B: 24/4
+# heads of 256 dims), windows that are not whole blocks, positions inside, at the end of and past the window.
+ATTENTION_CASES = [
+    (4, 4, 64, 64, 130, 100),
+    (6, 2, 32, 48, 77, 76),
+    (24, 4, 256, 256, 200, 137),
+    (12, 2, 80, 80, 150, 0),  # only row 0 is visible; head dim not a power of two
+    (3, 1, 16, 16, 65, 500),  # position past the window: every row visible
+]
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "value_dim", "rows", "position"), ATTENTION_CASES)
+def test_decode_attention_matches_reference(q_heads, kv_heads, head_dim, value_dim, rows, position, splits):
+    torch.manual_seed(rows + q_heads)
+    q = torch.randn(1, 1, q_heads, head_dim)
+    k = torch.randn(rows, kv_heads, head_dim) * 2
+    v = torch.randn(rows, kv_heads, value_dim)
+    pos = torch.tensor([position])
+    scale = head_dim**-0.5
+    expected = REFERENCE.decode_attention(q, k, v, pos, scale=scale)
+    out = nan_like(expected)
+    result = triton_ops.decode_attention(q, k, v, pos, scale=scale, splits=splits, block_rows=32, out=out)
+    assert result is out
+    assert relative_error(out, expected) < 1e-5
+
+
+def test_decode_attention_ignores_rows_past_the_position():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 1, 6, 32), torch.randn(100, 2, 32), torch.randn(100, 2, 32)
+    before = triton_ops.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, splits=4, block_rows=16)
+    k[41:], v[41:] = float("nan"), float("nan")  # garbage past the position must not reach the output
+    after = triton_ops.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, splits=4, block_rows=16)
+    assert torch.equal(before, after)
+
+
+def test_decode_attention_strided_window_and_half_precision():
+    """A window sliced out of a bigger cache (row stride > heads * dim), f16 cache read into an f16 query.
+    (Not bf16: Triton 3.6's interpreter multiplies bf16 tl.dot operands as their raw 16-bit integers; the
+    GPU check, `python -m lucebox_cuda.triton_ops`, covers bf16.)"""
+    torch.manual_seed(2)
+    cache_k = torch.randn(256, 2, 64, dtype=torch.float16)
+    cache_v = torch.randn(256, 2, 64, dtype=torch.float16)
+    k, v = cache_k[:, :, :32], cache_v[:, :, 32:]  # not contiguous: stride(0) = 128
+    q = torch.randn(1, 1, 6, 32, dtype=torch.float16)
+    pos = torch.tensor([190])
+    result = triton_ops.decode_attention(q, k, v, pos, scale=32**-0.5, block_rows=32)
+    expected = REFERENCE.decode_attention(q.float(), k.float(), v.float(), pos, scale=32**-0.5)
+    assert result.dtype == torch.float16
+    assert relative_error(result, expected) < 5e-3
+
+
+def test_attention_splits_cover_the_window_in_whole_blocks():
+    assert triton_ops.attention_splits(10, 4, torch.device("cpu"), 64) == 1  # never under one block
+    assert triton_ops.attention_splits(64 * 100, 4, torch.device("cpu"), 64) == 4  # 4 per KV head on a CPU
+
+
+# -- Gated DeltaNet ------------------------------------------------------------------------------------
+
+# (batch, key heads, value heads, key dim, value dim): ratios 1, 3 and 6 (27B: 16/48 heads of 128 dims,
+# scaled to 4/24); value dims that are not whole blocks of 32.
+DELTA_CASES = [
+    (1, 2, 2, 16, 16),
+    (2, 2, 6, 32, 48),
+    (1, 4, 24, 128, 128),
+    (3, 1, 6, 24, 20),
+]
+
+
+def delta_inputs(batch, key_heads, value_heads, key_dim, value_dim, dtype=torch.float32):
+    q = F.normalize(torch.randn(batch, 1, key_heads, key_dim), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(batch, 1, key_heads, key_dim), dim=-1).to(dtype)
+    v = torch.randn(batch, 1, value_heads, value_dim).to(dtype)
+    g = -torch.rand(batch, 1, value_heads) * 2  # log decay <= 0, in fp32 as the model makes it
+    beta = torch.rand(batch, 1, value_heads).to(dtype)
+    state = torch.randn(batch, value_heads, key_dim, value_dim)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize(("batch", "key_heads", "value_heads", "key_dim", "value_dim"), DELTA_CASES)
+def test_gated_delta_step_matches_reference(batch, key_heads, value_heads, key_dim, value_dim):
+    torch.manual_seed(value_heads * key_dim)
+    q, k, v, g, beta, state = delta_inputs(batch, key_heads, value_heads, key_dim, value_dim)
+    kept = state.clone()
+    expected_out, expected_state = REFERENCE.gated_delta_rule_recurrent(q, k, v, g, beta, state, 0.3)
+    new_state, out = nan_like(state), nan_like(v)
+    result_out, result_state = triton_ops.gated_delta_rule_step(
+        q, k, v, g, beta, state, 0.3, new_state=new_state, out=out
+    )
+    assert result_out is out and result_state is new_state
+    assert relative_error(out, expected_out) < 1e-5
+    assert relative_error(new_state, expected_state) < 1e-5
+    assert torch.equal(state, kept)  # functional by default: the given state is left alone
+
+
+def test_gated_delta_step_in_place_over_several_tokens_matches_the_recurrence():
+    """Three steps updating one state buffer in place equal the reference over three tokens, from zeros."""
+    torch.manual_seed(3)
+    tokens = [delta_inputs(1, 2, 6, 32, 32) for _ in range(3)]
+    q, k, v, g, beta = (torch.cat([step[i] for step in tokens], dim=1) for i in range(5))
+    expected_out, expected_state = REFERENCE.gated_delta_rule_recurrent(q, k, v, g, beta, None)
+    state = torch.zeros(1, 6, 32, 32)
+    outputs = []
+    for t in range(3):
+        token = (q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1])
+        out, returned = triton_ops.gated_delta_rule_step(*token, state if t else None, new_state=state)
+        assert returned is state
+        outputs.append(out)
+    assert relative_error(torch.cat(outputs, dim=1), expected_out) < 1e-5
+    assert relative_error(state, expected_state) < 1e-5
+
+
+def test_gated_delta_step_half_precision_inputs():
+    torch.manual_seed(4)
+    q, k, v, g, beta, state = delta_inputs(1, 2, 6, 64, 64, torch.bfloat16)
+    expected_out, expected_state = REFERENCE.gated_delta_rule_recurrent(q, k, v, g, beta, state)
+    out, new_state = triton_ops.gated_delta_rule_step(q, k, v, g, beta, state)
+    assert out.dtype == torch.bfloat16 and new_state.dtype == torch.float32
+    assert relative_error(out, expected_out) < 1e-2
+    assert relative_error(new_state, expected_state) < 1e-5  # fp32 state from the same bf16 inputs
+
+
+# -- causal conv1d step --------------------------------------------------------------------------------
+
+# (batch, channels, kernel): 27B's 10240 channels and kernel 4; channels that are not whole blocks; a
+# kernel that is not a power of two; the shortest kernel (one row of state).
+CONV_CASES = [(1, 10240, 4), (3, 300, 4), (2, 50, 3), (1, 40, 2)]
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize(("batch", "channels", "kernel"), CONV_CASES)
+def test_causal_conv1d_step_matches_reference(batch, channels, kernel, activation):
+    torch.manual_seed(channels + kernel)
+    x, weight = torch.randn(batch, channels), torch.randn(channels, kernel)
+    state = torch.randn(batch, kernel - 1, channels)
+    kept = state.clone()
+    expected_y, expected_state = REFERENCE.causal_conv1d_step(x, weight, state)
+    if activation == "silu":
+        expected_y = F.silu(expected_y)
+    out, new_state = nan_like(x), nan_like(state)
+    y, returned = triton_ops.causal_conv1d_step(x, weight, state, activation=activation, new_state=new_state, out=out)
+    assert y is out and returned is new_state
+    assert relative_error(y, expected_y) < 1e-6
+    assert torch.equal(new_state, expected_state)  # a shift and a copy: exact
+    assert torch.equal(state, kept)
+
+
+def test_causal_conv1d_step_in_place_and_strided_input():
+    """x as a column slice of a wider projection (as the model's split gives), the state shifted in place."""
+    torch.manual_seed(5)
+    wide = torch.randn(2, 700)
+    x = wide[:, 100:600]
+    weight, state = torch.randn(500, 4), torch.randn(2, 3, 500)
+    expected_y, expected_state = REFERENCE.causal_conv1d_step(x, weight, state.clone())
+    y, returned = triton_ops.causal_conv1d_step(x, weight, state, new_state=state)
+    assert returned is state
+    assert relative_error(y, expected_y) < 1e-6
+    assert torch.equal(state, expected_state)
+
+
+def test_causal_conv1d_step_casts_the_state_to_the_input_dtype():
+    torch.manual_seed(6)
+    x, weight = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(64, 4, dtype=torch.bfloat16)
+    state = torch.randn(1, 3, 64)  # fp32 state, bf16 activations
+    expected_y, expected_state = REFERENCE.causal_conv1d_step(x, weight, state)
+    y, new_state = triton_ops.causal_conv1d_step(x, weight, state)
+    assert y.dtype == new_state.dtype == torch.bfloat16
+    assert relative_error(y, expected_y) < 1e-2  # the reference sums in bf16, the kernel in fp32
+    # Within one bf16 step: Triton's interpreter truncates fp32 to bf16 where torch (and the GPU) round.
+    torch.testing.assert_close(new_state.float(), expected_state.float(), rtol=2**-7, atol=0)
+
+
+# -- the CudaBackend overrides dispatch here ------------------------------------------------------------
+
+
+@pytest.fixture
+def backend_on_cpu():
+    """A CudaBackend whose device is the CPU: its constructor refuses one without CUDA, so the object is
+    made without it; only the Triton overrides (which need no compiled CUDA module) are called."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="lucebox-cuda's dependencies (cuda-bindings) are not installed")
+    from lucebox_cuda.backend import CudaBackend
+
+    backend = CudaBackend.__new__(CudaBackend)
+    TorchBackend.__init__(backend, "cpu", torch.float32)
+    return backend
+
+
+def test_backend_overrides_match_the_reference(backend_on_cpu, monkeypatch):
+    calls = []
+    for name in ("decode_attention", "gated_delta_rule_step", "causal_conv1d_step"):
+        kernel = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    torch.manual_seed(7)
+    q, k, v = torch.randn(1, 1, 6, 32), torch.randn(90, 2, 32), torch.randn(90, 2, 32)
+    pos = torch.tensor([70])
+    assert relative_error(backend_on_cpu.decode_attention(q, k, v, pos, scale=0.3),
+                          REFERENCE.decode_attention(q, k, v, pos, scale=0.3)) < 1e-5
+    inputs = delta_inputs(1, 2, 6, 16, 16)
+    for result, expected in zip(backend_on_cpu.gated_delta_rule_recurrent(*inputs, 0.5),
+                                REFERENCE.gated_delta_rule_recurrent(*inputs, 0.5)):
+        assert relative_error(result, expected) < 1e-5
+    x, weight, state = torch.randn(1, 48), torch.randn(48, 4), torch.randn(1, 3, 48)
+    for result, expected in zip(backend_on_cpu.causal_conv1d_step(x, weight, state),
+                                REFERENCE.causal_conv1d_step(x, weight, state)):
+        assert relative_error(result, expected) < 1e-6
+    assert calls == ["decode_attention", "gated_delta_rule_step", "causal_conv1d_step"]
+    # Two tokens are the chunked/prefill case: the recurrent override leaves them to the reference.
+    two = [torch.cat([t, t], dim=1) for t in inputs[:5]]
+    backend_on_cpu.gated_delta_rule_recurrent(*two, inputs[5])
+    assert calls.count("gated_delta_rule_step") == 1
+
+
+# -- every kernel compiles for the GPUs (no GPU needed) -----------------------------------------------
+
+# Run in a child process: this module's kernels are interpreted, and the compiler needs the jitted ones.
+# The constants are the 27B decode shapes; pointers are bf16 and fp32 activations.
+COMPILE_SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lucebox_cuda import triton_ops as ops
+
+def signature(kernel, types, constants):
+    names = kernel.arg_names
+    return {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
+
+for capability in map(int, sys.argv[1:]):
+    target = GPUTarget("cuda", capability, 32)
+    for act in ("bf16", "fp32"):
+        pointer = "*" + act
+        kernels = [
+            (ops._decode_attention_split_kernel,
+             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", max_ptr="*fp32",
+                  sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=8, BLOCK_G=16, BLOCK_N=64, BLOCK_D=256,
+                  BLOCK_DV=256, DOT_PRECISION="ieee" if act == "fp32" else "tf32")),
+            (ops._decode_attention_combine_kernel,
+             dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
+             dict(VALUE_DIM=256, BLOCK_S=64, BLOCK_DV=256)),
+            (ops._gated_delta_step_kernel,
+             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
+                  new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),
+             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
+            (ops._causal_conv1d_step_kernel,
+             dict(x_ptr=pointer, weight_ptr=pointer, state_ptr=pointer, y_ptr=pointer, new_state_ptr=pointer),
+             dict(KERNEL=4, BLOCK_K=4, BLOCK_C=256, SILU=True)),
+        ]
+        for kernel, types, constants in kernels:
+            source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
+            binary = triton.compile(source, target=target)
+            assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__
+            print("compiled", kernel.__name__, act, f"sm_{capability}")
+"""
+
+
+def test_kernels_compile_for_each_gpu_architecture(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90", "120"], env=env,
+                            capture_output=True, check=False, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 3 * 2 * 4
