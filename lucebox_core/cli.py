@@ -212,6 +212,32 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length to allocate (default 4096)")
     p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
     p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
+    add_cache_type_arguments(p)
+
+
+def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
+    """-ctk / -ctv (generate, bench, serve). Checked when the model loads, so an unknown type is a
+    LuceboxError naming the flag rather than an argparse usage dump."""
+    from .kv import KV_CACHE_TYPES
+
+    types = ", ".join(KV_CACHE_TYPES)
+    p.add_argument("-ctk", "--cache-type-k", metavar="TYPE",
+                   help=f"KV cache type of K: {types} (default: the backend's dtype)")
+    p.add_argument("-ctv", "--cache-type-v", metavar="TYPE",
+                   help=f"KV cache type of V: {types} (default: the backend's dtype)")
+
+
+def cache_type_options(cache_type_k: str | None, cache_type_v: str | None) -> dict[str, str]:
+    """The model options for the cache-type flags that were given, checked (a LuceboxError names the flag);
+    none given, none passed, so a family without them still loads."""
+    from .kv import K_FLAG, V_FLAG, kv_cache_type
+
+    options = {}
+    if cache_type_k is not None:
+        options["cache_type_k"] = kv_cache_type(cache_type_k, K_FLAG)
+    if cache_type_v is not None:
+        options["cache_type_v"] = kv_cache_type(cache_type_v, V_FLAG)
+    return options
 
 
 def _tree_budget(text: str) -> int | str:
@@ -266,6 +292,8 @@ def load_speculative(args: argparse.Namespace, loaded: Any) -> Any:
 def _load(args: argparse.Namespace, **options: Any) -> Any:
     from .loading import load_model
 
+    options = {**cache_type_options(getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)),
+               **options}
     return load_model(
         args.model,
         backend=args.backend,

@@ -1,10 +1,15 @@
 """The built-in `full` KV policy: every position's K and V, contiguous per sequence.
 
 One `FullKVCache` belongs to one sequence. It holds, for each attention layer that has a KV cache, a K
-buffer `[max_context, kv_heads, k_head_dim]` and a V buffer `[max_context, kv_heads, v_head_dim]`,
-allocated once, so appending never reallocates and rolling back (speculative decoding) is only a move of
-the fill pointer. The cache knows nothing of a model family: each layer declares its own head count and
-head dims.
+buffer `[max_context, kv_heads, ...]` and a V buffer, allocated once, so appending never reallocates and
+rolling back (speculative decoding) is only a move of the fill pointer. The cache knows nothing of a model
+family: each layer declares its own head count and head dims.
+
+K and V each have a storage type of their own (llama.cpp's `-ctk` / `-ctv`): `f32`, `f16`, `bf16` are
+plain dtypes; `q8_0` is GGUF's Q8_0 block layout along the head dim (per 32 values, an fp16 scale and 32
+int8s: 34 bytes, 1.0625 bytes a value), quantized like ggml's `quantize_row_q8_0_ref`. Every read hands
+back floats (a quantized store decodes to the cache's `dtype`), so attention kernels see float K/V;
+`window_stored` exposes the raw buffers for kernels that read Q8_0 themselves.
 """
 
 from __future__ import annotations
@@ -16,6 +21,105 @@ import torch
 
 from .errors import LuceboxError
 
+Q8_0_BLOCK = 32  # values per block
+Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK  # fp16 scale, then 32 int8
+
+# Cache type name -> its plain dtype (None: block-quantized).
+KV_CACHE_TYPES: dict[str, torch.dtype | None] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "q8_0": None,
+}
+_NAME_OF_DTYPE = {dtype: name for name, dtype in KV_CACHE_TYPES.items() if dtype is not None}
+
+# The user-facing flags, named in errors about each role.
+K_FLAG = "-ctk/--cache-type-k"
+V_FLAG = "-ctv/--cache-type-v"
+
+
+def kv_cache_type(value: str | torch.dtype, flag: str = "KV cache type") -> str:
+    """The cache type name (`f32`, `f16`, `bf16`, `q8_0`) for a name or a torch dtype; a LuceboxError naming
+    `flag` for anything else."""
+    if isinstance(value, torch.dtype):
+        if value in _NAME_OF_DTYPE:
+            return _NAME_OF_DTYPE[value]
+    elif isinstance(value, str) and value.strip().lower() in KV_CACHE_TYPES:
+        return value.strip().lower()
+    raise LuceboxError(f"{flag}: unknown KV cache type {value!r}; choose one of {', '.join(KV_CACHE_TYPES)}")
+
+
+def row_bytes(cache_type: str, values: int) -> int:
+    """Bytes that `values` numbers take in `cache_type` (for q8_0, `values` is a multiple of 32)."""
+    dtype = KV_CACHE_TYPES[kv_cache_type(cache_type)]
+    if dtype is None:
+        return values // Q8_0_BLOCK * Q8_0_BLOCK_BYTES
+    return values * dtype.itemsize
+
+
+# -- Q8_0 in torch -------------------------------------------------------------------------------------------
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's `roundf` (halves away from zero), exactly: `floor(|x| + 0.5)` can round up in float32 for values
+    just under a half, so the half is detected on the exact fractional part instead."""
+    magnitude = x.abs()
+    whole = torch.floor(magnitude)
+    return torch.sign(x) * (whole + torch.floor(2 * (magnitude - whole)))
+
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., D]` (D a multiple of 32) -> uint8 `[..., D / 32 * 34]`: GGUF Q8_0 blocks along the last dim.
+
+    As ggml's reference: per block `d = max|x| / 127` (fp32), `q = roundf(x / d)` through `1 / d` (0 for an
+    all-zero block), `d` stored as fp16. No host sync: safe inside a recorded CUDA graph.
+    """
+    *lead, dim = x.shape
+    blocks = x.float().reshape(*lead, dim // Q8_0_BLOCK, Q8_0_BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    quants = _round_half_away(blocks * inverse).to(torch.int8)
+    packed = torch.cat([scale.to(torch.float16).view(torch.uint8), quants.view(torch.uint8)], dim=-1)
+    return packed.reshape(*lead, dim // Q8_0_BLOCK * Q8_0_BLOCK_BYTES)
+
+
+def dequantize_q8_0(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 Q8_0 blocks `[..., B * 34]` -> `[..., B * 32]` in `dtype` (`q * d` in fp32, then cast)."""
+    *lead, nbytes = data.shape
+    blocks = data.reshape(*lead, nbytes // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
+    # Slices of a row are not contiguous, and a dtype view needs them to be.
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()
+    quants = blocks[..., 2:].contiguous().view(torch.int8).float()
+    return (quants * scale).reshape(*lead, nbytes // Q8_0_BLOCK_BYTES * Q8_0_BLOCK).to(dtype)
+
+
+# -- one role's storage (K or V) -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Codec:
+    """How one role (K or V) is stored: `encode` float rows to buffer rows, `decode` them back."""
+
+    cache_type: str
+    read_dtype: torch.dtype  # what reads hand back
+
+    @property
+    def quantized(self) -> bool:
+        return KV_CACHE_TYPES[self.cache_type] is None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return KV_CACHE_TYPES[self.cache_type] or torch.uint8
+
+    def stored_width(self, head_dim: int) -> int:
+        return row_bytes(self.cache_type, head_dim) if self.quantized else head_dim
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize_q8_0(x) if self.quantized else x.to(self.storage_dtype)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return dequantize_q8_0(stored, self.read_dtype) if self.quantized else stored
+
 
 @attrs.frozen
 class KVLayerShape:
@@ -26,11 +130,18 @@ class KVLayerShape:
     v_head_dim: int
 
 
+def kv_bytes_per_token(shape: KVLayerShape, k_type: str, v_type: str) -> int:
+    """Bytes one position of one layer takes: its K row plus its V row, each in its cache type."""
+    return row_bytes(k_type, shape.kv_heads * shape.k_head_dim) + row_bytes(v_type, shape.kv_heads * shape.v_head_dim)
+
+
 class FullKVCache:
     """K and V of every position of one sequence, for the attention layers named in `layers`.
 
     `layers` maps a layer index (the model's numbering, sparse for hybrid models) to its `KVLayerShape`.
-    `dtype` is the storage type; K and V are converted to it on append and returned in it.
+    `k_type` / `v_type` are the storage types of K and V (a name of `KV_CACHE_TYPES` or a torch dtype;
+    default `dtype`). `dtype` is also what a quantized type decodes to; plain types read back in their own
+    dtype.
     """
 
     def __init__(
@@ -40,6 +151,8 @@ class FullKVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        k_type: str | torch.dtype | None = None,
+        v_type: str | torch.dtype | None = None,
     ) -> None:
         if max_context <= 0:
             raise LuceboxError(f"the context size must be positive, got {max_context}")
@@ -47,16 +160,33 @@ class FullKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.shapes = dict(layers)
+        self.k_type = kv_cache_type(dtype if k_type is None else k_type, K_FLAG)
+        self.v_type = kv_cache_type(dtype if v_type is None else v_type, V_FLAG)
+        self._k_codec, self._v_codec = _Codec(self.k_type, dtype), _Codec(self.v_type, dtype)
+        for layer, s in self.shapes.items():
+            for codec, role, dim, flag in ((self._k_codec, "K", s.k_head_dim, K_FLAG),
+                                           (self._v_codec, "V", s.v_head_dim, V_FLAG)):
+                if codec.quantized and dim % Q8_0_BLOCK:
+                    raise LuceboxError(
+                        f"{flag} {codec.cache_type}: quantizes blocks of {Q8_0_BLOCK} along the head dim, but "
+                        f"layer {layer}'s {role} head dim is {dim}; choose f16, bf16 or f32"
+                    )
         self._keys = {
-            layer: torch.zeros(max_context, s.kv_heads, s.k_head_dim, dtype=dtype, device=self.device)
+            layer: torch.zeros(max_context, s.kv_heads, self._k_codec.stored_width(s.k_head_dim),
+                               dtype=self._k_codec.storage_dtype, device=self.device)
             for layer, s in self.shapes.items()
         }
         self._values = {
-            layer: torch.zeros(max_context, s.kv_heads, s.v_head_dim, dtype=dtype, device=self.device)
+            layer: torch.zeros(max_context, s.kv_heads, self._v_codec.stored_width(s.v_head_dim),
+                               dtype=self._v_codec.storage_dtype, device=self.device)
             for layer, s in self.shapes.items()
         }
         # Each layer has its own fill pointer: layers append one after another within a forward pass.
         self._lengths = {layer: 0 for layer in self.shapes}
+
+    def __repr__(self) -> str:
+        return (f"FullKVCache({len(self.shapes)} layers, {self.length}/{self.max_context} positions, "
+                f"K {self.k_type}, V {self.v_type}, {self.nbytes / 2**20:.1f} MiB)")
 
     @property
     def length(self) -> int:
@@ -67,6 +197,11 @@ class FullKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._keys.values(), *self._values.values()))
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position takes over all layers (K and V)."""
+        return sum(kv_bytes_per_token(s, self.k_type, self.v_type) for s in self.shapes.values())
+
     def ensure_room(self, new_tokens: int) -> None:
         """Raise a LuceboxError, before anything is written, if `new_tokens` more positions do not fit."""
         if self.length + new_tokens > self.max_context:
@@ -75,9 +210,13 @@ class FullKVCache:
                 f"in the context size {self.max_context}; raise -c/--ctx-size or shorten the conversation"
             )
 
+    def _decoded(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k_codec.decode(self._keys[layer][:end]), self._v_codec.decode(self._values[layer][:end])
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `k` `[T, kv_heads, k_head_dim]` and `v` `[T, kv_heads, v_head_dim]` after what `layer`
-        holds; return views of all of that layer's K and V, `[length + T, ...]`."""
+        holds; return all of that layer's K and V, `[length + T, ...]` (views for plain types, decoded
+        copies for quantized ones)."""
         if layer not in self.shapes:
             raise KeyError(f"layer {layer} has no KV cache (cached layers: {sorted(self.shapes)})")
         start, tokens = self._lengths[layer], k.shape[0]
@@ -93,10 +232,16 @@ class FullKVCache:
                 f"layer {layer}: K {tuple(k.shape)} / V {tuple(v.shape)} do not match {expected_k} / {expected_v}"
             )
         end = start + tokens
-        self._keys[layer][start:end] = k
-        self._values[layer][start:end] = v
+        self._keys[layer][start:end] = self._k_codec.encode(k)
+        self._values[layer][start:end] = self._v_codec.encode(v)
         self._lengths[layer] = end
-        return self._keys[layer][:end], self._values[layer][:end]
+        return self._decoded(layer, end)
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What reading `k` and `v` back would give once stored, without storing them (speculative verify:
+        the nodes must see their own K/V exactly as plain decoding will). Appending the result again
+        stores the same bits (Q8_0 re-quantizes its own output exactly)."""
+        return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
 
     # -- the static-shape decode step (CUDA graphs) ------------------------------------------------------
     # A captured step may not depend on host values, so it writes at a position held in a device tensor
@@ -106,14 +251,23 @@ class FullKVCache:
     def write_at(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one position's `k` `[1, kv_heads, k_head_dim]` and `v` at the row named by the device tensor
         `position` `[1]` (long); the fill pointer does not move."""
-        self._keys[layer].index_copy_(0, position, k.to(self.dtype))
-        self._values[layer].index_copy_(0, position, v.to(self.dtype))
+        self._keys[layer].index_copy_(0, position, self._k_codec.encode(k))
+        self._values[layer].index_copy_(0, position, self._v_codec.encode(v))
 
-    def window(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the first `size` rows of `layer`'s K and V buffers, whatever they hold: the caller masks
-        rows past its position."""
+    def _check_window(self, size: int) -> None:
         if not 0 < size <= self.max_context:
             raise ValueError(f"a window of {size} rows does not fit the context size {self.max_context}")
+
+    def window(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `size` rows of `layer`'s K and V, whatever they hold, as floats (views for plain types,
+        decoded for quantized ones): the caller masks rows past its position."""
+        self._check_window(size)
+        return self._decoded(layer, size)
+
+    def window_stored(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first `size` rows of the raw K and V buffers: a plain dtype `[size, heads, dim]`, or
+        uint8 Q8_0 blocks `[size, heads, dim / 32 * 34]` (for kernels that decode Q8_0 themselves)."""
+        self._check_window(size)
         return self._keys[layer][:size], self._values[layer][:size]
 
     def extend_to(self, length: int) -> None:
@@ -124,9 +278,8 @@ class FullKVCache:
             self._lengths[layer] = max(self._lengths[layer], length)
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the K and V `layer` holds now."""
-        end = self._lengths[layer]
-        return self._keys[layer][:end], self._values[layer][:end]
+        """The K and V `layer` holds now, as floats."""
+        return self._decoded(layer, self._lengths[layer])
 
     def crop(self, length: int) -> None:
         """Forget every position from `length` on (rollback): a pointer move, nothing is cleared."""

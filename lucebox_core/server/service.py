@@ -42,6 +42,8 @@ class ServeConfig:
     spec_type: str = "ddtree"
     tree_budget: int | str = 22
     draft_block_size: int | None = None
+    cache_type_k: str | None = None  # KV cache types (f32, f16, bf16, q8_0); None: the backend's dtype
+    cache_type_v: str | None = None
 
 
 class ModelService:
@@ -73,6 +75,7 @@ class ModelService:
         return thread
 
     def load(self) -> None:
+        from ..cli import cache_type_options
         from ..engine import Engine
         from ..loading import load_model
         from .scheduler import Scheduler
@@ -81,6 +84,7 @@ class ModelService:
             loaded = load_model(
                 self.config.model, backend=self.config.backend, device=self.config.device,
                 chat_template_file=self.config.chat_template_file,
+                **cache_type_options(self.config.cache_type_k, self.config.cache_type_v),
             )
             engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size,
                             speculative=self._speculative(loaded))

@@ -33,7 +33,7 @@ import torch
 
 from lucebox_core.errors import GGUFError, LuceboxError
 from lucebox_core.graphs import MIN_WINDOW, StepGraphs, graphs_enabled, kv_window
-from lucebox_core.kv import FullKVCache, KVLayerShape
+from lucebox_core.kv import K_FLAG, V_FLAG, FullKVCache, KVLayerShape, kv_bytes_per_token, kv_cache_type
 from lucebox_core.speculative.trees import TreeIndex
 
 from .layout import Qwen35Config, tensor_shapes
@@ -259,10 +259,12 @@ class GatedAttention:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tree nodes `x` `[1, N, hidden]` attend to the whole cache plus the nodes `visible` `[N, N]` lets
         them see (their ancestors and themselves); the cache is not written. Returns the output and the
-        nodes' K and V rows (in the cache's dtype), for `commit` to keep the accepted ones."""
+        nodes' K and V rows (as the cache will read them back), for `commit` to keep the accepted ones."""
         query, gate, key, value = self._project(x, positions)
         past_keys, past_values = kv.get(self.layer_index)
-        key_rows, value_rows = key[0].to(kv.dtype), value[0].to(kv.dtype)
+        # Through the cache's storage type and back: a quantized cache must give the nodes the K/V that
+        # plain decoding would read, or the verified logits would differ from decoding the accepted path.
+        key_rows, value_rows = kv.as_stored(key[0], value[0])
         all_keys = torch.cat([past_keys, key_rows])[None].to(query.dtype)
         all_values = torch.cat([past_values, value_rows])[None].to(query.dtype)
         mask = torch.cat([torch.ones(len(visible), past_keys.shape[0], dtype=torch.bool, device=visible.device),
@@ -362,6 +364,8 @@ class Qwen35Model:
         lm_head: Weight,
         *,
         kv_dtype: torch.dtype | None = None,
+        cache_type_k: str | torch.dtype | None = None,
+        cache_type_v: str | torch.dtype | None = None,
         source: str = "",
     ) -> None:
         self.config = config
@@ -371,7 +375,11 @@ class Qwen35Model:
         self.norm = norm
         self.lm_head = lm_head
         self.tied_embeddings = lm_head is embed_tokens
+        # KV storage types (`f32`, `f16`, `bf16`, `q8_0`), K and V independently; default: `kv_dtype`, else
+        # the backend's dtype. Quantized K/V are read back as the backend's dtype.
         self.kv_dtype = kv_dtype or backend.dtype
+        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
+        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
         self.vocab_size = int(embed_tokens.shape[0])
         self.context_length = int(config.context_length)
         self.source = source
@@ -390,18 +398,31 @@ class Qwen35Model:
         """A fresh sequence that can hold `max_tokens` positions (default: the model's context length)."""
         max_tokens = self.context_length if max_tokens is None else max_tokens
         device, dtype = self.ops.device, self.ops.dtype
-        kv_layers = {
-            layer.index: KVLayerShape(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.head_dim)
-            for layer in self.layers
-            if layer.self_attn is not None
-        }
         return Qwen35State(
-            kv=FullKVCache(kv_layers, max_tokens, dtype=self.kv_dtype, device=device),
+            kv=FullKVCache(self.kv_layer_shapes(), max_tokens, dtype=dtype, device=device,
+                           k_type=self.cache_type_k, v_type=self.cache_type_v),
             linear={
                 layer.index: layer.linear_attn.new_state(device, dtype)
                 for layer in self.layers
                 if layer.linear_attn is not None
             },
+        )
+
+    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
+        return {
+            layer.index: KVLayerShape(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.head_dim)
+            for layer in self.layers
+            if layer.self_attn is not None
+        }
+
+    def estimate_memory(self, ctx_size: int) -> MemoryEstimate:
+        """Device memory of this model (its weights as loaded) and one sequence of `ctx_size` positions."""
+        weights = [self.embed_tokens, self.norm, *([] if self.tied_embeddings else [self.lm_head])]
+        for layer in self.layers:
+            weights += list(_weights_of(layer))
+        return estimate_memory(
+            self.config, ctx_size, weight_bytes=sum(_nbytes(w) for w in weights),
+            cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v, activation_dtype=self.ops.dtype,
         )
 
     def forward(
@@ -632,6 +653,81 @@ class Qwen35Model:
         state.length = committed + len(path)
 
 
+# -- memory ----------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Device bytes of a model and one sequence, by part. Not counted: activations of a forward pass
+    (bounded by the prefill chunk), the allocator's slack and the CUDA context."""
+
+    weights: int
+    kv: int  # K and V of every full-attention layer for the whole context
+    deltanet: int  # conv and fp32 recurrent state of every Gated DeltaNet layer
+    logits: int  # the decode step's logits buffer and the copy handed out
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.deltanet + self.logits
+
+    def __str__(self) -> str:
+        gib = 2**30
+        return (f"{self.total / gib:.2f} GiB (weights {self.weights / gib:.2f}, KV {self.kv / gib:.2f}, "
+                f"DeltaNet state {self.deltanet / gib:.3f}, logits {self.logits / gib:.4f})")
+
+
+def estimate_memory(
+    config: Qwen35Config,
+    ctx_size: int,
+    *,
+    weight_bytes: int,
+    cache_type_k: str | torch.dtype = "f16",
+    cache_type_v: str | torch.dtype = "f16",
+    activation_dtype: torch.dtype = torch.bfloat16,
+) -> MemoryEstimate:
+    """The device memory a `config` model of `weight_bytes` needs for one sequence of `ctx_size` positions
+    with the given KV cache types (see `MemoryEstimate` for what is left out)."""
+    k_type, v_type = kv_cache_type(cache_type_k, K_FLAG), kv_cache_type(cache_type_v, V_FLAG)
+    attention_layers = len(config.full_layers)
+    linear_layers = config.n_layer - attention_layers
+    per_token = kv_bytes_per_token(KVLayerShape(config.n_head_kv, config.head_dim, config.head_dim), k_type, v_type)
+    recurrent = config.ssm_dt_rank * config.ssm_d_state * (config.ssm_d_inner // config.ssm_dt_rank) * 4
+    conv = (config.ssm_d_conv - 1) * config.gdn_conv_dim * activation_dtype.itemsize
+    return MemoryEstimate(
+        weights=weight_bytes,
+        kv=attention_layers * ctx_size * per_token,
+        deltanet=linear_layers * (recurrent + conv),
+        logits=2 * config.vocab * 4,
+    )
+
+
+def layout_weight_bytes(config: Qwen35Config, file_type: str) -> int:
+    """Bytes of every tensor of a `file_type` GGUF (`f16`, `q8_0`, `q4_k_m`...) of `config`, from the
+    layout and llama.cpp's type choices alone: no file needed."""
+    from .filetypes import nbytes, tensor_type
+
+    return sum(
+        nbytes(tensor_type(name, shape, file_type, n_layer=config.n_layer, tied_output=config.tied_output), shape)
+        for name, shape in tensor_shapes(config).items()
+    )
+
+
+def _nbytes(weight: Weight) -> int:
+    return int(weight.nbytes) if not isinstance(weight, torch.Tensor) else weight.numel() * weight.element_size()
+
+
+def _weights_of(part: Any) -> Iterator[Weight]:
+    """Every tensor of a model part (a layer, a mixer), kept in its GGUF type or not."""
+    from lucebox_core.quants import QuantTensor
+
+    for field in attrs.fields(type(part)):
+        value = getattr(part, field.name)
+        if isinstance(value, (QuantTensor, torch.Tensor)):
+            yield value
+        elif attrs.has(type(value)):
+            yield from _weights_of(value)
+
+
 # -- loading ---------------------------------------------------------------------------------------------
 
 
@@ -679,13 +775,14 @@ class _MetadataView(Mapping[str, Any]):
         return len(self.gguf.keys())
 
 
-_OPTIONS = {"kv_dtype", "gdn_chunk_size"}
+_OPTIONS = {"kv_dtype", "cache_type_k", "cache_type_v", "gdn_chunk_size"}
 
 
 def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     """Build a `Qwen35Model` from a GGUF (a `GGUFFile` or a path) on `backend` (default: torch on the CPU).
 
-    Options: `kv_dtype` (torch dtype of the KV cache, default the backend's), `gdn_chunk_size` (64).
+    Options: `cache_type_k` / `cache_type_v` (KV storage types, `f32`, `f16`, `bf16` or `q8_0`, each
+    independently; default `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
     """
     from lucebox_core.ggufio import GGUFFile
     from lucebox_core.torch_backend import TorchBackend
@@ -695,6 +792,10 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
         raise LuceboxError(
             f"unknown qwen35 model option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(_OPTIONS))})"
         )
+    # Bad cache types fail before any weight is read.
+    for option, flag in (("cache_type_k", K_FLAG), ("cache_type_v", V_FLAG)):
+        if options.get(option) is not None:
+            kv_cache_type(options[option], flag)
     if isinstance(gguf_file, (str, os.PathLike)):
         gguf_file = GGUFFile(gguf_file)
     backend = backend if backend is not None else TorchBackend()
@@ -729,7 +830,8 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
 
     return Qwen35Model(
         config, backend, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head,
-        kv_dtype=options.get("kv_dtype"), source=str(gguf_file.path),
+        kv_dtype=options.get("kv_dtype"), cache_type_k=options.get("cache_type_k"),
+        cache_type_v=options.get("cache_type_v"), source=str(gguf_file.path),
     )
 
 
