@@ -36,6 +36,7 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend
 from lucebox_cuda import catalogue, nvrtc
 from lucebox_cuda.backend import CudaBackend
+from lucebox_cuda.timing import event_times_ms
 
 # Relative Frobenius error bounds against the float64 reference, by activation (= output) dtype: the
 # kernels accumulate in fp32, so what remains is accumulation order plus one rounding of the output.
@@ -236,25 +237,13 @@ def check_rms_norm(backend: CudaBackend, gen: torch.Generator) -> None:
 # -- timing ----------------------------------------------------------------------------------------------
 
 
-def event_time_ms(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
-
-
 def copy_bandwidth(device: torch.device) -> float:
     size = 2 * 1024**3
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    ms = statistics.median(event_time_ms(lambda: dst.copy_(src), 20))
+    ms = statistics.median(event_times_ms(lambda: dst.copy_(src), 20))
     return 2 * size / (ms * 1e-3) / 1e9
 
 
@@ -267,7 +256,7 @@ def graph_time_us(launch_all, launches: int, replays: int = 15) -> float:
         launch_all()
     graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(event_time_ms(graph.replay, replays)) * 1e3 / launches
+    return statistics.median(event_times_ms(graph.replay, replays)) * 1e3 / launches
 
 
 # The 27B shapes (gate/up, down, qkv, attention output, head) at batch 1, then small batches.

@@ -361,17 +361,11 @@ def causal_conv1d_step(
 
 def _median_ms(fn: Callable[[], Any], repeats: int = 50) -> float:
     """Median of CUDA-event timings of `fn` on the current stream, after a warm-up call."""
+    from .timing import event_times_ms
+
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(fn, repeats))
 
 
 def _relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
