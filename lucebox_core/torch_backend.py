@@ -340,6 +340,40 @@ class TorchBackend:
         out = torch.stack(outputs, dim=1) if outputs else v.transpose(1, 2).clone()
         return out.to(input_dtype), state
 
+    def gated_delta_rule_tree(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        parents: torch.Tensor,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule over the nodes of a candidate tree, each node one step from its parent's
+        state (speculative verification): the recurrent form with the nodes as tokens, except that node
+        `i` starts from the state after node `parents[i]`, the root (parent -1) from `state`.
+
+        q, k `[1, N, H_k, D_k]`, v `[1, N, H_v, D_v]`, g, beta `[1, N, H_v]`, state `[1, H_v, D_k, D_v]`
+        fp32 (not modified), parents `[N]` long with `parents[i] < i`. Returns o `[1, N, H_v, D_v]` and
+        the fp32 state after every node, `[N, H_v, D_k, D_v]`, so a committed path can keep its last one.
+        """
+        input_dtype = v.dtype
+        q, k, v, g, beta, root_state = self._gdn_inputs(q, k, v, g, beta, state, scale)
+        nodes = q.shape[2]
+        node_states = torch.empty(nodes, *root_state.shape[1:], device=v.device, dtype=torch.float32)
+        outputs = []
+        for i, parent in enumerate(parents.tolist()):
+            s = (root_state[0] if parent < 0 else node_states[parent]) * g[0, :, i, None, None].exp()
+            predicted = torch.einsum("hk,hkv->hv", k[0, :, i], s)
+            update = (v[0, :, i] - predicted) * beta[0, :, i, None]
+            s = s + k[0, :, i, :, None] * update[:, None, :]
+            node_states[i] = s
+            outputs.append(torch.einsum("hk,hkv->hv", q[0, :, i], s))
+        out = torch.stack(outputs, dim=0)[None] if outputs else v.transpose(1, 2).clone()
+        return out.to(input_dtype), node_states
+
     def gated_delta_rule_chunked(
         self,
         q: torch.Tensor,

@@ -179,26 +179,17 @@ class GatedDeltaNet:
         windows = history[tree.conv_windows(kernel)]  # [N, K, C], oldest first
         conv_out = (windows * self.conv1d.to(windows.dtype).t()).sum(dim=1)  # as causal_conv1d_step
         node_conv = windows[:, 1:]
-        conv_out = ops.silu(conv_out)[:, None]  # [N, 1, C]: one token per node, nodes as the batch
+        conv_out = ops.silu(conv_out)[None]  # [1, N, C]: the nodes as the tokens of one sequence
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
-        query = ops.l2norm(query.reshape(nodes, 1, self.num_k_heads, self.head_k_dim))
-        key = ops.l2norm(key.reshape(nodes, 1, self.num_k_heads, self.head_k_dim))
-        value = value.reshape(nodes, 1, self.num_v_heads, self.head_v_dim)
-        beta = ops.sigmoid(ops.linear(x, self.in_proj_b))[0][:, None]  # [N, 1, H_v]
-        g = (self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias))[0][:, None]
+        query = ops.l2norm(query.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
+        key = ops.l2norm(key.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
+        value = value.reshape(1, nodes, self.num_v_heads, self.head_v_dim)
+        beta = ops.sigmoid(ops.linear(x, self.in_proj_b))  # [1, N, H_v]
+        g = self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias)
+        # Each node steps from its parent's state (the root from the committed one).
+        core, node_state = ops.gated_delta_rule_tree(query, key, value, g, beta, state.recurrent, tree.parents)
 
-        # Slot 0 holds the committed state, slot i + 1 the state after node i.
-        states = torch.empty(nodes + 1, *state.recurrent.shape[1:], device=x.device, dtype=torch.float32)
-        states[0] = state.recurrent[0]
-        core = torch.empty(nodes, 1, self.num_v_heads, self.head_v_dim, device=x.device, dtype=value.dtype)
-        for level in tree.levels:  # parents are one level up, so their states are ready
-            out, states[level + 1] = ops.gated_delta_rule_recurrent(
-                query[level], key[level], value[level], g[level], beta[level], states[tree.parents[level] + 1]
-            )
-            core[level] = out
-        node_state = states[1:]
-
-        z = ops.linear(x, self.in_proj_z).reshape(nodes, 1, self.num_v_heads, self.head_v_dim)
+        z = ops.linear(x, self.in_proj_z).reshape(1, nodes, self.num_v_heads, self.head_v_dim)
         core = ops.rms_norm(core, self.norm, self.eps) * ops.silu(z)
         return ops.linear(core.reshape(1, nodes, -1), self.out_proj), node_conv, node_state
 
