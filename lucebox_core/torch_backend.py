@@ -259,6 +259,43 @@ class TorchBackend:
         out = torch.bmm(probs.to(q.dtype), values)  # [Hkv, group, Dv]
         return out.reshape(1, 1, q_heads, -1)
 
+    def tree_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        position: torch.Tensor,
+        visible: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """The nodes of a candidate tree against a fixed-size window of a KV buffer (static verification):
+        `decode_attention` for N queries.
+
+        q `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]`, the first W rows of the cache, where rows
+        `0 .. position-1` hold the committed prefix and rows `position + i` node i's K/V (insertion order);
+        `position` `[1]` long on the device; `visible` bool `[N, N]`, True where node n may see node i
+        (its ancestors and itself). Node n sees every committed row and the node rows `visible[n]` allows;
+        rows from `position + N` on are never seen. Products in q's dtype, softmax in fp32.
+        """
+        rows, kv_heads, head_dim = k.shape
+        _, nodes, q_heads, _ = q.shape
+        group = q_heads // kv_heads
+        queries = q[0].reshape(nodes, kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(kv_heads, nodes * group, head_dim)
+        keys = k.to(q.dtype).permute(1, 2, 0)  # [Hkv, D, W]
+        values = v.to(q.dtype).permute(1, 0, 2)  # [Hkv, W, Dv]
+        scores = torch.bmm(queries, keys).float() * scale  # [Hkv, N * group, W]
+        row = torch.arange(rows, device=k.device)
+        start = position.reshape(1)
+        node_of_row = row - start  # >= 0 on node rows
+        in_tree = (node_of_row >= 0) & (node_of_row < nodes)
+        tree_visible = visible.to(k.device)[:, node_of_row.clamp(0, nodes - 1)] & in_tree  # [N, W]
+        seen = (row < start)[None, :] | tree_visible  # [N, W]
+        seen = seen[:, None, :].expand(nodes, group, rows).reshape(nodes * group, rows)
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+        out = torch.bmm(probs.to(q.dtype), values)  # [Hkv, N * group, Dv]
+        return out.reshape(kv_heads, nodes, group, -1).permute(1, 0, 2, 3).reshape(1, nodes, q_heads, -1)
+
     # -- short convolution -----------------------------------------------------------------------------
 
     def causal_conv1d(
