@@ -11,7 +11,8 @@ Conventions shared by every op:
   matters (norms, softmax, RoPE angles, Gated DeltaNet) and returns the input's dtype.
 - Recurrent Gated DeltaNet state is always fp32, `[B, H_v, D_k, D_v]`.
 - Ops are functional: they return new state instead of mutating what they are given, so a caller can keep
-  the old state for speculative rollback.
+  the old state for speculative rollback. The exceptions end in `_` and update a state in place: the
+  fused one-token ops of the decode step, which a CUDA graph replays over fixed buffers.
 - Weights are either torch tensors or `lucebox_core.quants.QuantTensor`s (raw GGUF blocks, dequantized on
   the fly), in torch order: `[out_features, in_features]` for matrices.
 """
@@ -30,6 +31,30 @@ Weight = Any  # torch.Tensor or lucebox_core.quants.QuantTensor
 # Uncached matrices bigger than this are dequantized a block of rows at a time, so a 1 GB output head never
 # needs a second 1 GB transient buffer.
 STREAM_BLOCK_BYTES = 64 * 1024 * 1024
+
+
+def concat_rows(weights: list[Weight], device: torch.device | str | None = None) -> Weight | None:
+    """The rows of `weights` stacked into one weight, on `device` (default: where the first is), or None
+    when they cannot share one: GGUF weights of different types or row lengths, dense ones of different
+    dtypes, or a mix. GGUF rows are whole blocks, so stacking raw bytes stacks rows."""
+    from .quants import QuantTensor
+
+    first = weights[0]
+    if len(weights) < 2 or any(len(w.shape) != 2 or w.shape[1] != first.shape[1] for w in weights):
+        return None
+    device = torch.device(device) if device is not None else first.data.device if isinstance(
+        first, QuantTensor) else first.device
+    if all(isinstance(w, QuantTensor) and w.ggml_type == first.ggml_type for w in weights):
+        data = torch.empty(sum(w.nbytes for w in weights), dtype=torch.uint8, device=device)
+        offset = 0
+        for w in weights:  # straight from each source (a file map) into the one buffer: no host copy
+            data[offset : offset + w.nbytes].copy_(w.data)
+            offset += w.nbytes
+        rows = sum(w.shape[0] for w in weights)
+        return QuantTensor("+".join(w.name for w in weights), first.ggml_type, (rows, first.shape[1]), data)
+    if all(isinstance(w, torch.Tensor) and w.dtype == first.dtype for w in weights):
+        return torch.cat([w.to(device) for w in weights])
+    return None
 
 
 def _default_cache_budget(device: torch.device) -> int:
@@ -156,6 +181,74 @@ class TorchBackend:
 
     def softplus(self, x: torch.Tensor) -> torch.Tensor:
         return F.softplus(x)
+
+    # -- fused ops of the decode step ------------------------------------------------------------------
+    # Compositions of the ops above, named so that a fast backend can run each as one kernel (a decode
+    # step of a 64-layer model is otherwise thousands of tiny launches). The definitions here fix the
+    # roundings: every intermediate the composition rounds to the activation dtype is rounded there.
+
+    def fuse_rows(self, weights: list[Weight]) -> Weight | None:
+        """One weight holding the rows of `weights` in order (so several products of the same input are
+        one launch), or None where this backend gains nothing from it. The reference keeps them apart:
+        its dense products are already one call each, and the results stay bit-identical."""
+        return None
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual update and the next norm: `(rms_norm(residual + x), residual + x)`."""
+        summed = residual + x
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's middle: `silu(gate) * up`."""
+        return self.silu(gate) * up
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """An output gate: `x * sigmoid(gate)`."""
+        return x * self.sigmoid(gate)
+
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gated DeltaNet's output norm, norm before gate: `rms_norm(x) * silu(z)` over the last dim."""
+        return self.rms_norm(x, weight, eps) * self.silu(z)
+
+    def qk_norm_rope(
+        self, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+        positions: torch.Tensor, rot_dim: int, theta: float, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm then NeoX RoPE of queries `[B, T, Hq, D]` and keys `[B, T, Hkv, D]`."""
+        query = self.rope_neox(self.rms_norm(query, q_norm, eps), positions, rot_dim, theta)
+        key = self.rope_neox(self.rms_norm(key, k_norm, eps), positions, rot_dim, theta)
+        return query, key
+
+    def conv_silu_update_(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One token of the causal convolution, then SiLU: x `[B, C]` -> `[B, C]`; `state` `[B, K-1, C]`
+        is shifted in place."""
+        y, new_state = self.causal_conv1d_step(x, weight, state)
+        state.copy_(new_state)
+        return self.silu(y)
+
+    def gated_delta_decode_(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
+        dt_bias: torch.Tensor, state: torch.Tensor, num_k_heads: int, head_k_dim: int,
+    ) -> torch.Tensor:
+        """One Gated DeltaNet token from the convolved channels to the core output, the state updated in
+        place. `mixed` `[B, C]` (after SiLU: q, k, v channels), `a`, `b` `[B, H_v]` (the decay and write
+        projections), `ssm_a` (= -exp(A_log)) and `dt_bias` `[H_v]` fp32, `state` `[B, H_v, D_k, D_v]`
+        fp32. Returns o `[B, 1, H_v, D_v]`: q and k L2-normalised, `beta = sigmoid(b)`,
+        `g = ssm_a * softplus(a + dt_bias)`, then `gated_delta_rule_recurrent`."""
+        batch = mixed.shape[0]
+        key_dim = num_k_heads * head_k_dim
+        value_heads = state.shape[1]
+        query, key, value = mixed[:, None].split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+        query = self.l2norm(query.reshape(batch, 1, num_k_heads, head_k_dim))
+        key = self.l2norm(key.reshape(batch, 1, num_k_heads, head_k_dim))
+        value = value.reshape(batch, 1, value_heads, -1)
+        beta = self.sigmoid(b)[:, None]
+        g = (ssm_a * self.softplus(a.float() + dt_bias))[:, None]
+        out, new_state = self.gated_delta_rule_recurrent(query, key, value, g, beta, state)
+        state.copy_(new_state)
+        return out
 
     # -- normalisation ---------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lucebox_core.errors import LuceboxError
 from lucebox_core.quants import QuantTensor
-from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight
+from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight, concat_rows
 
 from . import catalogue
 from .nvrtc import CudaModule, Float, Int, KernelProgram, Pointer, compile_program, ensure_context, launch
@@ -112,6 +112,14 @@ class CudaBackend(TorchBackend):
         # The entry holds `weight` itself so that its id cannot be reused by another object.
         self._device_weights[id(weight)] = (weight, on_device)
         return on_device
+
+    def fuse_rows(self, weights: list[Weight]) -> Weight | None:
+        """Projections of one input stacked into one weight on this GPU (one matvec launch instead of
+        several, and a larger grid), where the kernels take it; the parts are never uploaded."""
+        if not all(self._kernel_format(torch.empty(0, w.shape[-1], dtype=self.dtype, device=self.device), w)
+                   for w in weights):
+            return None
+        return concat_rows(weights, self.device)
 
     @property
     def device_weight_bytes(self) -> int:

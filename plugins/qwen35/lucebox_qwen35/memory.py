@@ -87,8 +87,12 @@ def tensor_bytes(weight: Weight) -> int:
 
 
 def weights_of(part: Any) -> Iterator[Weight]:
-    """Every tensor of a model part (a layer, a mixer), kept in its GGUF type or not."""
+    """Every tensor of a model part (a layer, a mixer), kept in its GGUF type or not; not the ones a fused
+    projection replaces (the part's `unused_weights()`)."""
+    unused = part.unused_weights() if hasattr(part, "unused_weights") else ()
     for field in attrs.fields(type(part)):
+        if field.name in unused:
+            continue
         value = getattr(part, field.name)
         if isinstance(value, (QuantTensor, torch.Tensor)):
             yield value

@@ -113,6 +113,10 @@ class GatedDeltaNet:
     head_v_dim: int
     eps: float
     chunk_size: int = 64
+    # The input projections fused by the backend (`ops.fuse_rows`), each one launch: rows [qkv | z] and
+    # [b | a]. None where the backend keeps them apart (or their GGUF types differ).
+    in_proj_qkvz: Weight | None = None
+    in_proj_ba: Weight | None = None
 
     def new_state(self, device: torch.device, dtype: torch.dtype) -> GatedDeltaNetState:
         conv_dim, kernel = self.conv1d.shape
@@ -121,41 +125,60 @@ class GatedDeltaNet:
             recurrent=torch.zeros(1, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device),
         )
 
+    def fuse_projections(self) -> None:
+        """Let the backend merge the input projections that share an input into fewer, larger products."""
+        self.in_proj_qkvz = self.ops.fuse_rows([self.in_proj_qkv, self.in_proj_z])
+        self.in_proj_ba = self.ops.fuse_rows([self.in_proj_b, self.in_proj_a])
+
+    def unused_weights(self) -> tuple[str, ...]:
+        """Fields whose weights a fused one replaces (never read, so never on the device)."""
+        return (("in_proj_qkv", "in_proj_z") if self.in_proj_qkvz is not None else ()) + (
+            ("in_proj_b", "in_proj_a") if self.in_proj_ba is not None else ())
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections of `x` `[B, T, hidden]`: the conv channels (q, k, v), z, b and a."""
+        ops = self.ops
+        if self.in_proj_qkvz is not None:
+            conv_dim = self.conv1d.shape[0]
+            mixed_qkv, z = ops.linear(x, self.in_proj_qkvz).split([conv_dim, self.in_proj_z.shape[0]], dim=-1)
+        else:
+            mixed_qkv, z = ops.linear(x, self.in_proj_qkv), ops.linear(x, self.in_proj_z)
+        if self.in_proj_ba is not None:
+            b, a = ops.linear(x, self.in_proj_ba).split([self.num_v_heads, self.num_v_heads], dim=-1)
+        else:
+            b, a = ops.linear(x, self.in_proj_b), ops.linear(x, self.in_proj_a)
+        return mixed_qkv, z, b, a
+
     def __call__(self, x: torch.Tensor, state: GatedDeltaNetState) -> torch.Tensor:
         ops = self.ops
         batch, tokens, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
+        mixed_qkv, z, b, a = self._project(x)
+        z = z.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
+        if tokens == 1:  # decode: the fused one-token ops, states updated in place
+            mixed = ops.conv_silu_update_(mixed_qkv[:, 0], self.conv1d, state.conv)
+            core = ops.gated_delta_decode_(mixed, a[:, 0], b[:, 0], self.ssm_a, self.dt_bias, state.recurrent,
+                                           self.num_k_heads, self.head_k_dim)
+            core = ops.gated_rms_norm(core, z, self.norm, self.eps)
+            return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
 
-        mixed_qkv = ops.linear(x, self.in_proj_qkv)
-        if tokens == 1:  # decode: the one-token kernels
-            conv_out, new_conv = ops.causal_conv1d_step(mixed_qkv[:, 0], self.conv1d, state.conv)
-            conv_out = conv_out[:, None]
-        else:
-            conv_out, new_conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
+        conv_out, new_conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
         state.conv.copy_(new_conv)
         conv_out = ops.silu(conv_out)
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         value = value.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
-
-        beta = ops.sigmoid(ops.linear(x, self.in_proj_b))
+        beta = ops.sigmoid(b)
         # g: the log of the per-token decay of the state, <= 0. In fp32: exp(A_log) can be large.
-        g = self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias)
-
-        if tokens == 1:
-            core, new_recurrent = ops.gated_delta_rule_recurrent(query, key, value, g, beta, state.recurrent)
-        else:
-            core, new_recurrent = ops.gated_delta_rule_chunked(
-                query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
-            )
+        g = self.ssm_a * ops.softplus(a.float() + self.dt_bias)
+        core, new_recurrent = ops.gated_delta_rule_chunked(
+            query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
+        )
         state.recurrent.copy_(new_recurrent)
-
         # Gated RMSNorm, norm before gate: rmsnorm(core) * w * silu(z), per value head.
-        z = ops.linear(x, self.in_proj_z).reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
-        core = ops.rms_norm(core, self.norm, self.eps) * ops.silu(z)
+        core = ops.gated_rms_norm(core, z, self.norm, self.eps)
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
-
 
     def verify_tree(
         self, x: torch.Tensor, state: GatedDeltaNetState, tree: TreeIndex
@@ -173,7 +196,8 @@ class GatedDeltaNet:
         key_dim = self.num_k_heads * self.head_k_dim
         kernel = self.conv1d.shape[1]
 
-        mixed_qkv = ops.linear(x, self.in_proj_qkv)[0]  # [N, C]
+        mixed_qkv, z, b, a = self._project(x)
+        mixed_qkv = mixed_qkv[0]  # [N, C]
         # Rows 0..K-2 are the committed conv inputs, row K-1+i the input of node i.
         history = torch.cat([state.conv[0].to(mixed_qkv.dtype), mixed_qkv], dim=0)
         windows = history[tree.conv_windows(kernel)]  # [N, K, C], oldest first
@@ -184,13 +208,12 @@ class GatedDeltaNet:
         query = ops.l2norm(query.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
         value = value.reshape(1, nodes, self.num_v_heads, self.head_v_dim)
-        beta = ops.sigmoid(ops.linear(x, self.in_proj_b))  # [1, N, H_v]
-        g = self.ssm_a * ops.softplus(ops.linear(x, self.in_proj_a).float() + self.dt_bias)
+        beta = ops.sigmoid(b)  # [1, N, H_v]
+        g = self.ssm_a * ops.softplus(a.float() + self.dt_bias)
         # Each node steps from its parent's state (the root from the committed one).
         core, node_state = ops.gated_delta_rule_tree(query, key, value, g, beta, state.recurrent, tree.parents)
 
-        z = ops.linear(x, self.in_proj_z).reshape(1, nodes, self.num_v_heads, self.head_v_dim)
-        core = ops.rms_norm(core, self.norm, self.eps) * ops.silu(z)
+        core = ops.gated_rms_norm(core, z.reshape(1, nodes, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
         return ops.linear(core.reshape(1, nodes, -1), self.out_proj), node_conv, node_state
 
 
@@ -213,25 +236,44 @@ class GatedAttention:
     rope_theta: float
     eps: float
 
+    # The projections fused by the backend (`ops.fuse_rows`): rows [q | k | v] or [q | k]; None: apart.
+    in_proj: Weight | None = None
+    in_proj_parts: int = 0
+
+    def fuse_projections(self) -> None:
+        """Let the backend merge q, k and v (or q and k, when v's GGUF type differs) into one product."""
+        for parts in ((self.q_proj, self.k_proj, self.v_proj), (self.q_proj, self.k_proj)):
+            fused = self.ops.fuse_rows(list(parts))
+            if fused is not None:
+                self.in_proj, self.in_proj_parts = fused, len(parts)
+                return
+
+    def unused_weights(self) -> tuple[str, ...]:
+        return ("q_proj", "k_proj", "v_proj")[: self.in_proj_parts] if self.in_proj is not None else ()
+
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         ops = self.ops
         batch, tokens, _ = x.shape
-        query_and_gate = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, 2 * self.head_dim)
+        if self.in_proj is not None:
+            sizes = [w.shape[0] for w in (self.q_proj, self.k_proj, self.v_proj)[: self.in_proj_parts]]
+            projected = ops.linear(x, self.in_proj).split(sizes, dim=-1)
+            query_and_gate, key = projected[0], projected[1]
+            value = projected[2] if self.in_proj_parts == 3 else ops.linear(x, self.v_proj)
+        else:
+            query_and_gate, key, value = (ops.linear(x, w) for w in (self.q_proj, self.k_proj, self.v_proj))
+        query_and_gate = query_and_gate.reshape(batch, tokens, self.num_heads, 2 * self.head_dim)
         query, gate = query_and_gate[..., : self.head_dim], query_and_gate[..., self.head_dim :]
-        query = ops.rms_norm(query, self.q_norm, self.eps)
-        key = ops.rms_norm(
-            ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps
-        )
-        value = ops.linear(x, self.v_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        key = key.reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        value = value.reshape(batch, tokens, self.num_kv_heads, self.head_dim)
         # Text-only mRoPE (equal t/h/w positions) is plain 1-D RoPE.
-        query = ops.rope_neox(query, positions, self.rope_dim, self.rope_theta)
-        key = ops.rope_neox(key, positions, self.rope_dim, self.rope_theta)
+        query, key = ops.qk_norm_rope(query, key, self.q_norm, self.k_norm, positions, self.rope_dim,
+                                      self.rope_theta, self.eps)
         return query, gate, key, value
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         batch, tokens = out.shape[:2]
-        out = out.reshape(batch, tokens, -1) * self.ops.sigmoid(gate.reshape(batch, tokens, -1))
-        return self.ops.linear(out, self.o_proj)
+        out = self.ops.sigmoid_mul(out, gate.reshape(out.shape))
+        return self.ops.linear(out.reshape(batch, tokens, -1), self.o_proj)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, past: int) -> torch.Tensor:
         """`past`: positions the cache held before this forward call; query `i` sees keys `0 .. past + i`."""
@@ -279,10 +321,21 @@ class MLP:
     gate_proj: Weight
     up_proj: Weight
     down_proj: Weight
+    gate_up_proj: Weight | None = None  # rows [gate | up], fused by the backend (`ops.fuse_rows`)
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = self.ops.fuse_rows([self.gate_proj, self.up_proj])
+
+    def unused_weights(self) -> tuple[str, ...]:
+        return ("gate_proj", "up_proj") if self.gate_up_proj is not None else ()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        return ops.linear(ops.silu(ops.linear(x, self.gate_proj)) * ops.linear(x, self.up_proj), self.down_proj)
+        if self.gate_up_proj is not None:
+            gate, up = ops.linear(x, self.gate_up_proj).split([self.gate_proj.shape[0], self.up_proj.shape[0]], -1)
+        else:
+            gate, up = ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)
+        return ops.linear(ops.silu_mul(gate, up), self.down_proj)
 
 
 @attrs.define
@@ -453,27 +506,58 @@ class Qwen35Model:
         past = state.kv.length  # read once: each attention layer appends to the cache as the pass goes
         state.captured = {}
 
-        hidden = ops.embedding(token_ids, self.embed_tokens)[None]  # [1, T, hidden]
         taps = []
-        for layer in self.layers:
-            mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
+
+        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
-                hidden = hidden + layer.linear_attn(mixer_input, state.linear[layer.index])
-            else:
-                hidden = hidden + layer.self_attn(mixer_input, positions, state.kv, past)
-            hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
+                return layer.linear_attn(x, state.linear[layer.index])
+            return layer.self_attn(x, positions, state.kv, past)
+
+        def tap(layer: DecoderLayer, output: torch.Tensor) -> None:
             if layer.index in capture:
-                state.captured[layer.index] = hidden[0]
+                state.captured[layer.index] = output[0]
             if layer.index in state.capture_layers:
-                taps.append(hidden[0])
+                taps.append(output[0])
+
+        wanted = set(capture) | set(state.capture_layers)
+        hidden = self._run_layers(ops.embedding(token_ids, self.embed_tokens)[None], mix, tap, wanted,
+                                  last_only=last_only)
         if state.features is not None:
             self._store_features(state, state.length, self._concat_taps(state, taps))
         state.length += tokens
-
-        if last_only:
-            hidden = hidden[:, -1:]
-        hidden = ops.rms_norm(hidden, self.norm, self.config.eps)
         return ops.linear(hidden, self.lm_head)[0]
+
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        mix: Any,
+        tap: Any = None,
+        tapped: Collection[int] = (),
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """The decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states.
+
+        `mix(layer, x)` runs a layer's mixer (the forward, decode and verify passes differ only there);
+        `tap(layer, output)` receives the output of each layer in `tapped`. Each residual add is fused
+        with the norm that follows it (`ops.add_rms_norm`), so the MLP's output is added at the next
+        layer's input norm (or the final norm).
+        """
+        ops, eps = self.ops, self.config.eps
+        pending = None  # the last MLP output, not yet added to the residual stream
+        for layer in self.layers:
+            if pending is None:
+                x = ops.rms_norm(hidden, layer.input_layernorm, eps)
+            else:
+                x, hidden = ops.add_rms_norm(pending, hidden, layer.input_layernorm, eps)
+            x, hidden = ops.add_rms_norm(mix(layer, x), hidden, layer.post_attention_layernorm, eps)
+            pending = layer.mlp(x)
+            if layer.index in tapped:
+                tap(layer, hidden + pending)
+        if last_only:
+            hidden, pending = hidden[:, -1:], pending[:, -1:]
+        normed, _ = ops.add_rms_norm(pending, hidden, self.norm, eps)
+        return normed
 
     __call__ = forward
 
@@ -523,19 +607,15 @@ class Qwen35Model:
 
     def _static_step(self, state: Qwen35State, window: int) -> torch.Tensor:
         """The decode step as a function of device buffers and `window` alone (what a graph records)."""
-        ops = self.ops
         buffers = state.decode
         assert buffers is not None
-        hidden = buffers.embedded
-        for layer in self.layers:
-            mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
+
+        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
-                hidden = hidden + layer.linear_attn(mixer_input, state.linear[layer.index])
-            else:
-                hidden = hidden + layer.self_attn.decode_static(mixer_input, buffers.position, state.kv, window)
-            hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
-        hidden = ops.rms_norm(hidden, self.norm, self.config.eps)
-        return ops.linear(hidden, self.lm_head)[0]
+                return layer.linear_attn(x, state.linear[layer.index])
+            return layer.self_attn.decode_static(x, buffers.position, state.kv, window)
+
+        return self.ops.linear(self._run_layers(buffers.embedded, mix), self.lm_head)[0]
 
     # -- the target side of speculative decoding ------------------------------------------------------
 
@@ -610,22 +690,21 @@ class Qwen35Model:
         positions = committed + tree.depths
         visible = tree.visibility()
         kv_rows, conv, recurrent, taps = {}, {}, {}, []
-        hidden = ops.embedding(token_ids, self.embed_tokens)[None]
-        for layer in self.layers:
-            mixer_input = ops.rms_norm(hidden, layer.input_layernorm, self.config.eps)
+
+        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    mixer_input, state.linear[layer.index], tree
+                    x, state.linear[layer.index], tree
                 )
             else:
-                out, k_rows, v_rows = layer.self_attn.verify_tree(mixer_input, positions, state.kv, visible)
+                out, k_rows, v_rows = layer.self_attn.verify_tree(x, positions, state.kv, visible)
                 kv_rows[layer.index] = (k_rows, v_rows)
-            hidden = hidden + out
-            hidden = hidden + layer.mlp(ops.rms_norm(hidden, layer.post_attention_layernorm, self.config.eps))
-            if layer.index in state.capture_layers:
-                taps.append(hidden[0])
+            return out
+
+        hidden = self._run_layers(ops.embedding(token_ids, self.embed_tokens)[None], mix,
+                                  lambda layer, output: taps.append(output[0]), state.capture_layers)
         features = self._concat_taps(state, taps) if state.features is not None else None
-        logits = ops.linear(ops.rms_norm(hidden, self.norm, self.config.eps), self.lm_head)[0]
+        logits = ops.linear(hidden, self.lm_head)[0]
         return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
 
     def commit(self, state: Qwen35State, verification: TreeVerification, path: Seq[int]) -> None:
@@ -749,6 +828,9 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
             layer.linear_attn = _load_gated_delta_net(src, config, i, chunk_size)
         else:
             layer.self_attn = _load_gated_attention(src, config, i)
+        for part in (layer.mlp, layer.linear_attn, layer.self_attn):
+            if part is not None:
+                part.fuse_projections()
         layers.append(layer)
 
     return Qwen35Model(

@@ -1,0 +1,515 @@
+"""Triton attention for many queries at once: prefill (FlashAttention-2 forward) and static tree verification.
+
+- `attention`: `TorchBackend.attention` for q `[B, Tq, Hq, D]` against k/v `[B, Tk, Hkv, D]`: causal (with
+  an offset into the cache), a bool mask, both or neither. One program owns BLOCK_M query rows of one KV
+  head, where a row is a (token, query head of the group) pair: the group's heads share every K/V tile a
+  program loads (GQA without repeating K/V), and a short chunk still fills the block. Online softmax in
+  fp32, products on tensor cores in q's dtype. Key blocks wholly above the causal diagonal are never
+  visited; blocks wholly below it skip the mask arithmetic.
+- `tree_attention`: `TorchBackend.tree_attention`, N tree nodes against a fixed window of the KV cache
+  with the committed length `position` on the device. Flash-decoding: the visible rows are split evenly
+  over `splits` programs per (block of node rows, KV head), each leaving a partial max, sum and output
+  that a second kernel combines. No host value depends on device data: the call records into a CUDA graph.
+
+Triton 3.6's interpreter cannot take a loop bound that is a tensor (a program id or a loaded value;
+triton-lang/triton#9171 under numpy >= 2.4), so each key loop has two drivers chosen by a constexpr: on
+the GPU a runtime-bound `range` (which Triton software-pipelines), under the interpreter a fixed trip count
+that skips blocks past the bound. Both run the same block body, which is what the CPU tests check.
+
+`python -m lucebox_cuda.triton_attention` checks and times both kernels on a GPU at the 27B shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
+# Programs the tree split aims for per streaming multiprocessor, as in triton_ops' decode attention.
+PROGRAMS_PER_SM = 2
+
+
+class BlockConfig(NamedTuple):
+    """Tile sizes and launch shape of one attention kernel."""
+
+    block_m: int  # query rows ((token, head) pairs) per program
+    block_n: int  # key rows per loop step
+    num_warps: int
+    num_stages: int  # K/V tiles in flight (the GPU loop's software pipeline)
+
+
+def prefill_config(head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockConfig:
+    """The prefill tiles, in one place. H100/H200 give a block at most 227 KiB of shared memory and a thread
+    255 registers; the fp32 accumulator is block_m x Dv and the scores block_m x block_n.
+
+    - 16-bit, dims up to 128: 128 query rows, 64 keys, 8 warps, 3 stages (the usual FA2 tile).
+    - 16-bit, dims of 256 (Qwen3.5): 64 query rows and 64 keys. Q (32 KiB) plus 2 stages of K and V
+      (4 x 32 KiB) is 160 KiB of shared memory; 8 warps keep the 64 x 256 fp32 accumulator at 64
+      registers a thread, so nothing spills. A third stage would not fit.
+    - fp32 (a correctness path, not a fast one): everything twice as wide, so half the rows and one stage.
+    """
+    widest = max(head_dim, value_dim)
+    if dtype == torch.float32:
+        return BlockConfig(32, 32, 4, 1) if widest > 128 else BlockConfig(64, 32, 4, 2)
+    if widest > 128:
+        return BlockConfig(64, 64, 8, 2)
+    return BlockConfig(128, 64, 8, 3)
+
+
+def tree_config(rows: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockConfig:
+    """The tree-verify tiles: `rows` = nodes x group query rows share each K/V tile. Up to 64 rows go in
+    one program (so each K/V row is read once per split); more rows take several programs per split, which
+    run side by side and meet the same K/V tiles in L2. 64 keys of 256 dims in 16 bits are 32 KiB each for
+    K and V: 2 stages plus Q stay under 200 KiB."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    wide = max(head_dim, value_dim) > 128
+    block_n = 32 if dtype == torch.float32 and wide else 64
+    num_warps = 8 if block_m * max(value_dim, block_n) > 64 * 64 else 4
+    num_stages = 1 if dtype == torch.float32 and wide else 2
+    return BlockConfig(block_m, block_n, num_warps, num_stages)
+
+
+# -- shared block body ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST_DOT (the interpreter with bf16, whose tl.dot multiplies bf16
+    operands as raw integers): the same operand values, multiplied as fp32."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, dim_ok, ROWS_MASKED: tl.constexpr, DIMS_MASKED: tl.constexpr):
+    """A [rows, dims] tile; masks only where some lane can be out of range (unmasked loads vectorise)."""
+    if ROWS_MASKED and DIMS_MASKED:
+        return tl.load(ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    elif ROWS_MASKED:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif DIMS_MASKED:
+        return tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _softmax_step(acc, running_max, running_sum, q, k, v, seen, qk_scale,
+                  APPLY_SEEN: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """One key block of the online softmax: scores q k^T in base 2, then rescale and accumulate p v.
+
+    `seen` [M, N] (used when APPLY_SEEN) masks scores to -inf. A row that has seen nothing yet keeps max
+    -inf, so the shift falls back to 0 rather than giving exp2(-inf - -inf) = NaN.
+    """
+    scores = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, N] fp32
+    if APPLY_SEEN:
+        scores = tl.where(seen, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    probs = tl.exp2(scores - shift[:, None])
+    rescale = tl.exp2(running_max - shift)
+    running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+    # p is rounded to q's dtype for the tensor cores, as the reference rounds it before its product with v.
+    acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
+    return acc, new_max, running_sum
+
+
+# -- prefill -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_key_block(
+    acc, running_max, running_sum, q, key_start,
+    k_ptr, v_ptr, mask_ptr, token, row_ok, dims, value_dims, k_len, causal_offset, qk_scale,
+    stride_kt, stride_vt, stride_mq, stride_mk,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EDGE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Keys key_start .. key_start + BLOCK_N. EDGE: the block may cross the causal diagonal or the end of
+    the keys, so those masks apply; otherwise every row sees every key of the block (save the user mask)."""
+    keys = key_start + tl.arange(0, BLOCK_N)
+    key_ok = keys < k_len
+    key_rows = keys.to(tl.int64)  # row offsets past 2^31 elements in a long cache
+    k = _load_tile(k_ptr + key_rows[:, None] * stride_kt + dims[None, :], key_ok, dims < HEAD_DIM,
+                   EDGE, BLOCK_D != HEAD_DIM)
+    v = _load_tile(v_ptr + key_rows[:, None] * stride_vt + value_dims[None, :], key_ok, value_dims < VALUE_DIM,
+                   EDGE, BLOCK_DV != VALUE_DIM)
+    seen = key_ok[None, :]
+    if EDGE and CAUSAL:
+        seen = seen & (keys[None, :] <= causal_offset + token[:, None])
+    if HAS_MASK:
+        allowed = tl.load(mask_ptr + token.to(tl.int64)[:, None] * stride_mq + key_rows[None, :] * stride_mk,
+                          mask=row_ok[:, None] & key_ok[None, :], other=0)
+        seen = seen & (allowed != 0)
+    return _softmax_step(acc, running_max, running_sum, q, k, v, seen, qk_scale,
+                         EDGE or HAS_MASK, DOT_PRECISION, UPCAST_DOT)
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len", "causal_offset"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+    q_len, k_len, causal_offset, qk_scale,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_mb, stride_mq, stride_mk,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    STATIC_TRIPS: tl.constexpr,
+):
+    """BLOCK_M (token, head) rows of one KV head's query group against all the keys they may see.
+
+    Row r of the packed order is token r // GROUP, query head kv_head * GROUP + r % GROUP. STATIC_TRIPS:
+    0 on the GPU; under the interpreter the key blocks of the longest loop, its fixed trip count.
+    """
+    block = tl.program_id(0)
+    batch = tl.program_id(1) // KV_HEADS
+    kv_head = tl.program_id(1) % KV_HEADS
+    packed = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = packed // GROUP
+    head = kv_head * GROUP + packed % GROUP
+    row_ok = token < q_len
+    dims = tl.arange(0, BLOCK_D)
+    value_dims = tl.arange(0, BLOCK_DV)
+
+    q = tl.load(q_ptr + batch.to(tl.int64) * stride_qb + token.to(tl.int64)[:, None] * stride_qt
+                + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    k_ptr += batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+    v_ptr += batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+    mask_ptr += batch.to(tl.int64) * stride_mb
+
+    # Keys every row of the block sees, in whole blocks (no causal or bound mask), then up to the last
+    # key any row sees. Causal: the first token of the block sees keys <= offset + first, the last <=
+    # offset + last; key blocks past that are never visited.
+    key_end = k_len
+    full_end = k_len
+    if CAUSAL:
+        first_token = block * BLOCK_M // GROUP
+        last_token = tl.minimum((block * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+        key_end = tl.minimum(key_end, causal_offset + last_token + 1)
+        full_end = tl.minimum(full_end, causal_offset + first_token + 1)
+    full_end = full_end // BLOCK_N * BLOCK_N
+
+    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if STATIC_TRIPS == 0:
+        for key_start in range(0, full_end, BLOCK_N):
+            acc, running_max, running_sum = _prefill_key_block(
+                acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, mask_ptr, token, row_ok, dims,
+                value_dims, k_len, causal_offset, qk_scale, stride_kt, stride_vt, stride_mq, stride_mk,
+                HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, HAS_MASK, DOT_PRECISION, UPCAST_DOT)
+        for key_start in range(full_end, key_end, BLOCK_N):
+            acc, running_max, running_sum = _prefill_key_block(
+                acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, mask_ptr, token, row_ok, dims,
+                value_dims, k_len, causal_offset, qk_scale, stride_kt, stride_vt, stride_mq, stride_mk,
+                HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, HAS_MASK, DOT_PRECISION, UPCAST_DOT)
+    else:
+        for step in range(STATIC_TRIPS):
+            key_start = step * BLOCK_N
+            if key_start < full_end:
+                acc, running_max, running_sum = _prefill_key_block(
+                    acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, mask_ptr, token, row_ok, dims,
+                    value_dims, k_len, causal_offset, qk_scale, stride_kt, stride_vt, stride_mq, stride_mk,
+                    HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False, CAUSAL, HAS_MASK, DOT_PRECISION,
+                    UPCAST_DOT)
+        for step in range(STATIC_TRIPS):
+            key_start = full_end + step * BLOCK_N
+            if key_start < key_end:
+                acc, running_max, running_sum = _prefill_key_block(
+                    acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, mask_ptr, token, row_ok, dims,
+                    value_dims, k_len, causal_offset, qk_scale, stride_kt, stride_vt, stride_mq, stride_mk,
+                    HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, HAS_MASK, DOT_PRECISION,
+                    UPCAST_DOT)
+
+    out = acc / running_sum[:, None]  # 0 / 0 = NaN for a row that sees no key, as the reference gives
+    tl.store(out_ptr + batch.to(tl.int64) * stride_ob + token.to(tl.int64)[:, None] * stride_ot
+             + head[:, None] * stride_oh + value_dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None = None,
+    mask: torch.Tensor | None = None, out: torch.Tensor | None = None, config: BlockConfig | None = None,
+) -> torch.Tensor:
+    """`TorchBackend.attention`: q `[B, Tq, Hq, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` (any strides
+    but a contiguous last dim; Hq a multiple of Hkv) -> `[B, Tq, Hq, Dv]` in q's dtype.
+
+    `causal_offset=p >= 0`: query i sees keys j <= p + i. `mask`: bool `[Tq, Tk]` or `[B, Tq, Tk]` on q's
+    device, True where a query may see a key; combined with the causal rule when both are given. Products
+    in q's dtype with fp32 accumulation (the reference computes in fp32: expect bf16-sized differences).
+    `out`: a `[B, Tq, Hq, Dv]` tensor of q's dtype with a contiguous last dim to write into. `config`:
+    tiles other than `prefill_config`'s (for tuning).
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    value_dim = v.shape[3]
+    if (k.shape != (batch, k_len, kv_heads, head_dim) or v.shape[:3] != (batch, k_len, kv_heads)
+            or q_heads % kv_heads or k_len == 0):
+        raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if causal_offset is not None and causal_offset < 0:
+        raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
+    if out is None:
+        out = torch.empty(batch, q_len, q_heads, value_dim, device=q.device, dtype=q.dtype)
+    elif out.shape != (batch, q_len, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {(batch, q_len, q_heads, value_dim)}")
+    if q_len == 0:
+        return out
+    if mask is not None:
+        if mask.shape[-2:] != (q_len, k_len) or mask.dim() not in (2, 3):
+            raise ValueError(f"mask must be [Tq, Tk] or [B, Tq, Tk] = {(q_len, k_len)}, not {tuple(mask.shape)}")
+        # Bytes the kernel reads as 0 / non-zero; a batch dim of stride 0 when one mask serves all.
+        mask = mask.to(device=q.device, dtype=torch.bool).expand(batch, q_len, k_len).view(torch.uint8)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    group = q_heads // kv_heads
+    config = config or prefill_config(head_dim, value_dim, q.dtype)
+    interpreted = not q.is_cuda
+    mask_arg = mask if mask is not None else out  # never read without HAS_MASK
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0)
+    grid = (triton.cdiv(q_len * group, config.block_m), batch * kv_heads)
+    with _device_scope(q):
+        _attention_kernel[grid](
+            q, k, v, mask_arg, out,
+            q_len, k_len, causal_offset or 0, scale * LOG2_E,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *mask_strides,
+            KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+            CAUSAL=causal_offset is not None, HAS_MASK=mask is not None, DOT_PRECISION=_dot_precision(q.dtype),
+            UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
+            STATIC_TRIPS=triton.cdiv(k_len, config.block_n) if interpreted else 0,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
+
+
+# -- tree verification ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tree_key_block(
+    acc, running_max, running_sum, q, key_start, end, position, nodes,
+    k_ptr, v_ptr, visible_ptr, node, row_ok, dims, value_dims, qk_scale,
+    stride_kt, stride_vt, stride_visible_n, stride_visible_i,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EDGE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Window rows key_start .. key_start + BLOCK_N. Not EDGE: committed rows only, seen by every node.
+    EDGE: rows up to `end`; a committed row is seen by all, node row position + i by the nodes whose
+    `visible` row allows i."""
+    keys = key_start + tl.arange(0, BLOCK_N)
+    key_ok = keys < end
+    key_rows = keys.to(tl.int64)
+    k = _load_tile(k_ptr + key_rows[:, None] * stride_kt + dims[None, :], key_ok, dims < HEAD_DIM,
+                   EDGE, BLOCK_D != HEAD_DIM)
+    v = _load_tile(v_ptr + key_rows[:, None] * stride_vt + value_dims[None, :], key_ok, value_dims < VALUE_DIM,
+                   EDGE, BLOCK_DV != VALUE_DIM)
+    seen = key_ok[None, :]
+    if EDGE:
+        tree_index = keys - position  # node i's K/V sits at row position + i
+        in_tree = key_ok & (tree_index >= 0) & (tree_index < nodes)
+        allowed = tl.load(visible_ptr + node[:, None] * stride_visible_n + tree_index[None, :] * stride_visible_i,
+                          mask=row_ok[:, None] & in_tree[None, :], other=0)
+        seen = key_ok[None, :] & ((keys < position)[None, :] | (allowed != 0))
+    return _softmax_step(acc, running_max, running_sum, q, k, v, seen, qk_scale, EDGE, DOT_PRECISION, UPCAST_DOT)
+
+
+@triton.jit
+def _tree_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, position_ptr, visible_ptr, max_ptr, sum_ptr, acc_ptr,
+    nodes, rows, qk_scale,
+    stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_visible_n, stride_visible_i,
+    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, STATIC_TRIPS: tl.constexpr,
+):
+    """Partial attention of BLOCK_M (node, head) rows of one KV head over this split's share of the rows.
+
+    The rows any node sees, 0 .. min(position + N, window), are cut into `splits` equal runs of whole
+    blocks (from the device position, so a short prefix in a long window still spreads over every
+    program). Writes per row and split the max of the scores, the sum of exp(score - max) and the
+    unnormalised output, in base 2. STATIC_TRIPS: 0 on the GPU; under the interpreter, the most blocks
+    a split can hold.
+    """
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    packed = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    node = packed // GROUP
+    head = kv_head * GROUP + packed % GROUP
+    row_ok = node < nodes
+    dims = tl.arange(0, BLOCK_D)
+    value_dims = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + node[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    k_ptr += kv_head * stride_kh
+    v_ptr += kv_head * stride_vh
+
+    position = tl.load(position_ptr)
+    seen_end = tl.minimum(position + nodes, rows)
+    committed_end = tl.minimum(position, rows)
+    blocks_per_split = tl.cdiv(tl.cdiv(seen_end, BLOCK_N), splits)
+    start = split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, seen_end)
+    # Whole blocks of committed rows need no mask; the rest of the run (the block holding `position`,
+    # the node rows) does.
+    full_end = tl.maximum(start, start + (tl.minimum(end, committed_end) - start) // BLOCK_N * BLOCK_N)
+
+    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if STATIC_TRIPS == 0:
+        for key_start in range(start, full_end, BLOCK_N):
+            acc, running_max, running_sum = _tree_key_block(
+                acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr, visible_ptr,
+                node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt, stride_visible_n, stride_visible_i,
+                HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_PRECISION, UPCAST_DOT)
+        for key_start in range(full_end, end, BLOCK_N):
+            acc, running_max, running_sum = _tree_key_block(
+                acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr, visible_ptr,
+                node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt, stride_visible_n, stride_visible_i,
+                HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_PRECISION, UPCAST_DOT)
+    else:
+        for step in range(STATIC_TRIPS):
+            key_start = start + step * BLOCK_N
+            if key_start < full_end:
+                acc, running_max, running_sum = _tree_key_block(
+                    acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr,
+                    visible_ptr, node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt,
+                    stride_visible_n, stride_visible_i,
+                    HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_PRECISION, UPCAST_DOT)
+        for step in range(STATIC_TRIPS):
+            key_start = full_end + step * BLOCK_N
+            if key_start < end:
+                acc, running_max, running_sum = _tree_key_block(
+                    acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr,
+                    visible_ptr, node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt,
+                    stride_visible_n, stride_visible_i,
+                    HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_PRECISION, UPCAST_DOT)
+
+    # A split with no rows (or none this row sees) stores max -inf and sum 0: the combine weighs it 0.
+    partial = (node * Q_HEADS + head) * splits + split
+    tl.store(max_ptr + partial, running_max, mask=row_ok)
+    tl.store(sum_ptr + partial, running_sum, mask=row_ok)
+    tl.store(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :], acc,
+             mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
+
+
+@triton.jit
+def _tree_attention_combine_kernel(
+    max_ptr, sum_ptr, acc_ptr, out_ptr, splits, stride_on, stride_oh,
+    Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One (node, query head): the softmax-weighted merge of its splits' partial results (base 2)."""
+    row = tl.program_id(0)
+    split_index = tl.arange(0, BLOCK_S)
+    split_ok = split_index < splits
+    value_dims = tl.arange(0, BLOCK_DV)
+    partial = row * splits + split_index
+    split_max = tl.load(max_ptr + partial, mask=split_ok, other=float("-inf"))
+    split_sum = tl.load(sum_ptr + partial, mask=split_ok, other=0.0)
+    split_acc = tl.load(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :],
+                        mask=split_ok[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+    top = tl.max(split_max, axis=0)
+    weight = tl.exp2(split_max - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty splits
+    out = tl.sum(split_acc * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
+    node, head = row // Q_HEADS, row % Q_HEADS
+    tl.store(out_ptr + node * stride_on + head * stride_oh + value_dims, out.to(out_ptr.dtype.element_ty),
+             mask=value_dims < VALUE_DIM)
+
+
+def tree_splits(rows: int, programs_per_split: int, device: torch.device, block_n: int) -> int:
+    """Runs the tree kernel cuts the window's visible rows into: enough that `programs_per_split * splits`
+    programs cover every SM `PROGRAMS_PER_SM` times; never more than the window's blocks."""
+    blocks = max(1, triton.cdiv(rows, block_n))
+    if device.type == "cuda":
+        target_programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target_programs = 3 * programs_per_split  # the interpreter: a few splits, so tests exercise the combine
+    return min(blocks, max(1, math.ceil(target_programs / programs_per_split)))
+
+
+def tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, visible: torch.Tensor, *,
+    scale: float, splits: int | None = None, out: torch.Tensor | None = None, config: BlockConfig | None = None,
+) -> torch.Tensor:
+    """`TorchBackend.tree_attention`: q `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of
+    the cache; rows `position + i` hold node i); `position` `[1]` long and `visible` bool `[N, N]`, both on
+    q's device -> `[1, N, Hq, Dv]` in q's dtype. Node n sees the committed rows `< position` and the node
+    rows `visible[n]` allows; rows from `position + N` on are never read.
+
+    `splits`: runs of rows reduced in parallel (default `tree_splits`). A fixed (N, W) gives a fixed
+    launch, so the call records into a CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype with a
+    contiguous last dim to write into. `config`: tiles other than `tree_config`'s (for tuning).
+    """
+    rows, kv_heads, head_dim = k.shape
+    _, nodes, q_heads, _ = q.shape
+    value_dim = v.shape[2]
+    if (q.shape[0] != 1 or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads
+            or visible.shape != (nodes, nodes) or nodes == 0):
+        raise ValueError(f"tree_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"visible {tuple(visible.shape)}")
+    if out is None:
+        out = torch.empty(1, nodes, q_heads, value_dim, device=q.device, dtype=q.dtype)
+    elif out.shape != (1, nodes, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {(1, nodes, q_heads, value_dim)}")
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    visible = visible.to(torch.bool).view(torch.uint8)  # the kernel reads bytes: 0 or not
+    group = q_heads // kv_heads
+    config = config or tree_config(nodes * group, head_dim, value_dim, q.dtype)
+    row_blocks = triton.cdiv(nodes * group, config.block_m)
+    if splits is None:
+        splits = tree_splits(rows, row_blocks * kv_heads, q.device, config.block_n)
+    splits = max(1, min(splits, triton.cdiv(rows, config.block_n)))
+    interpreted = not q.is_cuda
+    split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)
+    split_sum = torch.empty_like(split_max)
+    split_acc = torch.empty(nodes * q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
+    with _device_scope(q):
+        _tree_attention_split_kernel[(row_blocks, kv_heads, splits)](
+            q, k, v, position, visible, split_max, split_sum, split_acc,
+            nodes, rows, scale * LOG2_E,
+            q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            visible.stride(0), visible.stride(1),
+            Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+            DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
+            STATIC_TRIPS=triton.cdiv(triton.cdiv(rows, config.block_n), splits) if interpreted else 0,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        _tree_attention_combine_kernel[(nodes * q_heads,)](
+            split_max, split_sum, split_acc, out, splits, out.stride(1), out.stride(2),
+            Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_DV=triton.next_power_of_2(value_dim),
+        )
+    return out
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+
+def _device_scope(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device's current stream: make that the tensor's device."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dim with stride 1 and every other dim with the tensor's own strides."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 products in full precision (Triton's default for fp32 is TF32); half types are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
