@@ -31,6 +31,10 @@ def test_source_compiles(source, arch):
     for line in program.instantiations:
         macro, args = line.split("(", 1)
         parts = [part.strip() for part in args.rstrip(")").split(",")]
+        if macro == "LUCEBOX_MATVEC_PIPE":
+            fmt, act, batch, warps, depth, groups = parts
+            assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
+            continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
                 "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm"}[macro]
         assert f"{name}_{'_'.join(parts)}".encode() in cubin
@@ -76,24 +80,63 @@ def test_batch_tile_rejects_more_than_the_maximum():
 
 
 @pytest.mark.parametrize(
-    ("fmt", "act", "rows", "shape", "variant", "name", "grid", "block"),
+    ("fmt", "act", "rows", "shape", "variant", "name", "grid", "block", "slices"),
     [
-        ("q4_k", "bf16", 1, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 1088, 256),  # 16 rows a block
-        ("q4_k", "bf16", 1, (5120, 17408), "mma", "matvec_mma_q4_k_bf16_1", 320, 128),  # few row groups
-        ("q4_k", "bf16", 8, (17408, 5120), "mma", "matvec_mma_q4_k_bf16_8", 1088, 128),
-        ("q6_k", "bf16", 1, (17408, 5120), "mma", "matvec_mma_q6_k_bf16_1", 1088, 128),
-        ("q4_k", "bf16", 1, (248320, 5120), "mma", "matvec_mma_q4_k_bf16_1", 15520, 128),  # many waves
-        ("q6_k", "f16", 13, (17408, 5120), "mma", "matvec_mma_q6_k_f16_16", 1088, 128),
-        ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128),  # fp32 beyond 8: CUDA cores
-        ("q8_0", "bf16", 1, (17408, 5120), "simt", "matvec_q8_0_bf16_1", 4352, 128),  # no tensor-core Q8_0
+        # Streamed kernel by default; K-slices where row groups are few and rows long.
+        ("q4_k", "bf16", 1, (17408, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q4_k_bf16_1", 1088, 128, 1),
+        ("q4_k", "bf16", 1, (5120, 17408), "pipe_w4_d4_m1_k4", "matvec_pipe_w4_d4_m1_q4_k_bf16_1", 320, 128, 4),
+        ("q4_k", "bf16", 8, (6144, 5120), "pipe_w4_d4_m1_k2", "matvec_pipe_w4_d4_m1_q4_k_bf16_8", 384, 128, 2),
+        ("q6_k", "bf16", 1, (248320, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_bf16_1", 15520, 128, 1),
+        ("q6_k", "f16", 13, (17408, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_f16_16", 1088, 128, 1),
+        ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128, 1),  # fp32 beyond 8: CUDA cores
+        ("q8_0", "bf16", 1, (17408, 5120), "simt", "matvec_q8_0_bf16_1", 4352, 128, 1),  # no tensor-core Q8_0
     ],
 )
-def test_matvec_kernel_choice(fmt, act, rows, shape, variant, name, grid, block):
-    kernel = catalogue.matvec_kernel(fmt, act, rows, shape[0])
-    assert (kernel.variant, kernel.name, kernel.grid, kernel.block) == (variant, name, grid, block)
+def test_matvec_kernel_choice(fmt, act, rows, shape, variant, name, grid, block, slices):
+    kernel = catalogue.matvec_kernel(fmt, act, rows, shape[0], in_features=shape[1])
+    assert (kernel.variant, kernel.name, kernel.grid, kernel.block, kernel.slices) == (
+        variant, name, grid, block, slices)
+
+
+def test_named_variants_and_shared_memory():
+    kernel = catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "mma8")
+    assert (kernel.name, kernel.grid, kernel.block, kernel.streamed) == ("matvec_mma8_q4_k_bf16_1", 1088, 256, False)
+    kernel = catalogue.matvec_kernel("q6_k", "bf16", 3, 100, "pipe_w8_d3_m2_k2", max_shared_bytes=1 << 20)
+    # 8 warps x 3 stages x 32 rows x 224 bytes (Q6_K over-fetched to 14 chunks a row); rows 100 -> 4 blocks.
+    assert (kernel.name, kernel.grid, kernel.block, kernel.slices, kernel.shared_bytes) == (
+        "matvec_pipe_w8_d3_m2_q6_k_bf16_3", 4, 256, 2, 8 * 3 * 32 * 224)
+    # The partial sums reuse the ring; at batch 64 they are the larger part with one stage.
+    pipe = catalogue.PipeVariant(8, 2, 1)
+    assert pipe.shared_bytes("q4_k", "bf16", 64) == max(8 * 2 * 16 * 144, 8 * 16 * 65 * 4)
+    # A named variant over the device's limit is refused; the default steps its depth down to fit.
+    with pytest.raises(ValueError, match="shared memory"):
+        catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe_w8_d6_m1_k1", max_shared_bytes=99 * 1024)
+    small = catalogue.matvec_kernel("q6_k", "bf16", 1, 64, max_shared_bytes=40 * 1024)
+    assert small.variant.startswith("pipe_w4_d2_") and small.shared_bytes <= 40 * 1024
+    assert catalogue.matvec_kernel("q6_k", "bf16", 1, 64, max_shared_bytes=16 * 1024).variant == "mma"
+
+
+def test_pipe_variant_names_round_trip():
+    for warps, depth, groups in catalogue.PIPE_SWEEP_CONFIGS:
+        for slices in (1, 2, 4):
+            variant = catalogue.PipeVariant(warps, depth, groups, slices)
+            assert catalogue.PipeVariant.parse(variant.name) == variant
+    assert catalogue.PipeVariant.parse("mma") is None
+    with pytest.raises(ValueError, match="two row groups"):
+        catalogue.matvec_kernel("q4_k", "bf16", 33, 64, "pipe_w4_d4_m2_k1")
+
+
+def test_tuned_table_overrides_the_rule(monkeypatch):
+    monkeypatch.setitem(catalogue.MATVEC_TUNED, ("q4_k", 1, 17408, 5120), "mma8")
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, in_features=5120).variant == "mma8"
+    # ... but "pipe" still asks for the streamed kernel, and other shapes keep the rule.
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "pipe", in_features=5120).variant.startswith("pipe_")
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 10240, in_features=5120).variant.startswith("pipe_")
 
 
 def test_matvec_kernel_refuses_a_missing_variant():
     with pytest.raises(ValueError, match="no tensor-core matvec for q8_0"):
         catalogue.matvec_kernel("q8_0", "bf16", 1, 64, variant="mma")
+    with pytest.raises(ValueError, match="no tensor-core matvec for q8_0"):
+        catalogue.matvec_kernel("q8_0", "bf16", 1, 64, variant="pipe_w4_d4_m1_k1")
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 64, variant="simt").name == "matvec_q4_k_bf16_1"

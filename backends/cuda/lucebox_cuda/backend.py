@@ -48,6 +48,16 @@ def _triton_ops() -> ModuleType | None:
     return triton_ops
 
 
+@functools.cache
+def _triton_fused() -> ModuleType | None:
+    """`lucebox_cuda.triton_fused` (the fused decode-step ops) if Triton imports here, else None."""
+    try:
+        from . import triton_fused
+    except ImportError:
+        return None
+    return triton_fused
+
+
 def _triton_takes(device: torch.device, *tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on these tensors: Triton importable, all on `device`, floats."""
     if _triton_ops() is None:
@@ -159,8 +169,13 @@ class CudaBackend(TorchBackend):
         """`x @ weight.T` for x `[rows, in]` with 1 <= rows <= MAX_BATCH, reading each weight byte once.
 
         `out`: a contiguous `[rows, out_features]` tensor of x's dtype to write into (default: a new one).
-        `variant`: "mma" or "mma8" (tensor cores, K-quants; 4 or 8 warps per 16 rows) or "simt" (CUDA
-        cores, every format); by default the tensor-core kernel wherever it exists.
+        `variant`: one of `catalogue.MATVEC_VARIANTS` ("pipe": the streamed tensor-core kernel in its default
+        shape; "mma"/"mma8": register-prefetch tensor-core kernels; "simt": CUDA cores, every format) or a
+        streamed variant by name ("pipe_w4_d4_m1_k2"); by default `catalogue.default_variant`.
+
+        Graph-capturable: a split-K launch's scratch (fp32 partials and arrival counters, which the kernel
+        leaves zeroed) is allocated on first use outside capture and kept; if a capture needs more than is
+        held, the launch runs unsplit instead (same kernel, one K-slice).
         """
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
         x = x.contiguous()
@@ -173,9 +188,55 @@ class CudaBackend(TorchBackend):
         elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
         data = self.device_weight(weight).data
-        kernel = catalogue.matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features, variant)
-        self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, Pointer(data.data_ptr()),
-                     Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(out_features), Int(in_features), Int(rows))
+        state = self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None, "shared_ready": set()})
+        if "max_shared" not in state:
+            from cuda.bindings import driver
+
+            result, limit = driver.cuDeviceGetAttribute(
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self.device.index)
+            state["max_shared"] = int(limit) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT
+        kernel = catalogue.matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features, variant,
+                                         in_features=in_features, max_shared_bytes=state["max_shared"])
+        args = [Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(out_features),
+                Int(in_features), Int(rows)]
+        if not kernel.streamed:
+            self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, *args)
+            return out
+        function = self.kernel(kernel.program, kernel.name)
+        if kernel.name not in state["shared_ready"]:
+            from cuda.bindings import driver
+
+            attribute = driver.CUfunction_attribute
+            # Beyond 48 KiB a kernel must opt in; a full shared-memory carve-out lets several blocks' rings
+            # share an SM (the weight bypasses L1 anyway).
+            for name, value in ((attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, state["max_shared"]),
+                                (attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
+                (result,) = driver.cuFuncSetAttribute(function, name, value)
+                if int(result) != 0:
+                    raise LuceboxError(f"cuFuncSetAttribute({name.name}) on {kernel.name} failed: {result}")
+            state["shared_ready"].add(kernel.name)
+        slices, partials, counters = kernel.slices, 0, 0
+        if slices > 1:
+            need_partials, need_counters = slices * rows * out_features, kernel.grid
+            scratch, arrivals = state["scratch"], state["counters"]
+            if scratch is None or scratch.numel() < need_partials or arrivals.numel() < need_counters:
+                if torch.cuda.is_current_stream_capturing():
+                    scratch = arrivals = None
+                    slices = 1
+                else:
+                    size = max(need_partials, 0 if scratch is None else scratch.numel())
+                    count = max(need_counters, 0 if arrivals is None else arrivals.numel())
+                    # Earlier buffers stay alive: graphs captured before may still point at them.
+                    state.setdefault("retired", []).append((scratch, arrivals))
+                    scratch = torch.empty(size, dtype=torch.float32, device=self.device)
+                    # Zeroed once; every launch leaves its counters at zero again.
+                    arrivals = torch.zeros(count, dtype=torch.int32, device=self.device)
+                    state["scratch"], state["counters"] = scratch, arrivals
+            if slices > 1:
+                partials, counters = scratch.data_ptr(), arrivals.data_ptr()
+        ensure_context(self.device.index)
+        launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
+               stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
         return out
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,
@@ -280,3 +341,54 @@ class CudaBackend(TorchBackend):
         if not _triton_takes(self.device, x, weight, state):
             return super().causal_conv1d_step(x, weight, state)
         return _triton_ops().causal_conv1d_step(x, weight, state)
+
+    # -- fused decode-step ops (lucebox_cuda.triton_fused) --------------------------------------------
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _triton_takes(self.device, x, residual, weight) or x.shape != residual.shape:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return _triton_fused().add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not _triton_takes(self.device, gate, up) or gate.shape != up.shape or gate.dtype != up.dtype:
+            return super().silu_mul(gate, up)
+        return _triton_fused().silu_mul(gate, up)
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if not _triton_takes(self.device, x, gate) or x.shape != gate.shape or x.dtype != gate.dtype:
+            return super().sigmoid_mul(x, gate)
+        return _triton_fused().sigmoid_mul(x, gate)
+
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not _triton_takes(self.device, x, z, weight) or x.shape != z.shape or x.dtype != z.dtype:
+            return super().gated_rms_norm(x, z, weight, eps)
+        return _triton_fused().gated_rms_norm(x, z, weight, eps)
+
+    def qk_norm_rope(self, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                     positions: torch.Tensor, rot_dim: int, theta: float, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (not _triton_takes(self.device, query, key, q_norm, k_norm, positions) or query.shape[0] != 1
+                or query.stride(-1) != 1 or key.stride(-1) != 1):
+            return super().qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps)
+        return _triton_fused().qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps,
+                                            inv_freq=self._rope_inv_freq(rot_dim, theta))
+
+    @functools.cache
+    def _rope_inv_freq(self, rot_dim: int, theta: float) -> torch.Tensor:
+        # Made once, outside any graph recording (the first eager call): the expression builds host values.
+        return _triton_fused().rope_inv_freq(rot_dim, theta, self.device)
+
+    def conv_silu_update_(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        if not _triton_takes(self.device, x, weight, state) or state.dtype != x.dtype:
+            return super().conv_silu_update_(x, weight, state)
+        out, _ = _triton_ops().causal_conv1d_step(x, weight, state, activation="silu", new_state=state)
+        return out
+
+    def gated_delta_decode_(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
+                            dt_bias: torch.Tensor, state: torch.Tensor, num_k_heads: int, head_k_dim: int
+                            ) -> torch.Tensor:
+        if (not _triton_takes(self.device, mixed, a, b, ssm_a, dt_bias, state) or not state.is_contiguous()
+                or state.dtype != torch.float32 or any(t.stride(-1) != 1 for t in (mixed, a, b))):
+            return super().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
+        return _triton_fused().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)

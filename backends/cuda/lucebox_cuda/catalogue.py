@@ -4,12 +4,16 @@ Every kernel is a template instantiated by a macro line appended to its source (
 bf16, 1)` defines `matvec_q4_k_bf16_1`), so a process compiles only the instantiations it uses, each its
 own small cached program. Pure Python: usable without a GPU (the compile tests use it).
 
-Two matrix-vector kernels: `matvec.cu` (CUDA cores, one warp per output row, every format) and
-`matvec_mma.cu` (tensor cores, 16 output rows per block of 4 warps, the K-quants). `matvec_kernel`
-picks one and says how to launch it.
+Three matrix-vector kernels: `matvec.cu` (CUDA cores, one warp per output row, every format),
+`matvec_mma.cu` (tensor cores, 16 output rows per block of 4 or 8 warps, register prefetch, the K-quants)
+and `matvec_pipe.cu` (the same tensor-core math with the weight streamed through shared memory by
+cp.async, parameterized by warps, pipeline depth, row groups per warp and K-slices). `matvec_kernel` picks
+one (`default_variant`: a measured table, else a rule) and says how to launch it.
 """
 
 from __future__ import annotations
+
+import re
 
 import attrs
 import torch
@@ -39,22 +43,115 @@ MAX_BATCH = BATCH_SIZES[-1]
 
 MATVEC_WARPS = 4  # LUCEBOX_MATVEC_WARPS in matvec.cu: one output row per warp
 
-# The tensor-core kernel: formats it decodes, rows per block (the mma's M), threads per block
-# (LUCEBOX_MMA_WARPS in matvec_mma.cu), and the largest batch tile per activation (fp32 activations take
-# three bf16 columns each, so fewer rows fit the same registers).
+# The tensor-core kernels: formats they decode, rows per block of the register-prefetch kernel (the mma's
+# M), and the largest batch tile per activation (fp32 activations take three bf16 columns each, so fewer
+# rows fit the same registers).
 MMA_FORMATS: tuple[str, ...] = ("q4_k", "q5_k", "q6_k")
 MMA_ROWS_PER_BLOCK = 16
 MMA_MAX_BATCH: dict[str, int] = {"bf16": 64, "f16": 64, "f32": 8}
-# Variant -> (name prefix, warps per block): "mma8" splits each row over 8 warps instead of 4.
+# Register-prefetch variants (matvec_mma.cu) -> (name prefix, warps per block): "mma8" splits each row
+# over 8 warps instead of 4.
 MMA_VARIANTS: dict[str, tuple[str, int]] = {"mma": ("matvec_mma", 4), "mma8": ("matvec_mma8", 8)}
-MATVEC_VARIANTS = (*MMA_VARIANTS, "simt")
-# Where the 8-warp kernel was measured faster (H200, docs/results/2026-11-30-h200-cuda-matvec-v2.md):
-# Q4_K/Q5_K with at most 4 activation rows and 8192 to 65536 output rows (17408 x 5120: 26.9 us against
-# 28.7 at batch 1, 30.4 against 41.4 at batch 4), where the 4-warp grid ends in a part-empty wave. Q6_K,
-# larger batches, few row groups (5120 rows) and the many-wave output head lose with it.
-MMA8_FORMATS = ("q4_k", "q5_k")
-MMA8_MAX_BATCH = 4
-MMA8_OUT_FEATURES = range(8192, 65537)
+# "pipe" is the default streamed variant (matvec_pipe.cu) for the shape; explicit ones are named by
+# `PipeVariant.name`, e.g. "pipe_w4_d4_m1_k2".
+MATVEC_VARIANTS = ("pipe", *MMA_VARIANTS, "simt")
+
+# -- the streamed (cp.async) tensor-core kernel, matvec_pipe.cu ---------------------------------------
+
+# Bytes one row's GGUF block takes in the shared-memory ring: whole 16-byte chunks, and for Q6_K's
+# 2-byte-aligned 210-byte blocks an over-fetch from the 16-byte boundary below (up to 14 bytes before).
+PIPE_ROW_STRIDE: dict[str, int] = {"q4_k": 144, "q5_k": 176, "q6_k": 224}
+PIPE_MAX_SLICES = 8
+# Shared memory a launch may use without the opt-in attribute, and what portable defaults stay within
+# (sm_86/89/120 allow 99 KiB a block; sm_90 227 KiB).
+STATIC_SHARED_LIMIT = 48 * 1024
+PORTABLE_SHARED_LIMIT = 99 * 1024
+
+
+@attrs.frozen
+class PipeVariant:
+    """One configuration of matvec_pipe.cu: warps per block, ring stages per warp, 16-row groups per warp
+    (compile-time) and K-slices (the grid's y, run-time: one compiled kernel serves every slice count)."""
+
+    warps: int
+    depth: int
+    row_groups: int = 1
+    slices: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"pipe_w{self.warps}_d{self.depth}_m{self.row_groups}_k{self.slices}"
+
+    @classmethod
+    def parse(cls, name: str) -> PipeVariant | None:
+        """The variant named `name` ("pipe_w4_d4_m1_k2"), or None if `name` is not of that form."""
+        match = re.fullmatch(r"pipe_w(\d+)_d(\d+)_m(\d+)_k(\d+)", name)
+        if match is None:
+            return None
+        warps, depth, row_groups, slices = map(int, match.groups())
+        if warps not in (1, 2, 4, 8, 16) or not 2 <= depth <= 16 or row_groups not in (1, 2):
+            raise ValueError(f"unsupported pipe variant {name!r}")
+        if not 1 <= slices <= PIPE_MAX_SLICES:
+            raise ValueError(f"pipe variant {name!r}: slices must be 1..{PIPE_MAX_SLICES}")
+        return cls(warps, depth, row_groups, slices)
+
+    def rows_per_block(self) -> int:
+        return 16 * self.row_groups
+
+    def kernel_name(self, weight_format: str, activation: str, batch: int) -> str:
+        return f"matvec_pipe_w{self.warps}_d{self.depth}_m{self.row_groups}_{weight_format}_{activation}_{batch}"
+
+    def shared_bytes(self, weight_format: str, activation: str, batch: int) -> int:
+        """Dynamic shared memory of a launch: PipeShape::SHARED_BYTES in matvec_pipe.cu."""
+        tiles = -(-batch * (3 if activation == "f32" else 1) // 8)
+        rows = self.rows_per_block()
+        ring = self.warps * self.depth * rows * PIPE_ROW_STRIDE[weight_format]
+        partial = self.warps * rows * (8 * tiles + 1) * 4
+        return max(ring, partial)
+
+
+# The variants the sweep (scripts/matvec_sweep.py) compares; each runs with 1, 2 and 4 K-slices too.
+PIPE_SWEEP_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (warps, depth, row groups)
+    (4, 3, 1), (4, 4, 1), (4, 6, 1), (8, 3, 1), (8, 4, 1), (2, 8, 1), (4, 4, 2),
+)
+# Two row groups per warp double the accumulators: only up to this batch tile (beyond it they spill).
+PIPE_MAX_BATCH_TWO_GROUPS = 16
+
+# Measured defaults (exact shapes) from scripts/matvec_sweep.py: (format, batch tile, out, in) -> variant.
+# Empty until the first sweep on the target GPU; `default_variant` uses the rule below where no entry is.
+MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {}
+
+
+def pipe_slices(out_features: int, in_features: int, weight_format: str, row_groups: int = 1) -> int:
+    """K-slices for the default streamed kernel: enough thread blocks that every SM holds several (a
+    guess for ~132 SMs: at least ~1000 blocks), but each slice still at least 8 GGUF blocks long."""
+    blocks = -(-out_features // (16 * row_groups))
+    blocks_per_row = in_features // 256
+    slices = 1
+    while slices < 4 and blocks * slices < 1000 and blocks_per_row // (2 * slices) >= 8:
+        slices *= 2
+    return slices
+
+
+def default_variant(weight_format: str, activation: str, rows: int, out_features: int, in_features: int) -> str:
+    """The variant a product uses by default: a measured entry of MATVEC_TUNED for the exact shape, else
+    the streamed kernel (4 warps, 4 stages; K-slices by `pipe_slices`) wherever a tensor-core kernel
+    exists, else the CUDA-core kernel."""
+    if not has_mma_kernel(weight_format, activation, rows):
+        return "simt"
+    tuned = MATVEC_TUNED.get((weight_format, batch_tile(rows), out_features, in_features))
+    if tuned is not None and _variant_exists(tuned, weight_format, activation, rows):
+        return tuned
+    return PipeVariant(4, 4, 1, pipe_slices(out_features, in_features, weight_format)).name
+
+
+def _variant_exists(variant: str, weight_format: str, activation: str, rows: int) -> bool:
+    if variant == "simt":
+        return True
+    if not has_mma_kernel(weight_format, activation, rows):
+        return False
+    pipe = PipeVariant.parse(variant)
+    return pipe is None or pipe.row_groups == 1 or batch_tile(rows) <= PIPE_MAX_BATCH_TWO_GROUPS
 
 
 def batch_tile(rows: int) -> int:
@@ -77,15 +174,30 @@ def matvec_mma(weight_format: str, activation: str, batch: int, variant: str = "
     return KernelProgram("matvec_mma.cu", [f"{macro}({weight_format}, {activation}, {batch})"]), name
 
 
+def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVariant) -> tuple[KernelProgram, str]:
+    line = (f"LUCEBOX_MATVEC_PIPE({weight_format}, {activation}, {batch}, {pipe.warps}, {pipe.depth}, "
+            f"{pipe.row_groups})")
+    return KernelProgram("matvec_pipe.cu", [line]), pipe.kernel_name(weight_format, activation, batch)
+
+
 @attrs.frozen
 class MatvecLaunch:
-    """One matrix-vector kernel and its launch shape (1-D grid and block)."""
+    """One matrix-vector kernel and its launch shape: grid (x, and `slices` along y), block, dynamic shared
+    memory. `slices > 1` (split-K) needs the extra arguments of matvec_pipe.cu: a float scratch of
+    `slices * rows * out_features` and `grid` zeroed u32 counters (which the kernel leaves zeroed)."""
 
     program: KernelProgram
     name: str
     grid: int
     block: int
     variant: str
+    slices: int = 1
+    shared_bytes: int = 0
+
+    @property
+    def streamed(self) -> bool:
+        """Whether this is a matvec_pipe.cu kernel (it takes the partials and counters arguments)."""
+        return self.program.file == "matvec_pipe.cu"
 
 
 def has_mma_kernel(weight_format: str, activation: str, rows: int) -> bool:
@@ -93,17 +205,41 @@ def has_mma_kernel(weight_format: str, activation: str, rows: int) -> bool:
 
 
 def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: int,
-                  variant: str | None = None) -> MatvecLaunch:
-    """The kernel for `rows` activation rows times a weight of `out_features` rows: a tensor-core
-    one where it exists (or `variant`, one of MATVEC_VARIANTS, when given: the check script times all)."""
+                  variant: str | None = None, *, in_features: int | None = None,
+                  max_shared_bytes: int = PORTABLE_SHARED_LIMIT) -> MatvecLaunch:
+    """The kernel for `rows` activation rows times a weight of `out_features` rows (`in_features` columns:
+    the default's K-split depends on it): the default for the shape, or `variant` when given (one of
+    MATVEC_VARIANTS or a `PipeVariant.name`; the check and sweep scripts time them all). A streamed variant
+    needing more shared memory than `max_shared_bytes` (the device's opt-in limit) is refused when asked
+    for, and the default falls back to fewer stages, then to the register-prefetch kernel."""
     tile = batch_tile(rows)
-    if variant is None:
+    in_features = in_features if in_features is not None else 4096
+    asked = variant
+    if variant is None or variant == "pipe":
+        variant = default_variant(weight_format, activation, rows, out_features, in_features)
+        if asked == "pipe" and PipeVariant.parse(variant) is None and has_mma_kernel(weight_format, activation, rows):
+            variant = PipeVariant(4, 4, 1, pipe_slices(out_features, in_features, weight_format)).name
+    pipe = PipeVariant.parse(variant)
+    if pipe is not None:
         if not has_mma_kernel(weight_format, activation, rows):
-            variant = "simt"
-        else:
-            eight = (weight_format in MMA8_FORMATS and tile <= MMA8_MAX_BATCH
-                     and out_features in MMA8_OUT_FEATURES)
-            variant = "mma8" if eight else "mma"
+            raise ValueError(f"no tensor-core matvec for {weight_format} x {activation} at {rows} rows")
+        if pipe.row_groups > 1 and tile > PIPE_MAX_BATCH_TWO_GROUPS:
+            raise ValueError(f"{variant}: two row groups per warp only up to batch {PIPE_MAX_BATCH_TWO_GROUPS}")
+        while pipe.shared_bytes(weight_format, activation, tile) > max_shared_bytes:
+            if asked is not None and asked != "pipe":
+                raise ValueError(f"{variant} needs {pipe.shared_bytes(weight_format, activation, tile)} bytes of "
+                                 f"shared memory; this device allows {max_shared_bytes}")
+            if pipe.depth <= 2:
+                pipe = None
+                variant = "mma"
+                break
+            pipe = attrs.evolve(pipe, depth=pipe.depth - 1)
+            variant = pipe.name
+    if pipe is not None:
+        program, name = matvec_pipe(weight_format, activation, tile, pipe)
+        grid = -(-out_features // pipe.rows_per_block())
+        return MatvecLaunch(program, name, grid, 32 * pipe.warps, variant, pipe.slices,
+                            pipe.shared_bytes(weight_format, activation, tile))
     if variant in MMA_VARIANTS:
         if not has_mma_kernel(weight_format, activation, rows):
             raise ValueError(f"no tensor-core matvec for {weight_format} x {activation} at {rows} rows")
@@ -111,9 +247,22 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
         threads = 32 * MMA_VARIANTS[variant][1]
         return MatvecLaunch(program, name, -(-out_features // MMA_ROWS_PER_BLOCK), threads, variant)
     if variant != "simt":
-        raise ValueError(f"matvec variant must be one of {MATVEC_VARIANTS}, not {variant!r}")
+        raise ValueError(f"matvec variant must be one of {MATVEC_VARIANTS} or a pipe variant, not {variant!r}")
     program, name = matvec(weight_format, activation, tile)
     return MatvecLaunch(program, name, -(-out_features // MATVEC_WARPS), 32 * MATVEC_WARPS, variant)
+
+
+def pipe_compile_check_lines() -> list[str]:
+    """Instantiations of matvec_pipe.cu for the compile check: every format x activation at batch 1 in the
+    default shape, every swept configuration once, and the register extremes (largest batch tiles, two row
+    groups at their largest batch)."""
+    formats, acts = MMA_FORMATS, list(ACTIVATIONS.values())
+    lines = [f"LUCEBOX_MATVEC_PIPE({f}, {a}, 1, 4, 4, 1)" for f in formats for a in acts]
+    lines += [f"LUCEBOX_MATVEC_PIPE(q6_k, bf16, 1, {w}, {d}, {m})" for w, d, m in PIPE_SWEEP_CONFIGS
+              if (w, d, m) != (4, 4, 1)]
+    lines += [f"LUCEBOX_MATVEC_PIPE({f}, {a}, {MMA_MAX_BATCH[a]}, 4, 4, 1)" for f in formats for a in ("bf16", "f32")]
+    lines += [f"LUCEBOX_MATVEC_PIPE({f}, bf16, {PIPE_MAX_BATCH_TWO_GROUPS}, 4, 4, 2)" for f in formats]
+    return lines
 
 
 def dequant(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
@@ -137,6 +286,7 @@ def compile_check_programs() -> dict[str, KernelProgram]:
     mma_lines += [f"LUCEBOX_MATVEC_MMA({f}, {a}, {MMA_MAX_BATCH[a]})" for f in MMA_FORMATS for a in ("bf16", "f32")]
     mma_lines += [f"LUCEBOX_MATVEC_MMA8({f}, bf16, 1)" for f in MMA_FORMATS]
     return {
+        "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),

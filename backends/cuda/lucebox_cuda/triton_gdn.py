@@ -58,6 +58,13 @@ MAX_TREE_NODES = 1024
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _interpreted() -> bool:
+    """Whether Triton runs these kernels in its interpreter (TRITON_INTERPRET=1 when they were defined)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_chunk_scan_kernel, InterpretedFunction)
+
+
 # -- Gated DeltaNet, chunked (prefill) -----------------------------------------------------------------
 
 
@@ -110,13 +117,57 @@ def _chunk_inverse_kernel(
 
 
 @triton.jit
+def _scan_chunk(
+    state, chunk, q_base, k_base, v_base, g_base, beta_base, inverse_base, out_ptr,
+    tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
+    stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
+    VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One chunk of `_chunk_scan_kernel`: writes the chunk's outputs, returns the state after it."""
+    rows = tl.arange(0, CHUNK)[:, None]
+    cols = tl.arange(0, CHUNK)[None, :]
+    positions = chunk * CHUNK + tl.arange(0, CHUNK)
+    token_ok = positions < tokens
+    positions = positions.to(tl.int64)
+    key_mask = token_ok[:, None] & key_ok[None, :]
+    value_mask = token_ok[:, None] & value_ok[None, :]
+    q = tl.load(q_base + positions[:, None] * stride_qt + key_dims[None, :], mask=key_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_base + positions[:, None] * stride_kt + key_dims[None, :], mask=key_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_base + positions[:, None] * stride_vt + value_dims[None, :], mask=value_mask, other=0.0)
+    g = tl.load(g_base + positions * stride_gt, mask=token_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_base + positions * stride_betat, mask=token_ok, other=0.0).to(tl.float32)
+    inverse = tl.load(inverse_base + chunk * (CHUNK * CHUNK) + rows * CHUNK + cols)
+
+    log_decay = tl.cumsum(g, axis=0)  # G_t; padded tokens have g = 0, so G_last is the real last one
+    chunk_log_decay = tl.sum(g, axis=0)
+    decay = tl.exp(log_decay)
+
+    # U = inverse (beta V - beta exp(G) K S): the delta-rule updates of the chunk's tokens.
+    predicted = tl.dot(k, state, input_precision=DOT_PRECISION)  # [C, BV]
+    targets = beta[:, None] * (v.to(tl.float32) - decay[:, None] * predicted)
+    updates = tl.dot(inverse, targets, input_precision=DOT_PRECISION)
+
+    # O = exp(G) Q S + ((Q K^T) * D) U, D_ts = exp(G_t - G_s) for s <= t; q's scale applied here.
+    pair_decay = tl.exp(tl.where(cols <= rows, log_decay[:, None] - log_decay[None, :], float("-inf")))
+    attention = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * pair_decay * scale
+    out = tl.dot(q, state, input_precision=DOT_PRECISION) * (decay * scale)[:, None]
+    out += tl.dot(attention, updates, input_precision=DOT_PRECISION)
+    out_rows = ((batch * tokens + positions) * value_heads + head) * VALUE_DIM
+    tl.store(out_ptr + out_rows[:, None] + value_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=value_mask)
+
+    # S <- exp(G_last) S + (exp(G_last - G) K)^T U
+    keys_to_end = k * tl.exp(chunk_log_decay - log_decay)[:, None]
+    return state * tl.exp(chunk_log_decay) + tl.dot(tl.trans(keys_to_end), updates, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _chunk_scan_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, inverse_ptr, state_ptr, out_ptr, new_state_ptr,
     tokens, scale, key_heads, value_heads, chunks,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_gb, stride_gt, stride_gh, stride_betab, stride_betat, stride_betah,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """The chunks of one (sequence, value head) in order, for BLOCK_V of its value dims: the state's
     columns are independent in the delta rule, so a column slice is a whole problem."""
@@ -128,8 +179,6 @@ def _chunk_scan_kernel(
     value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key_ok = key_dims < KEY_DIM
     value_ok = value_dims < VALUE_DIM
-    rows = tl.arange(0, CHUNK)[:, None]
-    cols = tl.arange(0, CHUNK)[None, :]
 
     # The state is [B, H_v, D_k, D_v], contiguous, fp32.
     tile = (sequence_head * KEY_DIM + key_dims[:, None]).to(tl.int64) * VALUE_DIM + value_dims[None, :]
@@ -142,42 +191,23 @@ def _chunk_scan_kernel(
     g_base = g_ptr + batch * stride_gb + head * stride_gh
     beta_base = beta_ptr + batch * stride_betab + head * stride_betah
     inverse_base = inverse_ptr + sequence_head.to(tl.int64) * chunks * (CHUNK * CHUNK)
-    for chunk in range(chunks):
-        positions = chunk * CHUNK + tl.arange(0, CHUNK)
-        token_ok = positions < tokens
-        positions = positions.to(tl.int64)
-        key_mask = token_ok[:, None] & key_ok[None, :]
-        q = tl.load(q_base + positions[:, None] * stride_qt + key_dims[None, :], mask=key_mask, other=0.0)
-        k = tl.load(k_base + positions[:, None] * stride_kt + key_dims[None, :], mask=key_mask, other=0.0)
-        v = tl.load(v_base + positions[:, None] * stride_vt + value_dims[None, :],
-                    mask=token_ok[:, None] & value_ok[None, :], other=0.0)
-        g = tl.load(g_base + positions * stride_gt, mask=token_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_base + positions * stride_betat, mask=token_ok, other=0.0).to(tl.float32)
-        inverse = tl.load(inverse_base + chunk * (CHUNK * CHUNK) + rows * CHUNK + cols)
-        q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
-
-        log_decay = tl.cumsum(g, axis=0)  # G_t; padded tokens have g = 0, so G_last is the real last one
-        chunk_log_decay = tl.sum(g, axis=0)
-        decay = tl.exp(log_decay)
-
-        # U = inverse (beta V - beta exp(G) K S): the delta-rule updates of the chunk's tokens.
-        predicted = tl.dot(k, state, input_precision=DOT_PRECISION)  # [C, BV]
-        updates = tl.dot(inverse, beta[:, None] * (v - decay[:, None] * predicted), input_precision=DOT_PRECISION)
-
-        # O = exp(G) Q S + ((Q K^T) * D) U, D_ts = exp(G_t - G_s) for s <= t; q's scale applied here.
-        causal = cols <= rows
-        pair_decay = tl.exp(tl.where(causal, log_decay[:, None] - log_decay[None, :], float("-inf")))
-        attention = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * pair_decay * scale
-        out = tl.dot(q, state, input_precision=DOT_PRECISION) * (decay * scale)[:, None]
-        out += tl.dot(attention, updates, input_precision=DOT_PRECISION)
-        out_rows = ((batch * tokens + positions) * value_heads + head) * VALUE_DIM
-        tl.store(out_ptr + out_rows[:, None] + value_dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=token_ok[:, None] & value_ok[None, :])
-
-        # S <- exp(G_last) S + (exp(G_last - G) K)^T U
-        keys_to_end = k * tl.exp(chunk_log_decay - log_decay)[:, None]
-        state = state * tl.exp(chunk_log_decay) + tl.dot(tl.trans(keys_to_end), updates, input_precision=DOT_PRECISION)
-
+    if INTERPRETED:
+        # Triton 3.6's interpreter cannot take a loop bound passed as an argument under numpy >= 2.4
+        # (range() converts a 1-element array to int); a while loop is equivalent. The GPU keeps the
+        # for loop, which the compiler can software-pipeline.
+        chunk = 0
+        while chunk < chunks:
+            state = _scan_chunk(state, chunk, q_base, k_base, v_base, g_base, beta_base, inverse_base, out_ptr,
+                                tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
+                                stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
+                                VALUE_DIM, CHUNK, DOT_PRECISION)
+            chunk += 1
+    else:
+        for chunk in range(chunks):
+            state = _scan_chunk(state, chunk, q_base, k_base, v_base, g_base, beta_base, inverse_base, out_ptr,
+                                tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
+                                stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
+                                VALUE_DIM, CHUNK, DOT_PRECISION)
     tl.store(new_state_ptr + tile, state, mask=tile_ok)
 
 
@@ -247,12 +277,32 @@ def gated_delta_rule_chunked(
             tokens, scale, key_heads, value_heads, chunks,
             *_strides(q, (0, 1, 2)), *_strides(k, (0, 1, 2)), *_strides(v, (0, 1, 2)), *g_strides, *beta_strides,
             KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v,
-            DOT_PRECISION=precision, **launch_options,
+            DOT_PRECISION=precision, INTERPRETED=_interpreted(), **launch_options,
         )
     return out, new_state
 
 
 # -- Gated DeltaNet, one token at a time along a chain or a tree ----------------------------------------
+
+
+@triton.jit
+def _load_token(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, i, present,
+    stride_qt, stride_kt, stride_vt, stride_gt, stride_betat, key_dims, key_ok, value_dims, value_ok,
+    TREE: tl.constexpr,
+):
+    """Token i's inputs (q, k, v as fp32 vectors; decay exp(g); beta; parent), zeros unless `present`.
+    The pointers are already offset to the program's sequence and heads."""
+    q = tl.load(q_ptr + i * stride_qt + key_dims, mask=key_ok & present, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + i * stride_kt + key_dims, mask=key_ok & present, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + i * stride_vt + value_dims, mask=value_ok & present, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + i * stride_gt, mask=present, other=0.0).to(tl.float32))
+    beta = tl.load(beta_ptr + i * stride_betat, mask=present, other=0.0).to(tl.float32)
+    if TREE:
+        parent = tl.load(parents_ptr + i, mask=present, other=0).to(tl.int32)
+    else:
+        parent = tl.zeros([], tl.int32) + i - 1  # a tensor either way: the loop carries it
+    return q, k, v, decay, beta, parent
 
 
 @triton.jit
@@ -284,26 +334,32 @@ def _walk_kernel(
     initial = state_ptr + sequence_head.to(tl.int64) * head_state_size + slice_in_head
     state = tl.load(initial, mask=tile_ok, other=0.0)
 
-    for i in range(tokens):
+    q_base = q_ptr + batch * stride_qb + key_head * stride_qh
+    k_base = k_ptr + batch * stride_kb + key_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + head * stride_vh
+    g_base = g_ptr + batch * stride_gb + head * stride_gh
+    beta_base = beta_ptr + batch * stride_betab + head * stride_betah
+    q, k, v, decay, beta, parent = _load_token(
+        q_base, k_base, v_base, g_base, beta_base, parents_ptr, 0, tokens > 0,
+        stride_qt, stride_kt, stride_vt, stride_gt, stride_betat, key_dims, key_ok, value_dims, value_ok, TREE)
+    # A while loop: Triton 3.6's interpreter cannot take an argument as a range() bound (numpy >= 2.4).
+    # Each step loads the next token's inputs before its own dependent chain (manual pipelining), so
+    # a step costs the two reductions, not a memory round trip.
+    i = 0
+    while i < tokens:
+        next_q, next_k, next_v, next_decay, next_beta, next_parent = _load_token(
+            q_base, k_base, v_base, g_base, beta_base, parents_ptr, i + 1, i + 1 < tokens,
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_betat, key_dims, key_ok, value_dims, value_ok, TREE)
         if TREE:
-            parent = tl.load(parents_ptr + i)
-            if parent != i - 1:  # the registers hold node i-1's state: fetch the parent's
+            if parent != i - 1:  # the registers hold token i-1's state: fetch the parent's
                 parent_state = states_out_ptr + (parent.to(tl.int64) * value_heads + head) * head_state_size
                 state = tl.load(tl.where(parent < 0, initial, parent_state + slice_in_head), mask=tile_ok, other=0.0)
-        position = (batch * tokens + i).to(tl.int64)
-        q = tl.load(q_ptr + batch * stride_qb + i * stride_qt + key_head * stride_qh + key_dims,
-                    mask=key_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + batch * stride_kb + i * stride_kt + key_head * stride_kh + key_dims,
-                    mask=key_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + batch * stride_vb + i * stride_vt + head * stride_vh + value_dims,
-                    mask=value_ok, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + batch * stride_gb + i * stride_gt + head * stride_gh).to(tl.float32))
-        beta = tl.load(beta_ptr + batch * stride_betab + i * stride_betat + head * stride_betah).to(tl.float32)
 
         state = state * decay
         update = (v - tl.sum(state * k[:, None], axis=0)) * beta  # beta * (v - S^T k)
         state += k[:, None] * update[None, :]
         out = tl.sum(state * (q * scale)[:, None], axis=0)  # S^T q
+        position = (batch * tokens + i).to(tl.int64)
         tl.store(out_ptr + (position * value_heads + head) * VALUE_DIM + value_dims,
                  out.to(out_ptr.dtype.element_ty), mask=value_ok)
         if TREE:
@@ -311,6 +367,8 @@ def _walk_kernel(
             tl.store(node_state, state, mask=tile_ok)
             # A later node may reload this state; other threads of the program wrote parts of it.
             tl.debug_barrier()
+        q, k, v, decay, beta, parent = next_q, next_k, next_v, next_decay, next_beta, next_parent
+        i += 1
 
     if not TREE:
         tl.store(states_out_ptr + sequence_head.to(tl.int64) * head_state_size + slice_in_head, state, mask=tile_ok)
@@ -344,8 +402,6 @@ def gated_delta_rule_sequential(
     _check_delta_shapes("gated_delta_rule_sequential", q, k, v, g, beta)
     state = _initial_state(state, v, k.shape[3])
     new_state = torch.empty_like(state)
-    if k.shape[1] == 0:
-        new_state.copy_(state)
     out = _walk(q, k, v, g, beta, state, None, scale, new_state, block_values)
     return out, new_state
 
@@ -411,12 +467,12 @@ def _causal_conv1d_kernel(
     if tl.program_id(1) == 0:
         kept = tl.arange(0, BLOCK_K)  # new state row r is window row tokens + r
         kept_ok = kept < KERNEL - 1
-        source = tokens + kept - (KERNEL - 1)
-        from_x = tl.load(x_base + source.to(tl.int64)[:, None] * stride_xt + cols[None, :],
-                         mask=(kept_ok & (source >= 0))[:, None] & col_ok[None, :], other=0.0)
-        from_state = tl.load(state_base + (KERNEL - 1 + source)[:, None] * stride_sk + cols[None, :],
-                             mask=(kept_ok & (source < 0))[:, None] & col_ok[None, :], other=0.0)
-        rows = from_x + from_state.to(x_ptr.dtype.element_ty)
+        kept_source = tokens + kept - (KERNEL - 1)
+        kept_x = tl.load(x_base + kept_source.to(tl.int64)[:, None] * stride_xt + cols[None, :],
+                         mask=(kept_ok & (kept_source >= 0))[:, None] & col_ok[None, :], other=0.0)
+        kept_state = tl.load(state_base + (KERNEL - 1 + kept_source)[:, None] * stride_sk + cols[None, :],
+                             mask=(kept_ok & (kept_source < 0))[:, None] & col_ok[None, :], other=0.0)
+        rows = kept_x + kept_state.to(x_ptr.dtype.element_ty)
         new_state_rows = (batch * (KERNEL - 1) + kept).to(tl.int64) * channels
         tl.store(new_state_ptr + new_state_rows[:, None] + cols[None, :], rows,
                  mask=kept_ok[:, None] & col_ok[None, :])

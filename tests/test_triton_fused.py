@@ -1,0 +1,166 @@
+"""The fused decode-step kernels (lucebox_cuda.triton_fused) against the reference compositions in
+`TorchBackend`, run on the CPU by Triton's interpreter: random inputs, fp32 and bf16, strided views like
+the halves of a stacked projection; then a tiny model decoding through them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module is first imported
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
+
+import torch
+from lucebox_cuda import triton_fused, triton_ops
+from triton.runtime.interpreter import InterpretedFunction
+
+from lucebox_core.torch_backend import TorchBackend
+
+if not isinstance(triton_fused._gate_kernel, InterpretedFunction):
+    pytest.skip("lucebox_cuda.triton_fused was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+
+# fp32: the kernels and the reference differ only in summation order. bf16: the kernels round where the
+# reference rounds, but Triton's interpreter casts fp32 to bf16 by truncation (the GPU rounds to nearest),
+# up to 2^-8 relative per rounding, and a composition rounds two or three times.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.5e-2}
+
+
+def close(result: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert result.dtype == expected.dtype and result.shape == expected.shape
+    assert torch.isfinite(result).all()
+    error = ((result.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert error < TOLERANCE[dtype], error
+
+
+def randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(1)
+    ops = TorchBackend("cpu", dtype)
+    for shape in [(1, 1, 96), (1, 5, 200)]:
+        x, residual = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype) * 3
+        weight = randn(shape[-1], gen=gen, dtype=dtype)
+        normed, summed = triton_fused.add_rms_norm(x, residual, weight, 1e-6)
+        ref_normed, ref_summed = ops.add_rms_norm(x, residual, weight, 1e-6)
+        # One rounding of an fp32 sum: identical in fp32. (Triton's interpreter casts fp32 to bf16 by
+        # truncation where the GPU rounds to nearest, so bf16 is only close here.)
+        if dtype == torch.float32:
+            assert torch.equal(summed, ref_summed)
+        close(summed, ref_summed, dtype)
+        close(normed, ref_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gates_on_stacked_halves(dtype):
+    gen = torch.Generator().manual_seed(2)
+    ops = TorchBackend("cpu", dtype)
+    stacked = randn(1, 3, 2 * 300, gen=gen, dtype=dtype) * 2
+    gate, up = stacked.split([300, 300], dim=-1)  # strided views, as after a fused gate/up product
+    close(triton_fused.silu_mul(gate, up), ops.silu_mul(gate, up), dtype)
+    per_head = randn(1, 2, 4, 2 * 32, gen=gen, dtype=dtype)  # attention's per-head [query | gate]
+    out, gate = randn(1, 2, 4, 32, gen=gen, dtype=dtype), per_head[..., 32:]
+    close(triton_fused.sigmoid_mul(out, gate), ops.sigmoid_mul(out, gate), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(3)
+    ops = TorchBackend("cpu", dtype)
+    heads, dim, conv = 6, 32, 100
+    stacked = randn(1, 2, conv + heads * dim, gen=gen, dtype=dtype)
+    z = stacked[..., conv:].reshape(1, 2, heads, dim)  # z as a view of a stacked [qkv | z] product
+    x = randn(1, 2, heads, dim, gen=gen, dtype=dtype)
+    weight = randn(dim, gen=gen, dtype=dtype)
+    close(triton_fused.gated_rms_norm(x, z, weight, 1e-6), ops.gated_rms_norm(x, z, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [16, 64])
+def test_qk_norm_rope(dtype, rot_dim):
+    gen = torch.Generator().manual_seed(4)
+    ops = TorchBackend("cpu", dtype)
+    tokens, q_heads, kv_heads, dim = 3, 4, 2, 64
+    query_and_gate = randn(1, tokens, q_heads, 2 * dim, gen=gen, dtype=dtype)
+    query = query_and_gate[..., :dim]  # strided, as in the model
+    key = randn(1, tokens, kv_heads, dim, gen=gen, dtype=dtype)
+    q_norm, k_norm = randn(dim, gen=gen, dtype=dtype), randn(dim, gen=gen, dtype=dtype)
+    positions = torch.tensor([5, 900, 31000])
+    q, k = triton_fused.qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, 1e7, 1e-6)
+    ref_q, ref_k = ops.qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, 1e7, 1e-6)
+    close(q, ref_q, dtype)
+    close(k, ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_heads,value_heads", [(2, 2), (2, 6)])
+def test_gated_delta_decode(dtype, key_heads, value_heads):
+    gen = torch.Generator().manual_seed(5)
+    ops = TorchBackend("cpu", dtype)
+    dk, dv = 16, 48
+    channels = 2 * key_heads * dk + value_heads * dv
+    stacked = randn(2, channels + 7, gen=gen, dtype=dtype)
+    mixed = stacked[:, :channels]  # rows with a stride, as a slice of a stacked product
+    ab = randn(2, 2 * value_heads, gen=gen, dtype=dtype) * 3
+    b, a = ab.split([value_heads, value_heads], dim=-1)
+    ssm_a = -torch.rand(value_heads, generator=gen) * 4
+    dt_bias = randn(value_heads, gen=gen)
+    state = randn(2, value_heads, dk, dv, gen=gen)
+    ref_state = state.clone()
+    out = triton_fused.gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, key_heads, dk)
+    ref = ops.gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, ref_state, key_heads, dk)
+    close(out, ref, dtype)
+    assert ((state - ref_state).norm() / ref_state.norm()).item() < TOLERANCE[dtype]
+
+
+class FusedKernelsOnCpu(TorchBackend):
+    """The reference backend with the fused ops (and the decode kernels) swapped for the Triton kernels
+    under the interpreter: the model's calls, shapes and strides, exercised without a GPU."""
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return triton_fused.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate, up):
+        return triton_fused.silu_mul(gate, up)
+
+    def sigmoid_mul(self, x, gate):
+        return triton_fused.sigmoid_mul(x, gate)
+
+    def gated_rms_norm(self, x, z, weight, eps):
+        return triton_fused.gated_rms_norm(x, z, weight, eps)
+
+    def qk_norm_rope(self, query, key, q_norm, k_norm, positions, rot_dim, theta, eps):
+        return triton_fused.qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps)
+
+    def conv_silu_update_(self, x, weight, state):
+        return triton_ops.causal_conv1d_step(x, weight, state, activation="silu", new_state=state)[0]
+
+    def gated_delta_decode_(self, mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim):
+        return triton_fused.gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
+
+    def fuse_rows(self, weights):
+        from lucebox_core.torch_backend import concat_rows
+
+        return concat_rows(weights)
+
+
+def test_tiny_model_decodes_through_the_kernels(tmp_path):
+    from lucebox_qwen35 import model as qwen_model
+    from lucebox_qwen35 import synth
+
+    path = tmp_path / "tiny.gguf"
+    synth.write(path, size="tiny", type="q8_0", seed=8)
+    reference = qwen_model.load(path, TorchBackend())
+    fused = qwen_model.load(path, FusedKernelsOnCpu())
+    prompt = torch.randint(0, reference.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    a, b = reference.new_state(), fused.new_state()
+    close(fused.forward(b, prompt)[-1:], reference.forward(a, prompt)[-1:], torch.float32)
+    token = int(prompt[-1])
+    for _ in range(4):
+        expected = reference.decode_step(a, token, graphs=False)
+        close(fused.decode_step(b, token, graphs=False), expected, torch.float32)
+        token = int(expected.argmax())
