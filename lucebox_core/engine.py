@@ -11,6 +11,7 @@ The model is anything with `vocab_size`, `context_length`, `new_state(max_tokens
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -121,12 +122,17 @@ class Sequence:
 class Engine:
     """`speculative`: a `lucebox_core.speculative.SpeculativeDecoder` (drafter + verifier) for the model, or None."""
 
-    def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None, prefill_chunk: int = 512,
-                 speculative: Any = None):
+    def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None,
+                 prefill_chunk: int | None = None, speculative: Any = None):
         self.model = model
         self.tokenizer = tokenizer
         self.ctx_size = min(ctx_size or model.context_length, model.context_length)
-        self.prefill_chunk = prefill_chunk
+        # Tokens per prefill forward call: the model's preference (large on a GPU, where a chunk's cost is
+        # reading the weights once), else 512.
+        self.prefill_chunk = int(prefill_chunk or getattr(model, "prefill_chunk", 512))
+        # Models that can stop at the last position's logits skip the output head for the rest of a chunk
+        # (at 248K vocabulary, 2 GB of logits for a 4096-token chunk).
+        self._last_only = "last_only" in inspect.signature(model.forward).parameters
         self.eog_ids = frozenset(getattr(tokenizer, "eot_ids", ()) or ())
         self.speculative = speculative
 
@@ -155,7 +161,11 @@ class Engine:
         logits = None
         for begin in range(0, len(token_ids), self.prefill_chunk):
             chunk = list(token_ids[begin : begin + self.prefill_chunk])
-            logits = self.model.forward(sequence.state, torch.tensor(chunk, dtype=torch.long))
+            tensor = torch.tensor(chunk, dtype=torch.long)
+            if self._last_only:
+                logits = self.model.forward(sequence.state, tensor, last_only=True)
+            else:
+                logits = self.model.forward(sequence.state, tensor)
             sequence.tokens.extend(chunk)
         assert logits is not None
         sequence.pending_logits = logits[-1]

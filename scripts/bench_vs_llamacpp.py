@@ -475,7 +475,8 @@ def _bandwidth(row: dict | None, copy_gb_s: float | None) -> str:
     if not row or not row.get("weight_GB_per_s"):
         return ""
     gbs = row["weight_GB_per_s"]
-    return f"{gbs:,.0f} ({100 * gbs / copy_gb_s:.0f}%)" if copy_gb_s else f"{gbs:,.0f}"
+    text = f"{gbs:,.0f}" if gbs >= 10 else f"{gbs:.2f}"
+    return f"{text} ({100 * gbs / copy_gb_s:.0f}%)" if copy_gb_s else text
 
 
 def markdown(results: dict[str, list[dict]]) -> str:

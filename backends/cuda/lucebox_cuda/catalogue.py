@@ -254,14 +254,14 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
 
 def pipe_compile_check_lines() -> list[str]:
     """Instantiations of matvec_pipe.cu for the compile check: every format x activation at batch 1 in the
-    default shape, every swept configuration once, and the register extremes (largest batch tiles, two row
-    groups at their largest batch)."""
+    default shape, the other block shapes of the sweep once, and the register extremes (largest batch tile
+    per activation, two row groups at their largest batch)."""
     formats, acts = MMA_FORMATS, list(ACTIVATIONS.values())
     lines = [f"LUCEBOX_MATVEC_PIPE({f}, {a}, 1, 4, 4, 1)" for f in formats for a in acts]
-    lines += [f"LUCEBOX_MATVEC_PIPE(q6_k, bf16, 1, {w}, {d}, {m})" for w, d, m in PIPE_SWEEP_CONFIGS
-              if (w, d, m) != (4, 4, 1)]
-    lines += [f"LUCEBOX_MATVEC_PIPE({f}, {a}, {MMA_MAX_BATCH[a]}, 4, 4, 1)" for f in formats for a in ("bf16", "f32")]
-    lines += [f"LUCEBOX_MATVEC_PIPE({f}, bf16, {PIPE_MAX_BATCH_TWO_GROUPS}, 4, 4, 2)" for f in formats]
+    lines += [f"LUCEBOX_MATVEC_PIPE(q6_k, bf16, 1, {w}, {d}, 1)" for w, d in ((8, 3), (2, 8))]
+    lines += [f"LUCEBOX_MATVEC_PIPE({f}, bf16, {MMA_MAX_BATCH['bf16']}, 4, 4, 1)" for f in ("q4_k", "q6_k")]
+    lines += [f"LUCEBOX_MATVEC_PIPE(q5_k, f32, {MMA_MAX_BATCH['f32']}, 4, 4, 1)",
+              f"LUCEBOX_MATVEC_PIPE(q4_k, bf16, {PIPE_MAX_BATCH_TWO_GROUPS}, 4, 4, 2)"]
     return lines
 
 

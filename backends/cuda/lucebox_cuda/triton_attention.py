@@ -22,6 +22,7 @@ that skips blocks past the bound. Both run the same block body, which is what th
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import TritonError
 
 LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
 # Programs the tree split aims for per streaming multiprocessor, as in triton_ops' decode attention.
@@ -46,34 +48,33 @@ class BlockConfig(NamedTuple):
 
 
 def prefill_config(head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """The prefill tiles, in one place. H100/H200 give a block at most 227 KiB of shared memory and a thread
-    255 registers; the fp32 accumulator is block_m x Dv and the scores block_m x block_n.
+    """The prefill tiles, in one place. An H100/H200 block gets at most 227 KiB of shared memory and a
+    thread 255 registers; the fp32 accumulator is block_m x Dv, the scores block_m x block_n. The choices
+    below compile for sm_90 without register spills (ptxas -v on Triton 3.6's PTX):
 
-    - 16-bit, dims up to 128: 128 query rows, 64 keys, 8 warps, 3 stages (the usual FA2 tile).
-    - 16-bit, dims of 256 (Qwen3.5): 64 query rows and 64 keys. Q (32 KiB) plus 2 stages of K and V
-      (4 x 32 KiB) is 160 KiB of shared memory; 8 warps keep the 64 x 256 fp32 accumulator at 64
-      registers a thread, so nothing spills. A third stage would not fit.
-    - fp32 (a correctness path, not a fast one): everything twice as wide, so half the rows and one stage.
+    - 16-bit, dims up to 128: 128 query rows, 64 keys, 8 warps, 3 stages (the usual FA2 tile; 128 KiB).
+    - 16-bit, dims of 256 (Qwen3.5): 64 query rows, 64 keys, 8 warps, 2 stages. Q (32 KiB) plus two stages
+      of K and V (4 x 32 KiB) is 160 KiB; 4 warps would spill the 64 x 256 fp32 accumulator, and 3 stages
+      (224 KiB) leave no room. 128 x 32 also fits (128 KiB, 254 registers): `main` times both.
+    - fp32 (a correctness path, not a fast one): fp32 products run on CUDA cores with the operands in
+      registers, so only 16 query rows; 8 warps and one stage at 256 dims.
     """
-    widest = max(head_dim, value_dim)
+    wide = max(head_dim, value_dim) > 128
     if dtype == torch.float32:
-        return BlockConfig(32, 32, 4, 1) if widest > 128 else BlockConfig(64, 32, 4, 2)
-    if widest > 128:
-        return BlockConfig(64, 64, 8, 2)
-    return BlockConfig(128, 64, 8, 3)
+        return BlockConfig(16, 32, 8, 1) if wide else BlockConfig(16, 32, 4, 2)
+    return BlockConfig(64, 64, 8, 2) if wide else BlockConfig(128, 64, 8, 3)
 
 
 def tree_config(rows: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """The tree-verify tiles: `rows` = nodes x group query rows share each K/V tile. Up to 64 rows go in
-    one program (so each K/V row is read once per split); more rows take several programs per split, which
-    run side by side and meet the same K/V tiles in L2. 64 keys of 256 dims in 16 bits are 32 KiB each for
-    K and V: 2 stages plus Q stay under 200 KiB."""
+    """The tree-verify tiles: `rows` = nodes x group query rows share each K/V tile. Up to 64 rows go in one
+    program (each K/V row is read once per split); more take several programs per split, which run side
+    by side and meet the same K/V tiles in L2. 64 keys: two stages of K and V (128 KiB at 256 dims in 16
+    bits) stream while the tensor cores work. 16 rows (N <= 2 at 27B's 6 heads a group) keep to 4 warps,
+    so two programs share an SM; 32 or 64 rows need 8 warps not to spill."""
+    if dtype == torch.float32:
+        return BlockConfig(16, 32, 8, 1) if max(head_dim, value_dim) > 128 else BlockConfig(16, 32, 4, 2)
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    wide = max(head_dim, value_dim) > 128
-    block_n = 32 if dtype == torch.float32 and wide else 64
-    num_warps = 8 if block_m * max(value_dim, block_n) > 64 * 64 else 4
-    num_stages = 1 if dtype == torch.float32 and wide else 2
-    return BlockConfig(block_m, block_n, num_warps, num_stages)
+    return BlockConfig(block_m, 64, 4 if block_m == 16 else 8, 2)
 
 
 # -- shared block body ---------------------------------------------------------------------------------
@@ -231,7 +232,8 @@ def _attention_kernel(
                     HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, CAUSAL, HAS_MASK, DOT_PRECISION,
                     UPCAST_DOT)
 
-    out = acc / running_sum[:, None]  # 0 / 0 = NaN for a row that sees no key, as the reference gives
+    # 0 / 0 = NaN for a row that sees no key, as the reference gives; padding rows (never stored) divide by 1.
+    out = acc / tl.where(row_ok, running_sum, 1.0)[:, None]
     tl.store(out_ptr + batch.to(tl.int64) * stride_ob + token.to(tl.int64)[:, None] * stride_ot
              + head[:, None] * stride_oh + value_dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
@@ -513,3 +515,172 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 products in full precision (Triton's default for fp32 is TF32); half types are exact anyway."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# -- GPU check and timing: python -m lucebox_cuda.triton_attention ------------------------------------
+
+# 27B's full-attention layers: 24 query heads over 4 KV heads of 256 dims.
+Q_HEADS_27B, KV_HEADS_27B, HEAD_DIM_27B = 24, 4, 256
+# Relative error bounds against the fp32 oracle on the same (rounded) inputs.
+ERROR_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# (query tokens, causal offset, dtype) of the prefill checks; the tile candidates are timed on the tuning case.
+PREFILL_CASES = [(512, 0, torch.bfloat16), (512, 0, torch.float16), (512, 0, torch.float32),
+                 (4096, 0, torch.bfloat16), (4096, 28672, torch.bfloat16)]
+PREFILL_TUNING_CASE = (4096, 0, torch.bfloat16)
+# (tree nodes, window rows, dtype) of the tree checks; the committed prefix fills the window up to 64 rows.
+TREE_CASES = [(n, w, torch.bfloat16) for w in (8192, 32768) for n in (1, 8, 23, 64)] + [(8, 8192, torch.float32)]
+# Prefill tiles `main` times besides `prefill_config`'s, for tuning: both compile for sm_90 without spills
+# (128 x 32: 128 KiB, 254 registers; 64 x 32 on 4 warps: 96 KiB, so two programs can share an SM).
+PREFILL_CANDIDATES = (BlockConfig(128, 32, 8, 2), BlockConfig(64, 32, 4, 2))
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int = 20) -> float:
+    """Median of CUDA-event timings of `fn` on the current stream, after a warm-up call."""
+    from .timing import event_times_ms
+
+    fn()
+    torch.cuda.synchronize()
+    return statistics.median(event_times_ms(fn, repeats))
+
+
+def _relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    result, reference = result.double(), reference.double()
+    if not torch.isfinite(result).all():
+        return float("inf")
+    return ((result - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def _sdpa_yardstick(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> Callable[[], Any]:
+    """torch's fused attention on the same problem (K/V heads repeated for GQA, bottom-right causal)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    bias = causal_lower_right(q.shape[1], k.shape[1]) if offset else None
+    return lambda: torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=bias, is_causal=not offset, scale=q.shape[3] ** -0.5)
+
+
+def _check(label: str, dtype: torch.dtype, result: torch.Tensor, expected: torch.Tensor, failures: list[str]) -> float:
+    error = _relative_error(result, expected)
+    if not error <= ERROR_BOUNDS[dtype]:
+        failures.append(f"{label} {dtype}: relative error {error:.2e} > {ERROR_BOUNDS[dtype]:.0e}")
+    return error
+
+
+def _prefill_rows(device: torch.device, oracle: Any, failures: list[str]) -> None:
+    print(f"{'prefill (27B heads)':<34} {'dtype':<9} {'rel err':>9} {'ms':>8} {'TFLOP/s':>8} {'sdpa ms':>8}")
+    for tokens, offset, dtype in PREFILL_CASES:
+        keys = offset + tokens
+        q = torch.randn(1, tokens, Q_HEADS_27B, HEAD_DIM_27B, device=device).to(dtype)
+        k = torch.randn(1, keys, KV_HEADS_27B, HEAD_DIM_27B, device=device).to(dtype)
+        v = torch.randn(1, keys, KV_HEADS_27B, HEAD_DIM_27B, device=device).to(dtype)
+        scale = HEAD_DIM_27B**-0.5
+        expected = oracle.attention(q.float(), k.float(), v.float(), scale=scale, causal_offset=offset)
+        out = torch.full_like(q, float("nan"))
+        label = f"Tq {tokens} offset {offset}"
+        error = _check(f"attention {label}", dtype, attention(q, k, v, scale=scale, causal_offset=offset, out=out),
+                       expected, failures)
+        del expected
+        # Useful work only: query i sees offset + i + 1 keys; two products of 2 * D flops per pair and head.
+        flops = 4 * HEAD_DIM_27B * Q_HEADS_27B * (tokens * offset + tokens * (tokens + 1) // 2)
+        run = functools.partial(attention, q, k, v, scale=scale, causal_offset=offset, out=out)
+        ms = _median_ms(run)
+        sdpa = "n/a"
+        if dtype != torch.float32:
+            with contextlib.suppress(Exception):  # no fused kernel for this case: leave the column at n/a
+                sdpa = f"{_median_ms(_sdpa_yardstick(q, k, v, offset)):.3f}"
+        name = str(dtype).removeprefix("torch.")
+        print(f"{label:<34} {name:<9} {error:>9.2e} {ms:>8.3f} {flops / ms / 1e9:>8.1f} {sdpa:>8}")
+        if (tokens, offset, dtype) == PREFILL_TUNING_CASE:
+            for config in PREFILL_CANDIDATES:
+                tiles = f"  tiles {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
+                try:
+                    ms = _median_ms(functools.partial(run, config=config))
+                except (TritonError, RuntimeError) as error:  # a candidate that does not fit is reported, not fatal
+                    print(f"{tiles:<34} {name:<9} failed: {type(error).__name__}: {str(error)[:60]}")
+                    continue
+                print(f"{tiles:<34} {name:<9} {'':>9} {ms:>8.3f} {flops / ms / 1e9:>8.1f}")
+
+
+def _tree_rows(device: torch.device, oracle: Any, reference: dict[torch.dtype, Any], failures: list[str]) -> None:
+    from lucebox_core.speculative.trees import TreeIndex
+
+    print(f"{'tree verify (27B heads)':<34} {'dtype':<9} {'rel err':>9} {'ms':>8} {'KV GB/s':>8} {'torch ms':>8}")
+    for nodes, window, dtype in TREE_CASES:
+        parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]  # a binary tree
+        visible = TreeIndex.build(parents).visibility().to(device)
+        position = torch.tensor([window - 64], device=device)  # the whole window in use
+        q = torch.randn(1, nodes, Q_HEADS_27B, HEAD_DIM_27B, device=device).to(dtype)
+        k = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).to(dtype)
+        v = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).to(dtype)
+        scale = HEAD_DIM_27B**-0.5
+        expected = oracle.tree_attention(q.float(), k.float(), v.float(), position, visible, scale=scale)
+        out = torch.full_like(q, float("nan"))
+        label = f"N {nodes} window {window}"
+        error = _check(f"tree_attention {label}", dtype,
+                       tree_attention(q, k, v, position, visible, scale=scale, out=out), expected, failures)
+        kv_bytes = (window - 64 + nodes) * KV_HEADS_27B * 2 * HEAD_DIM_27B * k.element_size()
+        ms = _median_ms(functools.partial(tree_attention, q, k, v, position, visible, scale=scale, out=out))
+        torch_ms = _median_ms(functools.partial(reference[dtype].tree_attention, q, k, v, position, visible,
+                                                scale=scale))
+        name = str(dtype).removeprefix("torch.")
+        print(f"{label:<34} {name:<9} {error:>9.2e} {ms:>8.3f} {kv_bytes / ms / 1e6:>8.0f} {torch_ms:>8.3f}")
+
+
+def _check_tree_graph_replay(device: torch.device, oracle: Any, failures: list[str]) -> None:
+    """Record tree_attention in a CUDA graph, move the device position, replay: the output must follow."""
+    from lucebox_core.speculative.trees import TreeIndex
+
+    nodes, window = 23, 8192
+    visible = TreeIndex.build([-1] + [(i - 1) // 3 for i in range(1, nodes)]).visibility().to(device)
+    q = torch.randn(1, nodes, Q_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
+    k = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
+    v = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
+    position = torch.tensor([100], device=device)
+    out = torch.empty_like(q)
+    tree_attention(q, k, v, position, visible, scale=0.0625, out=out)  # compile outside the capture
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        tree_attention(q, k, v, position, visible, scale=0.0625, out=out)
+    worst = 0.0
+    for start in (5000, 17):
+        position.fill_(start)
+        graph.replay()
+        expected = oracle.tree_attention(q.float(), k.float(), v.float(), position, visible, scale=0.0625)
+        worst = max(worst, _check(f"tree_attention graph replay at {start}", torch.bfloat16, out, expected, failures))
+    print(f"tree_attention N {nodes} window {window} replayed from a CUDA graph at 2 positions: rel err {worst:.2e}")
+
+
+def main() -> int:
+    """Check both kernels against the fp32 torch reference at the 27B shapes and time them; print tables.
+
+    Outputs are poisoned with NaN before the checked run. Returns 1, naming the case, if a relative error
+    exceeds its dtype's bound.
+    """
+    from lucebox_core.torch_backend import TorchBackend
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: run the CPU tests (tests/test_triton_attention.py) instead")
+        return 1
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    oracle = TorchBackend(device, torch.float32, weight_cache_bytes=0)
+    reference = {dtype: TorchBackend(device, dtype, weight_cache_bytes=0) for dtype in (torch.bfloat16, torch.float32)}
+    failures: list[str] = []
+    print(f"{torch.cuda.get_device_name(device)}, Triton {triton.__version__}, torch {torch.__version__}")
+    _prefill_rows(device, oracle, failures)
+    _tree_rows(device, oracle, reference, failures)
+    _check_tree_graph_replay(device, oracle, failures)
+    for failure in failures:
+        print("FAIL", failure)
+    print("all attention checks within bounds" if not failures else f"{len(failures)} attention checks failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

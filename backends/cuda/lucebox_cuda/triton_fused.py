@@ -361,3 +361,80 @@ def gated_delta_decode_(
             KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
         )
     return out
+
+
+# -- GPU check and timing: python -m lucebox_cuda.triton_fused -------------------------------------------
+
+
+def main() -> int:
+    """Check every fused kernel against the `TorchBackend` composition on the GPU at the 27B decode shapes
+    (fresh random inputs, the reference run in fp32 on the same rounded inputs) and time both."""
+    import functools
+
+    from lucebox_core.torch_backend import TorchBackend
+
+    from .triton_ops import _median_ms, _relative_error
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: run the CPU tests (tests/test_triton_fused.py) instead")
+        return 1
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    oracle = TorchBackend(device, torch.float32, weight_cache_bytes=0)
+    bounds = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+    failures = []
+    print(f"{'op':<40} {'dtype':<9} {'rel err':>9} {'triton ms':>10} {'torch ms':>9}")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        reference = TorchBackend(device, dtype, weight_cache_bytes=0)
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+        stacked = randn(1, 1, 2 * 17408, scale=2)
+        qkvz = randn(1, 1, 10240 + 6144)
+        qg = randn(1, 1, 24, 512)
+        ab = randn(1, 96, scale=3)
+        mixed = randn(1, 10240)
+        cases = [
+            ("add_rms_norm 5120", add_rms_norm, "add_rms_norm",
+             (randn(1, 1, 5120), randn(1, 1, 5120, scale=4), randn(5120), 1e-6)),
+            ("add_rms_norm 4096 x 5120", add_rms_norm, "add_rms_norm",
+             (randn(1, 4096, 5120), randn(1, 4096, 5120, scale=4), randn(5120), 1e-6)),
+            ("silu_mul 17408 (stacked halves)", silu_mul, "silu_mul", tuple(stacked.split([17408, 17408], -1))),
+            ("sigmoid_mul 24 x 256 (per-head gate)", sigmoid_mul, "sigmoid_mul",
+             (randn(1, 1, 24, 256), qg[..., 256:])),
+            ("gated_rms_norm 48 x 128 (z view)", gated_rms_norm, "gated_rms_norm",
+             (randn(1, 1, 48, 128), qkvz[..., 10240:].reshape(1, 1, 48, 128), randn(128), 1e-6)),
+            ("qk_norm_rope 24+4 heads x 256, rot 64", qk_norm_rope, "qk_norm_rope",
+             (qg[..., :256], randn(1, 1, 4, 256), randn(256), randn(256),
+              torch.tensor([30000], device=device), 64, 1e7, 1e-6)),
+            ("gated_delta_decode_ 16/48 heads", gated_delta_decode_, "gated_delta_decode_",
+             (mixed, ab[:, 48:], ab[:, :48], -4 * torch.rand(48, device=device), torch.randn(48, device=device),
+              torch.randn(1, 48, 128, 128, device=device), 16, 128)),
+        ]
+        for label, kernel, op, args in cases:
+            upcast = tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args)
+            if op == "gated_delta_decode_":  # in place: each side gets its own copy of the state
+                args = (*args[:5], args[5].clone(), *args[6:])
+                upcast = (*upcast[:5], upcast[5].clone(), *upcast[6:])
+            expected = getattr(oracle, op)(*upcast)
+            result = kernel(*args)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            result = result if isinstance(result, tuple) else (result,)
+            error = max(_relative_error(a, b) for a, b in zip(result, expected))
+            if op == "gated_delta_decode_":
+                error = max(error, _relative_error(args[5], upcast[5]))
+            triton_ms = _median_ms(functools.partial(kernel, *args))
+            torch_ms = _median_ms(functools.partial(getattr(reference, op), *args))
+            name = str(dtype).removeprefix("torch.")
+            print(f"{label:<40} {name:<9} {error:>9.2e} {triton_ms:>10.4f} {torch_ms:>9.4f}")
+            if not error <= bounds[dtype]:
+                failures.append(f"{label} {name}: relative error {error:.2e} > {bounds[dtype]:.0e}")
+    for failure in failures:
+        print("FAIL", failure)
+    print("all fused kernels within bounds" if not failures else f"{len(failures)} fused kernel checks failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

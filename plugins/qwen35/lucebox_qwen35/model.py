@@ -437,6 +437,9 @@ class Qwen35Model:
         # One-token forward calls take the static decode step, replayed as a CUDA graph, on CUDA devices.
         self.decode_graphs = graphs_enabled(backend.device)
         self.decode_min_window = MIN_WINDOW
+        # Prefill chunk the engine uses: on a GPU a chunk's cost is mostly reading (or decoding) every
+        # weight once, so large chunks amortise it; on the CPU, smaller ones bound the activations.
+        self.prefill_chunk = 4096 if torch.device(backend.device).type == "cuda" else 512
 
     def __repr__(self) -> str:
         linear = sum(layer.is_linear for layer in self.layers)

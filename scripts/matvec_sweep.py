@@ -1,0 +1,332 @@
+"""GPU sweep of the matrix-vector kernel variants: correctness of every variant, then timings on the 27B
+decode shapes, and the best variant per shape (ready to paste into `catalogue.MATVEC_TUNED`).
+
+    python3 scripts/matvec_sweep.py --out DIR [--budget-s 170] [--skip-correctness]
+
+1. Compiles every program the run needs, in parallel worker processes (forked before any CUDA call).
+2. Correctness: each streamed configuration (catalogue.PIPE_SWEEP_CONFIGS, with 1 and 3 K-slices) and the
+   register-prefetch `mma` kernel, for Q4_K/Q5_K/Q6_K x bf16/f16/f32 activations x batch 1, 2, 4, 8, 16, 33,
+   64 (fp32 up to 8) on fresh random GGUF blocks, outputs NaN-poisoned, against a float64 reference with
+   the bounds of scripts/cuda_check.py. Rows 1001 (a part-filled last row group) x 5120, and at batch 1
+   also 517 x 1280 (5 blocks a row: some warps of a slice get none).
+3. Timing (bf16 activations): µs per launch from CUDA-graph replays of many launches that rotate through
+   more than 4x the L2 of distinct weight copies, as % of the measured device-to-device copy bandwidth;
+   batch 1 on every 27B layer shape in Q4_K and Q6_K, batches 2..64 on the main ones.
+4. Prints, per case, every variant sorted by time; then a summary (best, the current default, `mma`), and
+   the `MATVEC_TUNED` table of winners. Writes `matvec_sweep.json` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from lucebox_core import quants
+from lucebox_core.quants import QuantTensor
+from lucebox_cuda import catalogue, nvrtc
+from lucebox_cuda.backend import CudaBackend
+
+
+def _load_cuda_check():
+    path = Path(__file__).resolve().parent / "cuda_check.py"
+    spec = importlib.util.spec_from_file_location("lucebox_cuda_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _load_cuda_check()  # random GGUF blocks, error measure and bounds, copy bandwidth, graph timing
+log = check.log
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+CHECK_BATCHES = (1, 2, 4, 8, 16, 33, 64)
+CHECK_SLICES = (1, 3)
+TIME_SLICES = (1, 2, 4)
+
+# The Qwen3.5-27B Q4_K_M decode products, [out, in].
+SHAPES_27B: dict[str, tuple[int, int]] = {
+    "ffn_gate/up": (17408, 5120),
+    "ffn_down": (5120, 17408),
+    "gdn_qkv": (10240, 5120),
+    "gdn_z": (6144, 5120),
+    "gdn_out/attn_o": (5120, 6144),
+    "attn_q+gate": (12288, 5120),
+    "attn_k/v": (1024, 5120),
+    "ssm_alpha/beta": (48, 5120),
+    "head": (248320, 5120),
+}
+SMALL_BATCHES = (2, 4, 8, 16, 23, 64)
+SMALL_BATCH_CASES = [("q4_k", name) for name in ("ffn_gate/up", "ffn_down", "gdn_qkv", "gdn_z", "gdn_out/attn_o")]
+SMALL_BATCH_CASES += [("q6_k", "ffn_down"), ("q6_k", "head")]
+TIMING_CASES = [(fmt, name, 1) for fmt in ("q4_k", "q6_k") for name in SHAPES_27B]
+TIMING_CASES += [(fmt, name, batch) for batch in SMALL_BATCHES for fmt, name in SMALL_BATCH_CASES]
+
+RESULTS: dict = {"correctness": [], "timing": [], "best": []}
+
+
+# -- which variants serve a case ---------------------------------------------------------------------------
+
+
+def pipe_variants(batch: int, slices: tuple[int, ...], rows: int | None = None) -> list[str]:
+    names = []
+    for warps, depth, groups in catalogue.PIPE_SWEEP_CONFIGS:
+        if groups > 1 and catalogue.batch_tile(batch) > catalogue.PIPE_MAX_BATCH_TWO_GROUPS:
+            continue
+        for count in slices:
+            # K-slices only help where row groups are few; the output head has thousands.
+            if count > 1 and rows is not None and rows // (16 * groups) > 4000:
+                continue
+            names.append(catalogue.PipeVariant(warps, depth, groups, count).name)
+    return names
+
+
+def check_variants(fmt: str, act: str, batch: int) -> list[str]:
+    if not catalogue.has_mma_kernel(fmt, act, batch):
+        return []
+    return ["mma", *pipe_variants(batch, CHECK_SLICES)]
+
+
+def time_variants(fmt: str, batch: int, rows: int) -> list[str]:
+    names = ["mma", "mma8"] + (["simt"] if batch <= 8 else [])
+    return names + pipe_variants(batch, TIME_SLICES, rows)
+
+
+def check_cases() -> list[tuple[str, str, int]]:
+    return [(fmt, act, batch) for fmt in catalogue.MMA_FORMATS for act in DTYPES for batch in CHECK_BATCHES
+            if catalogue.has_mma_kernel(fmt, act, batch)]
+
+
+# -- compile first, in parallel ----------------------------------------------------------------------------
+
+
+def _compile_one(args: tuple[nvrtc.KernelProgram, str]) -> float:
+    program, arch = args
+    start = time.perf_counter()
+    nvrtc.compile_program(program, arch)
+    return time.perf_counter() - start
+
+
+def precompile(arch: str, max_shared: int, correctness: bool) -> None:
+    wanted = set()
+    if correctness:
+        for fmt, act, batch in check_cases():
+            wanted |= {(fmt, act, batch, v, 16) for v in check_variants(fmt, act, batch)}
+    for fmt, name, batch in TIMING_CASES:
+        rows = SHAPES_27B[name][0]
+        wanted |= {(fmt, "bf16", batch, v, rows) for v in time_variants(fmt, batch, rows)}
+    programs = set()
+    for fmt, act, batch, variant, rows in wanted:
+        try:
+            programs.add(catalogue.matvec_kernel(fmt, act, batch, rows, variant, max_shared_bytes=max_shared).program)
+        except ValueError:
+            pass  # over this device's shared memory: reported when timed
+    start = time.perf_counter()
+    context = multiprocessing.get_context("fork")  # before any CUDA call in this process
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
+        times = list(pool.map(_compile_one, [(p, arch) for p in programs], chunksize=4))
+    wall = time.perf_counter() - start
+    log(f"compiled {len(programs)} programs for {arch} in {wall:.1f} s wall (median {statistics.median(times):.2f} s, "
+        f"max {max(times):.2f} s)")
+    RESULTS["compile"] = {"programs": len(programs), "wall_s": wall}
+
+
+def device_max_shared(index: int) -> int:
+    """The opt-in shared memory per block, from the driver without creating a CUDA context (fork-safe)."""
+    from cuda.bindings import driver
+
+    driver.cuInit(0)
+    result, value = driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, index)
+    return int(value) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT
+
+
+# -- correctness -------------------------------------------------------------------------------------------
+
+
+def check_all(backend: CudaBackend, gen: torch.Generator) -> None:
+    device = backend.device
+    for fmt, act, batch in check_cases():
+        dtype = DTYPES[act]
+        shapes = ((1001, 5120), (517, 1280)) if batch == 1 else ((1001, 5120),)
+        for rows, cols in shapes:
+            case = f"{fmt} {act} batch {batch} [{rows}x{cols}]"
+            try:
+                weight = check.random_weight(fmt, rows, cols, gen, device)
+                x = torch.randn(batch, cols, generator=gen, device=device).to(dtype)
+                dense64 = quants.dequantize(weight.data, weight.ggml_type, weight.shape).double()
+                ref = x.double() @ dense64.T
+            except Exception as exc:
+                log(f"FAIL {case}: setup raised {type(exc).__name__}: {exc}")
+                RESULTS["correctness"].append({"case": case, "variant": None, "ok": False, "note": repr(exc)})
+                continue
+            worst = (0.0, "")
+            for variant in check_variants(fmt, act, batch):
+                entry = {"case": case, "variant": variant, "bound": check.MATVEC_BOUND[dtype]}
+                try:
+                    out = torch.full((batch, rows), float("nan"), dtype=dtype, device=device)
+                    backend.matvec(x, weight, out=out, variant=variant)
+                    torch.cuda.synchronize()
+                    error = check.relative_error(out, ref)
+                    entry.update(error=error, ok=error == error and error <= entry["bound"])
+                except Exception as exc:
+                    entry.update(error=None, ok=False, note=f"{type(exc).__name__}: {exc}")
+                RESULTS["correctness"].append(entry)
+                if not entry["ok"]:
+                    log(f"FAIL {case} {variant}: err {entry.get('error')} (bound {entry['bound']:.0e}) "
+                        f"{entry.get('note', '')}")
+                elif entry["error"] > worst[0]:
+                    worst = (entry["error"], variant)
+            log(f"checked {case}: worst passing err {worst[0]:.2e} ({worst[1]}), bound {check.MATVEC_BOUND[dtype]:.0e}")
+    bad = [r for r in RESULTS["correctness"] if not r["ok"]]
+    log(f"\ncorrectness: {len(RESULTS['correctness']) - len(bad)}/{len(RESULTS['correctness'])} variant runs pass")
+
+
+# -- timing ------------------------------------------------------------------------------------------------
+
+
+def weight_copies(fmt: str, rows: int, cols: int, device: torch.device, l2: int) -> tuple[list[QuantTensor], int]:
+    """Distinct copies of a random `[rows, cols]` weight, together over 4x the L2 (or 600 copies), views of
+    one buffer."""
+    ggml_type = check.FORMATS[fmt]
+    nbytes = rows * cols // quants.block_size(ggml_type) * quants.type_size(ggml_type)
+    stride = -(-nbytes // 256) * 256
+    # Tiny weights (48 x 5120) would need thousands of copies; 600 still exceed the L2 by far.
+    copies = max(1, min(600, -(-4 * l2 // nbytes)))
+    buffer = torch.randint(0, 256, (copies * stride,), dtype=torch.uint8, device=device)
+    # Sane fp16 super-scales are not needed for timing (values do not change the work), only valid bytes.
+    return [QuantTensor(f"w{i}", ggml_type, (rows, cols), buffer[i * stride : i * stride + nbytes])
+            for i in range(copies)], nbytes
+
+
+def time_all(backend: CudaBackend, gen: torch.Generator, copy_gbs: float, deadline: float) -> None:
+    device = backend.device
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    for fmt, name, batch in TIMING_CASES:
+        rows, cols = SHAPES_27B[name]
+        if time.perf_counter() > deadline:
+            log(f"skipped {fmt} {name} batch {batch}: time budget spent")
+            continue
+        try:
+            weights, nbytes = weight_copies(fmt, rows, cols, device, l2)
+            copies = len(weights)
+            launches = copies * max(1, -(-(8 if nbytes > 256 * 2**20 else 24) // copies))
+            x = torch.randn(batch, cols, generator=gen, device=device).to(torch.bfloat16)
+            out = torch.empty(batch, rows, dtype=torch.bfloat16, device=device)
+            default = catalogue.matvec_kernel(fmt, "bf16", batch, rows, in_features=cols,
+                                              max_shared_bytes=backend.__dict__.get("_matvec_state", {}).get(
+                                                  "max_shared", catalogue.PORTABLE_SHARED_LIMIT)).variant
+            timings = []
+            for variant in time_variants(fmt, batch, rows):
+
+                def launch_all(variant=variant) -> None:
+                    for i in range(launches):
+                        backend.matvec(x, weights[i % copies], out=out, variant=variant)
+
+                try:
+                    us = check.graph_time_us(launch_all, launches, replays=10)
+                except Exception as exc:
+                    log(f"  {variant}: {type(exc).__name__}: {exc}")
+                    continue
+                gbs = nbytes / (us * 1e-6) / 1e9
+                timings.append((us, variant))
+                RESULTS["timing"].append({"format": fmt, "shape": name, "rows": rows, "cols": cols, "batch": batch,
+                                          "variant": variant, "us": us, "gb_s": gbs,
+                                          "pct_copy": 100 * gbs / copy_gbs, "weight_bytes": nbytes,
+                                          "copies": copies, "launches": launches})
+            report_case(fmt, name, rows, cols, batch, nbytes, copy_gbs, timings, default)
+            del weights
+            backend._device_weights.clear()  # the copies are views of one buffer: let it go
+        except Exception as exc:
+            log(f"timing {fmt} {name} batch {batch} raised {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+
+
+def report_case(fmt: str, name: str, rows: int, cols: int, batch: int, nbytes: int, copy_gbs: float,
+                timings: list[tuple[float, str]], default: str) -> None:
+    if not timings:
+        return
+    timings.sort()
+    pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
+    by_variant = {variant: us for us, variant in timings}
+    log(f"\n{fmt} {name} [{rows}x{cols}] batch {batch}: {nbytes / 2**20:.1f} MiB")
+    for us, variant in timings[:8]:
+        log(f"  {variant:22s} {us:9.2f} us {pct(us):6.1f}%")
+    for variant in ("mma", "mma8", "simt"):
+        if variant in by_variant and all(variant != v for _, v in timings[:8]):
+            log(f"  {variant:22s} {by_variant[variant]:9.2f} us {pct(by_variant[variant]):6.1f}%")
+    best_us, best = timings[0]
+    RESULTS["best"].append({"format": fmt, "shape": name, "rows": rows, "cols": cols, "batch": batch,
+                            "tile": catalogue.batch_tile(batch), "best": best, "us": best_us, "pct_copy": pct(best_us),
+                            "default": default, "default_us": by_variant.get(default),
+                            "mma_us": by_variant.get("mma")})
+
+
+def summary() -> None:
+    log(f"\n{'format':6s} {'shape':16s} {'batch':>5s} {'best variant':22s} {'us':>8s} {'%copy':>6s} "
+        f"{'default':22s} {'us':>8s} {'mma us':>8s}")
+    def cell(us: float | None) -> str:
+        return f"{us:8.2f}" if us else f"{'-':>8s}"
+
+    for entry in RESULTS["best"]:
+        log(f"{entry['format']:6s} {entry['shape']:16s} {entry['batch']:5d} {entry['best']:22s} {entry['us']:8.2f} "
+            f"{entry['pct_copy']:5.1f}% {entry['default']:22s} {cell(entry['default_us'])} {cell(entry['mma_us'])}")
+    # Winners by (format, batch tile, out, in): batch 23 runs the 24 tile. Paste into catalogue.py.
+    table = {}
+    for entry in RESULTS["best"]:
+        table[(entry["format"], entry["tile"], entry["rows"], entry["cols"])] = entry["best"]
+    log("\n# catalogue.py: measured defaults (paste over MATVEC_TUNED)")
+    log("MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {")
+    for key in sorted(table):
+        log(f"    {key!r}: {table[key]!r},")
+    log("}")
+    RESULTS["tuned_table"] = [[*key, value] for key, value in sorted(table.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    parser.add_argument("--budget-s", type=float, default=160.0, help="stop timing new cases after this many s")
+    parser.add_argument("--skip-correctness", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    max_shared = device_max_shared(0)
+    major, minor = torch.cuda.get_device_capability(0)  # the forked compile workers never touch CUDA
+    precompile(f"sm_{major}{minor}", max_shared, not args.skip_correctness)
+    device = torch.device("cuda", 0)
+    RESULTS["environment"] = check.environment(device, os.environ.get("LUCEBOX_COMMIT", "unknown"))
+    RESULTS["environment"]["max_shared_per_block"] = max_shared
+    log(json.dumps(RESULTS["environment"]))
+    backend = CudaBackend(device, torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(int(time.time()))  # fresh inputs every run
+    if not args.skip_correctness:
+        check_all(backend, gen)
+        log(f"(correctness done at {time.perf_counter() - started:.0f} s)")
+    copy_gbs = check.copy_bandwidth(device)
+    RESULTS["copy_gb_s"] = copy_gbs
+    log(f"\ndevice-to-device copy: {copy_gbs:.0f} GB/s (read + write); timings below: bf16 activations")
+    time_all(backend, gen, copy_gbs, started + args.budget_s)
+    summary()
+    failures = [r for r in RESULTS["correctness"] if not r["ok"]]
+    RESULTS["wall_s"] = time.perf_counter() - started
+    (args.out / "matvec_sweep.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    log(f"\ncorrectness failures: {len(failures)}; wall {RESULTS['wall_s']:.0f} s")
+    for failure in failures[:40]:
+        log(f"  {failure['case']} {failure['variant']}: {failure.get('error')} {failure.get('note', '')}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
