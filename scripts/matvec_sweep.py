@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -31,17 +32,18 @@ import traceback
 from pathlib import Path
 
 import torch
+from lucebox_cuda import catalogue, nvrtc
+from lucebox_cuda.backend import CudaBackend
 
 from lucebox_core import quants
 from lucebox_core.quants import QuantTensor
-from lucebox_cuda import catalogue, nvrtc
-from lucebox_cuda.backend import CudaBackend
 
 
 def _load_cuda_check():
     path = Path(__file__).resolve().parent / "cuda_check.py"
     spec = importlib.util.spec_from_file_location("lucebox_cuda_check", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses there look their module up by name
     spec.loader.exec_module(module)
     return module
 
@@ -148,7 +150,7 @@ def device_max_shared(index: int) -> int:
     driver.cuInit(0)
     result, value = driver.cuDeviceGetAttribute(
         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, index)
-    return int(value) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT
+    return (int(value) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT) - 1024  # as CudaBackend.matvec
 
 
 # -- correctness -------------------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ def check_all(backend: CudaBackend, gen: torch.Generator) -> None:
                     backend.matvec(x, weight, out=out, variant=variant)
                     torch.cuda.synchronize()
                     error = check.relative_error(out, ref)
-                    entry.update(error=error, ok=error == error and error <= entry["bound"])
+                    entry.update(error=error, ok=not math.isnan(error) and error <= entry["bound"])
                 except Exception as exc:
                     entry.update(error=None, ok=False, note=f"{type(exc).__name__}: {exc}")
                 RESULTS["correctness"].append(entry)
@@ -229,9 +231,9 @@ def time_all(backend: CudaBackend, gen: torch.Generator, copy_gbs: float, deadli
             timings = []
             for variant in time_variants(fmt, batch, rows):
 
-                def launch_all(variant=variant) -> None:
+                def launch_all(variant=variant, launches=launches, x=x, weights=weights, out=out) -> None:
                     for i in range(launches):
-                        backend.matvec(x, weights[i % copies], out=out, variant=variant)
+                        backend.matvec(x, weights[i % len(weights)], out=out, variant=variant)
 
                 try:
                     us = check.graph_time_us(launch_all, launches, replays=10)
@@ -245,7 +247,6 @@ def time_all(backend: CudaBackend, gen: torch.Generator, copy_gbs: float, deadli
                                           "pct_copy": 100 * gbs / copy_gbs, "weight_bytes": nbytes,
                                           "copies": copies, "launches": launches})
             report_case(fmt, name, rows, cols, batch, nbytes, copy_gbs, timings, default)
-            del weights
             backend._device_weights.clear()  # the copies are views of one buffer: let it go
         except Exception as exc:
             log(f"timing {fmt} {name} batch {batch} raised {type(exc).__name__}: {exc}")
@@ -257,7 +258,9 @@ def report_case(fmt: str, name: str, rows: int, cols: int, batch: int, nbytes: i
     if not timings:
         return
     timings.sort()
-    pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
+    def pct(us: float) -> float:
+        return 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs
+
     by_variant = {variant: us for us, variant in timings}
     log(f"\n{fmt} {name} [{rows}x{cols}] batch {batch}: {nbytes / 2**20:.1f} MiB")
     for us, variant in timings[:8]:

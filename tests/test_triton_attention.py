@@ -211,10 +211,11 @@ def test_tree_attention_of_one_root_is_decode_attention(position):
 
 
 def test_tree_attention_strided_window():
-    """K/V as the kv cache's window gives them: the first W rows of a buffer whose rows hold K and V side by side."""
+    """K/V as the kv cache's window gives them: the first W rows of a buffer whose rows hold K and V side by
+    side; 80 value dims (more than one combine program, the last one partly masked)."""
     torch.manual_seed(23)
     parents = TREES[1]
-    cache = torch.randn(200, 2, 64)
+    cache = torch.randn(200, 2, 112)
     k, v = cache[:120, :, :32], cache[:120, :, 32:]
     q = torch.randn(1, len(parents), 6, 32)
     visible = TreeIndex.build(parents).visibility()

@@ -36,6 +36,8 @@ from triton.runtime.errors import TritonError
 LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
 # Programs the tree split aims for per streaming multiprocessor, as in triton_ops' decode attention.
 PROGRAMS_PER_SM = 2
+# Value dims one tree-combine program owns (the splits x dims tile of fp32 partial outputs is in registers).
+COMBINE_BLOCK_VALUES = 64
 
 
 class BlockConfig(NamedTuple):
@@ -50,7 +52,8 @@ class BlockConfig(NamedTuple):
 def prefill_config(head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockConfig:
     """The prefill tiles, in one place. An H100/H200 block gets at most 227 KiB of shared memory and a
     thread 255 registers; the fp32 accumulator is block_m x Dv, the scores block_m x block_n. The choices
-    below compile for sm_90 without register spills (ptxas -v on Triton 3.6's PTX):
+    below compile for sm_90 without register spills (ptxas -v on Triton 3.6's PTX; with a bool mask the
+    16-bit 256-dim kernel spills about 40 bytes):
 
     - 16-bit, dims up to 128: 128 query rows, 64 keys, 8 warps, 3 stages (the usual FA2 tile; 128 KiB).
     - 16-bit, dims of 256 (Qwen3.5): 64 query rows, 64 keys, 8 warps, 2 stages. Q (32 KiB) plus two stages
@@ -171,7 +174,9 @@ def _attention_kernel(
     Row r of the packed order is token r // GROUP, query head kv_head * GROUP + r % GROUP. STATIC_TRIPS:
     0 on the GPU; under the interpreter the key blocks of the longest loop, its fixed trip count.
     """
-    block = tl.program_id(0)
+    # The GPU starts programs in order of id: the last query blocks, which see the most keys under the
+    # causal rule, go first so that the short ones fill the tail.
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
     batch = tl.program_id(1) // KV_HEADS
     kv_head = tl.program_id(1) % KV_HEADS
     packed = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -413,11 +418,12 @@ def _tree_attention_combine_kernel(
     max_ptr, sum_ptr, acc_ptr, out_ptr, splits, stride_on, stride_oh,
     Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One (node, query head): the softmax-weighted merge of its splits' partial results (base 2)."""
+    """One (node, query head) and BLOCK_DV of its value dims: the softmax-weighted merge of its splits'
+    partial results (base 2)."""
     row = tl.program_id(0)
     split_index = tl.arange(0, BLOCK_S)
     split_ok = split_index < splits
-    value_dims = tl.arange(0, BLOCK_DV)
+    value_dims = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     partial = row * splits + split_index
     split_max = tl.load(max_ptr + partial, mask=split_ok, other=float("-inf"))
     split_sum = tl.load(sum_ptr + partial, mask=split_ok, other=0.0)
@@ -475,6 +481,8 @@ def tree_attention(
         splits = tree_splits(rows, row_blocks * kv_heads, q.device, config.block_n)
     splits = max(1, min(splits, triton.cdiv(rows, config.block_n)))
     interpreted = not q.is_cuda
+    # Value dims one combine program merges: 128 splits x 64 dims of fp32 stay in registers (x 256 spill).
+    combine_dims = min(COMBINE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)
     split_sum = torch.empty_like(split_max)
     split_acc = torch.empty(nodes * q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
@@ -491,10 +499,9 @@ def tree_attention(
             STATIC_TRIPS=triton.cdiv(triton.cdiv(rows, config.block_n), splits) if interpreted else 0,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        _tree_attention_combine_kernel[(nodes * q_heads,)](
+        _tree_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](
             split_max, split_sum, split_acc, out, splits, out.stride(1), out.stride(2),
-            Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_DV=triton.next_power_of_2(value_dim),
+            Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=combine_dims,
         )
     return out
 
@@ -529,8 +536,9 @@ PREFILL_CASES = [(512, 0, torch.bfloat16), (512, 0, torch.float16), (512, 0, tor
 PREFILL_TUNING_CASE = (4096, 0, torch.bfloat16)
 # (tree nodes, window rows, dtype) of the tree checks; the committed prefix fills the window up to 64 rows.
 TREE_CASES = [(n, w, torch.bfloat16) for w in (8192, 32768) for n in (1, 8, 23, 64)] + [(8, 8192, torch.float32)]
-# Prefill tiles `main` times besides `prefill_config`'s, for tuning: both compile for sm_90 without spills
-# (128 x 32: 128 KiB, 254 registers; 64 x 32 on 4 warps: 96 KiB, so two programs can share an SM).
+# Prefill tiles `main` times besides `prefill_config`'s, for tuning (ptxas -v for sm_90: 128 x 32 on 8 warps
+# takes 128 KiB and 254 registers, no spill; 64 x 32 on 4 warps 96 KiB, so two programs can share an SM,
+# with a 12-byte spill).
 PREFILL_CANDIDATES = (BlockConfig(128, 32, 8, 2), BlockConfig(64, 32, 4, 2))
 
 
