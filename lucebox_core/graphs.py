@@ -49,10 +49,11 @@ class StepGraphs:
     output buffer stays referenced here. Do not share it across sequences, whose graphs die separately.
     """
 
-    def __init__(self, device: str | torch.device, pool: Any = None) -> None:
+    def __init__(self, device: str | torch.device, pool: Any = None, label: str = "decode step") -> None:
         self.device = torch.device(device)
         self.pool = pool
-        self._recorded: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.label = label
+        self._recorded: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.failure: str | None = None  # why recording failed; the caller then steps eagerly
 
     def __len__(self) -> int:
@@ -61,8 +62,9 @@ class StepGraphs:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._recorded
 
-    def run(self, key: Hashable, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run `step` for `key` and return its output (a buffer that the next replay overwrites).
+    def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
+        """Run `step` for `key` and return its output (buffers that the next replay overwrites; any
+        structure of tensors).
 
         The first time, `step` runs eagerly on a side stream (the warm-up: kernels compile, weights upload,
         library handles are made; its result is the real result) and is then recorded, which runs nothing.
@@ -87,7 +89,7 @@ class StepGraphs:
                     recorded = step()
             except Exception as exc:  # recording runs nothing, so the state is as the warm-up left it
                 self.failure = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {self.failure}",
+                warnings.warn(f"CUDA graph capture of the {self.label} failed, running it eagerly: {self.failure}",
                               RuntimeWarning, stacklevel=2)
             else:
                 self._recorded[key] = (graph, recorded)

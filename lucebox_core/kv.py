@@ -254,6 +254,21 @@ class FullKVCache:
         self._keys[layer].index_copy_(0, position, self._k_codec.encode(k))
         self._values[layer].index_copy_(0, position, self._v_codec.encode(v))
 
+    def write_rows(self, layer: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k` `[N, kv_heads, k_head_dim]` and `v` at rows `start .. start + N - 1`, `start` `[1]` a
+        device tensor (static tree verification writes its nodes there, in insertion order); the fill
+        pointer does not move."""
+        rows = start + torch.arange(k.shape[0], device=start.device)
+        self._keys[layer].index_copy_(0, rows, self._k_codec.encode(k))
+        self._values[layer].index_copy_(0, rows, self._v_codec.encode(v))
+
+    def move_rows(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy rows `source` to rows `destination` (device long tensors) in every layer, all reads before
+        any write: a verified tree's accepted nodes, from insertion slots to their spine positions."""
+        for layer in self._keys:
+            for buffer in (self._keys[layer], self._values[layer]):
+                buffer.index_copy_(0, destination, buffer.index_select(0, source))
+
     def _check_window(self, size: int) -> None:
         if not 0 < size <= self.max_context:
             raise ValueError(f"a window of {size} rows does not fit the context size {self.max_context}")

@@ -49,6 +49,16 @@ def _triton_ops() -> ModuleType | None:
 
 
 @functools.cache
+def _triton_attention() -> ModuleType | None:
+    """`lucebox_cuda.triton_attention` (prefill and tree-verify attention) if Triton imports here, else None."""
+    try:
+        from . import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
+
+
+@functools.cache
 def _triton_fused() -> ModuleType | None:
     """`lucebox_cuda.triton_fused` (the fused decode-step ops) if Triton imports here, else None."""
     try:
@@ -194,7 +204,8 @@ class CudaBackend(TorchBackend):
 
             result, limit = driver.cuDeviceGetAttribute(
                 driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self.device.index)
-            state["max_shared"] = int(limit) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT
+            # Less a margin for the kernels' own static shared memory (a few bytes), which counts too.
+            state["max_shared"] = (int(limit) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT) - 1024
         kernel = catalogue.matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features, variant,
                                          in_features=in_features, max_shared_bytes=state["max_shared"])
         args = [Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(out_features),
@@ -202,6 +213,7 @@ class CudaBackend(TorchBackend):
         if not kernel.streamed:
             self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, *args)
             return out
+        ensure_context(self.device.index)
         function = self.kernel(kernel.program, kernel.name)
         if kernel.name not in state["shared_ready"]:
             from cuda.bindings import driver
@@ -209,7 +221,7 @@ class CudaBackend(TorchBackend):
             attribute = driver.CUfunction_attribute
             # Beyond 48 KiB a kernel must opt in; a full shared-memory carve-out lets several blocks' rings
             # share an SM (the weight bypasses L1 anyway).
-            for name, value in ((attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, state["max_shared"]),
+            for name, value in ((attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared_bytes),
                                 (attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
                 (result,) = driver.cuFuncSetAttribute(function, name, value)
                 if int(result) != 0:
@@ -234,7 +246,6 @@ class CudaBackend(TorchBackend):
                     state["scratch"], state["counters"] = scratch, arrivals
             if slices > 1:
                 partials, counters = scratch.data_ptr(), arrivals.data_ptr()
-        ensure_context(self.device.index)
         launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
         return out
@@ -393,22 +404,33 @@ class CudaBackend(TorchBackend):
             return super().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
         return _triton_fused().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
 
-    # -- prefill attention -----------------------------------------------------------------------------
+    # -- prefill and tree-verify attention (lucebox_cuda.triton_attention) ------------------------------
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                   causal_offset: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal prefill attention through torch's fused SDPA kernels (the reference materialises every
-        score: 14 GB for a 4096-token chunk at depth 32K). Masked (tree) attention stays the reference."""
-        if mask is not None or q.device != self.device or q.shape[0] != 1:
+        """The reference `attention` as a FlashAttention-2 forward in Triton (GQA, causal offset, bool mask):
+        the reference materialises every score (14 GB for a 4096-token chunk at depth 32K). Other shapes
+        (not 4-D, heads not a multiple, no keys, a negative offset) fall through."""
+        tensors = (q, k, v) + (() if mask is None else (mask,))
+        if (
+            _triton_attention() is None
+            or not _triton_takes(self.device, *tensors)
+            or q.dim() != 4 or k.dim() != 4 or v.dim() != 4
+            or q.shape[2] % k.shape[2]
+            or k.shape[1] == 0
+            or (causal_offset is not None and causal_offset < 0)
+        ):
             return super().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
-        group = q.shape[2] // k.shape[2]
-        query = q.transpose(1, 2)
-        # Query head h reads KV head h // group; SDPA's memory-efficient kernel takes equal head counts.
-        key = k.transpose(1, 2).repeat_interleave(group, dim=1).to(q.dtype)
-        value = v.transpose(1, 2).repeat_interleave(group, dim=1).to(q.dtype)
-        visible = None
-        if causal_offset is not None:
-            rows = torch.arange(q.shape[1], device=q.device)[:, None] + causal_offset
-            visible = torch.arange(k.shape[1], device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale)
-        return out.transpose(1, 2)
+        return _triton_attention().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
+
+    def tree_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                       visible: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """The reference `tree_attention`, split over the window's rows (flash-decoding for N nodes) in Triton."""
+        if (
+            _triton_attention() is None
+            or not _triton_takes(self.device, q, k, v, position, visible)
+            or q.dim() != 4 or k.dim() != 3
+            or q.shape[2] % k.shape[1]
+        ):
+            return super().tree_attention(q, k, v, position, visible, scale=scale)
+        return _triton_attention().tree_attention(q, k, v, position, visible, scale=scale)

@@ -181,10 +181,11 @@ class GatedDeltaNet:
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
 
     def verify_tree(
-        self, x: torch.Tensor, state: GatedDeltaNetState, tree: TreeIndex
+        self, x: torch.Tensor, state: GatedDeltaNetState, parents: torch.Tensor, conv_windows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the nodes of a candidate tree `x` `[1, N, hidden]`, each from its parent's state, leaving
-        `state` untouched. Returns the output `[1, N, hidden]` and, per node, the conv state
+        `state` untouched (`parents` `[N]` and `conv_windows` `[N, K]`: `TreeIndex.parents` and
+        `TreeIndex.conv_windows(K)`, device tensors, so the pass can be recorded as a CUDA graph). Returns the output `[1, N, hidden]` and, per node, the conv state
         `[N, K-1, C]` and the recurrent state `[N, H_v, D_k, D_v]` after that node.
 
         Node `i`'s convolution window is the inputs along its own ancestry (then the committed conv
@@ -194,13 +195,12 @@ class GatedDeltaNet:
         ops = self.ops
         _, nodes, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
-        kernel = self.conv1d.shape[1]
 
         mixed_qkv, z, b, a = self._project(x)
         mixed_qkv = mixed_qkv[0]  # [N, C]
         # Rows 0..K-2 are the committed conv inputs, row K-1+i the input of node i.
         history = torch.cat([state.conv[0].to(mixed_qkv.dtype), mixed_qkv], dim=0)
-        windows = history[tree.conv_windows(kernel)]  # [N, K, C], oldest first
+        windows = history[conv_windows]  # [N, K, C], oldest first
         conv_out = (windows * self.conv1d.to(windows.dtype).t()).sum(dim=1)  # as causal_conv1d_step
         node_conv = windows[:, 1:]
         conv_out = ops.silu(conv_out)[None]  # [1, N, C]: the nodes as the tokens of one sequence
@@ -211,7 +211,7 @@ class GatedDeltaNet:
         beta = ops.sigmoid(b)  # [1, N, H_v]
         g = self.ssm_a * ops.softplus(a.float() + self.dt_bias)
         # Each node steps from its parent's state (the root from the committed one).
-        core, node_state = ops.gated_delta_rule_tree(query, key, value, g, beta, state.recurrent, tree.parents)
+        core, node_state = ops.gated_delta_rule_tree(query, key, value, g, beta, state.recurrent, parents)
 
         core = ops.gated_rms_norm(core, z.reshape(1, nodes, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
         return ops.linear(core.reshape(1, nodes, -1), self.out_proj), node_conv, node_state
@@ -313,6 +313,19 @@ class GatedAttention:
         return self._output(out, gate), key_rows, value_rows
 
 
+    def verify_static(self, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, kv: FullKVCache,
+                      window: int, visible: torch.Tensor) -> torch.Tensor:
+        """Tree nodes `x` `[1, N, hidden]` at device `positions` `[N]`: their K/V written at rows
+        `start .. start + N - 1` (`start` `[1]`, the committed length; insertion order), attention over
+        the first `window` rows with each node seeing the committed rows and its `visible` ancestors.
+        No host value but `window` and N: what a CUDA graph records. `commit` moves the accepted rows."""
+        query, gate, key, value = self._project(x, positions)
+        kv.write_rows(self.layer_index, start, key[0], value[0])
+        keys, values = kv.window(self.layer_index, window)
+        out = self.ops.tree_attention(query, keys, values, start, visible, scale=self.head_dim**-0.5)
+        return self._output(out, gate)
+
+
 @attrs.define
 class MLP:
     """SwiGLU: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
@@ -374,6 +387,10 @@ class Qwen35State:
     features: torch.Tensor | None = None
     # The static decode step's inputs and recordings (made on the first `decode_step`).
     decode: StaticDecode | None = None
+    # The static verify pass's inputs per node count, and its recordings (apart from the decode step's,
+    # so that a verify pass that cannot be recorded leaves decoding graphed).
+    verify_inputs: dict[int, StaticVerify] = attrs.Factory(dict)
+    verify_graphs: StepGraphs | None = None
 
 
 @attrs.define
@@ -399,6 +416,22 @@ class TreeVerification:
     kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> K, V rows of every node
     conv: dict[int, torch.Tensor]  # GDN layer -> [N, K-1, C], conv state after each node
     recurrent: dict[int, torch.Tensor]  # GDN layer -> [N, H_v, D_k, D_v], state after each node
+    # The static pass wrote every node's K/V into the cache at `committed + i` (insertion order) instead
+    # of returning `kv_rows`; its tensors are a recording's buffers, valid until the next verify.
+    static: bool = False
+
+
+@attrs.define
+class StaticVerify:
+    """The fixed device inputs of a sequence's tree verification for one node count."""
+
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long
+    depths: torch.Tensor  # [N] long
+    visible: torch.Tensor  # [N, N] bool
+    conv_windows: torch.Tensor  # [N, K] long
+    start: torch.Tensor  # [1] long: the committed length, the root's position
+    embedded: torch.Tensor  # [1, N, hidden]
 
 
 # -- the model -------------------------------------------------------------------------------------------
@@ -672,7 +705,8 @@ class Qwen35Model:
         slots = torch.arange(start, start + len(rows), device=state.features.device) % capacity
         state.features[slots] = rows.to(state.features.dtype)
 
-    def verify(self, state: Qwen35State, tokens: Seq[int] | torch.Tensor, parents: Seq[int]) -> TreeVerification:
+    def verify(self, state: Qwen35State, tokens: Seq[int] | torch.Tensor, parents: Seq[int], *,
+               static: bool | None = None, graphs: bool | None = None) -> TreeVerification:
         """Run a candidate tree in one forward pass without committing anything.
 
         `tokens[0]` is the root (the pending token, at position `state.length`), node `i` has parent
@@ -680,24 +714,31 @@ class Qwen35Model:
         `state.length + depth(i)`. Each node sees the committed prefix and its own ancestors; Gated
         DeltaNet and conv state follow each node's own parent chain. Chain verification is the tree
         with parents `[-1, 0, 1, ...]`.
+
+        `static` (default: on where decode steps are graphed) runs the static-shape pass, which writes the
+        nodes' K/V into the cache past the committed rows and reads a fixed window, so `graphs` (default
+        likewise) can record it once per (window, node count) and replay it.
         """
         ops = self.ops
         tree = TreeIndex.build(parents, device=ops.device)
         token_ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(ops.device)
         committed = state.length
-        if committed + int(tree.depths.max()) + 1 > state.kv.max_context:
+        if committed + tree.size > state.kv.max_context:
             raise LuceboxError(
-                f"context overflow: verifying {tree.size} nodes at position {committed} needs positions up to "
-                f"{committed + int(tree.depths.max())}; the context holds {state.kv.max_context}"
+                f"context overflow: verifying {tree.size} nodes at position {committed} needs rows up to "
+                f"{committed + tree.size - 1}; the context holds {state.kv.max_context}"
             )
+        if static if static is not None else self.decode_graphs:
+            return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
         visible = tree.visibility()
+        conv_windows = self._conv_windows(tree)
         kv_rows, conv, recurrent, taps = {}, {}, {}, []
 
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], tree
+                    x, state.linear[layer.index], tree.parents, conv_windows
                 )
             else:
                 out, k_rows, v_rows = layer.self_attn.verify_tree(x, positions, state.kv, visible)
@@ -709,6 +750,61 @@ class Qwen35Model:
         features = self._concat_taps(state, taps) if state.features is not None else None
         logits = ops.linear(hidden, self.lm_head)[0]
         return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
+
+    def _conv_windows(self, tree: TreeIndex) -> torch.Tensor:
+        kernel = next((layer.linear_attn.conv1d.shape[1] for layer in self.layers if layer.is_linear), 1)
+        return tree.conv_windows(kernel)
+
+    def _verify_static(self, state: Qwen35State, tree: TreeIndex, token_ids: torch.Tensor,
+                       use_graphs: bool) -> TreeVerification:
+        ops = self.ops
+        nodes, committed = tree.size, state.length
+        inputs = state.verify_inputs.get(nodes)
+        conv_windows = self._conv_windows(tree)
+        if inputs is None:
+            inputs = state.verify_inputs[nodes] = StaticVerify(
+                tokens=torch.zeros(nodes, dtype=torch.long, device=ops.device),
+                parents=torch.zeros(nodes, dtype=torch.long, device=ops.device),
+                depths=torch.zeros(nodes, dtype=torch.long, device=ops.device),
+                visible=torch.zeros(nodes, nodes, dtype=torch.bool, device=ops.device),
+                conv_windows=torch.zeros_like(conv_windows),
+                start=torch.zeros(1, dtype=torch.long, device=ops.device),
+                embedded=torch.zeros(1, nodes, self.config.hidden, dtype=ops.dtype, device=ops.device),
+            )
+        inputs.tokens.copy_(token_ids)
+        inputs.parents.copy_(tree.parents)
+        inputs.depths.copy_(tree.depths)
+        inputs.visible.copy_(tree.visibility())
+        inputs.conv_windows.copy_(conv_windows)
+        inputs.start.fill_(committed)
+        inputs.embedded.copy_(ops.embedding(inputs.tokens, self.embed_tokens)[None])
+        window = kv_window(committed + nodes, state.kv.max_context, self.decode_min_window)
+        if use_graphs:
+            if state.verify_graphs is None:
+                state.verify_graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle(), label="verify pass")
+            outputs = state.verify_graphs.run((window, nodes), lambda: self._static_verify_pass(state, inputs, window))
+        else:
+            outputs = self._static_verify_pass(state, inputs, window)
+        logits, features, conv, recurrent = outputs
+        return TreeVerification(tree, committed, logits, features, {}, conv, recurrent, static=True)
+
+    def _static_verify_pass(self, state: Qwen35State, inputs: StaticVerify, window: int):
+        """The verify pass as a function of device buffers, `window` and N alone (what a graph records)."""
+        positions = inputs.start + inputs.depths
+        conv, recurrent, taps = {}, {}, []
+
+        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+            if layer.linear_attn is not None:
+                out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
+                    x, state.linear[layer.index], inputs.parents, inputs.conv_windows
+                )
+                return out
+            return layer.self_attn.verify_static(x, positions, inputs.start, state.kv, window, inputs.visible)
+
+        hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]),
+                                  state.capture_layers)
+        features = self._concat_taps(state, taps) if state.features is not None else None
+        return self.ops.linear(hidden, self.lm_head)[0], features, conv, recurrent
 
     def commit(self, state: Qwen35State, verification: TreeVerification, path: Seq[int]) -> None:
         """Keep the accepted `path` (node indices from the root, each the parent of the next): their KV
@@ -722,6 +818,9 @@ class Qwen35Model:
         committed = verification.committed  # committing again (a longer path) first undoes the last one
         index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
         state.kv.crop(committed)
+        if verification.static:  # the nodes' rows are in the cache in insertion order: compact the path
+            state.kv.move_rows(committed + index, committed + torch.arange(len(path), device=index.device))
+            state.kv.extend_to(committed + len(path))
         for layer, (k_rows, v_rows) in verification.kv_rows.items():
             state.kv.append(layer, k_rows[index], v_rows[index])
         last = path[-1]
