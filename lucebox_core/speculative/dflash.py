@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import GGUFError, LuceboxError
+from ..graphs import StepGraphs, graphs_enabled
 
 ARCHITECTURES = ("dflash-draft", "qwen35-dflash-draft")
 DEFAULT_BLOCK_SIZE = 16
@@ -125,6 +126,15 @@ def add_metadata(writer: Any, cfg: DraftConfig) -> None:
 
 
 @attrs.define
+class _BlockInputs:
+    """The fixed device inputs of one block size's forward (what its CUDA graph reads)."""
+
+    ids: torch.Tensor  # [B] long: the last committed token, then mask tokens
+    start: torch.Tensor  # [1] long: the block's first position (the target's committed length)
+    embedded: torch.Tensor  # [1, B, hidden]
+
+
+@attrs.define
 class DraftState:
     """The drafter's cache of context K/V rows for one sequence: a ring indexed by position."""
 
@@ -132,6 +142,8 @@ class DraftState:
     values: list[torch.Tensor]
     positions: torch.Tensor  # [capacity] long: the position each slot holds, -1 when empty
     length: int = 0  # committed positions projected so far
+    blocks: dict[int, _BlockInputs] = attrs.Factory(dict)  # the static block inputs per block size
+    graphs: StepGraphs | None = None  # the block forward's recordings (CUDA)
 
     @property
     def capacity(self) -> int:
@@ -240,25 +252,46 @@ class DFlashDrafter:
     def draft(self, target: Any, target_state: Any, state: DraftState, last_token: int,
               block_size: int | None = None) -> torch.Tensor:
         """Logits `[block - 1, vocab]` for the positions after `last_token` (the pending token, at
-        position `target_state.length`)."""
-        c, ops = self.config, self.ops
+        position `target_state.length`).
+
+        The context sync runs eagerly (its size varies with what was accepted); the block's forward reads
+        only fixed device buffers, so on a GPU it is recorded once per block size as a CUDA graph."""
+        ops = self.ops
         block = block_size or self.block_size
         self.sync(target, target_state, state)
-        committed = target_state.length
-        ids = torch.tensor([last_token] + [self.mask_token_id] * (block - 1), dtype=torch.long)
-        x = target.embed(ids)[None].to(ops.dtype)  # [1, B, hidden]
-        positions = torch.arange(committed, committed + block, device=ops.device)
+        inputs = state.blocks.get(block)
+        if inputs is None:
+            inputs = state.blocks[block] = _BlockInputs(
+                ids=torch.full((block,), self.mask_token_id, dtype=torch.long, device=ops.device),
+                start=torch.zeros(1, dtype=torch.long, device=ops.device),
+                embedded=torch.zeros(1, block, self.config.hidden, dtype=ops.dtype, device=ops.device),
+            )
+        inputs.ids[:1].fill_(int(last_token))
+        inputs.start.fill_(target_state.length)
+        # The embedding lookup decodes GGUF rows with small host constants: eagerly, outside the recording.
+        inputs.embedded.copy_(target.embed(inputs.ids)[None].to(ops.dtype))
+        if graphs_enabled(ops.device):
+            if state.graphs is None:
+                state.graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle(), label="draft block")
+            return state.graphs.run(block, lambda: self._draft_block(target, state, inputs)).clone()
+        return self._draft_block(target, state, inputs)
+
+    def _draft_block(self, target: Any, state: DraftState, inputs: _BlockInputs) -> torch.Tensor:
+        """The block's forward as a function of device buffers and the block size alone."""
+        c, ops = self.config, self.ops
+        block = inputs.ids.shape[0]
+        x = inputs.embedded  # [1, B, hidden]
+        positions = inputs.start + torch.arange(block, device=ops.device)
         valid = state.positions >= 0
         causal = torch.ones(block, block, dtype=torch.bool, device=ops.device).tril()
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.attn_norm, c.eps)
-            q = ops.rms_norm(ops.linear(h, layer.q).reshape(1, block, c.n_head, c.head_dim), layer.q_norm, c.eps)
-            k = ops.rms_norm(ops.linear(h, layer.k).reshape(1, block, c.n_head_kv, c.head_dim), layer.k_norm, c.eps)
+            q = ops.linear(h, layer.q).reshape(1, block, c.n_head, c.head_dim)
+            k = ops.linear(h, layer.k).reshape(1, block, c.n_head_kv, c.head_dim)
             v = ops.linear(h, layer.v).reshape(1, block, c.n_head_kv, c.head_dim)
-            q = ops.rope_neox(q, positions, c.head_dim, c.rope_theta)
-            k = ops.rope_neox(k, positions, c.head_dim, c.rope_theta)
+            q, k = ops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, positions, c.head_dim, c.rope_theta, c.eps)
             if c.is_sliding(i):
-                context_mask = valid & (state.positions >= committed - c.sliding_window)
+                context_mask = valid & (state.positions >= inputs.start - c.sliding_window)
                 block_mask = causal
             else:
                 context_mask, block_mask = valid, torch.ones_like(causal)
@@ -266,9 +299,9 @@ class DFlashDrafter:
             keys = torch.cat([state.keys[i], k[0]])[None]
             values = torch.cat([state.values[i], v[0]])[None]
             out = ops.attention(q, keys, values, scale=c.head_dim**-0.5, mask=mask)
-            x = x + ops.linear(out.reshape(1, block, -1), layer.o)
-            h = ops.rms_norm(x, layer.ffn_norm, c.eps)
-            x = x + ops.linear(ops.silu(ops.linear(h, layer.gate)) * ops.linear(h, layer.up), layer.down)
+            x_normed, x = ops.add_rms_norm(ops.linear(out.reshape(1, block, -1), layer.o), x, layer.ffn_norm, c.eps)
+            x = x + ops.linear(ops.silu_mul(ops.linear(x_normed, layer.gate), ops.linear(x_normed, layer.up)),
+                               layer.down)
         hidden = ops.rms_norm(x[0, 1:], self.output_norm, c.eps)
         return target.output_logits(hidden).float()
 

@@ -59,6 +59,16 @@ def _triton_attention() -> ModuleType | None:
 
 
 @functools.cache
+def _triton_gdn() -> ModuleType | None:
+    """`lucebox_cuda.triton_gdn` (Gated DeltaNet prefill and tree kernels) if Triton imports here, else None."""
+    try:
+        from . import triton_gdn
+    except ImportError:
+        return None
+    return triton_gdn
+
+
+@functools.cache
 def _triton_fused() -> ModuleType | None:
     """`lucebox_cuda.triton_fused` (the fused decode-step ops) if Triton imports here, else None."""
     try:
@@ -434,3 +444,35 @@ class CudaBackend(TorchBackend):
         ):
             return super().tree_attention(q, k, v, position, visible, scale=scale)
         return _triton_attention().tree_attention(q, k, v, position, visible, scale=scale)
+
+    # -- Gated DeltaNet prefill and tree verification (lucebox_cuda.triton_gdn) ------------------------
+
+    def gated_delta_rule_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, state: torch.Tensor | None, chunk_size: int = 64,
+                                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference chunked rule as two Triton kernels (chunk inverses, then the chunk scan)."""
+        tensors = (q, k, v, g, beta) + (() if state is None else (state,))
+        gdn = _triton_gdn()
+        if (gdn is None or v.shape[2] % k.shape[2] or chunk_size not in gdn.CHUNK_SIZES
+                or not _triton_takes(self.device, *tensors)):
+            return super().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
+        return gdn.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
+
+    def gated_delta_rule_tree(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, state: torch.Tensor, parents: torch.Tensor,
+                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference tree rule as one Triton launch walking the nodes (parents read on the device), so
+        a verify pass can be recorded as a CUDA graph."""
+        gdn = _triton_gdn()
+        if (gdn is None or q.shape[0] != 1 or v.shape[2] % k.shape[2]
+                or not _triton_takes(self.device, q, k, v, g, beta, state, parents)):
+            return super().gated_delta_rule_tree(q, k, v, g, beta, state, parents, scale)
+        return gdn.gated_delta_rule_tree(q, k, v, g, beta, state, parents, scale)
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference prefill convolution (no activation) as one Triton kernel."""
+        gdn = _triton_gdn()
+        if gdn is None or weight.shape[1] < 2 or not _triton_takes(self.device, x, weight, state):
+            return super().causal_conv1d(x, weight, state)
+        return gdn.causal_conv1d(x, weight, state)

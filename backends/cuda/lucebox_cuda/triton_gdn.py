@@ -11,9 +11,10 @@ a CUDA graph. Value head `h` reads key head `h % H_k` (the tiled GGUF order).
   s < t) and writes its inverse (forward substitution, fp32). `_chunk_scan_kernel`, one program per
   (value head, slice of value dims), walks the chunks in order with its state slice in registers:
   updates `U = inv (beta V - beta exp(G) K S)`, outputs `exp(G) Q S + ((Q K^T) * D) U`, next state
-  `exp(G_last) S + (exp(G_last - G) K)^T U`. The matmuls are `tl.dot` on tensor cores: exact fp32
-  ("ieee") for fp32 activations, TF32 for half ones (exact on the bf16/f16 inputs themselves, ~1e-3 on
-  the fp32 intermediates, below the activations' own rounding).
+  `exp(G_last) S + (exp(G_last - G) K)^T U`. The matmuls are `tl.dot`: exact fp32 ("ieee") for fp32
+  activations; on tensor cores for half ones: with bf16, every product with q or k is bf16 against a
+  hi/lo bf16 split of the fp32 side (~16 bits), the two products of fp32 intermediates (the inverse,
+  the intra-chunk attention) TF32 (~11 bits); with f16, all TF32. Both below the activations' rounding.
 - `gated_delta_rule_sequential`: the same op one token at a time (`_walk_kernel` along a chain), the
   simple oracle and fallback; one program per (value head, slice of value dims).
 - `gated_delta_rule_tree`: `_walk_kernel` over the nodes of a tree in index order; a node whose parent
@@ -39,23 +40,21 @@ import triton.language as tl
 
 from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous
 
-# Value dims one chunk-scan program owns: a [128, 32] fp32 state slice; 27B's 48 value heads of 128 dims
-# make 192 programs, enough for the H200's 132 SMs. `main` times the alternatives.
-SCAN_BLOCK_VALUES = 32
+# The bf16 chunk scan at 4 warps takes the full 255 registers a thread (ptxas for sm_90 at 27B shapes,
+# default pipelining: ~100 bytes spilled at 32 value dims a program, ~none at 16), so two programs fit
+# an SM; `scan_block_values` picks the value-dim slice that keeps every program resident at once.
 SCAN_WARPS = 4
-# Value dims one tree/sequential walk program owns: smaller slices, more programs, as each node is a
-# short dependent step (27B: 384 programs).
+SCAN_PROGRAMS_PER_SM = 2
+# Value dims one tree/sequential walk program owns, and its warps: small programs, as each token is a
+# short dependent step (27B: 384 programs of ~220 registers a thread at 2 warps).
 WALK_BLOCK_VALUES = 16
+WALK_WARPS = 2
 # Chunk sizes the chunked kernels take: tl.dot needs >= 16 rows, and the forward substitution over a
 # [C, C] tile in registers grows as C^3.
 CHUNK_SIZES = (16, 32, 64)
 # Tokens and channels one convolution program owns.
 CONV_BLOCK_TOKENS = 16
 CONV_BLOCK_CHANNELS = 256
-# The tree kernels' node limit is only a sanity bound: they loop over any N.
-MAX_TREE_NODES = 1024
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _interpreted() -> bool:
@@ -87,8 +86,12 @@ def _chunk_inverse_kernel(
     positions = positions.to(tl.int64)
     key_dims = tl.arange(0, BLOCK_K)
 
+    if BLOCK_K == KEY_DIM:  # a mask constant along the key dims lets the load vectorise
+        key_mask = token_ok[:, None]
+    else:
+        key_mask = token_ok[:, None] & (key_dims[None, :] < KEY_DIM)
     k = tl.load(k_ptr + batch * stride_kb + positions[:, None] * stride_kt + key_head * stride_kh + key_dims[None, :],
-                mask=token_ok[:, None] & (key_dims[None, :] < KEY_DIM), other=0.0).to(tl.float32)
+                mask=key_mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + batch * stride_gb + positions * stride_gt + head * stride_gh, mask=token_ok, other=0.0)
     beta = tl.load(beta_ptr + batch * stride_betab + positions * stride_betat + head * stride_betah,
                    mask=token_ok, other=0.0).to(tl.float32)
@@ -117,22 +120,49 @@ def _chunk_inverse_kernel(
 
 
 @triton.jit
+def _split_bf16(x):
+    """fp32 x as a pair of bf16 tensors, x ~ hi + lo to ~16 significant bits (better than TF32's 11)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_split(a, b_hi, b_lo, INTERPRETED: tl.constexpr):
+    """a @ (b_hi + b_lo) for bf16 a: two bf16 tensor-core products, fp32 accumulation. The interpreter
+    multiplies bf16 dot operands as raw integers (Triton 3.6), so there the operands go up to fp32."""
+    if INTERPRETED:
+        a, b_hi, b_lo = a.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
+    return tl.dot(a, b_lo, tl.dot(a, b_hi))
+
+
+@triton.jit
 def _scan_chunk(
     state, chunk, q_base, k_base, v_base, g_base, beta_base, inverse_base, out_ptr,
     tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
     stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
-    VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    """One chunk of `_chunk_scan_kernel`: writes the chunk's outputs, returns the state after it."""
+    """One chunk of `_chunk_scan_kernel`: writes the chunk's outputs, returns the state after it.
+
+    SPLIT_BF16 (bf16 activations): q and k stay bf16 and every product with them runs on bf16 tensor
+    cores against a hi/lo bf16 split of the fp32 operand; q and k then feed the tensor cores from shared
+    memory rather than as fp32 copies in registers, which would spill. Otherwise q and k go to fp32 and
+    the products run at DOT_PRECISION.
+    """
     rows = tl.arange(0, CHUNK)[:, None]
     cols = tl.arange(0, CHUNK)[None, :]
     positions = chunk * CHUNK + tl.arange(0, CHUNK)
     token_ok = positions < tokens
     positions = positions.to(tl.int64)
-    key_mask = token_ok[:, None] & key_ok[None, :]
+    if BLOCK_K == KEY_DIM:  # a mask constant along the key dims lets the loads vectorise
+        key_mask = token_ok[:, None]
+    else:
+        key_mask = token_ok[:, None] & key_ok[None, :]
     value_mask = token_ok[:, None] & value_ok[None, :]
-    q = tl.load(q_base + positions[:, None] * stride_qt + key_dims[None, :], mask=key_mask, other=0.0).to(tl.float32)
-    k = tl.load(k_base + positions[:, None] * stride_kt + key_dims[None, :], mask=key_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_base + positions[:, None] * stride_qt + key_dims[None, :], mask=key_mask, other=0.0)
+    k = tl.load(k_base + positions[:, None] * stride_kt + key_dims[None, :], mask=key_mask, other=0.0)
     v = tl.load(v_base + positions[:, None] * stride_vt + value_dims[None, :], mask=value_mask, other=0.0)
     g = tl.load(g_base + positions * stride_gt, mask=token_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_base + positions * stride_betat, mask=token_ok, other=0.0).to(tl.float32)
@@ -142,22 +172,41 @@ def _scan_chunk(
     chunk_log_decay = tl.sum(g, axis=0)
     decay = tl.exp(log_decay)
 
+    # K S and Q S against the state at the chunk start, and Q K^T.
+    if SPLIT_BF16:
+        state_hi, state_lo = _split_bf16(state)
+        predicted = _dot_split(k, state_hi, state_lo, INTERPRETED)  # [C, BV]
+        from_state = _dot_split(q, state_hi, state_lo, INTERPRETED)
+        if INTERPRETED:
+            affinity = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            affinity = tl.dot(q, tl.trans(k))  # bf16 products are exact in fp32
+    else:
+        q, k = q.to(tl.float32), k.to(tl.float32)
+        predicted = tl.dot(k, state, input_precision=DOT_PRECISION)
+        from_state = tl.dot(q, state, input_precision=DOT_PRECISION)
+        affinity = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+
     # U = inverse (beta V - beta exp(G) K S): the delta-rule updates of the chunk's tokens.
-    predicted = tl.dot(k, state, input_precision=DOT_PRECISION)  # [C, BV]
     targets = beta[:, None] * (v.to(tl.float32) - decay[:, None] * predicted)
     updates = tl.dot(inverse, targets, input_precision=DOT_PRECISION)
 
     # O = exp(G) Q S + ((Q K^T) * D) U, D_ts = exp(G_t - G_s) for s <= t; q's scale applied here.
     pair_decay = tl.exp(tl.where(cols <= rows, log_decay[:, None] - log_decay[None, :], float("-inf")))
-    attention = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * pair_decay * scale
-    out = tl.dot(q, state, input_precision=DOT_PRECISION) * (decay * scale)[:, None]
-    out += tl.dot(attention, updates, input_precision=DOT_PRECISION)
+    out = from_state * (decay * scale)[:, None]
+    out += tl.dot(affinity * pair_decay * scale, updates, input_precision=DOT_PRECISION)
     out_rows = ((batch * tokens + positions) * value_heads + head) * VALUE_DIM
     tl.store(out_ptr + out_rows[:, None] + value_dims[None, :], out.to(out_ptr.dtype.element_ty), mask=value_mask)
 
-    # S <- exp(G_last) S + (exp(G_last - G) K)^T U
-    keys_to_end = k * tl.exp(chunk_log_decay - log_decay)[:, None]
-    return state * tl.exp(chunk_log_decay) + tl.dot(tl.trans(keys_to_end), updates, input_precision=DOT_PRECISION)
+    # S <- exp(G_last) S + K^T (exp(G_last - G) U): the decay to the chunk end scales U's rows, so K
+    # enters the product as loaded.
+    decayed_updates = updates * tl.exp(chunk_log_decay - log_decay)[:, None]
+    if SPLIT_BF16:
+        updates_hi, updates_lo = _split_bf16(decayed_updates)
+        written = _dot_split(tl.trans(k), updates_hi, updates_lo, INTERPRETED)
+    else:
+        written = tl.dot(tl.trans(k), decayed_updates, input_precision=DOT_PRECISION)
+    return state * tl.exp(chunk_log_decay) + written
 
 
 @triton.jit
@@ -167,7 +216,8 @@ def _chunk_scan_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_gb, stride_gt, stride_gh, stride_betab, stride_betat, stride_betah,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """The chunks of one (sequence, value head) in order, for BLOCK_V of its value dims: the state's
     columns are independent in the delta rule, so a column slice is a whole problem."""
@@ -200,14 +250,14 @@ def _chunk_scan_kernel(
             state = _scan_chunk(state, chunk, q_base, k_base, v_base, g_base, beta_base, inverse_base, out_ptr,
                                 tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
                                 stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
-                                VALUE_DIM, CHUNK, DOT_PRECISION)
+                                KEY_DIM, VALUE_DIM, CHUNK, BLOCK_K, DOT_PRECISION, SPLIT_BF16, INTERPRETED)
             chunk += 1
     else:
         for chunk in range(chunks):
             state = _scan_chunk(state, chunk, q_base, k_base, v_base, g_base, beta_base, inverse_base, out_ptr,
                                 tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
                                 stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
-                                VALUE_DIM, CHUNK, DOT_PRECISION)
+                                KEY_DIM, VALUE_DIM, CHUNK, BLOCK_K, DOT_PRECISION, SPLIT_BF16, INTERPRETED)
     tl.store(new_state_ptr + tile, state, mask=tile_ok)
 
 
@@ -234,17 +284,30 @@ def _strides(tensor: torch.Tensor, dims: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(tensor.stride(d) for d in dims)
 
 
+def scan_block_values(programs_per_slice: int, value_dim: int, device: torch.device) -> int:
+    """Value dims per chunk-scan program: the smallest of 16, 32, 64 (more programs, shorter dependent
+    steps) whose `programs_per_slice * ceil(value_dim / block)` programs all fit the GPU at once.
+    27B (48 value heads of 128): 32; 0.8B (16 heads): 16. On the CPU (the interpreter): 16."""
+    if device.type != "cuda":
+        return 16
+    slots = SCAN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    for block in (16, 32):
+        if programs_per_slice * triton.cdiv(value_dim, block) <= slots:
+            return block
+    return 64
+
+
 def gated_delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None, chunk_size: int = 64, scale: float | None = None, *,
-    block_values: int = SCAN_BLOCK_VALUES, num_warps: int = SCAN_WARPS, num_stages: int | None = None,
+    block_values: int | None = None, num_warps: int = SCAN_WARPS, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`TorchBackend.gated_delta_rule_chunked`: q, k `[B, T, H_k, D_k]` (L2-normalised), v `[B, T, H_v, D_v]`,
     g (fp32 log decay) and beta `[B, T, H_v]`, state `[B, H_v, D_k, D_v]` fp32 or None (zeros; not
     modified) -> (o `[B, T, H_v, D_v]` in v's dtype, the new fp32 state).
 
     `chunk_size` must be one of `CHUNK_SIZES`. The keywords tune the scan launch (value dims per program,
-    warps, pipeline stages) and change no result beyond rounding.
+    default `scan_block_values`; warps; pipeline stages) and change no result beyond rounding.
     """
     _check_delta_shapes("gated_delta_rule_chunked", q, k, v, g, beta)
     if chunk_size not in CHUNK_SIZES:
@@ -262,6 +325,8 @@ def gated_delta_rule_chunked(
     chunks = triton.cdiv(tokens, chunk_size)
     inverse = torch.empty(batch * value_heads, chunks, chunk_size, chunk_size, device=v.device, dtype=torch.float32)
     block_k = max(16, triton.next_power_of_2(key_dim))
+    if block_values is None:
+        block_values = scan_block_values(batch * value_heads, value_dim, v.device)
     block_v = max(16, min(block_values, triton.next_power_of_2(value_dim)))
     precision = _dot_precision(v.dtype)
     g_strides, beta_strides = _strides(g, (0, 1, 2)), _strides(beta, (0, 1, 2))
@@ -277,7 +342,8 @@ def gated_delta_rule_chunked(
             tokens, scale, key_heads, value_heads, chunks,
             *_strides(q, (0, 1, 2)), *_strides(k, (0, 1, 2)), *_strides(v, (0, 1, 2)), *g_strides, *beta_strides,
             KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v,
-            DOT_PRECISION=precision, INTERPRETED=_interpreted(), **launch_options,
+            DOT_PRECISION=precision, SPLIT_BF16=v.dtype == torch.bfloat16, INTERPRETED=_interpreted(),
+            **launch_options,
         )
     return out, new_state
 
@@ -350,7 +416,7 @@ def _walk_kernel(
         next_q, next_k, next_v, next_decay, next_beta, next_parent = _load_token(
             q_base, k_base, v_base, g_base, beta_base, parents_ptr, i + 1, i + 1 < tokens,
             stride_qt, stride_kt, stride_vt, stride_gt, stride_betat, key_dims, key_ok, value_dims, value_ok, TREE)
-        if TREE:
+        if TREE:  # noqa: SIM102 -- a compile-time branch around a run-time one: Triton cannot `and` them
             if parent != i - 1:  # the registers hold token i-1's state: fetch the parent's
                 parent_state = states_out_ptr + (parent.to(tl.int64) * value_heads + head) * head_state_size
                 state = tl.load(tl.where(parent < 0, initial, parent_state + slice_in_head), mask=tile_ok, other=0.0)
@@ -374,7 +440,7 @@ def _walk_kernel(
         tl.store(states_out_ptr + sequence_head.to(tl.int64) * head_state_size + slice_in_head, state, mask=tile_ok)
 
 
-def _walk(q, k, v, g, beta, state, parents, scale, states_out, block_values):
+def _walk(q, k, v, g, beta, state, parents, scale, states_out, block_values, num_warps):
     batch, tokens, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     out = torch.empty(batch, tokens, value_heads, value_dim, device=v.device, dtype=v.dtype)
@@ -387,7 +453,7 @@ def _walk(q, k, v, g, beta, state, parents, scale, states_out, block_values):
             *_strides(q, (0, 1, 2)), *_strides(k, (0, 1, 2)), *_strides(v, (0, 1, 2)),
             *_strides(g, (0, 1, 2)), *_strides(beta, (0, 1, 2)),
             KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-            BLOCK_V=block_v, TREE=parents is not None,
+            BLOCK_V=block_v, TREE=parents is not None, num_warps=num_warps,
         )
     return out
 
@@ -395,6 +461,7 @@ def _walk(q, k, v, g, beta, state, parents, scale, states_out, block_values):
 def gated_delta_rule_sequential(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None, scale: float | None = None, *, block_values: int = WALK_BLOCK_VALUES,
+    num_warps: int = WALK_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`TorchBackend.gated_delta_rule_recurrent` (any T) as one kernel walking the tokens in order: the
     simple form of `gated_delta_rule_chunked`, same arguments less `chunk_size`. Slower for long T
@@ -402,14 +469,14 @@ def gated_delta_rule_sequential(
     _check_delta_shapes("gated_delta_rule_sequential", q, k, v, g, beta)
     state = _initial_state(state, v, k.shape[3])
     new_state = torch.empty_like(state)
-    out = _walk(q, k, v, g, beta, state, None, scale, new_state, block_values)
+    out = _walk(q, k, v, g, beta, state, None, scale, new_state, block_values, num_warps)
     return out, new_state
 
 
 def gated_delta_rule_tree(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, scale: float | None = None, *,
-    block_values: int = WALK_BLOCK_VALUES,
+    block_values: int = WALK_BLOCK_VALUES, num_warps: int = WALK_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`TorchBackend.gated_delta_rule_tree`: q, k `[1, N, H_k, D_k]`, v `[1, N, H_v, D_v]`, g, beta
     `[1, N, H_v]`, state `[1, H_v, D_k, D_v]` fp32 (not modified), parents `[N]` long on the device
@@ -420,11 +487,9 @@ def gated_delta_rule_tree(
     if k.shape[0] != 1 or parents.shape != (nodes,) or parents.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"gated_delta_rule_tree: batch 1 and parents [N] integer, got q {tuple(q.shape)}, "
                          f"parents {tuple(parents.shape)} {parents.dtype}")
-    if nodes > MAX_TREE_NODES:
-        raise ValueError(f"gated_delta_rule_tree: {nodes} nodes > {MAX_TREE_NODES}")
     state = _initial_state(state, v, k.shape[3])
     node_states = torch.empty(nodes, *state.shape[1:], device=v.device, dtype=torch.float32)
-    out = _walk(q, k, v, g, beta, state, parents.contiguous(), scale, node_states, block_values)
+    out = _walk(q, k, v, g, beta, state, parents.contiguous(), scale, node_states, block_values, num_warps)
     return out, node_states
 
 
@@ -674,18 +739,25 @@ def main() -> int:
         tree_args = (x[:, :23], *conv_args[1:], _tree_parents(23, device))
         check("causal_conv1d_tree N=23", dtype, causal_conv1d_tree, causal_conv1d_tree_reference, tree_args)
 
-    print("chunk-scan launch options, bf16, T=4096 (ms per call):")
-    args = _delta_inputs(4096, torch.bfloat16, device)
-    for chunk_size in (32, 64):
-        for block_values in (16, 32, 64):
-            for num_warps in (4, 8):
-                run = functools.partial(gated_delta_rule_chunked, *args, chunk_size=chunk_size,
-                                        block_values=block_values, num_warps=num_warps)
-                try:
-                    print(f"  chunk {chunk_size} block_values {block_values} warps {num_warps}: "
-                          f"{_median_ms(run, repeats=5):.4f}")
-                except Exception as error:  # a configuration out of resources: say so, keep going
-                    print(f"  chunk {chunk_size} block_values {block_values} warps {num_warps}: {error!r:.80}")
+    def sweep(label: str, kernel: Callable, args: tuple, options: list[dict]) -> None:
+        """Time `kernel` under each launch option: the data for the defaults."""
+        print(label)
+        for option in options:
+            try:
+                milliseconds = f"{_median_ms(functools.partial(kernel, *args, **option), repeats=10):.4f}"
+            except triton.runtime.errors.OutOfResources as error:  # say so and keep going
+                milliseconds = f"{error!r:.80}"
+            print(f"  {option}: {milliseconds}")
+
+    chunk_args = _delta_inputs(4096, torch.bfloat16, device)
+    default_block = scan_block_values(48, 128, device)
+    sweep(f"chunk-scan launch options, bf16, T=4096, ms per call (default block_values {default_block}, "
+          f"{SCAN_WARPS} warps):", gated_delta_rule_chunked, chunk_args,
+          [{"block_values": 16}, {"block_values": 32}, {"block_values": 64}, {"block_values": 32, "num_warps": 8}])
+    tree_args = (*_delta_inputs(23, torch.bfloat16, device), _tree_parents(23, device))
+    sweep(f"tree launch options, bf16, N=23, ms per call (default block_values {WALK_BLOCK_VALUES}, "
+          f"{WALK_WARPS} warps):", gated_delta_rule_tree, tree_args,
+          [{"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4}, {"block_values": 32, "num_warps": 4}])
     for failure in failures:
         print("FAIL", failure)
     print("all kernels within bounds" if not failures else f"{len(failures)} kernel checks failed")
