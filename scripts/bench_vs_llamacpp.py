@@ -100,7 +100,7 @@ def commit_id(explicit: str | None = None) -> str:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+                               text=True, timeout=10, check=False).stdout.strip()
         return sha + ("+wt" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -110,7 +110,7 @@ def nvidia_smi() -> dict[str, str]:
     try:
         line = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True, text=True, timeout=30, check=False,
         ).stdout.strip().splitlines()[0]
         name, driver, memory = (field.strip() for field in line.split(","))
         return {"gpu": name, "driver": driver, "gpu_memory": memory}
@@ -221,7 +221,7 @@ def time_decode(model: Any, state: Any, tokens: Iterable[Any]) -> float:
 
 
 def lucebox_tests(loaded: Any, tests: list[BenchTest], reps: int,
-                  on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+                  on_row: Callable[[dict], None] = lambda row: None, warmup_tokens: int = 512) -> list[dict]:
     """Time `tests` on a loaded model; one row per test (median over `reps`, every sample kept)."""
     import torch
 
@@ -235,10 +235,10 @@ def lucebox_tests(loaded: Any, tests: list[BenchTest], reps: int,
               "kv_types": f"{getattr(model, 'cache_type_k', '?')}/{getattr(model, 'cache_type_v', '?')}",
               "weight_bytes_per_token": bytes_per_token}
     # Warm-up: one 512-token chunk and a few decode steps (weights upload, kernels compile, handles load).
-    warm = Engine(model, loaded.tokenizer, ctx_size=600)
+    warm = Engine(model, loaded.tokenizer, ctx_size=warmup_tokens + 8)
     start = time.perf_counter()
     warm_sequence = warm.new_sequence()
-    warm.prefill(warm_sequence, random_ids(512, vocab, 99))
+    warm.prefill(warm_sequence, random_ids(warmup_tokens, vocab, 99))
     time_decode(model, warm_sequence.state, [torch.tensor([7])] * 4)
     del warm_sequence
     log(f"  warm-up (weight upload, kernel compiles) {time.perf_counter() - start:.1f} s")
@@ -250,6 +250,8 @@ def lucebox_tests(loaded: Any, tests: list[BenchTest], reps: int,
                                "n_gen": test.tokens if test.kind == "tg" else 0, "n_depth": test.depth}
         if test.kind == "pp":
             engine = Engine(model, loaded.tokenizer, ctx_size=test.tokens + 1)
+            row["prefill_chunk"] = engine.prefill_chunk
+            time_prefill(engine, random_ids(test.tokens, vocab, 77))  # warm-up at this size, as llama-bench's
             samples = [time_prefill(engine, random_ids(test.tokens, vocab, rep)) for rep in range(reps)]
         else:
             engine = Engine(model, loaded.tokenizer, ctx_size=test.depth + test.tokens + DECODE_WARMUP_STEPS + 1)
@@ -335,7 +337,7 @@ def measure_memory(path: str, *, backend: str | None, device: str | None, cache_
         "prefill_tok_s": depth / prefill_s,
         "peak_allocated_prefill": torch.cuda.max_memory_allocated(),
         "peak_reserved_prefill": torch.cuda.max_memory_reserved(),
-        "kv_bytes": sequence.state.kv.nbytes,
+        "kv_bytes": sequence.state.kv.nbytes, "prefill_chunk": engine.prefill_chunk,
     }
     torch.cuda.reset_peak_memory_stats()
     tokens = [torch.tensor([t]) for t in random_ids(decode_steps + DECODE_WARMUP_STEPS, model.vocab_size, 32)]

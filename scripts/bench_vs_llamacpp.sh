@@ -13,7 +13,8 @@
 # SKIP (words; a step is skipped when a word names it or a dash-separated part of its name, e.g.
 # "llama" = no build and no llama-bench, "memory", "08b", "lucebox-27b-depth"), LUCEBOX_KV (a KV type
 # for Lucebox's bench; default the backend's, bf16, the size of llama.cpp's f16), COMMIT (the commit to
-# record: the device's copy of the tree has no .git), STEP_TIMEOUT (s, 420).
+# record: the device's copy of the tree has no .git), STEP_TIMEOUT (s, 420), DEADLINE (s, 560: steps are cut
+# short or skipped past it; run under gpu_session.sh, whose install takes ~20 s first).
 # Writes $OUT/bench_$PART.{json,md} (rewritten after every step, so a killed call still returns the table
 # so far) and $OUT/bench_$PART.tgz (every raw output and log).
 set -uo pipefail
@@ -25,6 +26,7 @@ RES=/tmp/bench_res_$PART
 REPS=${REPS:-3}
 DEPTH_REPS=${DEPTH_REPS:-3}
 SKIP=" ${SKIP:-} "
+DEADLINE=${DEADLINE:-560}  # seconds from the start: no step runs past it (a device call ends at 600)
 LLAMA_BENCH=${LLAMA_BENCH:-/tmp/llamacpp/build/bin/llama-bench}
 BACKEND=${BACKEND:-cuda}
 SMALL=${SMALL:-0.8b} BIG=${BIG:-27b}  # dry runs on a CPU: SMALL=tiny BIG=tiny BACKEND=torch SKIP=memory
@@ -59,10 +61,13 @@ pack() {  # the merged table so far, and every raw file
 step() {  # name estimate_s command...: run one step unless skipped, with its time and a timeout
   local name=$1 estimate=$2; shift 2
   if skipped "$name"; then echo "[$SECONDS s] skip $name"; return 0; fi
+  local limit=${STEP_TIMEOUT:-420}
+  (( limit > DEADLINE - SECONDS )) && limit=$((DEADLINE - SECONDS))
+  if (( limit < 15 )); then echo "[$SECONDS s] skip $name: the deadline (${DEADLINE} s) is near"; return 0; fi
   local start=$SECONDS
   echo "[$SECONDS s] $name (estimate ${estimate} s): $*"
   # Steps may be shell functions (exported below): run them in a bash that timeout can kill with its children.
-  timeout -k 10 "${STEP_TIMEOUT:-420}" bash -c '"$@"' step "$@" 2>&1 | tee "$RES/$name.log"
+  timeout -k 10 "$limit" bash -c '"$@"' step "$@" 2>&1 | tee "$RES/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "[$SECONDS s] $name done in $((SECONDS - start)) s (rc $rc)"
   pack

@@ -18,16 +18,21 @@ A synthetic target (`lucebox_qwen35.synth`, Q4_K_M by default) and a synthetic D
     the target's own greedy continuation, so the real verifier accepts them). A forced figure is a
     benchmark of the verifier, never an acceptance rate: the tables say FORCED.
 
-The forcing reference: by default the tokens the speculative engine itself emits unforced (`--reference
-spec`): those are the verify path's own greedy choices, so forcing holds even where the verify kernels
-(batched) and the decode step (batch 1) round near-ties differently. `--reference plain` uses plain
-greedy decoding, as `lucebox bench --force-accept` does; where that differs from the verify path the
-forced acceptance collapses, which the tables show (requested vs measured tokens per verify).
+The forcing reference: by default (`--reference spec`) the output of one pass that forces every draft with
+plain greedy's tokens. Speculative output is the target's greedy choice at every position whatever the
+drafts, so that pass yields the verify path's own greedy continuation, and forcing then holds even where
+the verify kernels (many rows) and the decode step (one row) round a near-tie differently; the pass
+reports where the two parted. `--reference plain` uses plain greedy decoding directly, as `lucebox bench
+--force-accept` does; where it differs from the verify path the forced acceptance collapses after that
+point, which the tables show (requested vs measured tokens per verify).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
+import itertools
 import json
 import statistics
 import sys
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_llamacpp import environment, llama_row, log, random_ids  # noqa: E402
+from bench_vs_llamacpp import environment, llama_row, log, random_ids
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 23, 32, 48, 64)
 FORCED = (4.0, 8.3, 12.0)
@@ -104,7 +109,8 @@ class Results:
 
     def __init__(self, out: Path | None, header: dict) -> None:
         self.out = out
-        self.data: dict[str, Any] = {"header": header, "setup": {}, "verify": [], "draft": {}, "e2e": []}
+        self.data: dict[str, Any] = {"header": header, "setup": {}, "verify": [], "draft": {}, "e2e": [],
+                                 "reference_passes": []}
 
     def save(self) -> None:
         if self.out is not None:
@@ -113,9 +119,29 @@ class Results:
             (self.out / "spec_bench.md").write_text(markdown(self.data))
 
 
+def engine_verify_path(model: Any) -> str:
+    """Which of `verify_functions` the engine's speculative step takes (the model's defaults)."""
+    parameters = inspect.signature(model.verify).parameters
+    if "static" not in parameters:
+        return "verify"
+    return "static+graph" if getattr(model, "decode_graphs", False) else "dynamic"
+
+
 def verify_functions(model: Any) -> dict[str, Callable]:
-    """`verify`, and the static (graph-capturable) verify if this model has one."""
-    functions = {"verify": model.verify}
+    """Every verify path the model offers, by name: with `static`/`graphs` switches (qwen35), the dynamic
+    pass, the static-shape pass run eagerly, and (on a GPU) the static pass replayed as a CUDA graph; a
+    model-level `verify_static`, if one appears, too. The engine uses the model's default."""
+    parameters = inspect.signature(model.verify).parameters
+    if "static" not in parameters:
+        functions = {"verify": model.verify}
+    else:
+        functions = {"dynamic": functools.partial(model.verify, static=False)}
+        if "graphs" in parameters:
+            functions["static"] = functools.partial(model.verify, static=True, graphs=False)
+            if getattr(model, "decode_graphs", False):
+                functions["static+graph"] = functools.partial(model.verify, static=True, graphs=True)
+        else:
+            functions["static"] = functools.partial(model.verify, static=True)
     if callable(getattr(model, "verify_static", None)):
         functions["verify_static"] = model.verify_static
     return functions
@@ -179,7 +205,7 @@ def measure_verify_and_draft(loaded: Any, drafter: Any, results: Results, args: 
                 row: dict[str, Any] = {"function": name, "shape": shape, "nodes": len(tokens),
                                        "depth": tree_depth(parents), "prefill": args.prefill}
                 try:
-                    samples = timed(lambda: verify(state, tokens, parents), args.reps)
+                    samples = timed(lambda f=verify, t=tokens, p=parents: f(state, t, p), args.reps)
                 except Exception as exc:  # a verify_static with other arguments, or a failure to report
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     log(f"  {name} {shape} {len(tokens)} nodes raised {row['error']}")
@@ -190,6 +216,20 @@ def measure_verify_and_draft(loaded: Any, drafter: Any, results: Results, args: 
                 results.data["verify"].append(row)
         results.save()
     assert state.length == args.prefill, "verify must not commit anything"
+
+
+def forced_lengths(k: float, n_gen: int) -> list[int]:
+    """Tokens each verify step yields when forcing `k` holds: the forced drafts plus the bonus, per step,
+    until `n_gen` tokens are out. The first token comes from the prompt's logits, before any verify; the
+    engine records a step's whole block even where it stops inside it."""
+    from lucebox_core.speculative import forced_accept_counts
+
+    lengths: list[int] = []
+    for count in forced_accept_counts(k):
+        if 1 + sum(lengths) >= n_gen:
+            return lengths
+        lengths.append(count + 1)
+    return lengths
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -217,7 +257,7 @@ def measure_end_to_end(loaded: Any, drafter: Any, results: Results, args: argpar
                 for p in prompts]
 
     plain_engine = Engine(model, loaded.tokenizer, ctx_size=ctx)
-    plain_engine.generate(attrs.evolve(requests[0], max_tokens=8))  # warm-up (records the decode graphs)
+    plain_engine.generate(attrs.evolve(requests[0], max_tokens=4))  # warm-up (records the decode graphs)
     plain = [plain_engine.generate(request) for request in requests]
     plain_rates = [p.timings.decode_tokens_per_s for p in plain]
     results.data["e2e"].append({"decoder": "plain", "tok_s": statistics.median(plain_rates), "samples": plain_rates,
@@ -230,38 +270,52 @@ def measure_end_to_end(loaded: Any, drafter: Any, results: Results, args: argpar
         engine = Engine(model, loaded.tokenizer, ctx_size=ctx, speculative=decoder)
         nodes = block if spec_type == "chain" else args.budget + 1
         label = spec_type + (f" budget {args.budget}" if spec_type == "ddtree" else "")
-        engine.generate(attrs.evolve(requests[0], max_tokens=8))  # warm-up
+        engine.generate(attrs.evolve(requests[0], max_tokens=2))  # warm-up: two verify steps
         references = [list(p.token_ids) for p in plain]
-        if args.reference == "spec" or "unforced" not in args.skip:
+
+        def summary(runs: list) -> tuple[list[float], float]:
+            lengths = [x for r in runs for x in r.timings.accepted_lengths]
+            return [r.timings.decode_tokens_per_s for r in runs], sum(lengths) / max(1, len(lengths))
+
+        if args.reference == "spec":
+            # One pass forcing every draft with plain greedy's tokens: its output is the verify path's own greedy
+            # continuation (speculative output is the target's greedy whatever the drafts), the reference that
+            # forcing can then hold to. Where it differs from plain greedy, the two paths part at a near-tie.
+            passes = [engine.generate(attrs.evolve(request, force_accept=block - 1, force_reference=reference))
+                      for request, reference in zip(requests, references)]
+            _, per_verify = summary(passes)
+            diverged = [first_difference(r.token_ids, ref) for r, ref in zip(passes, references)]
+            results.data["reference_passes"].append({"spec_type": spec_type, "force_accept": block - 1,
+                                                     "tokens_per_verify": per_verify,
+                                                     "lengths": [list(r.timings.accepted_lengths) for r in passes],
+                                                     "plain_greedy_first_difference": diverged})
+            log(f"{label} reference pass: {per_verify:.2f} tokens per verify; verify-path greedy parts from plain "
+                f"greedy at {diverged} (None: never)")
+            references = [list(r.token_ids) for r in passes]
+        if args.unforced:
             unforced = [engine.generate(request) for request in requests]
-            rates = [u.timings.decode_tokens_per_s for u in unforced]
-            lengths = [x for u in unforced for x in u.timings.accepted_lengths]
+            rates, per_verify = summary(unforced)
             diverged = [first_difference(u.token_ids, p.token_ids) for u, p in zip(unforced, plain)]
             results.data["e2e"].append({
                 "decoder": label, "spec_type": spec_type, "nodes": nodes, "force_accept": None,
                 "tok_s": statistics.median(rates), "samples": rates, "tokens": args.n_gen + block,
-                "tokens_per_verify": sum(lengths) / max(1, len(lengths)),
-                "plain_greedy_first_difference": diverged,
+                "tokens_per_verify": per_verify, "plain_greedy_first_difference": diverged,
             })
-            log(f"{label} unforced: {statistics.median(rates):.1f} tok/s, "
-                f"{sum(lengths) / max(1, len(lengths)):.2f} tokens per verify; first difference from plain greedy "
-                f"{diverged}")
-            if args.reference == "spec":
-                references = [list(u.token_ids) for u in unforced]
-            results.save()
+            log(f"{label} unforced: {statistics.median(rates):.1f} tok/s, {per_verify:.2f} tokens per verify; "
+                f"first difference from plain greedy {diverged}")
+        results.save()
         for k in args.force:
             runs = [engine.generate(attrs.evolve(request, max_tokens=args.n_gen, force_accept=k,
                                                  force_reference=reference))
                     for request, reference in zip(requests, references)]
-            rates = [r.timings.decode_tokens_per_s for r in runs]
+            rates, per_verify = summary(runs)
             lengths = [x for r in runs for x in r.timings.accepted_lengths]
-            per_verify = sum(lengths) / max(1, len(lengths))
+            expected = forced_lengths(k, args.n_gen)
             row = {
                 "decoder": label, "spec_type": spec_type, "nodes": nodes, "force_accept": k,
                 "reference": args.reference, "tok_s": statistics.median(rates), "samples": rates,
                 "tokens": args.n_gen, "tokens_per_verify": per_verify, "verify_steps": len(lengths) / len(runs),
-                # Forcing holds when every step took K drafts plus the bonus (the last step may be cut short).
-                "forcing_held": per_verify >= k + 1 - 0.25,
+                "forcing_held": all(list(r.timings.accepted_lengths) == expected for r in runs),
                 "matches_reference": [r.token_ids == ref[: args.n_gen] for r, ref in zip(runs, references)],
             }
             results.data["e2e"].append(row)
@@ -285,8 +339,8 @@ def run(args: argparse.Namespace) -> int:
         "ops": repr(loaded.model.ops), "activations": str(loaded.model.ops.dtype).removeprefix("torch."),
         "drafter_config": repr(drafter), "block": drafter.block_size, "budget": args.budget,
         "prefill": args.prefill, "prompt": args.prompt, "n_gen": args.n_gen, "reps": args.reps,
-        "e2e_reps": args.e2e_reps, "reference": args.reference,
-        "verify_static": callable(getattr(loaded.model, "verify_static", None)),
+        "e2e_reps": args.e2e_reps, "reference": args.reference, "unforced": args.unforced,
+        "engine_verify": engine_verify_path(loaded.model),
     }
     log(f"loaded {target.name} ({loaded.backend_name}) and {drafter!r} in {time.perf_counter() - start:.1f} s")
     results.save()
@@ -311,7 +365,7 @@ def _verify_seconds(data: dict, shape: str, nodes: int, function: str = "verify"
     """Measured verify time at `nodes` (linear between measured sizes)."""
     points = sorted((r["nodes"], r["seconds"]) for r in data["verify"]
                     if r["shape"] == shape and r["function"] == function and "seconds" in r)
-    for (n0, t0), (n1, t1) in zip(points, points[1:]):
+    for (n0, t0), (n1, t1) in itertools.pairwise(points):
         if n0 <= nodes <= n1:
             return t0 if n1 == n0 else t0 + (t1 - t0) * (nodes - n0) / (n1 - n0)
     exact = [t for n, t in points if n == nodes]
@@ -324,10 +378,12 @@ def markdown(data: dict) -> str:
              f"- {header.get('date_utc')}, {header.get('gpu')} (driver {header.get('driver')}), torch "
              f"{header.get('torch')} / CUDA {header.get('cuda')}, Lucebox `{header.get('commit')}`",
              f"- target `{setup.get('target')}`, drafter `{setup.get('drafter')}` (block {setup.get('block')}); "
-             f"backend {setup.get('backend')}, {setup.get('activations')} activations",
+             f"backend {setup.get('backend')}, {setup.get('activations')} activations; the engine verifies "
+             f"through `{setup.get('engine_verify')}`",
              "- A FORCED figure benchmarks the verifier with the drafts replaced by the target's own greedy tokens;"
              " it is never an acceptance rate.", ""]
-    functions = sorted({r["function"] for r in data["verify"]}, key=lambda f: f != "verify")
+    order = ("verify", "dynamic", "static", "static+graph", "verify_static")
+    functions = sorted({r["function"] for r in data["verify"]}, key=lambda f: (order.index(f) if f in order else 9, f))
     if data["verify"]:
         lines += [f"### (a) Verify cost per step against candidate count (after a {setup.get('prefill')}-token "
                   "prefill; ms, median)", ""]
@@ -341,7 +397,7 @@ def markdown(data: dict) -> str:
                     row = next((r for r in data["verify"] if (r["nodes"], r["shape"], r["function"]) ==
                                 (nodes, shape, function)), None)
                     cells.append("error" if row and "error" in row else _ms(row.get("seconds") if row else None))
-                    if row and shape == "tree" and function == "verify":
+                    if row and shape == "tree" and function == functions[0]:
                         depth = str(row["depth"])
                         per_node = _ms(row["seconds"] / nodes) if "seconds" in row else "–"
             lines.append(f"| {nodes} | " + " | ".join(cells) + f" | {depth} | {per_node} |")
@@ -365,7 +421,8 @@ def markdown(data: dict) -> str:
             forced = row.get("force_accept")
             per_verify = row.get("tokens_per_verify", 0.0)
             predicted = "–"
-            verify_s = _verify_seconds(data, "chain" if row["spec_type"] == "chain" else "tree", row["nodes"])
+            verify_s = _verify_seconds(data, "chain" if row["spec_type"] == "chain" else "tree", row["nodes"],
+                                       setup.get("engine_verify", functions[0] if functions else "verify"))
             if verify_s is not None and draft:
                 predicted = f"{per_verify / (verify_s + draft['draft_s']):,.1f}"
             held = "" if forced is None or row.get("forcing_held") else " (forcing did NOT hold)"
@@ -374,6 +431,13 @@ def markdown(data: dict) -> str:
                 f"| {row['decoder']} | {'FORCED ' + format(forced, 'g') if forced is not None else 'unforced'} "
                 f"| {per_verify:.2f}{held} | {row['tok_s']:,.1f} | {ratio} | {predicted} | "
                 f"{'–' if matches is None else ('yes' if all(matches) else 'NO ' + str(matches))} |")
+        lines.append("")
+        for reference in data.get("reference_passes", []):
+            parted = reference["plain_greedy_first_difference"]
+            lines.append(f"- Reference pass, {reference['spec_type']} (every draft forced to plain greedy's token): "
+                         f"{reference['tokens_per_verify']:.2f} tokens per verify; the verify path's greedy "
+                         + ("equals plain greedy." if all(d is None for d in parted) else
+                            f"parts from plain greedy at token {parted} (a near-tie rounded differently)."))
         lines.append("")
     return "\n".join(lines)
 
@@ -387,6 +451,9 @@ def cmd_table(argv: list[str]) -> int:
     data = json.loads(Path(args.result).read_text())
     target = Path(data.get("setup", {}).get("target", "")).stem
     for path in args.llama:
+        if not Path(path).is_file():
+            log(f"(no {path}: no llama.cpp row)")
+            continue
         text = Path(path).read_text().strip()
         try:
             records = json.loads(text[text.index("["):]) if text else []
@@ -426,8 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--e2e-reps", type=int, default=2, help="prompts (repetitions) in (c)")
     parser.add_argument("--reference", choices=("spec", "plain"), default="spec",
                         help="forcing reference: the verify path's own greedy tokens (spec) or plain decoding's")
-    parser.add_argument("--skip", type=lambda t: t.split(","), default=[],
-                        help="comma list of: verify, draft, e2e, unforced")
+    parser.add_argument("--unforced", action="store_true",
+                        help="also time each spec type unforced (random weights: ~1 token per verify; slow)")
+    parser.add_argument("--skip", type=lambda t: t.split(","), default=[], help="comma list of: verify, draft, e2e")
     parser.add_argument("--out", help="folder for spec_bench.json and spec_bench.md")
     return parser
 

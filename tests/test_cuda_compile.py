@@ -82,12 +82,15 @@ def test_batch_tile_rejects_more_than_the_maximum():
 @pytest.mark.parametrize(
     ("fmt", "act", "rows", "shape", "variant", "name", "grid", "block", "slices"),
     [
-        # Streamed kernel by default; K-slices where row groups are few and rows long.
-        ("q4_k", "bf16", 1, (17408, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q4_k_bf16_1", 1088, 128, 1),
-        ("q4_k", "bf16", 1, (5120, 17408), "pipe_w4_d4_m1_k4", "matvec_pipe_w4_d4_m1_q4_k_bf16_1", 320, 128, 4),
-        ("q4_k", "bf16", 8, (6144, 5120), "pipe_w4_d4_m1_k2", "matvec_pipe_w4_d4_m1_q4_k_bf16_8", 384, 128, 2),
-        ("q6_k", "bf16", 1, (248320, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_bf16_1", 15520, 128, 1),
-        ("q6_k", "f16", 13, (17408, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_f16_16", 1088, 128, 1),
+        # The H200 sweep's winners for the 27B shapes (catalogue.MATVEC_TUNED) ...
+        ("q4_k", "bf16", 1, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 1088, 256, 1),
+        ("q4_k", "bf16", 1, (5120, 17408), "pipe_w4_d4_m2_k2", "matvec_pipe_w4_d4_m2_q4_k_bf16_1", 160, 128, 2),
+        ("q6_k", "bf16", 1, (248320, 5120), "pipe_w4_d3_m1_k1", "matvec_pipe_w4_d3_m1_q6_k_bf16_1", 15520, 128, 1),
+        # ... and for unmeasured shapes the register-prefetch kernels, or CUDA cores for tiny products.
+        ("q4_k", "bf16", 1, (34816, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 2176, 256, 1),
+        ("q4_k", "bf16", 8, (6000, 5120), "mma", "matvec_mma_q4_k_bf16_8", 375, 128, 1),
+        ("q6_k", "f16", 13, (17000, 5120), "mma", "matvec_mma_q6_k_f16_16", 1063, 128, 1),
+        ("q4_k", "bf16", 1, (96, 5120), "simt", "matvec_q4_k_bf16_1", 24, 128, 1),
         ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128, 1),  # fp32 beyond 8: CUDA cores
         ("q8_0", "bf16", 1, (17408, 5120), "simt", "matvec_q8_0_bf16_1", 4352, 128, 1),  # no tensor-core Q8_0
     ],
@@ -111,9 +114,9 @@ def test_named_variants_and_shared_memory():
     # A named variant over the device's limit is refused; the default steps its depth down to fit.
     with pytest.raises(ValueError, match="shared memory"):
         catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe_w8_d6_m1_k1", max_shared_bytes=99 * 1024)
-    small = catalogue.matvec_kernel("q6_k", "bf16", 1, 64, max_shared_bytes=40 * 1024)
+    small = catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe", max_shared_bytes=40 * 1024)
     assert small.variant.startswith("pipe_w4_d2_") and small.shared_bytes <= 40 * 1024
-    assert catalogue.matvec_kernel("q6_k", "bf16", 1, 64, max_shared_bytes=16 * 1024).variant == "mma"
+    assert catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe", max_shared_bytes=16 * 1024).variant == "mma"
 
 
 def test_pipe_variant_names_round_trip():
@@ -127,11 +130,11 @@ def test_pipe_variant_names_round_trip():
 
 
 def test_tuned_table_overrides_the_rule(monkeypatch):
-    monkeypatch.setitem(catalogue.MATVEC_TUNED, ("q4_k", 1, 17408, 5120), "mma8")
-    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, in_features=5120).variant == "mma8"
-    # ... but "pipe" still asks for the streamed kernel, and other shapes keep the rule.
+    monkeypatch.setitem(catalogue.MATVEC_TUNED, ("q4_k", 1, 17408, 5120), "pipe_w8_d3_m1_k1")
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, in_features=5120).variant == "pipe_w8_d3_m1_k1"
+    # ... "pipe" still asks for the streamed kernel, and unmeasured shapes keep the rule.
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "pipe", in_features=5120).variant.startswith("pipe_")
-    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 10240, in_features=5120).variant.startswith("pipe_")
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 10000, in_features=5120).variant == "mma8"
 
 
 def test_matvec_kernel_refuses_a_missing_variant():

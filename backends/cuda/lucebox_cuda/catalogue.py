@@ -52,6 +52,11 @@ MMA_MAX_BATCH: dict[str, int] = {"bf16": 64, "f16": 64, "f32": 8}
 # Register-prefetch variants (matvec_mma.cu) -> (name prefix, warps per block): "mma8" splits each row
 # over 8 warps instead of 4.
 MMA_VARIANTS: dict[str, tuple[str, int]] = {"mma": ("matvec_mma", 4), "mma8": ("matvec_mma8", 8)}
+# Where the 8-warp kernel measured faster (H200 sweeps): Q4_K/Q5_K with at most 4 activation rows and 8192
+# to 65536 output rows, where the 4-warp grid ends in a part-empty wave. The fallback for unmeasured shapes.
+MMA8_FORMATS = ("q4_k", "q5_k")
+MMA8_MAX_BATCH = 4
+MMA8_OUT_FEATURES = range(8192, 65537)
 # "pipe" is the default streamed variant (matvec_pipe.cu) for the shape; explicit ones are named by
 # `PipeVariant.name`, e.g. "pipe_w4_d4_m1_k2".
 MATVEC_VARIANTS = ("pipe", *MMA_VARIANTS, "simt")
@@ -119,7 +124,69 @@ PIPE_MAX_BATCH_TWO_GROUPS = 16
 
 # Measured defaults (exact shapes) from scripts/matvec_sweep.py: (format, batch tile, out, in) -> variant.
 # Empty until the first sweep on the target GPU; `default_variant` uses the rule below where no entry is.
-MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {}
+# Measured on an H200 (scripts/matvec_sweep.py, 2026-11-30 run 2; bf16 activations, the 27B shapes).
+MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
+    ('q4_k', 1, 48, 5120): 'simt',
+    ('q4_k', 1, 1024, 5120): 'simt',
+    ('q4_k', 1, 5120, 6144): 'mma8',
+    ('q4_k', 1, 5120, 17408): 'pipe_w4_d4_m2_k2',
+    ('q4_k', 1, 6144, 5120): 'mma',
+    ('q4_k', 1, 10240, 5120): 'mma8',
+    ('q4_k', 1, 12288, 5120): 'mma8',
+    ('q4_k', 1, 17408, 5120): 'mma8',
+    ('q4_k', 1, 248320, 5120): 'pipe_w4_d4_m2_k1',
+    ('q4_k', 2, 5120, 6144): 'mma8',
+    ('q4_k', 2, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q4_k', 2, 6144, 5120): 'mma',
+    ('q4_k', 2, 10240, 5120): 'mma8',
+    ('q4_k', 2, 17408, 5120): 'mma8',
+    ('q4_k', 4, 5120, 6144): 'mma8',
+    ('q4_k', 4, 5120, 17408): 'pipe_w4_d4_m1_k2',
+    ('q4_k', 4, 6144, 5120): 'mma',
+    ('q4_k', 4, 10240, 5120): 'mma8',
+    ('q4_k', 4, 17408, 5120): 'mma8',
+    ('q4_k', 8, 5120, 6144): 'pipe_w8_d3_m1_k1',
+    ('q4_k', 8, 5120, 17408): 'pipe_w4_d4_m1_k2',
+    ('q4_k', 8, 6144, 5120): 'mma',
+    ('q4_k', 8, 10240, 5120): 'mma',
+    ('q4_k', 8, 17408, 5120): 'mma',
+    ('q4_k', 16, 5120, 6144): 'mma',
+    ('q4_k', 16, 5120, 17408): 'pipe_w4_d4_m2_k2',
+    ('q4_k', 16, 6144, 5120): 'mma',
+    ('q4_k', 16, 10240, 5120): 'pipe_w4_d4_m2_k1',
+    ('q4_k', 16, 17408, 5120): 'pipe_w4_d4_m2_k1',
+    ('q4_k', 24, 5120, 6144): 'mma',
+    ('q4_k', 24, 5120, 17408): 'pipe_w4_d3_m1_k1',
+    ('q4_k', 24, 6144, 5120): 'mma',
+    ('q4_k', 24, 10240, 5120): 'mma',
+    ('q4_k', 24, 17408, 5120): 'mma',
+    ('q4_k', 64, 5120, 6144): 'mma8',
+    ('q4_k', 64, 5120, 17408): 'pipe_w8_d3_m1_k2',
+    ('q4_k', 64, 6144, 5120): 'pipe_w8_d4_m1_k1',
+    ('q4_k', 64, 10240, 5120): 'pipe_w8_d4_m1_k1',
+    ('q4_k', 64, 17408, 5120): 'pipe_w4_d6_m1_k1',
+    ('q6_k', 1, 48, 5120): 'pipe_w8_d4_m1_k4',
+    ('q6_k', 1, 1024, 5120): 'pipe_w8_d4_m1_k4',
+    ('q6_k', 1, 5120, 6144): 'pipe_w4_d3_m1_k1',
+    ('q6_k', 1, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 1, 6144, 5120): 'pipe_w4_d3_m1_k1',
+    ('q6_k', 1, 10240, 5120): 'pipe_w4_d3_m1_k1',
+    ('q6_k', 1, 12288, 5120): 'pipe_w8_d4_m1_k1',
+    ('q6_k', 1, 17408, 5120): 'pipe_w4_d3_m1_k1',
+    ('q6_k', 1, 248320, 5120): 'pipe_w4_d3_m1_k1',
+    ('q6_k', 2, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 2, 248320, 5120): 'pipe_w4_d4_m2_k1',
+    ('q6_k', 4, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 4, 248320, 5120): 'pipe_w4_d3_m1_k1',
+    ('q6_k', 8, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 8, 248320, 5120): 'pipe_w4_d4_m2_k1',
+    ('q6_k', 16, 5120, 17408): 'pipe_w4_d4_m1_k1',
+    ('q6_k', 16, 248320, 5120): 'pipe_w4_d4_m2_k1',
+    ('q6_k', 24, 5120, 17408): 'mma',
+    ('q6_k', 24, 248320, 5120): 'mma',
+    ('q6_k', 64, 5120, 17408): 'mma8',
+    ('q6_k', 64, 248320, 5120): 'mma',
+}
 
 
 def pipe_slices(out_features: int, in_features: int, weight_format: str, row_groups: int = 1) -> int:
@@ -142,7 +209,14 @@ def default_variant(weight_format: str, activation: str, rows: int, out_features
     tuned = MATVEC_TUNED.get((weight_format, batch_tile(rows), out_features, in_features))
     if tuned is not None and _variant_exists(tuned, weight_format, activation, rows):
         return tuned
-    return PipeVariant(4, 4, 1, pipe_slices(out_features, in_features, weight_format)).name
+    # Unmeasured shapes take the kernels checked on every shape (the streamed one only where the sweep
+    # measured it): tiny products on CUDA cores, where a 16-row tensor-core tile would mostly idle; the
+    # 8-warp tensor-core kernel for 8K-64K rows at small batches (it won every such Q4_K shape); else 4 warps.
+    if batch_tile(rows) <= 2 and out_features < 2048:
+        return "simt"
+    if weight_format in MMA8_FORMATS and batch_tile(rows) <= MMA8_MAX_BATCH and out_features in MMA8_OUT_FEATURES:
+        return "mma8"
+    return "mma"
 
 
 def _variant_exists(variant: str, weight_format: str, activation: str, rows: int) -> bool:

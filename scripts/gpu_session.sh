@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# One entry point per planned device call (each under the 10-minute limit), run from the project's root:
+#
+#   bash scripts/gpu_session.sh check    # ~8-9 min: cuda_check (kernel cases, 4 Triton modules' checks, tiny
+#                                        #   F32 and 0.8b Q4_K_M models vs torch f32; its matvec timings
+#                                        #   left to the sweep), matvec_sweep.py (60 s timing budget),
+#                                        #   decode profiles of 0.8b and 27b.          carry: .whl
+#   bash scripts/gpu_session.sh bench-a  # ~6.5 min: PART=A of bench_vs_llamacpp.sh.  carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh bench-b  # ~6.5 min: PART=B (depths, memory at 32K). carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh spec     # ~7 min: spec_bench.py on 27b Q4_K_M + llama.cpp's plain tg128.
+#                                        #                                          carry: .whl .llamacpp
+# Env: COMMIT (recorded in every result: the device's copy has no .git), SKIP (step names to leave out, e.g.
+# "profile-27b"; for bench-*: see bench_vs_llamacpp.sh; for spec: "llama" skips the build and llama-bench),
+# SPEC_ARGS (extra spec_bench.py options), CHECK_ARGS (cuda_check.py options; default --skip-timing),
+# SWEEP_BUDGET (s), DEADLINE (s, 570: later steps are cut short or skipped), OUT (set by the device tool).
+# Everything comes back in at most 5 files under $OUT: log_MODE.txt (all output, also when killed),
+# the mode's JSON and markdown, and MODE.tgz with every raw file.
+set -o pipefail
+MODE=${1:?usage: gpu_session.sh check|bench-a|bench-b|spec}
+export OUT=${OUT:-$PWD/out} PYTHONUNBUFFERED=1 LUCEBOX_HOME=${LUCEBOX_HOME:-/tmp/lh} WORK=${WORK:-/tmp/w}
+export COMMIT=${COMMIT:-${LUCEBOX_COMMIT:-unknown}}
+RES=/tmp/gpu_session_$MODE
+mkdir -p "$OUT" "$RES" "$WORK"
+SECONDS=0
+SKIP=" ${SKIP:-} "
+DEADLINE=${DEADLINE:-570}  # seconds: no step runs past this (the device call's limit is 600)
+
+install() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site \
+      . plugins/qwen35 backends/cuda || return 1
+  export PYTHONPATH=/tmp/site
+  python3 -c 'import gguf, lucebox_core, lucebox_qwen35, lucebox_cuda, torch, triton
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)'
+}
+
+pack() { [ -n "$(ls -A "$RES")" ] && tar czf "$OUT/$MODE.tgz" -C "$RES" . 2>/dev/null; return 0; }
+
+step() {  # name timeout_s command...: timed, killed (with its children) at its timeout or the deadline
+  local name=$1 limit=$2 rc; shift 2
+  case "$SKIP" in *" $name "*) echo "[$SECONDS s] skip $name"; return 0 ;; esac
+  (( limit > DEADLINE - SECONDS )) && limit=$((DEADLINE - SECONDS))
+  if (( limit < 15 )); then echo "[$SECONDS s] skip $name: the call's deadline (${DEADLINE} s) is near"; return 1; fi
+  local start=$SECONDS
+  echo "[$SECONDS s] === $name (at most $limit s): $*"
+  # Commands may be shell functions (exported below): a bash that timeout can kill with its children.
+  timeout -k 10 "$limit" bash -c '"$@"' step "$@"
+  rc=$?
+  echo "[$SECONDS s] === $name done in $((SECONDS - start)) s (rc $rc)"
+  pack
+  return $rc
+}
+
+model() { echo "$WORK/qwen35-$1-q4_k_m.gguf"; }
+synth() { [ -s "$(model "$1")" ] || python3 scripts/bench_vs_llamacpp.py synth "$1" q4_k_m "$(model "$1")"; }
+
+check() {
+  # The matvec timings come from the sweep (every variant), so cuda_check skips its own (CHECK_ARGS="" keeps them).
+  step cuda_check 300 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" \
+    ${CHECK_ARGS---skip-timing}
+  cp "$RES/cuda_check.json" "$OUT/" 2>/dev/null
+  [ -f scripts/matvec_sweep.py ] && step matvec_sweep 150 python3 scripts/matvec_sweep.py --out "$RES" \
+    --budget-s "${SWEEP_BUDGET:-60}"
+  step synth-08b 30 synth 0.8b
+  step profile-08b 60 python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES"
+  step synth-27b 60 synth 27b
+  step profile-27b 100 python3 scripts/bench_vs_llamacpp.py profile "$(model 27b)" --out "$RES"
+}
+
+spec() {
+  local build=0
+  case "$SKIP" in *" llama "*) ;; *) build=1 ;; esac
+  if [ $build = 1 ]; then
+    echo "[$SECONDS s] llama.cpp build in the background (~270 s)"
+    (bash .llamacpp/build.sh > "$RES/llamacpp_build.log" 2>&1; echo "build rc $? at $SECONDS s" >> "$RES/llamacpp_build.log") &
+  fi
+  step synth-27b 60 synth 27b
+  # SPEC_ARGS: extra spec_bench.py options (later ones win), e.g. for a CPU dry run of this mode.
+  step spec_bench 420 python3 scripts/spec_bench.py --size 27b --workdir "$WORK" --out "$RES" ${SPEC_ARGS:-}
+  if [ $build = 1 ]; then
+    echo "[$SECONDS s] waiting for the llama.cpp build"; wait; tail -2 "$RES/llamacpp_build.log"
+    step llama-tg 90 sh -c "/tmp/llamacpp/build/bin/llama-bench -m $(model 27b) -ngl 99 -fa 1 -p 0 -n 128 -r 3 \
+      -o json > $RES/llama_27b_tg.json"
+  fi
+  python3 scripts/spec_bench.py table "$RES/spec_bench.json" --llama "$RES"/llama_*.json --md "$OUT/spec_bench.md"
+  cp "$RES/spec_bench.json" "$OUT/" 2>/dev/null
+}
+
+session() {
+  echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+  step install 120 install || { echo "install failed"; return 1; }
+  export PYTHONPATH=/tmp/site
+  case $MODE in
+    check) check ;;
+    bench-a) PART=A bash scripts/bench_vs_llamacpp.sh ;;
+    bench-b) PART=B bash scripts/bench_vs_llamacpp.sh ;;
+    spec) spec ;;
+    *) echo "unknown mode $MODE: check, bench-a, bench-b or spec"; return 2 ;;
+  esac
+  pack
+  echo "[$SECONDS s] gpu_session $MODE done"
+}
+
+export -f synth model install
+session 2>&1 | tee "$OUT/log_$MODE.txt"
