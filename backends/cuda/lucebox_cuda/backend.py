@@ -26,6 +26,9 @@ from . import catalogue
 from .nvrtc import CudaModule, Float, Int, KernelProgram, Pointer, compile_program, ensure_context, launch
 
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
+# Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
+# kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
+SEQUENTIAL_PREFILL_TOKENS = 256
 
 
 def device_arch(device: torch.device) -> str:
@@ -456,6 +459,8 @@ class CudaBackend(TorchBackend):
         if (gdn is None or v.shape[2] % k.shape[2] or chunk_size not in gdn.CHUNK_SIZES
                 or not _triton_takes(self.device, *tensors)):
             return super().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
+        if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
+            return gdn.gated_delta_rule_sequential(q, k, v, g, beta, state, scale)
         return gdn.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
 
     def gated_delta_rule_tree(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
