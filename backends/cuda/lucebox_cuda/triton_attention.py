@@ -334,7 +334,7 @@ def _tree_key_block(
 @triton.jit
 def _tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, position_ptr, visible_ptr, max_ptr, sum_ptr, acc_ptr,
-    nodes, rows, qk_scale,
+    nodes, rows, qk_scale, blocks_per_split,
     stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_visible_n, stride_visible_i,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -342,9 +342,10 @@ def _tree_attention_split_kernel(
 ):
     """Partial attention of BLOCK_M (node, head) rows of one KV head over this split's share of the rows.
 
-    The rows any node sees, 0 .. min(position + N, window), are cut into `splits` equal runs of whole
-    blocks (from the device position, so a short prefix in a long window still spreads over every
-    program). Writes per row and split the max of the scores, the sum of exp(score - max) and the
+    The window is cut into runs of `blocks_per_split` whole blocks from row 0, whatever the position, so
+    a node's result depends only on the rows it sees: the same token at the same position verifies to the
+    same bits in any step (speculative decoding's forced-acceptance check relies on it); runs past the
+    rows a node sees are empty. Writes per row and split the max of the scores, the sum of exp(score - max) and the
     unnormalised output, in base 2. STATIC_TRIPS: 0 on the GPU; under the interpreter, the most blocks
     a split can hold.
     """
@@ -366,7 +367,6 @@ def _tree_attention_split_kernel(
     position = tl.load(position_ptr)
     seen_end = tl.minimum(position + nodes, rows)
     committed_end = tl.minimum(position, rows)
-    blocks_per_split = tl.cdiv(tl.cdiv(seen_end, BLOCK_N), splits)
     start = split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, seen_end)
     # Whole blocks of committed rows need no mask; the rest of the run (the block holding `position`,
@@ -437,15 +437,20 @@ def _tree_attention_combine_kernel(
              mask=value_dims < VALUE_DIM)
 
 
+# Rows of one split of the tree kernel: fixed, so the partition of the rows a node sees (and so the
+# rounding of its result) does not depend on the window or the position. 512 rows keep 64 splits (x KV
+# heads x row blocks) in flight at 32K; past MAX_TREE_SPLITS splits the runs grow instead.
+TREE_SPLIT_ROWS = 512
+MAX_TREE_SPLITS = 128
+
+
 def tree_splits(rows: int, programs_per_split: int, device: torch.device, block_n: int) -> int:
-    """Runs the tree kernel cuts the window's visible rows into: enough that `programs_per_split * splits`
-    programs cover every SM `PROGRAMS_PER_SM` times; never more than the window's blocks."""
+    """Runs the tree kernel cuts a window of `rows` into: one per `TREE_SPLIT_ROWS` rows (at most
+    `MAX_TREE_SPLITS`); under the interpreter a few, so tests exercise the combine."""
     blocks = max(1, triton.cdiv(rows, block_n))
-    if device.type == "cuda":
-        target_programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target_programs = 3 * programs_per_split  # the interpreter: a few splits, so tests exercise the combine
-    return min(blocks, max(1, math.ceil(target_programs / programs_per_split)))
+    if device.type != "cuda":
+        return min(blocks, 3)
+    return min(blocks, MAX_TREE_SPLITS, triton.cdiv(rows, max(block_n, TREE_SPLIT_ROWS)))
 
 
 def tree_attention(
@@ -477,9 +482,14 @@ def tree_attention(
     group = q_heads // kv_heads
     config = config or tree_config(nodes * group, head_dim, value_dim, q.dtype)
     row_blocks = triton.cdiv(nodes * group, config.block_m)
-    if splits is None:
-        splits = tree_splits(rows, row_blocks * kv_heads, q.device, config.block_n)
-    splits = max(1, min(splits, triton.cdiv(rows, config.block_n)))
+    blocks = triton.cdiv(rows, config.block_n)
+    if splits is None and q.is_cuda:
+        # Runs of a fixed length from row 0 (the window only decides how many): see the kernel's docstring.
+        blocks_per_split = max(1, TREE_SPLIT_ROWS // config.block_n, triton.cdiv(blocks, MAX_TREE_SPLITS))
+    else:
+        splits = splits or tree_splits(rows, row_blocks * kv_heads, q.device, config.block_n)
+        blocks_per_split = triton.cdiv(blocks, max(1, min(splits, blocks)))
+    splits = triton.cdiv(blocks, blocks_per_split)  # none wholly past the window
     interpreted = not q.is_cuda
     # Value dims one combine program merges: 128 splits x 64 dims of fp32 stay in registers (x 256 spill).
     combine_dims = min(COMBINE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
@@ -489,14 +499,14 @@ def tree_attention(
     with _device_scope(q):
         _tree_attention_split_kernel[(row_blocks, kv_heads, splits)](
             q, k, v, position, visible, split_max, split_sum, split_acc,
-            nodes, rows, scale * LOG2_E,
+            nodes, rows, scale * LOG2_E, blocks_per_split,
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             visible.stride(0), visible.stride(1),
             Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            STATIC_TRIPS=triton.cdiv(triton.cdiv(rows, config.block_n), splits) if interpreted else 0,
+            STATIC_TRIPS=blocks_per_split if interpreted else 0,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         _tree_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](

@@ -6,6 +6,12 @@
 // (grid-stride loop over pieces).
 #include "gguf_blocks.cuh"
 
+// The unsigned word of a vector store of N bytes.
+template <int N> struct StoreWord;
+template <> struct StoreWord<4> { using type = unsigned int; };
+template <> struct StoreWord<8> { using type = uint2; };
+template <> struct StoreWord<16> { using type = uint4; };
+
 template <class W, class X>
 __device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* __restrict__ out, int rows, int cols) {
     const int pieces_per_row = cols / W::BLOCK_VALUES * W::PIECES;
@@ -19,12 +25,22 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* _
         Piece<W::RUNS, W::RUN> piece;
         W::decode(weight + block_index * W::BLOCK_BYTES, p % W::PIECES, piece);
         X* dst = out + row * cols + block * W::BLOCK_VALUES;
+        // Each run's values go out in 8- or 16-byte stores: element-wise 2-byte stores from a warp touch 32
+        // sectors each and ran this kernel at ~200 GB/s (H200 profile of a 27B prefill, run 6).
+        constexpr int RUN_BYTES = W::RUN * static_cast<int>(sizeof(X));
+        constexpr int STORE = RUN_BYTES >= 16 ? 16 : RUN_BYTES;
+        using V = typename StoreWord<STORE>::type;
 #pragma unroll
-        for (int run = 0; run < W::RUNS; ++run)
+        for (int run = 0; run < W::RUNS; ++run) {
+            alignas(16) X values[W::RUN];
 #pragma unroll
             for (int k = 0; k < W::RUN; ++k)
-                dst[piece.col[run] + k] =
-                    from_float<X>(piece.scale[run] * piece.q[run * W::RUN + k] - piece.min[run]);
+                values[k] = from_float<X>(piece.scale[run] * piece.q[run * W::RUN + k] - piece.min[run]);
+            const V* words = reinterpret_cast<const V*>(values);
+            V* target = reinterpret_cast<V*>(dst + piece.col[run]);
+#pragma unroll
+            for (int i = 0; i < RUN_BYTES / STORE; ++i) target[i] = words[i];
+        }
     }
 }
 
