@@ -66,3 +66,36 @@ def test_static_verify_then_a_longer_commit(tiny):
     tiny.forward(dynamic, tokens[[0, 1, 3, 4]])
     probe = torch.tensor([int(tokens[7])])
     torch.testing.assert_close(tiny.forward(static, probe), tiny.forward(dynamic, probe), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec_type", ["chain", "ddtree"])
+def test_forced_speculative_decoding_through_the_static_pass(tmp_path, spec_type, monkeypatch):
+    """The whole speculative loop on the static verify pass (as on a GPU, without the recording): forced
+    acceptance holds and the output equals plain greedy decoding, for a short and a full block."""
+    import functools
+
+    from lucebox_core.engine import Engine, GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+    from lucebox_core.speculative import dflash
+    from lucebox_core.speculative.loop import SpeculativeDecoder
+    from lucebox_qwen35 import draft_synth
+
+    target = synth.write(tmp_path / "target.gguf", size="tiny", type="f32", seed=3)
+    draft = draft_synth.write(tmp_path / "draft.gguf", size="tiny", type="f32", seed=4, target=target)
+    loaded = load_model(target)
+    model = loaded.model
+    monkeypatch.setattr(model, "verify", functools.partial(type(model).verify, model, static=True, graphs=False))
+    greedy = SamplingParams(temperature=0)
+    plain = Engine(model, loaded.tokenizer, ctx_size=256)
+    speculative = Engine(model, loaded.tokenizer, ctx_size=256,
+                         speculative=SpeculativeDecoder(model, dflash.load(draft, model), spec_type=spec_type))
+    prompt = [9000, 17, 42]
+    reference = plain.generate(GenerationRequest(prompt_ids=prompt, max_tokens=40, sampling=greedy,
+                                                 ignore_eos=True)).token_ids
+    for accept in (3, 15):
+        n = 2 * (accept + 1) + 1
+        result = speculative.generate(GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=greedy,
+                                                        ignore_eos=True, force_accept=accept,
+                                                        force_reference=reference))
+        assert result.token_ids == reference[:n]
+        assert result.timings.accepted_lengths[:2] == [accept + 1] * 2

@@ -291,12 +291,18 @@ class CudaBackend(TorchBackend):
         if rows_per_tile < out_features:
             # Tiles start on rows whose bytes stay 16-byte aligned (rows of 34- or 210-byte blocks may not be).
             rows_per_tile = max(8, rows_per_tile // 8 * 8)
-        parts = [
-            F.linear(x, self.dequantize_rows(weight, start, min(start + rows_per_tile, out_features), x.dtype,
-                                             weight_format))
-            for start in range(0, out_features, rows_per_tile)
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if rows_per_tile >= out_features:
+            return F.linear(x, self.dequantize_rows(weight, 0, out_features, x.dtype, weight_format))
+        # One scratch tile, reused, and each tile's product written into its columns of the output: the
+        # peak is the output, one tile and one tile's product (a list of products joined by `torch.cat`
+        # held every product and the joined copy at once, ~0.3 GB more for 27B's 4096-token chunks).
+        out = x.new_empty(x.shape[0], out_features)
+        scratch = torch.empty(rows_per_tile, in_features, dtype=x.dtype, device=self.device)
+        for start in range(0, out_features, rows_per_tile):
+            stop = min(start + rows_per_tile, out_features)
+            tile = self.dequantize_rows(weight, start, stop, x.dtype, weight_format, out=scratch[: stop - start])
+            out[:, start:stop] = F.linear(x, tile)
+        return out
 
     def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:
         if isinstance(weight, QuantTensor):
