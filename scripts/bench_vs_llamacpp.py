@@ -32,6 +32,7 @@ import platform
 import re
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 import warnings
@@ -368,8 +369,25 @@ def measure_memory(path: str, *, backend: str | None, device: str | None, cache_
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    rows: list[dict] = []
-    for cache_type in args.cache_types.split(","):
+    cache_types = args.cache_types.split(",")
+    if len(cache_types) > 1:
+        # One process per cache type: a second measurement in the same process also counted what the first
+        # model left behind (session 2: "q8_0" peaked at the f16 run's 17.6 GiB plus its own).
+        rows: list[dict] = []
+        for cache_type in cache_types:
+            with tempfile.NamedTemporaryFile(suffix=".json") as part:
+                command = [sys.executable, __file__, "memory", args.model, "--ctx", str(args.ctx),
+                           "--cache-types", cache_type, "--decode", str(args.decode), "--json", part.name]
+                command += ["--backend", args.backend] if args.backend else []
+                command += ["--device", args.device] if args.device else []
+                if subprocess.run(command).returncode != 0:
+                    log(f"memory: the {cache_type} measurement failed")
+                    continue
+                rows.extend(json.loads(Path(part.name).read_text()))
+            _write_json(args.json, rows)
+        return 0
+    rows = []
+    for cache_type in cache_types:
         log(f"memory: {Path(args.model).name}, KV {cache_type}, context {args.ctx}")
         row = measure_memory(args.model, backend=args.backend, device=args.device, cache_type=cache_type,
                              ctx=args.ctx, decode_steps=args.decode)

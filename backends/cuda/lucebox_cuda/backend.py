@@ -12,6 +12,7 @@ multiply it with torch (tensor cores through cuBLAS).
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +30,8 @@ ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte ve
 # Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
 # kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
 SEQUENTIAL_PREFILL_TOKENS = 256
+# A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
+_FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
 
 
 def device_arch(device: torch.device) -> str:
@@ -194,13 +197,19 @@ class CudaBackend(TorchBackend):
         `out`: a contiguous `[rows, out_features]` tensor of x's dtype to write into (default: a new one).
         `variant`: one of `catalogue.MATVEC_VARIANTS` ("pipe": the streamed tensor-core kernel in its default
         shape; "mma"/"mma8": register-prefetch tensor-core kernels; "simt": CUDA cores, every format) or a
-        streamed variant by name ("pipe_w4_d4_m1_k2"); by default `catalogue.default_variant`.
+        streamed variant by name ("pipe_w4_d4_m1_k2"); by default `catalogue.default_variant`, or the variant
+        named by `LUCEBOX_MATVEC_VARIANT` where it exists for the format (for bisecting a kernel's effect on a
+        whole model: "mma" runs every K-quant product on the register-prefetch kernel).
 
         Graph-capturable: a split-K launch's scratch (fp32 partials and arrival counters, which the kernel
         leaves zeroed) is allocated on first use outside capture and kept; if a capture needs more than is
         held, the launch runs unsplit instead (same kernel, one K-slice).
         """
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
+        if variant is None and _FORCED_MATVEC_VARIANT:
+            if catalogue.has_mma_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], x.shape[0]) or \
+                    _FORCED_MATVEC_VARIANT == "simt":
+                variant = _FORCED_MATVEC_VARIANT
         x = x.contiguous()
         if not _aligned(x):
             x = x.clone()
