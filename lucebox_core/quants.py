@@ -121,7 +121,7 @@ def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     # matching 2-bit tops at shifts 0, 2, 4, 6.
     n = blocks.shape[0]
     ql = _nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 8, 32)
-    shifts = torch.tensor((0, 2, 4, 6), dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)  # no host copy
     qh = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
     sub_scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
