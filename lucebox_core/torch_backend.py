@@ -336,10 +336,15 @@ class TorchBackend:
         decode step that a CUDA graph replays: no host value decides a shape or a mask).
 
         q `[1, 1, Hq, D]`; k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, the first N rows of the cache (rows past
-        `position` may hold anything); `position` `[1]` long, on the device: the query's position, which
+        `position` may hold anything), each either values or a Q8_0 cache's raw rows (uint8, `D / 32 * 34`
+        bytes a head, decoded here; a kernel reads them as stored); `position` `[1]` long, on the device: the query's position, which
         sees keys `0 .. position`. Equals `attention(q, k[None], v[None], scale=scale, causal_offset=p)`.
         The products run in q's dtype, so the window is read once rather than upcast; softmax in fp32.
         """
+        from .kv import dequantize_q8_0
+
+        # A Q8_0 cache's raw rows (uint8 `[N, Hkv, D / 32 * 34]`) are decoded to q's dtype first.
+        k, v = (dequantize_q8_0(t, q.dtype) if t.dtype == torch.uint8 else t for t in (k, v))
         rows, kv_heads, head_dim = k.shape
         q_heads = q.shape[2]
         # The query heads that share a KV head are the rows of one small matrix product against it.

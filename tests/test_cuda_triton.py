@@ -91,6 +91,26 @@ def test_decode_attention_strided_window_and_half_precision():
     assert relative_error(result, expected) < 5e-3
 
 
+@pytest.mark.parametrize(("k_q8", "v_q8"), [(True, True), (True, False), (False, True)])
+def test_decode_attention_reads_q8_0_rows(k_q8, v_q8):
+    """A Q8_0 cache's raw rows (K, V or both) decoded in the kernel equal the reference decoding them
+    first; rows past the position hold garbage bytes."""
+    from lucebox_core.kv import quantize_q8_0
+
+    torch.manual_seed(5)
+    rows, kv_heads, dim = 70, 2, 64
+    q = torch.randn(1, 1, 6, dim)
+    k, v = torch.randn(rows, kv_heads, dim) * 3, torch.randn(rows, kv_heads, dim)
+    k_in = quantize_q8_0(k) if k_q8 else k
+    v_in = quantize_q8_0(v) if v_q8 else v
+    pos = torch.tensor([50])
+    expected = REFERENCE.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5)
+    if k_q8:
+        k_in[51:] = torch.randint(0, 256, k_in[51:].shape, dtype=torch.uint8)
+    result = triton_ops.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5, splits=3, block_rows=16)
+    assert relative_error(result, expected) < 1e-5
+
+
 def test_attention_splits_cover_the_window_in_whole_blocks():
     assert triton_ops.attention_splits(10, 4, torch.device("cpu"), 64) == 1  # never under one block
     assert triton_ops.attention_splits(64 * 100, 4, torch.device("cpu"), 64) == 4  # 4 per KV head on a CPU

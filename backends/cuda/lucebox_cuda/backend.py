@@ -12,6 +12,7 @@ multiply it with torch (tensor cores through cuBLAS).
 from __future__ import annotations
 
 import functools
+import warnings
 import os
 from types import ModuleType
 from typing import Any
@@ -352,10 +353,23 @@ class CudaBackend(TorchBackend):
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float
     ) -> torch.Tensor:
-        """The reference `decode_attention`, split over the window's rows (flash-decoding) in Triton."""
+        """The reference `decode_attention`, split over the window's rows (flash-decoding) in Triton; a Q8_0
+        window (uint8 rows) is decoded in registers."""
         if not _triton_takes(self.device, q, k, v, position) or k.dim() != 3 or q.shape[2] % k.shape[1]:
             return super().decode_attention(q, k, v, position, scale=scale)
-        return _triton_ops().decode_attention(q, k, v, position, scale=scale)
+        quantized = k.dtype == torch.uint8 or v.dtype == torch.uint8
+        if quantized and self.__dict__.get("_q8_attention_failure"):
+            return super().decode_attention(q, k, v, position, scale=scale)
+        try:
+            return _triton_ops().decode_attention(q, k, v, position, scale=scale)
+        except Exception as exc:  # noqa: BLE001 -- first used eagerly (a graph's warm-up), so this is safe
+            if not quantized or torch.cuda.is_current_stream_capturing():
+                raise
+            # The Q8_0 path is the newest kernel: if it does not build here, decode through the reference.
+            self.__dict__["_q8_attention_failure"] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"Q8_0 decode attention kernel unavailable, decoding the window instead: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return super().decode_attention(q, k, v, position, scale=scale)
 
     def gated_delta_rule_recurrent(
         self,

@@ -63,13 +63,29 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _load_kv_rows(base, offsets, row_ok, dims, dim_ok, stride_n, Q8: tl.constexpr):
+    """Rows `offsets` of one KV head as fp32 `[BLOCK_N, BLOCK_D]`: plain values, or Q8_0 blocks decoded in
+    registers (per 32 values: an fp16 scale, then 32 int8; `base` and `stride_n` in bytes)."""
+    mask = row_ok[:, None] & dim_ok[None, :]
+    if Q8:
+        block_start = (dims // 32) * 34
+        rows = base + offsets[:, None] * stride_n
+        quants = tl.load(rows + (block_start + 2 + dims % 32)[None, :], mask=mask, other=0)
+        low = tl.load(rows + block_start[None, :], mask=mask, other=0).to(tl.uint16)
+        high = tl.load(rows + (block_start + 1)[None, :], mask=mask, other=0).to(tl.uint16)
+        scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        return quants.to(tl.int8, bitcast=True).to(tl.float32) * scale
+    return tl.load(base + offsets[:, None] * stride_n + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, position_ptr, max_ptr, sum_ptr, acc_ptr,
     rows, scale,
     stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, K_Q8: tl.constexpr = False, V_Q8: tl.constexpr = False,
 ):
     """Partial attention of the GROUP query heads of one KV head over one slice of rows.
 
@@ -104,8 +120,7 @@ def _decode_attention_split_kernel(
         if block_start < end:
             offsets = block_start + tl.arange(0, BLOCK_N)
             row_ok = offsets < end
-            k = tl.load(k_ptr + offsets[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
-                        mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+            k = _load_kv_rows(k_ptr + kv_head * stride_kh, offsets, row_ok, dims, dims < HEAD_DIM, stride_kn, K_Q8)
             # Products in q's dtype, as the reference does: the window is read once, never upcast in memory.
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [G, N] fp32
             scores = tl.where(row_ok[None, :], scores, float("-inf"))
@@ -113,8 +128,8 @@ def _decode_attention_split_kernel(
             rescale = tl.exp(running_max - block_max)
             probs = tl.exp(scores - block_max[:, None])
             running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            v = tl.load(v_ptr + offsets[:, None] * stride_vn + kv_head * stride_vh + value_dims[None, :],
-                        mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
+            v = _load_kv_rows(v_ptr + kv_head * stride_vh, offsets, row_ok, value_dims, value_dims < VALUE_DIM,
+                              stride_vn, V_Q8)
             acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             running_max = block_max
 
@@ -162,13 +177,18 @@ def decode_attention(
     splits: int | None = None, block_rows: int = ATTENTION_BLOCK_ROWS, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`TorchBackend.decode_attention`: q `[1, 1, Hq, D]`, k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, `position`
-    `[1]` long on the device (rows past it are masked) -> `[1, 1, Hq, Dv]` in q's dtype.
+    `[1]` long on the device (rows past it are masked) -> `[1, 1, Hq, Dv]` in q's dtype. K and V may each be
+    a Q8_0 cache's raw rows (uint8 `[N, Hkv, D / 32 * 34]`), decoded in registers: the window is read at
+    its stored size, never decoded into memory.
 
     `splits`: slices of rows reduced in parallel (default `attention_splits`); a fixed window gives a
     fixed launch, so the call records into a CUDA graph. `out`: a contiguous result tensor to write into.
     """
+    k_q8, v_q8 = k.dtype == torch.uint8, v.dtype == torch.uint8  # Q8_0 blocks, decoded in the kernel
     rows, kv_heads, head_dim = k.shape
     q_heads, value_dim = q.shape[2], v.shape[2]
+    head_dim = head_dim // 34 * 32 if k_q8 else head_dim
+    value_dim = value_dim // 34 * 32 if v_q8 else value_dim
     if q.shape[:2] != (1, 1) or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads:
         raise ValueError(f"decode_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     group = q_heads // kv_heads
@@ -191,7 +211,7 @@ def decode_attention(
             GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCKS_PER_SPLIT=blocks_per_split,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_rows,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=_dot_precision(q.dtype), K_Q8=k_q8, V_Q8=v_q8,
         )
         _decode_attention_combine_kernel[(q_heads,)](
             split_max, split_sum, split_acc, out, splits, out.stride(2),
@@ -388,6 +408,12 @@ def _decode_cases(dtype: torch.dtype, device: torch.device) -> list[tuple[str, C
                           torch.tensor([position], device=device))
         cases.append((f"decode_attention window {window} position {position}", decode_attention,
                       "decode_attention", attention_args, {"scale": 256**-0.5}))
+    from lucebox_core.kv import quantize_q8_0
+
+    q8_args = (randn(1, 1, 24, 256), quantize_q8_0(randn(32768, 4, 256)), quantize_q8_0(randn(32768, 4, 256)),
+               torch.tensor([30000], device=device))
+    cases.append(("decode_attention Q8_0 K/V window 32768", decode_attention, "decode_attention", q8_args,
+                  {"scale": 256**-0.5}))
     unit = torch.nn.functional.normalize
     delta_args = (unit(randn(1, 1, 16, 128).float(), dim=-1).to(dtype),
                   unit(randn(1, 1, 16, 128).float(), dim=-1).to(dtype),

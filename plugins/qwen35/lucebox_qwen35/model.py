@@ -290,7 +290,8 @@ class GatedAttention:
         row, attention over the first `window` rows masked past it. No host value but `window`."""
         query, gate, key, value = self._project(x, position)
         kv.write_at(self.layer_index, position, key[0], value[0])
-        keys, values = kv.window(self.layer_index, window)
+        # As stored: a Q8_0 window goes to the attention op undecoded (its kernel decodes in registers).
+        keys, values = kv.window_stored(self.layer_index, window)
         out = self.ops.decode_attention(query, keys, values, position, scale=self.head_dim**-0.5)
         return self._output(out, gate)
 
