@@ -421,6 +421,28 @@ class TorchBackend:
         y = (window * weight.to(x.dtype).t()).sum(dim=1)
         return y, window[:, 1:]
 
+    def causal_conv1d_tree(
+        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`causal_conv1d_step` for the nodes of a candidate tree: x `[1, N, C]`, weight `[C, K]`, state
+        `[1, K-1, C]` (the committed inputs), parents `[N]` long (-1 for the root) -> (y `[1, N, C]`, each
+        node's conv state `[N, K-1, C]`). Node i's window, oldest first, is the last K rows of the
+        committed inputs followed by the inputs along the path root -> i; its state is the window's last
+        K-1 rows. The windows are found on the device (no host read of `parents`)."""
+        nodes, kernel = x.shape[1], weight.shape[1]
+        history = torch.cat([state[0].to(x.dtype), x[0]], dim=0)  # rows 0..K-2 committed, K-1+i node i
+        node = torch.arange(nodes, device=x.device)
+        state_row = torch.full_like(node, kernel - 2)
+        newest_first = []
+        for _ in range(kernel):  # walk up the ancestry; past the root, down the committed rows
+            in_tree = node >= 0
+            newest_first.append(torch.where(in_tree, kernel - 1 + node, state_row))
+            state_row = torch.where(in_tree, state_row, state_row - 1)
+            node = torch.where(in_tree, parents.to(node.device)[node.clamp(min=0)], node)
+        windows = history[torch.stack(newest_first[::-1], dim=1)]  # [N, K, C]
+        y = (windows * weight.to(x.dtype).t()).sum(dim=1)  # as causal_conv1d_step
+        return y[None], windows[:, 1:]
+
     # -- Gated DeltaNet --------------------------------------------------------------------------------
 
     @staticmethod

@@ -54,3 +54,29 @@ def test_gated_delta_rule_tree_follows_each_ancestry(parents):
         )
         torch.testing.assert_close(out[0, node], ref_out[0, -1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(node_states[node], ref_state[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parents", TREES)
+def test_causal_conv1d_tree_follows_each_ancestry(parents):
+    """Each node's output and conv state equal one-token convolutions along its own path from the root,
+    starting from the committed state (and `TreeIndex.conv_windows` names the same windows)."""
+    ops = TorchBackend()
+    generator = torch.Generator().manual_seed(7 + len(parents))
+    nodes, channels, kernel = len(parents), 5, 4
+    x = torch.randn(1, nodes, channels, generator=generator)
+    weight = torch.randn(channels, kernel, generator=generator)
+    state = torch.randn(1, kernel - 1, channels, generator=generator)
+    y, node_states = ops.causal_conv1d_tree(x, weight, state, torch.tensor(parents))
+    history = torch.cat([state[0], x[0]])
+    windows = history[TreeIndex.build(parents).conv_windows(kernel)]
+    torch.testing.assert_close(node_states, windows[:, 1:])
+    for node in range(nodes):
+        path, i = [], node
+        while i >= 0:
+            path.append(i)
+            i = parents[i]
+        conv_state = state
+        for step in reversed(path):
+            out, conv_state = ops.causal_conv1d_step(x[:, step], weight, conv_state)
+        torch.testing.assert_close(y[0, node], out[0])
+        torch.testing.assert_close(node_states[node], conv_state[0])

@@ -510,3 +510,13 @@ class CudaBackend(TorchBackend):
         if gdn is None or weight.shape[1] < 2 or not _triton_takes(self.device, x, weight, state):
             return super().causal_conv1d(x, weight, state)
         return gdn.causal_conv1d(x, weight, state)
+
+    def causal_conv1d_tree(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference tree convolution as one Triton kernel walking each node's ancestry on the device
+        (sums in fp32, as the decode step's convolution kernel does)."""
+        gdn = _triton_gdn()
+        if (gdn is None or weight.shape[1] < 2 or x.shape[0] != 1
+                or not _triton_takes(self.device, x, weight, state, parents)):
+            return super().causal_conv1d_tree(x, weight, state, parents)
+        return gdn.causal_conv1d_tree(x, weight, state, parents)

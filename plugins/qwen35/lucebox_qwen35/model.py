@@ -181,12 +181,12 @@ class GatedDeltaNet:
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
 
     def verify_tree(
-        self, x: torch.Tensor, state: GatedDeltaNetState, parents: torch.Tensor, conv_windows: torch.Tensor
+        self, x: torch.Tensor, state: GatedDeltaNetState, parents: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the nodes of a candidate tree `x` `[1, N, hidden]`, each from its parent's state, leaving
-        `state` untouched (`parents` `[N]` and `conv_windows` `[N, K]`: `TreeIndex.parents` and
-        `TreeIndex.conv_windows(K)`, device tensors, so the pass can be recorded as a CUDA graph). Returns the output `[1, N, hidden]` and, per node, the conv state
-        `[N, K-1, C]` and the recurrent state `[N, H_v, D_k, D_v]` after that node.
+        `state` untouched (`parents` `[N]`, `TreeIndex.parents` on the device, so the pass can be recorded
+        as a CUDA graph). Returns the output `[1, N, hidden]` and, per node, the conv state `[N, K-1, C]`
+        and the recurrent state `[N, H_v, D_k, D_v]` after that node.
 
         Node `i`'s convolution window is the inputs along its own ancestry (then the committed conv
         state), and its recurrent step starts from its parent's state (the root's from `state`): the
@@ -197,13 +197,8 @@ class GatedDeltaNet:
         key_dim = self.num_k_heads * self.head_k_dim
 
         mixed_qkv, z, b, a = self._project(x)
-        mixed_qkv = mixed_qkv[0]  # [N, C]
-        # Rows 0..K-2 are the committed conv inputs, row K-1+i the input of node i.
-        history = torch.cat([state.conv[0].to(mixed_qkv.dtype), mixed_qkv], dim=0)
-        windows = history[conv_windows]  # [N, K, C], oldest first
-        conv_out = (windows * self.conv1d.to(windows.dtype).t()).sum(dim=1)  # as causal_conv1d_step
-        node_conv = windows[:, 1:]
-        conv_out = ops.silu(conv_out)[None]  # [1, N, C]: the nodes as the tokens of one sequence
+        conv_out, node_conv = ops.causal_conv1d_tree(mixed_qkv, self.conv1d, state.conv, parents)
+        conv_out = ops.silu(conv_out)  # [1, N, C]: the nodes as the tokens of one sequence
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
@@ -430,7 +425,6 @@ class StaticVerify:
     parents: torch.Tensor  # [N] long
     depths: torch.Tensor  # [N] long
     visible: torch.Tensor  # [N, N] bool
-    conv_windows: torch.Tensor  # [N, K] long
     start: torch.Tensor  # [1] long: the committed length, the root's position
     embedded: torch.Tensor  # [1, N, hidden]
 
@@ -733,13 +727,12 @@ class Qwen35Model:
             return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
         visible = tree.visibility()
-        conv_windows = self._conv_windows(tree)
         kv_rows, conv, recurrent, taps = {}, {}, {}, []
 
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], tree.parents, conv_windows
+                    x, state.linear[layer.index], tree.parents
                 )
             else:
                 out, k_rows, v_rows = layer.self_attn.verify_tree(x, positions, state.kv, visible)
@@ -752,23 +745,17 @@ class Qwen35Model:
         logits = ops.linear(hidden, self.lm_head)[0]
         return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
 
-    def _conv_windows(self, tree: TreeIndex) -> torch.Tensor:
-        kernel = next((layer.linear_attn.conv1d.shape[1] for layer in self.layers if layer.is_linear), 1)
-        return tree.conv_windows(kernel)
-
     def _verify_static(self, state: Qwen35State, tree: TreeIndex, token_ids: torch.Tensor,
                        use_graphs: bool) -> TreeVerification:
         ops = self.ops
         nodes, committed = tree.size, state.length
         inputs = state.verify_inputs.get(nodes)
-        conv_windows = self._conv_windows(tree)
         if inputs is None:
             inputs = state.verify_inputs[nodes] = StaticVerify(
                 tokens=torch.zeros(nodes, dtype=torch.long, device=ops.device),
                 parents=torch.zeros(nodes, dtype=torch.long, device=ops.device),
                 depths=torch.zeros(nodes, dtype=torch.long, device=ops.device),
                 visible=torch.zeros(nodes, nodes, dtype=torch.bool, device=ops.device),
-                conv_windows=torch.zeros_like(conv_windows),
                 start=torch.zeros(1, dtype=torch.long, device=ops.device),
                 embedded=torch.zeros(1, nodes, self.config.hidden, dtype=ops.dtype, device=ops.device),
             )
@@ -776,7 +763,6 @@ class Qwen35Model:
         inputs.parents.copy_(tree.parents)
         inputs.depths.copy_(tree.depths)
         inputs.visible.copy_(tree.visibility())
-        inputs.conv_windows.copy_(conv_windows)
         inputs.start.fill_(committed)
         inputs.embedded.copy_(ops.embedding(inputs.tokens, self.embed_tokens)[None])
         window = kv_window(committed + nodes, state.kv.max_context, self.decode_min_window)
@@ -797,7 +783,7 @@ class Qwen35Model:
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], inputs.parents, inputs.conv_windows
+                    x, state.linear[layer.index], inputs.parents
                 )
                 return out
             return layer.self_attn.verify_static(x, positions, inputs.start, state.kv, window, inputs.visible)
