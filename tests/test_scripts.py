@@ -335,3 +335,24 @@ def test_memory_measurement_flow_with_a_stand_in_allocator(tiny_files, monkeypat
     assert row["baseline_used"] == 40 * gib and row["peak_used_estimate"] == 58 * gib and not row["fits_target"]
     assert row["kv_bytes"] > 0 and row["decode_tok_s"] > 0 and row["estimate_total"] > row["kv_bytes"]
     assert row["estimate_parts"]["kv"] == row["kv_bytes"]  # the model's estimate counts the same KV buffers
+
+
+def test_verify_determinism_script_measures_every_depth(tmp_path):
+    """scripts/verify_determinism.py on a tiny model on the CPU: a row per depth, depth 0 is the same
+    computation both ways, and every difference is at rounding level here (f32 reference backend)."""
+    import importlib.util
+    import json
+
+    from lucebox_qwen35 import synth
+
+    model = synth.write(tmp_path / "tiny.gguf", size="tiny", type="f32", seed=2)
+    spec = importlib.util.spec_from_file_location("verify_determinism", SCRIPTS / "verify_determinism.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "det.json"
+    assert module.main([str(model), "--nodes", "4", "--prefix", "9", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["depth"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["verify_node_vs_root_max_abs"] == 0
+    assert all(r["verify_node_vs_root_max_abs"] < 1e-4 * r["logit_scale"] for r in rows)
+    assert all(r["verify_node_vs_root_argmax_same"] for r in rows)
