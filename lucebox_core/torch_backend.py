@@ -250,6 +250,24 @@ class TorchBackend:
         state.copy_(new_state)
         return out
 
+    def gated_delta_tree(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+        state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gated_delta_decode_` for the nodes of a candidate tree, each from its parent's state:
+        mixed `[1, N, C]` (after SiLU), a, b `[1, N, H_v]`, state `[1, H_v, D_k, D_v]` fp32 (not modified),
+        parents `[N]` -> (o `[1, N, H_v, D_v]`, the fp32 state after every node `[N, H_v, D_k, D_v]`)."""
+        nodes = mixed.shape[1]
+        key_dim = num_k_heads * head_k_dim
+        value_heads = state.shape[1]
+        query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+        query = self.l2norm(query.reshape(1, nodes, num_k_heads, head_k_dim))
+        key = self.l2norm(key.reshape(1, nodes, num_k_heads, head_k_dim))
+        value = value.reshape(1, nodes, value_heads, -1)
+        beta = self.sigmoid(b)
+        g = ssm_a * self.softplus(a.float() + dt_bias)
+        return self.gated_delta_rule_tree(query, key, value, g, beta, state, parents)
+
     # -- normalisation ---------------------------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

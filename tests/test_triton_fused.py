@@ -117,6 +117,29 @@ def test_gated_delta_decode(dtype, key_heads, value_heads):
     assert ((state - ref_state).norm() / ref_state.norm()).item() < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 2], [-1, 0, 0, 1, 3, 2, 2], [-1, 0, -1, 2, 1]])
+def test_gated_delta_tree(dtype, parents):
+    gen = torch.Generator().manual_seed(len(parents))
+    ops = TorchBackend("cpu", dtype)
+    key_heads, value_heads, dk, dv = 2, 6, 16, 32
+    nodes, channels = len(parents), 2 * key_heads * dk + value_heads * dv
+    mixed = randn(1, nodes, channels + 5, gen=gen, dtype=dtype)[..., :channels]  # strided rows
+    ab = randn(1, nodes, 2 * value_heads, gen=gen, dtype=dtype) * 3
+    b, a = ab.split([value_heads, value_heads], dim=-1)
+    ssm_a = -torch.rand(value_heads, generator=gen) * 4
+    dt_bias = randn(value_heads, gen=gen)
+    state = randn(1, value_heads, dk, dv, gen=gen)
+    before = state.clone()
+    out, node_states = triton_fused.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, torch.tensor(parents),
+                                                     key_heads, dk)
+    ref_out, ref_states = ops.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, torch.tensor(parents),
+                                               key_heads, dk)
+    assert torch.equal(state, before)
+    close(out, ref_out, dtype)
+    assert ((node_states - ref_states).norm() / ref_states.norm()).item() < TOLERANCE[dtype]
+
+
 class FusedKernelsOnCpu(TorchBackend):
     """The reference backend with the fused ops (and the decode kernels) swapped for the Triton kernels
     under the interpreter: the model's calls, shapes and strides, exercised without a GPU."""
@@ -142,6 +165,9 @@ class FusedKernelsOnCpu(TorchBackend):
     def gated_delta_decode_(self, mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim):
         return triton_fused.gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
 
+    def gated_delta_tree(self, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim):
+        return triton_fused.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+
     def fuse_rows(self, weights):
         from lucebox_core.torch_backend import concat_rows
 
@@ -164,3 +190,6 @@ def test_tiny_model_decodes_through_the_kernels(tmp_path):
         expected = reference.decode_step(a, token, graphs=False)
         close(fused.decode_step(b, token, graphs=False), expected, torch.float32)
         token = int(expected.argmax())
+    parents, tokens = [-1, 0, 0, 1, 3], torch.randint(0, reference.vocab_size, (5,))
+    close(fused.verify(b, tokens, parents, static=True, graphs=False).logits,
+          reference.verify(a, tokens, parents, static=True, graphs=False).logits, torch.float32)

@@ -520,3 +520,13 @@ class CudaBackend(TorchBackend):
                 or not _triton_takes(self.device, x, weight, state, parents)):
             return super().causal_conv1d_tree(x, weight, state, parents)
         return gdn.causal_conv1d_tree(x, weight, state, parents)
+
+    def gated_delta_tree(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
+                         dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor, num_k_heads: int,
+                         head_k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference composition as one Triton kernel walking the nodes (parents read on the device)."""
+        if (not _triton_takes(self.device, mixed, a, b, ssm_a, dt_bias, state, parents) or mixed.shape[0] != 1
+                or not state.is_contiguous() or state.dtype != torch.float32
+                or any(t.stride(-1) != 1 for t in (mixed, a, b))):
+            return super().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+        return _triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)

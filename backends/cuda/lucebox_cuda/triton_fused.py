@@ -363,6 +363,89 @@ def gated_delta_decode_(
     return out
 
 
+# -- Gated DeltaNet over the nodes of a candidate tree ----------------------------------------------------
+
+
+@triton.jit
+def _gated_delta_tree_kernel(
+    mixed_ptr, a_ptr, b_ptr, ssm_a_ptr, dt_bias_ptr, state_ptr, parents_ptr, out_ptr, states_ptr,
+    nodes, scale, key_heads, value_heads, key_channels,
+    stride_mn, stride_an, stride_bn,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """`_gated_delta_decode_kernel` for every node in index order, one program per (value head, slice of
+    value dims). A node whose parent is the previous node keeps the state in registers; any other reloads
+    its parent's state from what this program already wrote (or the committed state for a root)."""
+    head = tl.program_id(0)
+    key_head = head % key_heads
+    key_dims = tl.arange(0, BLOCK_K)
+    value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_ok = key_dims < KEY_DIM
+    value_ok = value_dims < VALUE_DIM
+    tile_ok = key_ok[:, None] & value_ok[None, :]
+    slice_in_head = key_dims[:, None] * VALUE_DIM + value_dims[None, :]
+    head_state = KEY_DIM * VALUE_DIM
+    initial = state_ptr + head.to(tl.int64) * head_state + slice_in_head
+    state = tl.load(initial, mask=tile_ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    a_log = tl.load(ssm_a_ptr + head)
+    dt = tl.load(dt_bias_ptr + head)
+    i = 0
+    while i < nodes:  # a while loop: Triton 3.6's interpreter cannot take an argument as a range() bound
+        parent = tl.load(parents_ptr + i).to(tl.int32)
+        if parent != i - 1:  # the registers hold node i-1's state: fetch the parent's
+            parent_state = states_ptr + (parent.to(tl.int64) * value_heads + head) * head_state + slice_in_head
+            state = tl.load(tl.where(parent < 0, initial, parent_state), mask=tile_ok, other=0.0)
+        row = mixed_ptr + i.to(tl.int64) * stride_mn
+        q = tl.load(row + key_head * KEY_DIM + key_dims, mask=key_ok, other=0.0).to(tl.float32)
+        k = tl.load(row + key_channels + key_head * KEY_DIM + key_dims, mask=key_ok, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * key_channels + head * VALUE_DIM + value_dims, mask=value_ok, other=0.0).to(tl.float32)
+        q = (q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)).to(dtype).to(tl.float32) * scale
+        k = (k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)).to(dtype).to(tl.float32)
+        beta = tl.sigmoid(tl.load(b_ptr + i * stride_bn + head).to(tl.float32)).to(dtype).to(tl.float32)
+        pre = tl.load(a_ptr + i * stride_an + head).to(tl.float32) + dt
+        softplus = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
+        state = state * tl.exp(a_log * softplus)
+        update = (v - tl.sum(state * k[:, None], axis=0)) * beta
+        state += k[:, None] * update[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + (i * value_heads + head).to(tl.int64) * VALUE_DIM + value_dims, out.to(dtype), mask=value_ok)
+        tl.store(states_ptr + (i * value_heads + head).to(tl.int64) * head_state + slice_in_head, state, mask=tile_ok)
+        # A later node may reload this state, which other threads of the program wrote.
+        tl.debug_barrier()
+        i += 1
+
+
+def gated_delta_tree(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TorchBackend.gated_delta_tree`: mixed `[1, N, C]`, a, b `[1, N, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
+    state `[1, H_v, D_k, D_v]` fp32 contiguous (not modified), parents `[N]` long on the device ->
+    (o `[1, N, H_v, D_v]` in mixed's dtype, node states `[N, H_v, D_k, D_v]` fp32). One launch."""
+    _, value_heads, key_dim, value_dim = state.shape
+    nodes = mixed.shape[1]
+    key_channels = num_k_heads * head_k_dim
+    if (mixed.shape[0] != 1 or key_dim != head_k_dim or mixed.shape[2] != 2 * key_channels + value_heads * value_dim
+            or a.shape != (1, nodes, value_heads) or b.shape != (1, nodes, value_heads) or parents.shape != (nodes,)
+            or value_heads % num_k_heads or state.dtype != torch.float32 or not state.is_contiguous()):
+        raise ValueError(f"gated_delta_tree shapes: mixed {tuple(mixed.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                         f"state {tuple(state.shape)} {state.dtype}, parents {tuple(parents.shape)}")
+    if mixed.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("gated_delta_tree needs the last dims contiguous")
+    out = torch.empty(1, nodes, value_heads, value_dim, device=mixed.device, dtype=mixed.dtype)
+    node_states = torch.empty(nodes, value_heads, key_dim, value_dim, device=mixed.device, dtype=torch.float32)
+    block_values = min(DELTA_BLOCK_VALUES, triton.next_power_of_2(value_dim))
+    with _device_scope(mixed):
+        _gated_delta_tree_kernel[(value_heads, math.ceil(value_dim / block_values))](
+            mixed, a, b, ssm_a, dt_bias, state, parents.contiguous(), out, node_states,
+            nodes, key_dim**-0.5, num_k_heads, value_heads, key_channels,
+            mixed.stride(1), a.stride(1), b.stride(1),
+            KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
+        )
+    return out, node_states
+
+
 # -- GPU check and timing: python -m lucebox_cuda.triton_fused -------------------------------------------
 
 
@@ -412,6 +495,12 @@ def main() -> int:
              (mixed, ab[:, 48:], ab[:, :48], -4 * torch.rand(48, device=device), torch.randn(48, device=device),
               torch.randn(1, 48, 128, 128, device=device), 16, 128)),
         ]
+        tree_mixed = randn(1, 23, 10240)
+        tree_ab = randn(1, 23, 96, scale=3)
+        parents = torch.tensor([-1] + [i // 2 for i in range(22)], device=device)
+        cases.append(("gated_delta_tree 16/48 heads, 23 nodes", gated_delta_tree, "gated_delta_tree",
+                      (tree_mixed, tree_ab[..., 48:], tree_ab[..., :48], -4 * torch.rand(48, device=device),
+                       torch.randn(48, device=device), torch.randn(1, 48, 128, 128, device=device), parents, 16, 128)))
         for label, kernel, op, args in cases:
             upcast = tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args)
             if op == "gated_delta_decode_":  # in place: each side gets its own copy of the state

@@ -194,20 +194,13 @@ class GatedDeltaNet:
         """
         ops = self.ops
         _, nodes, _ = x.shape
-        key_dim = self.num_k_heads * self.head_k_dim
 
         mixed_qkv, z, b, a = self._project(x)
         conv_out, node_conv = ops.causal_conv1d_tree(mixed_qkv, self.conv1d, state.conv, parents)
         conv_out = ops.silu(conv_out)  # [1, N, C]: the nodes as the tokens of one sequence
-        query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
-        query = ops.l2norm(query.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
-        key = ops.l2norm(key.reshape(1, nodes, self.num_k_heads, self.head_k_dim))
-        value = value.reshape(1, nodes, self.num_v_heads, self.head_v_dim)
-        beta = ops.sigmoid(b)  # [1, N, H_v]
-        g = self.ssm_a * ops.softplus(a.float() + self.dt_bias)
         # Each node steps from its parent's state (the root from the committed one).
-        core, node_state = ops.gated_delta_rule_tree(query, key, value, g, beta, state.recurrent, parents)
-
+        core, node_state = ops.gated_delta_tree(conv_out, a, b, self.ssm_a, self.dt_bias, state.recurrent, parents,
+                                                self.num_k_heads, self.head_k_dim)
         core = ops.gated_rms_norm(core, z.reshape(1, nodes, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
         return ops.linear(core.reshape(1, nodes, -1), self.out_proj), node_conv, node_state
 
