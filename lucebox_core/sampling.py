@@ -74,6 +74,13 @@ class Sampler:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
             self.generator.manual_seed(seed)
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether the repeat/presence/frequency penalties change any logit (they look at the history)."""
+        p = self.params
+        return p.repeat_last_n != 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
+                                         or p.frequency_penalty != 0.0)
+
     def apply_penalties(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
         if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):

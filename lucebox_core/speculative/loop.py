@@ -129,6 +129,11 @@ class SpeculativeDecoder:
 
 def _greedy_or_sampled_walk(tree: trees.DraftTree, node_logits: torch.Tensor, sampler: Any,
                             history: list[int]) -> tuple[list[int], int]:
+    if sampler.params.greedy and not sampler.penalizes:
+        # Every node's greedy token in one device reduction and one small copy (not a sync per node).
+        best = node_logits.argmax(dim=-1).tolist()
+        return trees.sampled_walk(tree, lambda node, accepted: best[node])
+
     def draw(node: int, accepted: list[int]) -> int:
         return sampler.sample(node_logits[node], history + accepted)
 
