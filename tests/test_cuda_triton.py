@@ -295,7 +295,13 @@ for capability in map(int, sys.argv[1:]):
              dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", max_ptr="*fp32",
                   sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
              dict(GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=8, BLOCK_G=16, BLOCK_N=64, BLOCK_D=256,
-                  BLOCK_DV=256, DOT_PRECISION="ieee" if act == "fp32" else "tf32")),
+                  BLOCK_DV=256, DOT_PRECISION="ieee" if act == "fp32" else "tf32", K_Q8=False, V_Q8=False)),
+            # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
+            (ops._decode_attention_split_kernel,
+             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", max_ptr="*fp32",
+                  sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=8, BLOCK_G=16, BLOCK_N=64, BLOCK_D=256,
+                  BLOCK_DV=256, DOT_PRECISION="ieee" if act == "fp32" else "tf32", K_Q8=True, V_Q8=True)),
             (ops._decode_attention_combine_kernel,
              dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
              dict(VALUE_DIM=256, BLOCK_S=64, BLOCK_DV=256)),
@@ -320,4 +326,4 @@ def test_kernels_compile_for_each_gpu_architecture(tmp_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90", "120"], env=env,
                             capture_output=True, check=False, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 3 * 2 * 4
+    assert result.stdout.count("compiled") == 3 * 2 * 5  # 3 architectures x 2 dtypes x 5 kernel variants

@@ -193,3 +193,55 @@ def test_tiny_model_decodes_through_the_kernels(tmp_path):
     parents, tokens = [-1, 0, 0, 1, 3], torch.randint(0, reference.vocab_size, (5,))
     close(fused.verify(b, tokens, parents, static=True, graphs=False).logits,
           reference.verify(a, tokens, parents, static=True, graphs=False).logits, torch.float32)
+
+
+COMPILE_SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lucebox_cuda import triton_fused as ops
+
+def signature(kernel, types, constants):
+    return {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+
+for capability in map(int, sys.argv[1:]):
+    target = GPUTarget("cuda", capability, 32)
+    for act in ("bf16", "fp32"):
+        p = "*" + act
+        kernels = [
+            (ops._add_rms_norm_kernel, dict(x_ptr=p, res_ptr=p, w_ptr=p, normed_ptr=p, sum_ptr=p, eps="fp32"),
+             dict(BLOCK=8192)),
+            (ops._gate_kernel, dict(a_ptr=p, b_ptr=p, out_ptr=p), dict(SIGMOID=False, BLOCK=1024)),
+            (ops._gate_kernel, dict(a_ptr=p, b_ptr=p, out_ptr=p), dict(SIGMOID=True, BLOCK=256)),
+            (ops._gated_rms_norm_kernel, dict(x_ptr=p, z_ptr=p, w_ptr=p, out_ptr=p, eps="fp32"), dict(BLOCK=128)),
+            (ops._qk_norm_rope_kernel,
+             dict(q_ptr=p, k_ptr=p, qw_ptr=p, kw_ptr=p, inv_freq_ptr="*fp32", pos_ptr="*i64", q_out_ptr=p,
+                  k_out_ptr=p, eps="fp32"), dict(BLOCK_D=256)),
+            (ops._gated_delta_decode_kernel,
+             dict(mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
+                  out_ptr=p, scale="fp32"), dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
+            (ops._gated_delta_tree_kernel,
+             dict(mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
+                  parents_ptr="*i64", out_ptr=p, states_ptr="*fp32", scale="fp32"),
+             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
+        ]
+        for kernel, types, constants in kernels:
+            source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
+            binary = triton.compile(source, target=target)
+            assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__
+            print("compiled", kernel.__name__, act, f"sm_{capability}")
+"""
+
+
+def test_fused_kernels_compile_for_gpu_architectures(tmp_path):
+    """Every fused kernel compiles to a cubin for Ampere, Hopper and Blackwell (the interpreter runs none
+    of the GPU compiler's checks: return types, bit casts, register limits)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90", "120"], env=env,
+                            capture_output=True, check=False, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 3 * 2 * 7

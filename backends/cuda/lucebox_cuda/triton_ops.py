@@ -74,8 +74,10 @@ def _load_kv_rows(base, offsets, row_ok, dims, dim_ok, stride_n, Q8: tl.constexp
         low = tl.load(rows + block_start[None, :], mask=mask, other=0).to(tl.uint16)
         high = tl.load(rows + (block_start + 1)[None, :], mask=mask, other=0).to(tl.uint16)
         scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        return quants.to(tl.int8, bitcast=True).to(tl.float32) * scale
-    return tl.load(base + offsets[:, None] * stride_n + dims[None, :], mask=mask, other=0.0)
+        values = quants.to(tl.int8, bitcast=True).to(tl.float32) * scale
+    else:
+        values = tl.load(base + offsets[:, None] * stride_n + dims[None, :], mask=mask, other=0.0)
+    return values  # one return: compiled Triton wants a single return type per specialisation
 
 
 @triton.jit
