@@ -196,8 +196,8 @@ class Engine:
             while True:
                 start = time.perf_counter()  # decode time counts the model and sampler, not the consumer
                 block = None
-                if speculative and sequence.length + self.speculative.block_size > self.ctx_size:
-                    # No room left for a whole block: finish plainly, feeding the pending token first.
+                if speculative and sequence.length + self.speculative.max_nodes > self.ctx_size:
+                    # No room left for a whole candidate tree: finish plainly, feeding the pending token first.
                     speculative = False
                     if sequence.pending_logits is None and sequence.unfed:
                         logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))

@@ -99,3 +99,49 @@ def test_forced_speculative_decoding_through_the_static_pass(tmp_path, spec_type
                                                         force_reference=reference))
         assert result.token_ids == reference[:n]
         assert result.timings.accepted_lengths[:2] == [accept + 1] * 2
+
+
+def test_static_commit_of_a_branch_prefix_then_the_whole_branch(tiny):
+    """A static commit moves rows that held other nodes: committing a prefix of a branch and then the
+    whole branch must move only the new part (a second full move would read the moved-over rows)."""
+    parents = [-1, 0, 0, 2, 3]
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, tiny.vocab_size, (17,), generator=gen)
+    tokens = torch.randint(0, tiny.vocab_size, (len(parents),), generator=gen)
+    static, plain = tiny.new_state(64), tiny.new_state(64)
+    tiny.forward(static, prompt)
+    tiny.forward(plain, prompt)
+    v = tiny.verify(static, tokens, parents, static=True, graphs=False)
+    tiny.commit(static, v, [0, 2, 3])
+    tiny.commit(static, v, [0, 2, 3])  # the same path again: nothing moves twice
+    tiny.commit(static, v, [0, 2, 3, 4])
+    with pytest.raises(ValueError, match="already committed"):
+        tiny.commit(static, v, [0, 1])
+    tiny.forward(plain, tokens[[0, 2, 3, 4]])
+    probe = torch.tensor([int(tokens[1])])
+    torch.testing.assert_close(tiny.forward(static, probe), tiny.forward(plain, probe), atol=1e-5, rtol=1e-5)
+
+
+def test_speculative_decoding_runs_to_the_end_of_the_context(tmp_path):
+    """A DDTree of budget + 1 nodes needs more rows than a block: near the end of the context the engine
+    finishes plainly instead of overflowing (the static pass writes every node's row)."""
+    import functools
+
+    from lucebox_core.engine import Engine, GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+    from lucebox_core.speculative import dflash
+    from lucebox_core.speculative.loop import SpeculativeDecoder
+    from lucebox_qwen35 import draft_synth
+
+    target = synth.write(tmp_path / "target.gguf", size="tiny", type="f32", seed=3)
+    draft = draft_synth.write(tmp_path / "draft.gguf", size="tiny", type="f32", seed=4, target=target)
+    loaded = load_model(target)
+    model = loaded.model
+    model.verify = functools.partial(type(model).verify, model, static=True, graphs=False)
+    decoder = SpeculativeDecoder(model, dflash.load(draft, model), spec_type="ddtree", budget=22)
+    assert decoder.max_nodes == 23
+    engine = Engine(model, loaded.tokenizer, ctx_size=64, speculative=decoder)
+    plain = Engine(model, loaded.tokenizer, ctx_size=64)
+    request = GenerationRequest(prompt_ids=list(range(100, 140)), max_tokens=24,
+                                sampling=SamplingParams(temperature=0), ignore_eos=True)
+    assert engine.generate(request).token_ids == plain.generate(request).token_ids

@@ -71,9 +71,11 @@ class VerifyCostCurve:
         self.sizes, self.seconds = [], []
         for n in sizes:
             parents = list(range(-1, n - 1))
-            target.verify(state, [100] * n, parents)  # warm-up
+            target.verify(state, [100] * n, parents)  # warm-up (on a GPU: records the pass)
+            _synchronize()
             start = time.perf_counter()
             target.verify(state, [100] * n, parents)
+            _synchronize()  # a replayed graph returns at once: time the work, not its launch
             self.sizes.append(n)
             self.seconds.append(time.perf_counter() - start)
 
@@ -82,6 +84,11 @@ class VerifyCostCurve:
             if nodes <= n1:
                 return t0 + (t1 - t0) * (nodes - n0) / (n1 - n0)
         return self.seconds[-1] * nodes / self.sizes[-1]
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class SpeculativeDecoder:
@@ -99,6 +106,14 @@ class SpeculativeDecoder:
         self.target, self.drafter = target, drafter
         self.spec_type, self.budget, self.block_size = spec_type, budget, block
         self.verifier = VERIFIERS[spec_type](target, budget=budget, top_k=top_k)
+
+    @property
+    def max_nodes(self) -> int:
+        """The most candidates one verify pass can hold (the root included): what must fit in the context."""
+        if self.spec_type == "chain":
+            return self.block_size
+        budget = AUTO_BUDGETS[-1] if self.budget == "auto" else int(self.budget)
+        return max(self.block_size, budget + 1)
 
     def describe(self) -> dict[str, Any]:
         return {**self.drafter.describe(), "spec_type": self.spec_type, "tree_budget": self.budget,

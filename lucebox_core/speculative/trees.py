@@ -57,6 +57,11 @@ class TreeIndex:
     def size(self) -> int:
         return len(self._parent_list)
 
+    @property
+    def parent_list(self) -> tuple[int, ...]:
+        """The parents as host integers (reading `parents` would wait for the device)."""
+        return self._parent_list
+
     def visibility(self) -> torch.Tensor:
         """Bool `[N, N]`: row i is True at node i and at each of its ancestors."""
         n = self.size

@@ -329,6 +329,9 @@ def _causal_conv1d_step_kernel(
                      mask=(taps[:, None] < KERNEL) & col_ok[None, :], other=0.0).to(tl.float32)
     y = tl.sum(window * weight, axis=0)
     if SILU:
+        # Rounded to the activation dtype first, as the reference (convolution, then SiLU) and the prefill
+        # and tree-verify paths do: decode and verify must see the same GDN input bits.
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + batch * stride_yb + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
     # Updating the state in place moves rows between threads: every read above must land first.

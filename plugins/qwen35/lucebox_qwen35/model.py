@@ -408,6 +408,9 @@ class TreeVerification:
     # The static pass wrote every node's K/V into the cache at `committed + i` (insertion order) instead
     # of returning `kv_rows`; its tensors are a recording's buffers, valid until the next verify.
     static: bool = False
+    # Static: the path whose rows `commit` has already moved to `committed + 0, 1, ...` (a second commit
+    # of the same verification may only extend it: the moved-over rows held other nodes).
+    compacted: list[int] = attrs.Factory(list)
 
 
 @attrs.define
@@ -711,12 +714,16 @@ class Qwen35Model:
         tree = TreeIndex.build(parents, device=ops.device)
         token_ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(ops.device)
         committed = state.length
-        if committed + tree.size > state.kv.max_context:
+        static = self.decode_graphs if static is None else static
+        # The static pass writes every node's K/V at committed + i; the dynamic one only needs the deepest
+        # node's position.
+        needed = committed + (tree.size if static else len(tree.levels))
+        if needed > state.kv.max_context:
             raise LuceboxError(
                 f"context overflow: verifying {tree.size} nodes at position {committed} needs rows up to "
-                f"{committed + tree.size - 1}; the context holds {state.kv.max_context}"
+                f"{needed - 1}; the context holds {state.kv.max_context}"
             )
-        if static if static is not None else self.decode_graphs:
+        if static:
             return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
         visible = tree.visibility()
@@ -791,15 +798,22 @@ class Qwen35Model:
         rows compacted to positions `committed .. committed + len(path) - 1`, the conv and recurrent
         state after the last of them and their features. Nothing of any other node survives."""
         path = list(path)
-        if not path or path[0] != 0 or any(
-            int(verification.tree.parents[b]) != a for a, b in itertools.pairwise(path)
-        ):
+        parents = verification.tree.parent_list
+        if not path or path[0] != 0 or any(parents[b] != a for a, b in itertools.pairwise(path)):
             raise ValueError(f"{path} is not a path from the root of the verified tree")
+        done = verification.compacted
+        if verification.static and path[: len(done)] != done[: len(path)]:
+            raise ValueError(f"{path} leaves the path {done} already committed from this verification")
         committed = verification.committed  # committing again (a longer path) first undoes the last one
         index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
         state.kv.crop(committed)
         if verification.static:  # the nodes' rows are in the cache in insertion order: compact the path
-            state.kv.move_rows(committed + index, committed + torch.arange(len(path), device=index.device))
+            if len(path) > len(done):
+                # Only the new part moves: rows committed + 0 .. len(done) - 1 already hold the earlier
+                # part, and the new part's sources (path[i] >= i >= len(done)) were never written over.
+                state.kv.move_rows(committed + index[len(done):],
+                                   committed + torch.arange(len(done), len(path), device=index.device))
+                verification.compacted[:] = path
             state.kv.extend_to(committed + len(path))
         for layer, (k_rows, v_rows) in verification.kv_rows.items():
             state.kv.append(layer, k_rows[index], v_rows[index])
