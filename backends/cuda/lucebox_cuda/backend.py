@@ -85,6 +85,12 @@ def _triton_fused() -> ModuleType | None:
     return triton_fused
 
 
+def _rows_indexable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels can index these as rows: last dim contiguous, leading dims one stride."""
+    fused = _triton_fused()
+    return fused is not None and all(t.stride(-1) == 1 and fused._mergeable(t) for t in tensors)
+
+
 def _triton_takes(device: torch.device, *tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on these tensors: Triton importable, all on `device`, floats."""
     if _triton_ops() is None:
@@ -399,22 +405,26 @@ class CudaBackend(TorchBackend):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _triton_takes(self.device, x, residual, weight) or x.shape != residual.shape:
+        if (not _triton_takes(self.device, x, residual, weight) or x.shape != residual.shape
+                or not _rows_indexable(x, residual)):
             return super().add_rms_norm(x, residual, weight, eps)
         return _triton_fused().add_rms_norm(x, residual, weight, eps)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if not _triton_takes(self.device, gate, up) or gate.shape != up.shape or gate.dtype != up.dtype:
+        if (not _triton_takes(self.device, gate, up) or gate.shape != up.shape or gate.dtype != up.dtype
+                or not _rows_indexable(gate, up)):
             return super().silu_mul(gate, up)
         return _triton_fused().silu_mul(gate, up)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if not _triton_takes(self.device, x, gate) or x.shape != gate.shape or x.dtype != gate.dtype:
+        if (not _triton_takes(self.device, x, gate) or x.shape != gate.shape or x.dtype != gate.dtype
+                or not _rows_indexable(x, gate)):
             return super().sigmoid_mul(x, gate)
         return _triton_fused().sigmoid_mul(x, gate)
 
     def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if not _triton_takes(self.device, x, z, weight) or x.shape != z.shape or x.dtype != z.dtype:
+        if (not _triton_takes(self.device, x, z, weight) or x.shape != z.shape or x.dtype != z.dtype
+                or not _rows_indexable(x, z)):
             return super().gated_rms_norm(x, z, weight, eps)
         return _triton_fused().gated_rms_norm(x, z, weight, eps)
 

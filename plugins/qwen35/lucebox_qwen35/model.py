@@ -769,7 +769,9 @@ class Qwen35Model:
         if use_graphs:
             if state.verify_graphs is None:
                 state.verify_graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle(), label="verify pass")
-            outputs = state.verify_graphs.run((window, nodes), lambda: self._static_verify_pass(state, inputs, window))
+            # Keyed on whether features are captured too: a recording without them would return none.
+            key = (window, nodes, state.features is not None)
+            outputs = state.verify_graphs.run(key, lambda: self._static_verify_pass(state, inputs, window))
         else:
             outputs = self._static_verify_pass(state, inputs, window)
         logits, features, conv, recurrent = outputs
