@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import statistics
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous
+from .timing import median_ms as _median_ms
+from .timing import relative_error as _relative_error
 from triton.runtime.errors import TritonError
 
 LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
@@ -519,21 +521,6 @@ def tree_attention(
 # -- helpers -------------------------------------------------------------------------------------------
 
 
-def _device_scope(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Triton launches on the current CUDA device's current stream: make that the tensor's device."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
-
-
-def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """The kernels index the last dim with stride 1 and every other dim with the tensor's own strides."""
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 products in full precision (Triton's default for fp32 is TF32); half types are exact anyway."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 # -- GPU check and timing: python -m lucebox_cuda.triton_attention ------------------------------------
 
 # 27B's full-attention layers: 24 query heads over 4 KV heads of 256 dims.
@@ -550,22 +537,6 @@ TREE_CASES = [(n, w, torch.bfloat16) for w in (8192, 32768) for n in (1, 8, 23, 
 # takes 128 KiB and 254 registers, no spill; 64 x 32 on 4 warps 96 KiB, so two programs can share an SM,
 # with a 12-byte spill).
 PREFILL_CANDIDATES = (BlockConfig(128, 32, 8, 2), BlockConfig(64, 32, 4, 2))
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int = 20) -> float:
-    """Median of CUDA-event timings of `fn` on the current stream, after a warm-up call."""
-    from .timing import event_times_ms
-
-    fn()
-    torch.cuda.synchronize()
-    return statistics.median(event_times_ms(fn, repeats))
-
-
-def _relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
-    result, reference = result.double(), reference.double()
-    if not torch.isfinite(result).all():
-        return float("inf")
-    return ((result - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
 def _sdpa_yardstick(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> Callable[[], Any]:

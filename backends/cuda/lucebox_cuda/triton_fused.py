@@ -456,7 +456,8 @@ def main() -> int:
 
     from lucebox_core.torch_backend import TorchBackend
 
-    from .triton_ops import _median_ms, _relative_error
+    from .timing import median_ms as _median_ms
+    from .timing import relative_error as _relative_error
 
     if not torch.cuda.is_available():
         print("no CUDA device: run the CPU tests (tests/test_triton_fused.py) instead")

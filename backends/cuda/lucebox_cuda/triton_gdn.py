@@ -30,14 +30,14 @@ checks them). `python -m lucebox_cuda.triton_gdn` checks and times every kernel 
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from .timing import median_ms as _median_ms
+from .timing import relative_error as _relative_error
 from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous
 
 # The bf16 chunk scan at 4 warps takes the full 255 registers a thread (ptxas for sm_90 at 27B shapes,
@@ -649,22 +649,6 @@ def causal_conv1d_tree_reference(
 
 
 # -- GPU check and timing: python -m lucebox_cuda.triton_gdn -----------------------------------------
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int = 20) -> float:
-    """Median of CUDA-event timings of `fn` on the current stream, after a warm-up call."""
-    from .timing import event_times_ms
-
-    fn()
-    torch.cuda.synchronize()
-    return statistics.median(event_times_ms(fn, repeats))
-
-
-def _relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
-    result, reference = result.double(), reference.double()
-    if not torch.isfinite(result).all():
-        return float("inf")
-    return ((result - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
 def _delta_inputs(tokens: int, dtype: torch.dtype, device: torch.device, key_heads: int = 16,

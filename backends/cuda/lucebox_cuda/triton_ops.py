@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import statistics
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from .timing import median_ms as _median_ms
+from .timing import relative_error as _relative_error
 
 # Rows of the KV window one attention program reads per loop step. 64 rows of 256 dims of bf16 are 32 KiB
 # for K and as much for V: enough bytes in flight per program without spilling.
@@ -382,22 +383,6 @@ def causal_conv1d_step(
 
 
 # -- GPU check and timing: python -m lucebox_cuda.triton_ops -----------------------------------------
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int = 50) -> float:
-    """Median of CUDA-event timings of `fn` on the current stream, after a warm-up call."""
-    from .timing import event_times_ms
-
-    fn()
-    torch.cuda.synchronize()
-    return statistics.median(event_times_ms(fn, repeats))
-
-
-def _relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
-    result, reference = result.double(), reference.double()
-    if not torch.isfinite(result).all():
-        return float("inf")
-    return ((result - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
 def _decode_cases(dtype: torch.dtype, device: torch.device) -> list[tuple[str, Callable, str, tuple, dict]]:
