@@ -467,7 +467,7 @@ def model_check(device: torch.device, workdir: Path, size: str, gguf_type: str, 
     """One synthetic model through CudaBackend (f32 and bf16) against TorchBackend f32 on the same GPU."""
     from lucebox_core.ggufio import GGUFFile
     from lucebox_core.tokenizer import Tokenizer
-    from lucebox_qwen35.model import load
+    from lucebox_qwen35.loader import load
 
     path = _model_file(workdir, size, gguf_type)
     gguf = GGUFFile(path)

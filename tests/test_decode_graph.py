@@ -145,7 +145,7 @@ def test_graph_replay_equals_eager_on_cuda(tmp_path):
 
     path = tmp_path / "tiny-f32.gguf"
     synth.write(path, size="tiny", type="f32", seed=21)
-    from lucebox_qwen35.model import load
+    from lucebox_qwen35.loader import load
 
     model = load(path, Backend("cuda"))
     graphed, eager = model.new_state(128), model.new_state(128)

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from lucebox_core.loading import load_model
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, concat_rows
-from lucebox_qwen35 import model as qwen_model
+from lucebox_qwen35 import loader as qwen_model
 from lucebox_qwen35 import synth
 from lucebox_qwen35.memory import weights_of
 

@@ -33,7 +33,7 @@ from lucebox_core.kv import (
 )
 from lucebox_qwen35 import layout, synth
 from lucebox_qwen35.memory import estimate_memory, layout_weight_bytes
-from lucebox_qwen35.model import load
+from lucebox_qwen35.loader import load
 
 STEPS = 16
 # Largest |logit difference| from an f32 cache over the run, relative to the largest |logit| (measured on

@@ -13,7 +13,8 @@ from lucebox_core.torch_backend import TorchBackend
 
 transformers = pytest.importorskip("transformers")
 from lucebox_qwen35.convert import convert
-from lucebox_qwen35.model import GGUF_NAMES, Qwen35Model, load
+from lucebox_qwen35.loader import load
+from lucebox_qwen35.model import GGUF_NAMES, Qwen35Model
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 VOCAB = 320

@@ -267,7 +267,7 @@ def test_greedy_comparison_near_tie_rule():
 
 def test_reference_and_engine_greedy_agree_on_the_cpu(tiny_loaded):
     cuda_check = pytest.importorskip("cuda_check", reason="lucebox_cuda is not importable here")
-    from lucebox_qwen35.model import load
+    from lucebox_qwen35.loader import load
 
     from lucebox_core.torch_backend import TorchBackend
 

@@ -175,7 +175,7 @@ class FusedKernelsOnCpu(TorchBackend):
 
 
 def test_tiny_model_decodes_through_the_kernels(tmp_path):
-    from lucebox_qwen35 import model as qwen_model
+    from lucebox_qwen35 import loader as qwen_model
     from lucebox_qwen35 import synth
 
     path = tmp_path / "tiny.gguf"

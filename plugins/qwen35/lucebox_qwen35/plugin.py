@@ -9,7 +9,7 @@ def lucebox_model_families():
         ModelFamily(
             name="qwen35",
             architectures=["qwen35"],
-            loader="lucebox_qwen35.model:load",
+            loader="lucebox_qwen35.loader:load",
             description="Qwen3.5 / Qwen3.6 dense: Gated DeltaNet + gated attention hybrid",
         )
     ]

@@ -1,0 +1,164 @@
+"""Building a `Qwen35Model` from a GGUF: every tensor checked against the layout, weights kept in their GGUF
+types, the projections that share an input stacked where the backend gains from it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from lucebox_core.errors import GGUFError, LuceboxError
+from lucebox_core.kv import K_FLAG, V_FLAG, kv_cache_type
+
+from .layout import Qwen35Config, tensor_shapes
+from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model, Weight
+
+class _TensorSource:
+    """Tensors of one GGUF by transformers name, each checked against the shape the layout expects
+    (a missing or mis-shaped tensor raises a GGUFError naming the file and the tensor)."""
+
+    def __init__(self, gguf_file: Any, config: Qwen35Config, ops: Any):
+        self.gguf = gguf_file
+        self.shapes = tensor_shapes(config)
+        self.ops = ops
+
+    def _tensor(self, hf_name: str, layer: int | None) -> Any:
+        name = GGUF_NAMES[hf_name].format(i=layer)
+        return self.gguf.tensor(name, self.shapes[name])
+
+    def weight(self, hf_name: str, layer: int | None = None) -> Weight:
+        """A matrix, kept in its GGUF type."""
+        return self._tensor(hf_name, layer)
+
+    def vector(self, hf_name: str, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A small tensor (norm, conv kernel, per-head scalars), dequantized once."""
+        return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)
+
+
+class _MetadataView(Mapping[str, Any]):
+    """GGUF metadata decoded key by key on access: `GGUFFile.metadata` would decode the whole
+    248k-entry vocabulary, which takes seconds and is not needed to build the model."""
+
+    def __init__(self, gguf_file: Any):
+        self.gguf = gguf_file
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.gguf:
+            raise KeyError(key)
+        return self.gguf.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.gguf
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.gguf.keys())
+
+    def __len__(self) -> int:
+        return len(self.gguf.keys())
+
+
+_OPTIONS = {"kv_dtype", "cache_type_k", "cache_type_v", "gdn_chunk_size"}
+
+
+def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
+    """Build a `Qwen35Model` from a GGUF (a `GGUFFile` or a path) on `backend` (default: torch on the CPU).
+
+    Options: `cache_type_k` / `cache_type_v` (KV storage types, `f32`, `f16`, `bf16` or `q8_0`, each
+    independently; default `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
+    """
+    from lucebox_core.ggufio import GGUFFile
+    from lucebox_core.torch_backend import TorchBackend
+
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise LuceboxError(
+            f"unknown qwen35 model option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(_OPTIONS))})"
+        )
+    # Bad cache types fail before any weight is read.
+    for option, flag in (("cache_type_k", K_FLAG), ("cache_type_v", V_FLAG)):
+        if options.get(option) is not None:
+            kv_cache_type(options[option], flag)
+    if isinstance(gguf_file, (str, os.PathLike)):
+        gguf_file = GGUFFile(gguf_file)
+    backend = backend if backend is not None else TorchBackend()
+    if gguf_file.architecture != ARCHITECTURE:
+        raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {ARCHITECTURE!r}")
+    config = Qwen35Config.from_gguf_metadata(
+        _MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
+    )
+    src = _TensorSource(gguf_file, config, backend)
+    chunk_size = int(options.get("gdn_chunk_size", 64))
+
+    embed_tokens = src.weight("embed_tokens")
+    lm_head = embed_tokens if config.tied_output else src.weight("lm_head")
+    layers = []
+    for i in range(config.n_layer):
+        layer = DecoderLayer(
+            index=i,
+            input_layernorm=src.vector("layers.{i}.input_layernorm", i),
+            post_attention_layernorm=src.vector("layers.{i}.post_attention_layernorm", i),
+            mlp=MLP(
+                backend,
+                gate_proj=src.weight("layers.{i}.mlp.gate_proj", i),
+                up_proj=src.weight("layers.{i}.mlp.up_proj", i),
+                down_proj=src.weight("layers.{i}.mlp.down_proj", i),
+            ),
+        )
+        if config.is_recurrent(i):
+            layer.linear_attn = _load_gated_delta_net(src, config, i, chunk_size)
+        else:
+            layer.self_attn = _load_gated_attention(src, config, i)
+        for part in (layer.mlp, layer.linear_attn, layer.self_attn):
+            if part is not None:
+                part.fuse_projections()
+        layers.append(layer)
+
+    return Qwen35Model(
+        config, backend, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head,
+        kv_dtype=options.get("kv_dtype"), cache_type_k=options.get("cache_type_k"),
+        cache_type_v=options.get("cache_type_v"), source=str(gguf_file.path),
+    )
+
+
+def _load_gated_delta_net(src: _TensorSource, c: Qwen35Config, i: int, chunk_size: int) -> GatedDeltaNet:
+    p = "layers.{i}.linear_attn."
+    return GatedDeltaNet(
+        src.ops,
+        in_proj_qkv=src.weight(p + "in_proj_qkv", i),
+        in_proj_z=src.weight(p + "in_proj_z", i),
+        in_proj_b=src.weight(p + "in_proj_b", i),
+        in_proj_a=src.weight(p + "in_proj_a", i),
+        conv1d=src.vector(p + "conv1d", i),
+        ssm_a=src.vector(p + "A_log", i, dtype=torch.float32),
+        dt_bias=src.vector(p + "dt_bias", i, dtype=torch.float32),
+        norm=src.vector(p + "norm", i),
+        out_proj=src.weight(p + "out_proj", i),
+        num_k_heads=c.ssm_n_group,
+        num_v_heads=c.ssm_dt_rank,
+        head_k_dim=c.ssm_d_state,
+        head_v_dim=c.ssm_d_inner // c.ssm_dt_rank,
+        eps=c.eps,
+        chunk_size=chunk_size,
+    )
+
+
+def _load_gated_attention(src: _TensorSource, c: Qwen35Config, i: int) -> GatedAttention:
+    p = "layers.{i}.self_attn."
+    return GatedAttention(
+        src.ops,
+        layer_index=i,
+        q_proj=src.weight(p + "q_proj", i),
+        k_proj=src.weight(p + "k_proj", i),
+        v_proj=src.weight(p + "v_proj", i),
+        o_proj=src.weight(p + "o_proj", i),
+        q_norm=src.vector(p + "q_norm", i),
+        k_norm=src.vector(p + "k_norm", i),
+        num_heads=c.n_head,
+        num_kv_heads=c.n_head_kv,
+        head_dim=c.head_dim,
+        rope_dim=c.rope_dim,
+        rope_theta=c.rope_theta,
+        eps=c.eps,
+    )
