@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from lucebox_cuda import triton_gdn
 
-from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.torch_backend import TorchBackend
 
 if not triton_gdn._interpreted():
@@ -180,26 +179,15 @@ def test_causal_conv1d_strided_input_and_bf16_with_fp32_state():
     assert torch.equal(new_state, expected_state)
 
 
-def verify_tree_conv(x, weight, state, parents):
-    """`GatedDeltaNet.verify_tree`'s formulation: gather each node's window with `TreeIndex.conv_windows`."""
-    kernel = weight.shape[1]
-    history = torch.cat([state[0].to(x.dtype), x[0]], dim=0)
-    windows = history[TreeIndex.build(parents).conv_windows(kernel)]
-    return (windows * weight.to(windows.dtype).t()).sum(dim=1)[None], windows[:, 1:]
-
-
 @pytest.mark.parametrize("kernel", [2, 4])
 @pytest.mark.parametrize("parents", TREES[:5])
-def test_causal_conv1d_tree_matches_verify_tree(parents, kernel):
+def test_causal_conv1d_tree_matches_the_reference(parents, kernel):
     torch.manual_seed(len(parents) + kernel)
     nodes, channels = len(parents), 300
     x, weight = torch.randn(1, nodes, channels), torch.randn(channels, kernel)
     state = torch.randn(1, kernel - 1, channels)
-    expected_y, expected_states = verify_tree_conv(x, weight, state, parents)
     parent_tensor = torch.tensor(parents)
-    reference_y, reference_states = triton_gdn.causal_conv1d_tree_reference(x, weight, state, parent_tensor)
-    assert torch.equal(reference_states, expected_states)
-    assert relative_error(reference_y, expected_y) < 1e-6
+    expected_y, expected_states = REFERENCE.causal_conv1d_tree(x, weight, state, parent_tensor)
     y, node_states = triton_gdn.causal_conv1d_tree(x, weight, state, parent_tensor)
     assert torch.equal(node_states, expected_states)
     assert relative_error(y, expected_y) < 1e-6
@@ -211,7 +199,7 @@ def test_causal_conv1d_tree_padded_nodes_and_bf16():
     parents = TREES[5]
     x, weight = torch.randn(1, len(parents), 64).to(torch.bfloat16), torch.randn(64, 4).to(torch.bfloat16)
     state = torch.randn(1, 3, 64).to(torch.bfloat16)  # the model keeps the conv state in the activation dtype
-    expected_y, expected_states = triton_gdn.causal_conv1d_tree_reference(x, weight, state, torch.tensor(parents))
+    expected_y, expected_states = REFERENCE.causal_conv1d_tree(x, weight, state, torch.tensor(parents))
     y, node_states = triton_gdn.causal_conv1d_tree(x, weight, state, torch.tensor(parents))
     assert torch.equal(node_states, expected_states)
     assert relative_error(y, expected_y) < 1e-2

@@ -3,8 +3,8 @@
 A candidate set is a tree whose root is the pending token (sampled, not yet fed to the target) and whose
 other nodes are drafted tokens; a chain is the tree with parents `[-1, 0, 1, ...]`. Node indices are in
 insertion order, so a parent always precedes its children. The target verifies every node in one
-forward pass (`TreeIndex` is what a model needs for that: depths, the ancestor-only attention mask,
-levels for per-node recurrent state); an acceptance walk then picks the path to commit and the bonus
+forward pass (`TreeIndex` is what a model needs for that: parents, depths, the ancestor-only attention
+mask); an acceptance walk then picks the path to commit and the bonus
 token that follows it.
 
 DDTree (Ringel & Romano, arXiv 2604.12989): best-first on the cumulative draft log-probability of the
@@ -29,7 +29,7 @@ class TreeIndex:
 
     parents: torch.Tensor  # [N] long, -1 for the root
     depths: torch.Tensor  # [N] long, 0 for the root
-    levels: tuple[torch.Tensor, ...]  # node indices at depth 0, 1, 2, ...
+    max_depth: int  # the deepest node's depth (host value)
     _parent_list: tuple[int, ...]
 
     @classmethod
@@ -42,14 +42,10 @@ class TreeIndex:
             if not 0 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: parents must precede their children")
             depths.append(depths[p] + 1)
-        by_depth: dict[int, list[int]] = {}
-        for i, d in enumerate(depths):
-            by_depth.setdefault(d, []).append(i)
-        levels = tuple(torch.tensor(by_depth[d], dtype=torch.long, device=device) for d in sorted(by_depth))
         return cls(
             torch.tensor(parent_list, dtype=torch.long, device=device),
             torch.tensor(depths, dtype=torch.long, device=device),
-            levels,
+            max(depths),
             parent_list,
         )
 
@@ -72,22 +68,6 @@ class TreeIndex:
             visible[i, i] = True
         return visible.to(self.parents.device)
 
-    def conv_windows(self, kernel: int) -> torch.Tensor:
-        """Long `[N, kernel]`: for each node, its causal-conv window, oldest first, as rows of the history
-        `cat(committed conv state (kernel-1 rows), node inputs)`: the node itself, then its ancestors,
-        then the most recent committed inputs when the ancestry is shorter than the kernel."""
-        rows = []
-        for i in range(self.size):
-            window, node = [], i
-            while node >= 0 and len(window) < kernel:
-                window.append(kernel - 1 + node)
-                node = self._parent_list[node]
-            state_row = kernel - 2
-            while len(window) < kernel:
-                window.append(state_row)
-                state_row -= 1
-            rows.append(window[::-1])
-        return torch.tensor(rows, dtype=torch.long, device=self.parents.device)
 
 
 @attrs.define

@@ -20,8 +20,8 @@ a CUDA graph. Value head `h` reads key head `h % H_k` (the tiled GGUF order).
 - `gated_delta_rule_tree`: `_walk_kernel` over the nodes of a tree in index order; a node whose parent
   is not the previous node reloads its parent's state from the node states the program already wrote.
 - `causal_conv1d`: the prefill depthwise convolution, one program per (block of tokens, block of channels).
-- `causal_conv1d_tree` (and `causal_conv1d_tree_reference`, its torch definition): each node's window is
-  its own ancestry, then the committed state, as `GatedDeltaNet.verify_tree` gathers it.
+- `causal_conv1d_tree`: `TorchBackend.causal_conv1d_tree` in one launch; each node's window is its own
+  ancestry, then the committed state.
 
 The wrappers run under `TRITON_INTERPRET=1` on CPU tensors too (that is how tests/test_triton_gdn.py
 checks them). `python -m lucebox_cuda.triton_gdn` checks and times every kernel on a GPU at 27B shapes.
@@ -602,7 +602,7 @@ def _causal_conv1d_tree_kernel(
 def causal_conv1d_tree(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal convolution over the nodes of a candidate tree (see `causal_conv1d_tree_reference`):
+    """The causal convolution over the nodes of a candidate tree (`TorchBackend.causal_conv1d_tree`):
     x `[1, N, C]`, weight `[C, K]`, state `[1, K-1, C]` (the committed inputs), parents `[N]` long on the
     device -> (y `[1, N, C]`, each node's conv state `[N, K-1, C]`), in x's dtype. One launch."""
     _, nodes, channels = x.shape
@@ -621,31 +621,6 @@ def causal_conv1d_tree(
             KERNEL=kernel, BLOCK_C=CONV_BLOCK_CHANNELS,
         )
     return y, node_states
-
-
-def causal_conv1d_tree_reference(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition of `causal_conv1d_tree` in torch, device-side (no host read of `parents`).
-
-    Node i's window (oldest first) is the last K rows of: the committed state, then the inputs along the
-    path root -> i; when the path is shorter than K, the state fills in (`TreeIndex.conv_windows`). y is
-    computed in x's dtype as `causal_conv1d_step` does; the node's conv state is its window's last K-1 rows.
-    """
-    nodes = x.shape[1]
-    kernel = weight.shape[1]
-    history = torch.cat([state[0].to(x.dtype), x[0]], dim=0)  # rows 0..K-2 committed, K-1+i node i
-    node = torch.arange(nodes, device=x.device)
-    state_row = torch.full_like(node, kernel - 2)
-    newest_first = []
-    for _ in range(kernel):
-        in_tree = node >= 0
-        newest_first.append(torch.where(in_tree, kernel - 1 + node, state_row))
-        state_row = torch.where(in_tree, state_row, state_row - 1)
-        node = torch.where(in_tree, parents.to(node.device)[node.clamp(min=0)], node)
-    windows = history[torch.stack(newest_first[::-1], dim=1)]  # [N, K, C]
-    y = (windows * weight.to(x.dtype).t()).sum(dim=1)
-    return y[None], windows[:, 1:]
 
 
 # -- GPU check and timing: python -m lucebox_cuda.triton_gdn -----------------------------------------
@@ -721,7 +696,7 @@ def main() -> int:
         conv_args = (x, torch.randn(10240, 4, device=device).to(dtype), torch.randn(1, 3, 10240, device=device))
         check("causal_conv1d T=4096 C=10240 K=4", dtype, causal_conv1d, oracle.causal_conv1d, conv_args, 4096)
         tree_args = (x[:, :23], *conv_args[1:], _tree_parents(23, device))
-        check("causal_conv1d_tree N=23", dtype, causal_conv1d_tree, causal_conv1d_tree_reference, tree_args)
+        check("causal_conv1d_tree N=23", dtype, causal_conv1d_tree, oracle.causal_conv1d_tree, tree_args)
 
     def sweep(label: str, kernel: Callable, args: tuple, options: list[dict]) -> None:
         """Time `kernel` under each launch option: the data for the defaults."""

@@ -716,7 +716,7 @@ class Qwen35Model:
         static = self.decode_graphs if static is None else static
         # The static pass writes every node's K/V at committed + i; the dynamic one only needs the deepest
         # node's position.
-        needed = committed + (tree.size if static else len(tree.levels))
+        needed = committed + (tree.size if static else tree.max_depth + 1)
         if needed > state.kv.max_context:
             raise LuceboxError(
                 f"context overflow: verifying {tree.size} nodes at position {committed} needs rows up to "
