@@ -20,7 +20,7 @@ set -o pipefail
 MODE=${1:?usage: gpu_session.sh check|bench-a|bench-b|spec}
 export OUT=${OUT:-$PWD/out} PYTHONUNBUFFERED=1 LUCEBOX_HOME=${LUCEBOX_HOME:-/tmp/lh} WORK=${WORK:-/tmp/w}
 export COMMIT=${COMMIT:-${LUCEBOX_COMMIT:-unknown}}
-RES=/tmp/gpu_session_$MODE
+export RES=/tmp/gpu_session_$MODE
 mkdir -p "$OUT" "$RES" "$WORK"
 SECONDS=0
 SKIP=" ${SKIP:-} "
@@ -68,10 +68,28 @@ check() {
   step determinism-08b 60 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
   step determinism-08b-mma 60 env LUCEBOX_MATVEC_VARIANT=mma python3 scripts/verify_determinism.py "$(model 0.8b)" \
     --json "$RES/determinism_mma.json"
+  # Is column j of a batch-N product bit-identical to row j's batch-1 product, per matvec variant?
+  step matvec-invariance 90 python3 scripts/matvec_probe.py invariance --json "$RES/matvec_invariance.json"
+  # Hardware counters of the main decode products (speed of light, memory, warp stalls, issue slots).
+  step ncu-matvec 120 ncu_matvec
   step profile-08b 60 python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES"
   step synth-27b 60 synth 27b
   step profile-27b 100 python3 scripts/bench_vs_llamacpp.py profile "$(model 27b)" --out "$RES"
 }
+
+ncu_matvec() {
+  command -v ncu >/dev/null || { echo "ncu not on the PATH"; return 1; }
+  ncu --clock-control none --kernel-name regex:matvec --launch-count 24 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats \
+    python3 scripts/matvec_probe.py launch ${NCU_CASES:-q4_k:17408:5120:1:mma8 q4_k:17408:5120:1:pipe_w4_d4_m1_k1 \
+    q6_k:17408:5120:1:pipe_w4_d3_m1_k1 q4_k:5120:17408:1:pipe_w4_d4_m2_k2 q4_k:17408:5120:23:mma \
+    q4_k:17408:5120:1:simt} >"$RES/ncu_matvec.txt" 2>&1
+  local rc=$?
+  grep -E "matvec_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|Stall|L2 Cache Throughput|Executed Ipc A" "$RES/ncu_matvec.txt" | head -200
+  return $rc
+}
+export -f ncu_matvec
 
 spec() {
   local build=0
