@@ -42,12 +42,12 @@ INVARIANCE_VARIANTS = ("simt", "mma", "mma8", "pipe_w4_d4_m1_k1", "pipe_w4_d4_m2
 
 
 def invariance(backend: CudaBackend, out_json: str | None) -> int:
-    gen = torch.Generator().manual_seed(3)
     device = backend.device
+    gen = torch.Generator(device=device).manual_seed(3)
     rows_out = []
     for fmt, rows, cols in INVARIANCE_SHAPES:
         weight = check.random_weight(fmt, rows, cols, gen, device)
-        x = torch.randn(64, cols, generator=gen).to(device=device, dtype=torch.bfloat16)
+        x = torch.randn(64, cols, generator=gen, device=device).to(torch.bfloat16)
         for variant in INVARIANCE_VARIANTS:
             try:
                 single = torch.cat([backend.matvec(x[j : j + 1], weight, variant=variant) for j in range(64)])
@@ -75,13 +75,13 @@ def invariance(backend: CudaBackend, out_json: str | None) -> int:
 
 
 def launch(backend: CudaBackend, cases: list[str]) -> int:
-    gen = torch.Generator().manual_seed(5)
     device = backend.device
+    gen = torch.Generator(device=device).manual_seed(5)
     for case in cases:
         fmt, rows, cols, batch, variant = case.split(":")
         rows, cols, batch = int(rows), int(cols), int(batch)
         weight = check.random_weight(fmt, rows, cols, gen, device)
-        x = torch.randn(batch, cols, generator=gen).to(device=device, dtype=torch.bfloat16)
+        x = torch.randn(batch, cols, generator=gen, device=device).to(torch.bfloat16)
         kernel = catalogue.matvec_kernel(fmt, "bf16", batch, rows, None if variant == "default" else variant,
                                          in_features=cols)
         print(f"{case}: kernel {kernel.name} grid {kernel.grid} block {kernel.block}", flush=True)
