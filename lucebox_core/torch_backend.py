@@ -392,8 +392,12 @@ class TorchBackend:
         `0 .. position-1` hold the committed prefix and rows `position + i` node i's K/V (insertion order);
         `position` `[1]` long on the device; `visible` bool `[N, N]`, True where node n may see node i
         (its ancestors and itself). Node n sees every committed row and the node rows `visible[n]` allows;
-        rows from `position + N` on are never seen. Products in q's dtype, softmax in fp32.
+        rows from `position + N` on are never seen. Products in q's dtype, softmax in fp32. k and v may be
+        a Q8_0 cache's raw rows, as for `decode_attention`.
         """
+        from .kv import dequantize_q8_0
+
+        k, v = (dequantize_q8_0(t, q.dtype) if t.dtype == torch.uint8 else t for t in (k, v))
         rows, kv_heads, head_dim = k.shape
         _, nodes, q_heads, _ = q.shape
         group = q_heads // kv_heads
@@ -460,6 +464,14 @@ class TorchBackend:
         windows = history[torch.stack(newest_first[::-1], dim=1)]  # [N, K, C]
         y = (windows * weight.to(x.dtype).t()).sum(dim=1)  # as causal_conv1d_step
         return y[None], windows[:, 1:]
+
+    def conv_silu_tree(
+        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`causal_conv1d_tree`, then SiLU on y: the tree form of `conv_silu_update_` (a backend fuses the
+        two as it fuses the decode step's, with the same arithmetic)."""
+        y, node_states = self.causal_conv1d_tree(x, weight, state, parents)
+        return self.silu(y), node_states
 
     # -- Gated DeltaNet --------------------------------------------------------------------------------
 

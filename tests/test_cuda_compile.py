@@ -82,16 +82,23 @@ def test_batch_tile_rejects_more_than_the_maximum():
 @pytest.mark.parametrize(
     ("fmt", "act", "rows", "shape", "variant", "name", "grid", "block", "slices"),
     [
-        # The H200 sweep's winners for the 27B shapes (catalogue.MATVEC_TUNED) ...
+        # The H200 sweep's batch-1 winners for the 27B shapes (catalogue.MATVEC_TUNED), at every batch ...
         ("q4_k", "bf16", 1, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 1088, 256, 1),
-        ("q4_k", "bf16", 1, (5120, 17408), "pipe_w4_d4_m2_k2", "matvec_pipe_w4_d4_m2_q4_k_bf16_1", 160, 128, 2),
+        ("q4_k", "bf16", 23, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_24", 1088, 256, 1),
+        # ... a two-row-group winner in its one-group form (two groups exist only up to batch 16) ...
+        ("q4_k", "bf16", 1, (5120, 17408), "pipe_w4_d4_m1_k2", "matvec_pipe_w4_d4_m1_q4_k_bf16_1", 320, 128, 2),
+        ("q4_k", "bf16", 33, (5120, 17408), "pipe_w4_d4_m1_k2", "matvec_pipe_w4_d4_m1_q4_k_bf16_48", 320, 128, 2),
         ("q6_k", "bf16", 1, (248320, 5120), "pipe_w4_d3_m1_k1", "matvec_pipe_w4_d3_m1_q6_k_bf16_1", 15520, 128, 1),
-        # ... and for unmeasured shapes the register-prefetch kernels, or CUDA cores for tiny products.
+        # ... a CUDA-core winner of a tiny shape on tensor cores ...
+        ("q4_k", "bf16", 1, (1024, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 64, 256, 1),
+        # ... and for unmeasured shapes the register-prefetch kernels.
         ("q4_k", "bf16", 1, (34816, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 2176, 256, 1),
         ("q4_k", "bf16", 8, (6000, 5120), "mma", "matvec_mma_q4_k_bf16_8", 375, 128, 1),
         ("q6_k", "f16", 13, (17000, 5120), "mma", "matvec_mma_q6_k_f16_16", 1063, 128, 1),
-        ("q4_k", "bf16", 1, (96, 5120), "simt", "matvec_q4_k_bf16_1", 24, 128, 1),
-        ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128, 1),  # fp32 beyond 8: CUDA cores
+        ("q4_k", "bf16", 1, (96, 5120), "mma", "matvec_mma_q4_k_bf16_1", 6, 128, 1),
+        # fp32 activations have tensor-core kernels only up to 8 rows: CUDA cores at every batch.
+        ("q5_k", "f32", 1, (17408, 5120), "simt", "matvec_q5_k_f32_1", 4352, 128, 1),
+        ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128, 1),
         ("q8_0", "bf16", 1, (17408, 5120), "simt", "matvec_q8_0_bf16_1", 4352, 128, 1),  # no tensor-core Q8_0
     ],
 )
@@ -99,6 +106,20 @@ def test_matvec_kernel_choice(fmt, act, rows, shape, variant, name, grid, block,
     kernel = catalogue.matvec_kernel(fmt, act, rows, shape[0], in_features=shape[1])
     assert (kernel.variant, kernel.name, kernel.grid, kernel.block, kernel.slices) == (
         variant, name, grid, block, slices)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("act", ["bf16", "f16", "f32"])
+def test_matvec_default_ignores_the_batch(fmt, act):
+    """One kernel variant per shape whatever the batch: a verify pass then computes each token's product
+    as the one-token decode step does (the GPU probe shows each variant is bit-identical across batches)."""
+    for out_features, in_features in [(17408, 5120), (5120, 17408), (248320, 5120), (1024, 5120), (48, 5120),
+                                      (6144, 5120), (34816, 5120), (100, 256)]:
+        chosen = {(kernel.variant, kernel.slices, kernel.block, kernel.grid)
+                  for rows in (1, 2, 5, 8, 16, 23, 33, 64)
+                  for kernel in [catalogue.matvec_kernel(fmt, act, rows, out_features, in_features=in_features,
+                                                         max_shared_bytes=200 * 1024)]}
+        assert len(chosen) == 1, (out_features, in_features, chosen)
 
 
 def test_named_variants_and_shared_memory():

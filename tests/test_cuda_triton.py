@@ -17,12 +17,12 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'trit
 
 import torch
 import torch.nn.functional as F
-from lucebox_cuda import triton_ops
+from lucebox_cuda import triton_attention, triton_ops
 from triton.runtime.interpreter import InterpretedFunction
 
 from lucebox_core.torch_backend import TorchBackend
 
-if not isinstance(triton_ops._decode_attention_split_kernel, InterpretedFunction):
+if not isinstance(triton_ops._causal_conv1d_step_kernel, InterpretedFunction):
     pytest.skip("lucebox_cuda.triton_ops was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
 
 REFERENCE = TorchBackend("cpu", torch.float32)
@@ -37,7 +37,7 @@ def nan_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.full_like(tensor, float("nan"))
 
 
-# -- decode attention ----------------------------------------------------------------------------------
+# -- decode attention (a one-node `triton_attention.tree_attention`) ----------------------------------------------------------------------------------
 
 # (query heads, KV heads, head dim, value dim, window rows, position): GQA ratios 1, 3 and 6 (27B: 24/4
 # heads of 256 dims), windows that are not whole blocks, positions inside, at the end of and past the window.
@@ -50,9 +50,10 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("blocks_per_split", [1, 3, 8])
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "value_dim", "rows", "position"), ATTENTION_CASES)
-def test_decode_attention_matches_reference(q_heads, kv_heads, head_dim, value_dim, rows, position, splits):
+def test_decode_attention_matches_reference(q_heads, kv_heads, head_dim, value_dim, rows, position,
+                                            blocks_per_split):
     torch.manual_seed(rows + q_heads)
     q = torch.randn(1, 1, q_heads, head_dim)
     k = torch.randn(rows, kv_heads, head_dim) * 2
@@ -61,7 +62,8 @@ def test_decode_attention_matches_reference(q_heads, kv_heads, head_dim, value_d
     scale = head_dim**-0.5
     expected = REFERENCE.decode_attention(q, k, v, pos, scale=scale)
     out = nan_like(expected)
-    result = triton_ops.decode_attention(q, k, v, pos, scale=scale, splits=splits, block_rows=32, out=out)
+    result = triton_attention.decode_attention(q, k, v, pos, scale=scale, block_n=32,
+                                               blocks_per_split=blocks_per_split, out=out)
     assert result is out
     assert relative_error(out, expected) < 1e-5
 
@@ -69,9 +71,11 @@ def test_decode_attention_matches_reference(q_heads, kv_heads, head_dim, value_d
 def test_decode_attention_ignores_rows_past_the_position():
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 1, 6, 32), torch.randn(100, 2, 32), torch.randn(100, 2, 32)
-    before = triton_ops.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, splits=4, block_rows=16)
+    before = triton_attention.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, block_n=16,
+                                               blocks_per_split=2)
     k[41:], v[41:] = float("nan"), float("nan")  # garbage past the position must not reach the output
-    after = triton_ops.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, splits=4, block_rows=16)
+    after = triton_attention.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, block_n=16,
+                                               blocks_per_split=2)
     assert torch.equal(before, after)
 
 
@@ -85,7 +89,7 @@ def test_decode_attention_strided_window_and_half_precision():
     k, v = cache_k[:, :, :32], cache_v[:, :, 32:]  # not contiguous: stride(0) = 128
     q = torch.randn(1, 1, 6, 32, dtype=torch.float16)
     pos = torch.tensor([190])
-    result = triton_ops.decode_attention(q, k, v, pos, scale=32**-0.5, block_rows=32)
+    result = triton_attention.decode_attention(q, k, v, pos, scale=32**-0.5, block_n=32, blocks_per_split=2)
     expected = REFERENCE.decode_attention(q.float(), k.float(), v.float(), pos, scale=32**-0.5)
     assert result.dtype == torch.float16
     assert relative_error(result, expected) < 5e-3
@@ -107,13 +111,8 @@ def test_decode_attention_reads_q8_0_rows(k_q8, v_q8):
     expected = REFERENCE.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5)
     if k_q8:
         k_in[51:] = torch.randint(0, 256, k_in[51:].shape, dtype=torch.uint8)
-    result = triton_ops.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5, splits=3, block_rows=16)
+    result = triton_attention.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5, block_n=16, blocks_per_split=2)
     assert relative_error(result, expected) < 1e-5
-
-
-def test_attention_splits_cover_the_window_in_whole_blocks():
-    assert triton_ops.attention_splits(10, 4, torch.device("cpu"), 64) == 1  # never under one block
-    assert triton_ops.attention_splits(64 * 100, 4, torch.device("cpu"), 64) == 4  # 4 per KV head on a CPU
 
 
 # -- Gated DeltaNet ------------------------------------------------------------------------------------
@@ -248,9 +247,10 @@ def backend_on_cpu():
 
 def test_backend_overrides_match_the_reference(backend_on_cpu, monkeypatch):
     calls = []
-    for name in ("decode_attention", "gated_delta_rule_step", "causal_conv1d_step"):
-        kernel = getattr(triton_ops, name)
-        monkeypatch.setattr(triton_ops, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    for module, name in ((triton_attention, "decode_attention"), (triton_ops, "gated_delta_rule_step"),
+                         (triton_ops, "causal_conv1d_step")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     torch.manual_seed(7)
     q, k, v = torch.randn(1, 1, 6, 32), torch.randn(90, 2, 32), torch.randn(90, 2, 32)
     pos = torch.tensor([70])
@@ -280,6 +280,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from lucebox_cuda import triton_attention as attention
 from lucebox_cuda import triton_ops as ops
 
 def signature(kernel, types, constants):
@@ -291,20 +292,22 @@ for capability in map(int, sys.argv[1:]):
     for act in ("bf16", "fp32"):
         pointer = "*" + act
         kernels = [
-            (ops._decode_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", max_ptr="*fp32",
-                  sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=8, BLOCK_G=16, BLOCK_N=64, BLOCK_D=256,
-                  BLOCK_DV=256, DOT_PRECISION="ieee" if act == "fp32" else "tf32", K_Q8=False, V_Q8=False)),
+            (attention._path_attention_split_kernel,
+             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", visible_ptr="*u8",
+                  max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+                  UPCAST_DOT=False, K_Q8=False, V_Q8=False)),
             # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
-            (ops._decode_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", max_ptr="*fp32",
-                  sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=8, BLOCK_G=16, BLOCK_N=64, BLOCK_D=256,
-                  BLOCK_DV=256, DOT_PRECISION="ieee" if act == "fp32" else "tf32", K_Q8=True, V_Q8=True)),
-            (ops._decode_attention_combine_kernel,
+            (attention._path_attention_split_kernel,
+             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
+                  max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+                  UPCAST_DOT=False, K_Q8=True, V_Q8=True)),
+            (attention._path_attention_combine_kernel,
              dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
-             dict(VALUE_DIM=256, BLOCK_S=64, BLOCK_DV=256)),
+             dict(Q_HEADS=24, VALUE_DIM=256, BLOCK_S=128, BLOCK_DV=64)),
             (ops._gated_delta_step_kernel,
              dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
                   new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),

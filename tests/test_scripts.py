@@ -337,9 +337,10 @@ def test_memory_measurement_flow_with_a_stand_in_allocator(tiny_files, monkeypat
     assert row["estimate_parts"]["kv"] == row["kv_bytes"]  # the model's estimate counts the same KV buffers
 
 
-def test_verify_determinism_script_measures_every_depth(tmp_path):
-    """scripts/verify_determinism.py on a tiny model on the CPU: a row per depth, depth 0 is the same
-    computation both ways, and every difference is at rounding level here (f32 reference backend)."""
+def test_verify_determinism_script_measures_every_node(tmp_path):
+    """scripts/verify_determinism.py on a tiny model on the CPU: a row per node of a chain and of a tree,
+    each with its depth, and every difference between verified and decoded logits at rounding level here
+    (f32 reference backend)."""
     import importlib.util
     import json
 
@@ -350,9 +351,9 @@ def test_verify_determinism_script_measures_every_depth(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "det.json"
-    assert module.main([str(model), "--nodes", "4", "--prefix", "9", "--json", str(out)]) == 0
+    assert module.main([str(model), "--nodes", "5", "--prefix", "9", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["depth"] for r in rows] == [0, 1, 2, 3]
-    assert rows[0]["verify_node_vs_root_max_abs"] == 0
-    assert all(r["verify_node_vs_root_max_abs"] < 1e-4 * r["logit_scale"] for r in rows)
-    assert all(r["verify_node_vs_root_argmax_same"] for r in rows)
+    assert [(r["shape"], r["depth"]) for r in rows] == [("chain", d) for d in range(5)] + [
+        ("tree", 0), ("tree", 1), ("tree", 1), ("tree", 2), ("tree", 2)]
+    assert all(r["max_abs"] < 1e-4 * r["logit_scale"] for r in rows)
+    assert all(r["argmax_same"] for r in rows)

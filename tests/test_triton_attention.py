@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'trit
 
 import torch
 import triton
-from lucebox_cuda import triton_attention, triton_ops
+from lucebox_cuda import triton_attention
 from triton.runtime.interpreter import InterpretedFunction
 
 from lucebox_core.speculative.trees import TreeIndex
@@ -145,7 +145,16 @@ def tree_inputs(nodes, position, rows, q_heads, kv_heads, dim, dtype=torch.float
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-@pytest.mark.parametrize("splits", [None, 1, 5])
+# Key partitions (rows per block, blocks per split): the kernel's default, and small ones that give
+# these short windows several blocks per split and several splits.
+PARTITIONS = [(None, None), (16, 1), (16, 3)]
+
+
+def partition(block_n, blocks_per_split):
+    return {} if block_n is None else {"block_n": block_n, "blocks_per_split": blocks_per_split}
+
+
+@pytest.mark.parametrize(("block_n", "blocks_per_split"), PARTITIONS)
 @pytest.mark.parametrize(("parents", "position", "rows", "q_heads", "kv_heads"), [
     (TREES[0], 37, 100, 6, 2),
     (TREES[1], 0, 30, 4, 2),
@@ -154,7 +163,7 @@ def tree_inputs(nodes, position, rows, q_heads, kv_heads, dim, dtype=torch.float
     (TREES[3], 60, 64, 4, 4),  # the last nodes' rows fall past the window: no node sees them
     (TREES[4], 20, 128, 3, 1),
 ])
-def test_tree_attention_matches_reference(parents, position, rows, q_heads, kv_heads, splits):
+def test_tree_attention_matches_reference(parents, position, rows, q_heads, kv_heads, block_n, blocks_per_split):
     torch.manual_seed(len(parents) * 31 + position)
     nodes, dim = len(parents), 32
     q, k, v = tree_inputs(nodes, position, rows, q_heads, kv_heads, dim)
@@ -162,14 +171,17 @@ def test_tree_attention_matches_reference(parents, position, rows, q_heads, kv_h
     pos = torch.tensor([position])
     expected = REFERENCE.tree_attention(q, k, v, pos, visible, scale=dim**-0.5)
     out = nan_like(expected)
-    result = triton_attention.tree_attention(q, k, v, pos, visible, scale=dim**-0.5, splits=splits, out=out)
+    result = triton_attention.tree_attention(q, k, v, pos, visible, scale=dim**-0.5, out=out,
+                                             **partition(block_n, blocks_per_split))
     assert result is out
     assert relative_error(out, expected) < BOUNDS[torch.float32]
 
 
-def test_tree_attention_small_tiles_and_bf16():
-    """Several row blocks per KV head and key blocks per split; bf16 q and cache against the fp32
-    reference on the same (rounded) values."""
+def test_tree_attention_bf16_and_q8_0_cache():
+    """bf16 q and cache against the fp32 reference on the same (rounded) values; then a Q8_0 cache's raw
+    rows, decoded in registers, against the reference on the same rows."""
+    from lucebox_core.kv import quantize_q8_0
+
     torch.manual_seed(21)
     parents = TREES[2]
     nodes = len(parents)
@@ -177,10 +189,14 @@ def test_tree_attention_small_tiles_and_bf16():
     visible = TreeIndex.build(parents).visibility()
     pos = torch.tensor([45])
     expected = REFERENCE.tree_attention(q.float(), k.float(), v.float(), pos, visible, scale=0.125)
-    for config in (None, SMALL_TILES):
-        result = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.125, splits=3, config=config)
-        assert result.dtype == torch.bfloat16
-        assert relative_error(result, expected) < BOUNDS[torch.bfloat16]
+    result = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.125, block_n=16, blocks_per_split=2)
+    assert result.dtype == torch.bfloat16
+    assert relative_error(result, expected) < BOUNDS[torch.bfloat16]
+    k8, v8 = quantize_q8_0(k.float().clamp(-50, 50)), quantize_q8_0(v.float().clamp(-50, 50))
+    expected = REFERENCE.tree_attention(q.float(), k8, v8, pos, visible, scale=0.125)
+    result = triton_attention.tree_attention(q.float(), k8, v8, pos, visible, scale=0.125, block_n=16,
+                                             blocks_per_split=2)
+    assert relative_error(result, expected) < BOUNDS[torch.float32]
 
 
 def test_tree_attention_never_reads_rows_past_the_tree():
@@ -191,23 +207,47 @@ def test_tree_attention_never_reads_rows_past_the_tree():
     q, k, v = tree_inputs(len(parents), 50, 128, 6, 2, 16)
     visible = TreeIndex.build(parents).visibility()
     pos = torch.tensor([50])
-    clean = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, splits=4)
+    clean = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, block_n=16, blocks_per_split=2)
     k[50 + len(parents) :], v[50 + len(parents) :] = float("nan"), float("nan")
-    poisoned = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, splits=4)
+    poisoned = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, block_n=16, blocks_per_split=2)
     assert torch.equal(clean, poisoned)
 
 
 @pytest.mark.parametrize("position", [0, 40, 99, 300])
-def test_tree_attention_of_one_root_is_decode_attention(position):
-    """N = 1, visible [[True]]: the root sees rows 0 .. position, as the decode step does (300: past the
-    window, every row)."""
+def test_decode_attention_sees_rows_up_to_its_position(position):
+    """One node that sees itself: rows 0 .. position, as the reference decode step (300: past the window,
+    every row)."""
     torch.manual_seed(position)
     q, k, v = torch.randn(1, 1, 6, 32), torch.randn(100, 2, 32), torch.randn(100, 2, 32)
     pos = torch.tensor([position])
-    result = triton_attention.tree_attention(q, k, v, pos, torch.ones(1, 1, dtype=torch.bool), scale=0.2)
-    decoded = triton_ops.decode_attention(q, k, v, pos, scale=0.2, block_rows=32)
-    assert relative_error(result, decoded) < 1e-6
+    result = triton_attention.decode_attention(q, k, v, pos, scale=0.2, block_n=16, blocks_per_split=2)
     assert relative_error(result, REFERENCE.decode_attention(q, k, v, pos, scale=0.2)) < BOUNDS[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parents", [TREES[1], TREES[3], TREES[2]])
+def test_tree_node_equals_decoding_its_path_bit_for_bit(parents, dtype):
+    """What lets speculative decoding reproduce plain decoding on a GPU even at near-ties: each node's
+    output equals, to the bit, the decode step's for the same query once its path is committed (the path's
+    K/V rows moved to follow the prefix, as commit leaves them), in a window of another size (another
+    split count) with other rows past the path."""
+    torch.manual_seed(len(parents) + (dtype == torch.bfloat16))
+    nodes, position, rows, dim = len(parents), 37, 80, 32
+    q, k, v = tree_inputs(nodes, position, rows, 6, 2, dim, dtype)
+    visible = TreeIndex.build(parents).visibility()
+    verified = triton_attention.tree_attention(q, k, v, torch.tensor([position]), visible, scale=0.2,
+                                               block_n=16, blocks_per_split=2)
+    for node in range(nodes):
+        path = [i for i in range(nodes) if visible[node, i]]
+        decode_rows = 130  # a larger window: more splits, past the path all noise
+        k_decode, v_decode = (torch.randn(decode_rows, 2, dim).to(dtype) for _ in range(2))
+        k_decode[:position], v_decode[:position] = k[:position], v[:position]
+        for depth, index in enumerate(path):
+            k_decode[position + depth], v_decode[position + depth] = k[position + index], v[position + index]
+        decoded = triton_attention.decode_attention(
+            q[:, node : node + 1], k_decode, v_decode, torch.tensor([position + len(path) - 1]), scale=0.2,
+            block_n=16, blocks_per_split=2)
+        assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
 
 
 def test_tree_attention_strided_window():
@@ -233,7 +273,6 @@ def test_tree_attention_strided_window():
 def test_tiles_suit_tensor_cores(dim, dtype):
     """tl.dot needs power-of-two tiles of at least 16 on every side, whatever the model's shapes."""
     configs = [triton_attention.prefill_config(dim, dim, dtype)]
-    configs += [triton_attention.tree_config(nodes * 6, dim, dim, dtype) for nodes in (1, 3, 8, 23, 65)]
     for config in configs:
         for side in (config.block_m, config.block_n):
             assert side >= 16 and side == triton.next_power_of_2(side), config

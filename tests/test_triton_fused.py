@@ -140,6 +140,47 @@ def test_gated_delta_tree(dtype, parents):
     assert ((node_states - ref_states).norm() / ref_states.norm()).item() < TOLERANCE[dtype]
 
 
+def tree_path(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 2, 3], [-1, 0, 0, 1, 3, 2, 2]])
+def test_tree_kernels_equal_decoding_each_path_bit_for_bit(dtype, parents):
+    """The tree convolution (+SiLU) and the Gated DeltaNet tree walk give each node exactly the bits the
+    decode step's kernels give the same token after its path: speculative verification on a GPU then
+    reproduces plain decoding even where bf16 logits nearly tie."""
+    from lucebox_cuda import triton_gdn
+
+    gen = torch.Generator().manual_seed(len(parents) + 10 * (dtype == torch.bfloat16))
+    key_heads, value_heads, dk, dv = 2, 6, 16, 32
+    nodes, channels = len(parents), 2 * key_heads * dk + value_heads * dv
+    x = randn(1, nodes, channels, gen=gen, dtype=dtype)
+    weight = randn(channels, 4, gen=gen, dtype=dtype)
+    conv_state = randn(1, 3, channels, gen=gen, dtype=dtype)
+    ab = randn(1, nodes, 2 * value_heads, gen=gen, dtype=dtype) * 3
+    b, a = ab[..., :value_heads].contiguous(), ab[..., value_heads:].contiguous()
+    ssm_a = -torch.rand(value_heads, generator=gen) * 4
+    dt_bias = randn(value_heads, gen=gen)
+    recurrent = randn(1, value_heads, dk, dv, gen=gen) * 0.3
+    index = torch.tensor(parents)
+    mixed, node_conv = triton_gdn.causal_conv1d_tree(x, weight, conv_state, index, activation="silu")
+    out, node_states = triton_fused.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, recurrent, index, key_heads, dk)
+    for node in range(nodes):
+        conv, state = conv_state.clone(), recurrent.clone()
+        for token in tree_path(parents, node):
+            step, _ = triton_ops.causal_conv1d_step(x[:, token], weight, conv, activation="silu", new_state=conv)
+            core = triton_fused.gated_delta_decode_(step, a[:, token], b[:, token], ssm_a, dt_bias, state,
+                                                    key_heads, dk)
+        assert torch.equal(step[0], mixed[0, node]), f"conv output of node {node}"
+        assert torch.equal(conv[0], node_conv[node]), f"conv state of node {node}"
+        assert torch.equal(core[0, 0], out[0, node]), f"delta output of node {node}"
+        assert torch.equal(state[0], node_states[node]), f"delta state of node {node}"
+
+
 class FusedKernelsOnCpu(TorchBackend):
     """The reference backend with the fused ops (and the decode kernels) swapped for the Triton kernels
     under the interpreter: the model's calls, shapes and strides, exercised without a GPU."""

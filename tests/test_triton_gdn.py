@@ -248,7 +248,7 @@ if True:
                    dict(KERNEL=4, BLOCK_T=16, BLOCK_C=256, BLOCK_K=4))
     compile_kernel(gdn._causal_conv1d_tree_kernel,
                    dict(x_ptr=p, weight_ptr=p, state_ptr="*fp32", parents_ptr="*i64", y_ptr=p, node_states_ptr=p),
-                   dict(KERNEL=4, BLOCK_C=256))
+                   dict(KERNEL=4, BLOCK_K=4, BLOCK_C=256, SILU=True))
 """
 
 

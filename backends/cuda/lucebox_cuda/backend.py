@@ -359,23 +359,30 @@ class CudaBackend(TorchBackend):
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float
     ) -> torch.Tensor:
-        """The reference `decode_attention`, split over the window's rows (flash-decoding) in Triton; a Q8_0
-        window (uint8 rows) is decoded in registers."""
-        if not _triton_takes(self.device, q, k, v, position) or k.dim() != 3 or q.shape[2] % k.shape[1]:
+        """The reference `decode_attention` as a one-node tree verification (`triton_attention`): the decode
+        step and a speculative verify pass share one kernel and one key partition, so a verified token gets
+        the bits the decode step gives it. A Q8_0 window (uint8 rows) is decoded in registers."""
+        if (_triton_attention() is None or not _triton_takes(self.device, q, k, v, position) or k.dim() != 3
+                or q.shape[2] % k.shape[1]):
             return super().decode_attention(q, k, v, position, scale=scale)
+        return self._cache_attention(lambda: _triton_attention().decode_attention(q, k, v, position, scale=scale),
+                                     lambda: super(CudaBackend, self).decode_attention(q, k, v, position, scale=scale),
+                                     k, v)
+
+    def _cache_attention(self, kernel: Any, reference: Any, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         quantized = k.dtype == torch.uint8 or v.dtype == torch.uint8
         if quantized and self.__dict__.get("_q8_attention_failure"):
-            return super().decode_attention(q, k, v, position, scale=scale)
+            return reference()
         try:
-            return _triton_ops().decode_attention(q, k, v, position, scale=scale)
+            return kernel()
         except Exception as exc:  # noqa: BLE001 -- first used eagerly (a graph's warm-up), so this is safe
             if not quantized or torch.cuda.is_current_stream_capturing():
                 raise
-            # The Q8_0 path is the newest kernel: if it does not build here, decode through the reference.
+            # The Q8_0 path is the newest kernel: if it does not build here, run through the reference.
             self.__dict__["_q8_attention_failure"] = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"Q8_0 decode attention kernel unavailable, decoding the window instead: {exc}",
-                          RuntimeWarning, stacklevel=2)
-            return super().decode_attention(q, k, v, position, scale=scale)
+            warnings.warn(f"Q8_0 cache attention kernel unavailable, decoding the window instead: {exc}",
+                          RuntimeWarning, stacklevel=3)
+            return reference()
 
     def gated_delta_rule_recurrent(
         self,
@@ -477,7 +484,8 @@ class CudaBackend(TorchBackend):
 
     def tree_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
                        visible: torch.Tensor, *, scale: float) -> torch.Tensor:
-        """The reference `tree_attention`, split over the window's rows (flash-decoding for N nodes) in Triton."""
+        """The reference `tree_attention` in Triton: each node over its own path, split over the rows in the
+        decode step's fixed partition (flash-decoding for N nodes); a Q8_0 window is decoded in registers."""
         if (
             _triton_attention() is None
             or not _triton_takes(self.device, q, k, v, position, visible)
@@ -485,7 +493,9 @@ class CudaBackend(TorchBackend):
             or q.shape[2] % k.shape[1]
         ):
             return super().tree_attention(q, k, v, position, visible, scale=scale)
-        return _triton_attention().tree_attention(q, k, v, position, visible, scale=scale)
+        return self._cache_attention(
+            lambda: _triton_attention().tree_attention(q, k, v, position, visible, scale=scale),
+            lambda: super(CudaBackend, self).tree_attention(q, k, v, position, visible, scale=scale), k, v)
 
     # -- Gated DeltaNet prefill and tree verification (lucebox_cuda.triton_gdn) ------------------------
 
@@ -530,6 +540,16 @@ class CudaBackend(TorchBackend):
                 or not _triton_takes(self.device, x, weight, state, parents)):
             return super().causal_conv1d_tree(x, weight, state, parents)
         return gdn.causal_conv1d_tree(x, weight, state, parents)
+
+    def conv_silu_tree(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree convolution with SiLU in the same kernel, reduced and activated as the decode step's
+        `conv_silu_update_` kernel does: a verified node's GDN input is the decode step's to the bit."""
+        gdn = _triton_gdn()
+        if (gdn is None or weight.shape[1] < 2 or x.shape[0] != 1
+                or not _triton_takes(self.device, x, weight, state, parents)):
+            return super().conv_silu_tree(x, weight, state, parents)
+        return gdn.causal_conv1d_tree(x, weight, state, parents, activation="silu")
 
     def gated_delta_tree(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
                          dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor, num_k_heads: int,

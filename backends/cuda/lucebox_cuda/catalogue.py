@@ -52,10 +52,9 @@ MMA_MAX_BATCH: dict[str, int] = {"bf16": 64, "f16": 64, "f32": 8}
 # Register-prefetch variants (matvec_mma.cu) -> (name prefix, warps per block): "mma8" splits each row
 # over 8 warps instead of 4.
 MMA_VARIANTS: dict[str, tuple[str, int]] = {"mma": ("matvec_mma", 4), "mma8": ("matvec_mma8", 8)}
-# Where the 8-warp kernel measured faster (H200 sweeps): Q4_K/Q5_K with at most 4 activation rows and 8192
-# to 65536 output rows, where the 4-warp grid ends in a part-empty wave. The fallback for unmeasured shapes.
+# Where the 8-warp kernel measured faster at batch 1 (H200 sweeps): Q4_K/Q5_K with 8192 to 65536 output
+# rows, where the 4-warp grid ends in a part-empty wave. The fallback for unmeasured shapes.
 MMA8_FORMATS = ("q4_k", "q5_k")
-MMA8_MAX_BATCH = 4
 MMA8_OUT_FEATURES = range(8192, 65537)
 # "pipe" is the default streamed variant (matvec_pipe.cu) for the shape; explicit ones are named by
 # `PipeVariant.name`, e.g. "pipe_w4_d4_m1_k2".
@@ -201,20 +200,28 @@ def pipe_slices(out_features: int, in_features: int, weight_format: str, row_gro
 
 
 def default_variant(weight_format: str, activation: str, rows: int, out_features: int, in_features: int) -> str:
-    """The variant a product uses by default: a measured entry of MATVEC_TUNED for the exact shape, else
-    the streamed kernel (4 warps, 4 stages; K-slices by `pipe_slices`) wherever a tensor-core kernel
-    exists, else the CUDA-core kernel."""
-    if not has_mma_kernel(weight_format, activation, rows):
+    """The variant a product uses by default, chosen by the shape alone and never by the batch.
+
+    Every variant computes each activation row's product with the same instructions in the same order
+    whatever the batch (`scripts/matvec_probe.py invariance` checks this bit for bit on the GPU), so one
+    variant per shape gives a token the same logits in a one-token decode step and in a 16-64-row
+    speculative verify pass: what makes speculative decoding reproduce plain greedy decoding on the GPU
+    even at near-ties (and `--force-accept` hold). The choice is the batch-1 winner of MATVEC_TUNED for
+    the exact shape, with two-row-group streamed kernels (built only up to batch 16) taken in their
+    one-group form, and CUDA-core winners of tiny shapes replaced by a tensor-core kernel (a CUDA-core
+    product of a 16-64-row verify costs several times a tensor-core one, at ~1 us more per decode step).
+    Unmeasured shapes: the 8-warp tensor-core kernel for Q4_K/Q5_K with 8K-64K rows, else 4 warps.
+    Activations with no tensor-core kernel at MAX_BATCH rows (fp32 beyond 8) take the CUDA-core kernel at
+    every batch, for the same reason."""
+    if not has_mma_kernel(weight_format, activation, MAX_BATCH):
         return "simt"
-    tuned = MATVEC_TUNED.get((weight_format, batch_tile(rows), out_features, in_features))
-    if tuned is not None and _variant_exists(tuned, weight_format, activation, rows):
+    tuned = MATVEC_TUNED.get((weight_format, 1, out_features, in_features))
+    pipe = PipeVariant.parse(tuned) if tuned is not None else None
+    if pipe is not None:
+        return attrs.evolve(pipe, row_groups=1).name if pipe.row_groups > 1 else tuned
+    if tuned in MMA_VARIANTS:
         return tuned
-    # Unmeasured shapes take the kernels checked on every shape (the streamed one only where the sweep
-    # measured it): tiny products on CUDA cores, where a 16-row tensor-core tile would mostly idle; the
-    # 8-warp tensor-core kernel for 8K-64K rows at small batches (it won every such Q4_K shape); else 4 warps.
-    if batch_tile(rows) <= 2 and out_features < 2048:
-        return "simt"
-    if weight_format in MMA8_FORMATS and batch_tile(rows) <= MMA8_MAX_BATCH and out_features in MMA8_OUT_FEATURES:
+    if weight_format in MMA8_FORMATS and (out_features in MMA8_OUT_FEATURES or tuned == "simt"):
         return "mma8"
     return "mma"
 

@@ -7,9 +7,11 @@
   fp32, products on tensor cores in q's dtype. Key blocks wholly above the causal diagonal are never
   visited; blocks wholly below it skip the mask arithmetic.
 - `tree_attention`: `TorchBackend.tree_attention`, N tree nodes against a fixed window of the KV cache
-  with the committed length `position` on the device. Flash-decoding: the visible rows are split evenly
-  over `splits` programs per (block of node rows, KV head), each leaving a partial max, sum and output
-  that a second kernel combines. No host value depends on device data: the call records into a CUDA graph.
+  with the committed length `position` on the device, and `decode_attention`, the same kernel for one
+  node. Flash-decoding over each node's own key sequence (the committed rows, then its path in order),
+  cut into fixed splits from position 0 that a second kernel merges in order: a verified node gets the
+  decode step's result for the same path to the bit. No host value depends on device data: the call
+  records into a CUDA graph.
 
 Triton 3.6's interpreter cannot take a loop bound that is a tensor (a program id or a loaded value;
 triton-lang/triton#9171 under numpy >= 2.4), so each key loop has two drivers chosen by a constexpr: on
@@ -30,16 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous
+from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous, _load_kv_rows
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 from triton.runtime.errors import TritonError
 
 LOG2_E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
-# Programs the tree split aims for per streaming multiprocessor, as in triton_ops' decode attention.
-PROGRAMS_PER_SM = 2
-# Value dims one tree-combine program owns (the splits x dims tile of fp32 partial outputs is in registers).
-COMBINE_BLOCK_VALUES = 64
 
 
 class BlockConfig(NamedTuple):
@@ -68,18 +66,6 @@ def prefill_config(head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockCo
     if dtype == torch.float32:
         return BlockConfig(16, 32, 8, 1) if wide else BlockConfig(16, 32, 4, 2)
     return BlockConfig(64, 64, 8, 2) if wide else BlockConfig(128, 64, 8, 3)
-
-
-def tree_config(rows: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """The tree-verify tiles: `rows` = nodes x group query rows share each K/V tile. Up to 64 rows go in one
-    program (each K/V row is read once per split); more take several programs per split, which run side
-    by side and meet the same K/V tiles in L2. 64 keys: two stages of K and V (128 KiB at 256 dims in 16
-    bits) stream while the tensor cores work. 16 rows (N <= 2 at 27B's 6 heads a group) keep to 4 warps,
-    so two programs share an SM; 32 or 64 rows need 8 warps not to spill."""
-    if dtype == torch.float32:
-        return BlockConfig(16, 32, 8, 1) if max(head_dim, value_dim) > 128 else BlockConfig(16, 32, 4, 2)
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return BlockConfig(block_m, 64, 4 if block_m == 16 else 8, 2)
 
 
 # -- shared block body ---------------------------------------------------------------------------------
@@ -302,175 +288,152 @@ def attention(
     return out
 
 
-# -- tree verification ---------------------------------------------------------------------------------
+# -- tree verification and the decode step -------------------------------------------------------------
 
 
 @triton.jit
-def _tree_key_block(
-    acc, running_max, running_sum, q, key_start, end, position, nodes,
-    k_ptr, v_ptr, visible_ptr, node, row_ok, dims, value_dims, qk_scale,
-    stride_kt, stride_vt, stride_visible_n, stride_visible_i,
-    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, EDGE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    """Window rows key_start .. key_start + BLOCK_N. Not EDGE: committed rows only, seen by every node.
-    EDGE: rows up to `end`; a committed row is seen by all, node row position + i by the nodes whose
-    `visible` row allows i."""
-    keys = key_start + tl.arange(0, BLOCK_N)
-    key_ok = keys < end
-    key_rows = keys.to(tl.int64)
-    k = _load_tile(k_ptr + key_rows[:, None] * stride_kt + dims[None, :], key_ok, dims < HEAD_DIM,
-                   EDGE, BLOCK_D != HEAD_DIM)
-    v = _load_tile(v_ptr + key_rows[:, None] * stride_vt + value_dims[None, :], key_ok, value_dims < VALUE_DIM,
-                   EDGE, BLOCK_DV != VALUE_DIM)
-    seen = key_ok[None, :]
-    if EDGE:
-        tree_index = keys - position  # node i's K/V sits at row position + i
-        in_tree = key_ok & (tree_index >= 0) & (tree_index < nodes)
-        allowed = tl.load(visible_ptr + node[:, None] * stride_visible_n + tree_index[None, :] * stride_visible_i,
-                          mask=row_ok[:, None] & in_tree[None, :], other=0)
-        seen = key_ok[None, :] & ((keys < position)[None, :] | (allowed != 0))
-    return _softmax_step(acc, running_max, running_sum, q, k, v, seen, qk_scale, EDGE, DOT_PRECISION, UPCAST_DOT)
-
-
-@triton.jit
-def _tree_attention_split_kernel(
+def _path_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, position_ptr, visible_ptr, max_ptr, sum_ptr, acc_ptr,
-    nodes, rows, qk_scale, blocks_per_split,
-    stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_visible_n, stride_visible_i,
+    nodes, rows, scale,
+    stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_visible_n,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, STATIC_TRIPS: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_NODES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    K_Q8: tl.constexpr, V_Q8: tl.constexpr,
 ):
-    """Partial attention of BLOCK_M (node, head) rows of one KV head over this split's share of the rows.
+    """Partial attention of one node's GROUP query heads (one KV head) over one split of its key sequence.
 
-    The window is cut into runs of `blocks_per_split` whole blocks from row 0, whatever the position, so
-    a node's result depends only on the rows it sees: the same token at the same position verifies to the
-    same bits in any step (speculative decoding's forced-acceptance check relies on it); runs past the
-    rows a node sees are empty. Writes per row and split the max of the scores, the sum of exp(score - max) and the
-    unnormalised output, in base 2. STATIC_TRIPS: 0 on the GPU; under the interpreter, the most blocks
-    a split can hold.
+    A node's key sequence is its path as plain decoding would have laid it out: the committed rows
+    0 .. position-1, then its ancestors and itself (the nodes its `visible` row allows, in index order)
+    at logical positions position, position + 1, ... Key tiles are cut from that logical sequence in
+    fixed splits of BLOCKS_PER_SPLIT x BLOCK_N from position 0, and a node row is fetched from wherever
+    the tree put it (row position + i for node i). So a node computes exactly what the one-token decode
+    step computes for the same token once its path is committed, to the bit: the same tiles, the same
+    masks, the same order of every sum. Writes per (node, head, split) the max score, the sum of
+    exp(score - max) and the unnormalised output.
     """
-    block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    splits = tl.num_programs(2)
-    packed = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    node = packed // GROUP
-    head = kv_head * GROUP + packed % GROUP
-    row_ok = node < nodes
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    node = tl.program_id(2)
+    splits = tl.num_programs(1)
+    group_index = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + group_index
+    head_ok = group_index < GROUP
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + node[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-    k_ptr += kv_head * stride_kh
-    v_ptr += kv_head * stride_vh
+    # The group's query heads are the rows of a small matrix, padded to the 16 rows tl.dot needs.
+    q = tl.load(q_ptr + node * stride_qn + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
 
-    position = tl.load(position_ptr)
-    seen_end = tl.minimum(position + nodes, rows)
-    committed_end = tl.minimum(position, rows)
-    start = split * blocks_per_split * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, seen_end)
-    # Whole blocks of committed rows need no mask; the rest of the run (the block holding `position`,
-    # the node rows) does.
-    full_end = tl.maximum(start, start + (tl.minimum(end, committed_end) - start) // BLOCK_N * BLOCK_N)
+    committed = tl.load(position_ptr)
+    others = tl.arange(0, BLOCK_NODES)
+    other_ok = others < nodes
+    on_path = tl.load(visible_ptr + node * stride_visible_n + others, mask=other_ok, other=0).to(tl.int32)
+    on_path = tl.where(other_ok & (on_path != 0), 1, 0)
+    rank = tl.cumsum(on_path, axis=0)  # path nodes among 0 .. j
+    seen_end = tl.minimum(committed + tl.sum(on_path, axis=0), rows)
+    start = split * (BLOCKS_PER_SPLIT * BLOCK_N)
+    end = tl.minimum(start + BLOCKS_PER_SPLIT * BLOCK_N, seen_end)
 
-    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if STATIC_TRIPS == 0:
-        for key_start in range(start, full_end, BLOCK_N):
-            acc, running_max, running_sum = _tree_key_block(
-                acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr, visible_ptr,
-                node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt, stride_visible_n, stride_visible_i,
-                HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_PRECISION, UPCAST_DOT)
-        for key_start in range(full_end, end, BLOCK_N):
-            acc, running_max, running_sum = _tree_key_block(
-                acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr, visible_ptr,
-                node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt, stride_visible_n, stride_visible_i,
-                HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_PRECISION, UPCAST_DOT)
-    else:
-        for step in range(STATIC_TRIPS):
-            key_start = start + step * BLOCK_N
-            if key_start < full_end:
-                acc, running_max, running_sum = _tree_key_block(
-                    acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr,
-                    visible_ptr, node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt,
-                    stride_visible_n, stride_visible_i,
-                    HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_PRECISION, UPCAST_DOT)
-        for step in range(STATIC_TRIPS):
-            key_start = full_end + step * BLOCK_N
-            if key_start < end:
-                acc, running_max, running_sum = _tree_key_block(
-                    acc, running_max, running_sum, q, key_start, end, position, nodes, k_ptr, v_ptr,
-                    visible_ptr, node, row_ok, dims, value_dims, qk_scale, stride_kt, stride_vt,
-                    stride_visible_n, stride_visible_i,
-                    HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_PRECISION, UPCAST_DOT)
+    running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    # A fixed trip count and a skip: the interpreter cannot take a loop bound read from memory.
+    for block in range(BLOCKS_PER_SPLIT):
+        block_start = start + block * BLOCK_N
+        if block_start < end:
+            logical = block_start + tl.arange(0, BLOCK_N)
+            row_ok = logical < end
+            # Logical position committed + t holds the path's t-th node: index #{j : rank[j] <= t}.
+            t = logical - committed
+            path_node = tl.sum(((rank[None, :] <= t[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
+            row = tl.where(logical < committed, logical, committed + path_node)
+            # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
+            row_ok = row_ok & (row < rows)
+            row = row.to(tl.int64)
+            k = _load_kv_rows(k_ptr + kv_head * stride_kh, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8)
+            # Products in q's dtype: the window is read once, never upcast in memory.
+            scores = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST_DOT) * scale  # [G, N] fp32
+            scores = tl.where(row_ok[None, :], scores, float("-inf"))
+            block_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            # -inf only when nothing was seen yet (a window shorter than the tree): shift by 0, not NaN.
+            shift = tl.where(block_max == float("-inf"), 0.0, block_max)
+            rescale = tl.exp(running_max - shift)
+            probs = tl.exp(scores - shift[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            v = _load_kv_rows(v_ptr + kv_head * stride_vh, row, row_ok, value_dims, value_dims < VALUE_DIM,
+                              stride_vt, V_Q8)
+            acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
+            running_max = block_max
 
-    # A split with no rows (or none this row sees) stores max -inf and sum 0: the combine weighs it 0.
-    partial = (node * Q_HEADS + head) * splits + split
-    tl.store(max_ptr + partial, running_max, mask=row_ok)
-    tl.store(sum_ptr + partial, running_sum, mask=row_ok)
+    # A split past the node's sequence stores max -inf, sum 0 and output 0: the combine adds exact zeros.
+    partial = (node * Q_HEADS + heads) * splits + split
+    tl.store(max_ptr + partial, running_max, mask=head_ok)
+    tl.store(sum_ptr + partial, running_sum, mask=head_ok)
     tl.store(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :], acc,
-             mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
+             mask=head_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
 
 
 @triton.jit
-def _tree_attention_combine_kernel(
+def _path_attention_combine_kernel(
     max_ptr, sum_ptr, acc_ptr, out_ptr, splits, stride_on, stride_oh,
     Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One (node, query head) and BLOCK_DV of its value dims: the softmax-weighted merge of its splits'
-    partial results (base 2)."""
+    """One (node, query head) and BLOCK_DV of its value dims: its splits' partial results merged one
+    after another in split order, so splits past the node's sequence (more of them in a larger window)
+    add exact zeros and change no bit."""
     row = tl.program_id(0)
     split_index = tl.arange(0, BLOCK_S)
-    split_ok = split_index < splits
     value_dims = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    partial = row * splits + split_index
-    split_max = tl.load(max_ptr + partial, mask=split_ok, other=float("-inf"))
-    split_sum = tl.load(sum_ptr + partial, mask=split_ok, other=0.0)
-    split_acc = tl.load(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :],
-                        mask=split_ok[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
-    top = tl.max(split_max, axis=0)
-    weight = tl.exp2(split_max - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty splits
-    out = tl.sum(split_acc * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
+    value_ok = value_dims < VALUE_DIM
+    top = tl.max(tl.load(max_ptr + row * splits + split_index, mask=split_index < splits, other=float("-inf")),
+                 axis=0)  # finite: split 0 holds position 0, which every node sees
+    total = tl.zeros([1], dtype=tl.float32)
+    out = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    split = 0
+    while split < splits:  # a while loop: the interpreter cannot take an argument as a range() bound
+        weight = tl.exp(tl.load(max_ptr + row * splits + split) - top)  # exp(-inf) = 0 for an empty split
+        total += tl.load(sum_ptr + row * splits + split) * weight
+        out += tl.load(acc_ptr + (row * splits + split) * VALUE_DIM + value_dims, mask=value_ok, other=0.0) * weight
+        split += 1
     node, head = row // Q_HEADS, row % Q_HEADS
-    tl.store(out_ptr + node * stride_on + head * stride_oh + value_dims, out.to(out_ptr.dtype.element_ty),
-             mask=value_dims < VALUE_DIM)
+    tl.store(out_ptr + node * stride_on + head * stride_oh + value_dims, (out / total).to(out_ptr.dtype.element_ty),
+             mask=value_ok)
 
 
-# Rows of one split of the tree kernel: fixed, so the partition of the rows a node sees (and so the
-# rounding of its result) does not depend on the window or the position. 512 rows keep 64 splits (x KV
-# heads x row blocks) in flight at 32K; past MAX_TREE_SPLITS splits the runs grow instead.
-TREE_SPLIT_ROWS = 512
-MAX_TREE_SPLITS = 128
-
-
-def tree_splits(rows: int, programs_per_split: int, device: torch.device, block_n: int) -> int:
-    """Runs the tree kernel cuts a window of `rows` into: one per `TREE_SPLIT_ROWS` rows (at most
-    `MAX_TREE_SPLITS`); under the interpreter a few, so tests exercise the combine."""
-    blocks = max(1, triton.cdiv(rows, block_n))
-    if device.type != "cuda":
-        return min(blocks, 3)
-    return min(blocks, MAX_TREE_SPLITS, triton.cdiv(rows, max(block_n, TREE_SPLIT_ROWS)))
+# Key rows per loop step and loop steps per split of the path kernel. Fixed (never chosen from the window,
+# the node count or the position): the partition of a node's key sequence, and so the rounding of its
+# result, then depends only on the sequence. 256 rows keep 128 splits x KV heads x nodes programs in
+# flight at a 32K context, and a short context a few splits.
+PATH_BLOCK_N = 64
+PATH_BLOCKS_PER_SPLIT = 4
+# Value dims one combine program merges.
+COMBINE_BLOCK_VALUES = 64
 
 
 def tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, visible: torch.Tensor, *,
-    scale: float, splits: int | None = None, out: torch.Tensor | None = None, config: BlockConfig | None = None,
+    scale: float, out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N,
+    blocks_per_split: int = PATH_BLOCKS_PER_SPLIT,
 ) -> torch.Tensor:
-    """`TorchBackend.tree_attention`: q `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of
-    the cache; rows `position + i` hold node i); `position` `[1]` long and `visible` bool `[N, N]`, both on
-    q's device -> `[1, N, Hq, Dv]` in q's dtype. Node n sees the committed rows `< position` and the node
-    rows `visible[n]` allows; rows from `position + N` on are never read.
+    """`TorchBackend.tree_attention` (and, with one node that sees itself, `decode_attention`): q
+    `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of the cache; rows `position + i`
+    hold node i), each values or a Q8_0 cache's raw rows (uint8 `[W, Hkv, D / 32 * 34]`, decoded in
+    registers); `position` `[1]` long and `visible` bool `[N, N]` (ancestors and self), both on q's
+    device -> `[1, N, Hq, Dv]` in q's dtype. Node n sees the committed rows `< position` and its path.
 
-    `splits`: runs of rows reduced in parallel (default `tree_splits`). A fixed (N, W) gives a fixed
-    launch, so the call records into a CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype with a
-    contiguous last dim to write into. `config`: tiles other than `tree_config`'s (for tuning).
+    Each node runs the decode step's arithmetic over its own path (see the split kernel): a verified
+    node's output equals, bit for bit, what decoding its path token by token gives. A fixed (N, W) gives a
+    fixed launch, so the call records into a CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype
+    with a contiguous last dim to write into. `block_n`, `blocks_per_split`: the fixed partition (tests
+    use small ones; decode and verify must use the same).
     """
+    k_q8, v_q8 = k.dtype == torch.uint8, v.dtype == torch.uint8
     rows, kv_heads, head_dim = k.shape
     _, nodes, q_heads, _ = q.shape
     value_dim = v.shape[2]
+    head_dim = head_dim // 34 * 32 if k_q8 else head_dim
+    value_dim = value_dim // 34 * 32 if v_q8 else value_dim
     if (q.shape[0] != 1 or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads
             or visible.shape != (nodes, nodes) or nodes == 0):
         raise ValueError(f"tree_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
@@ -481,41 +444,47 @@ def tree_attention(
         raise ValueError(f"out must be a {q.dtype} tensor of shape {(1, nodes, q_heads, value_dim)}")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     visible = visible.to(torch.bool).view(torch.uint8)  # the kernel reads bytes: 0 or not
+    if visible.stride(-1) != 1:
+        visible = visible.contiguous()
     group = q_heads // kv_heads
-    config = config or tree_config(nodes * group, head_dim, value_dim, q.dtype)
-    row_blocks = triton.cdiv(nodes * group, config.block_m)
-    blocks = triton.cdiv(rows, config.block_n)
-    if splits is None and q.is_cuda:
-        # Runs of a fixed length from row 0 (the window only decides how many): see the kernel's docstring.
-        blocks_per_split = max(1, TREE_SPLIT_ROWS // config.block_n, triton.cdiv(blocks, MAX_TREE_SPLITS))
-    else:
-        splits = splits or tree_splits(rows, row_blocks * kv_heads, q.device, config.block_n)
-        blocks_per_split = triton.cdiv(blocks, max(1, min(splits, blocks)))
-    splits = triton.cdiv(blocks, blocks_per_split)  # none wholly past the window
+    splits = triton.cdiv(rows, block_n * blocks_per_split)
     interpreted = not q.is_cuda
-    # Value dims one combine program merges: 128 splits x 64 dims of fp32 stay in registers (x 256 spill).
     combine_dims = min(COMBINE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)
     split_sum = torch.empty_like(split_max)
     split_acc = torch.empty(nodes * q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
     with _device_scope(q):
-        _tree_attention_split_kernel[(row_blocks, kv_heads, splits)](
+        _path_attention_split_kernel[(kv_heads, splits, nodes)](
             q, k, v, position, visible, split_max, split_sum, split_acc,
-            nodes, rows, scale * LOG2_E, blocks_per_split,
-            q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            visible.stride(0), visible.stride(1),
+            nodes, rows, scale,
+            q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), visible.stride(0),
             Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCKS_PER_SPLIT=blocks_per_split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+            BLOCK_NODES=max(16, triton.next_power_of_2(nodes)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            STATIC_TRIPS=blocks_per_split if interpreted else 0,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            K_Q8=k_q8, V_Q8=v_q8,
         )
-        _tree_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](
+        _path_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](
             split_max, split_sum, split_acc, out, splits, out.stride(1), out.stride(2),
             Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=combine_dims,
         )
     return out
+
+
+_ONE_NODE: dict[torch.device, torch.Tensor] = {}
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float,
+                     out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N,
+                     blocks_per_split: int = PATH_BLOCKS_PER_SPLIT) -> torch.Tensor:
+    """`TorchBackend.decode_attention` as a one-node `tree_attention`: the decode step and a verify pass
+    run the same kernel over the same key partition, so they agree to the bit (q `[1, 1, Hq, D]`)."""
+    one = _ONE_NODE.get(q.device)
+    if one is None:
+        one = _ONE_NODE[q.device] = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    return tree_attention(q, k, v, position, one, scale=scale, out=out, block_n=block_n,
+                          blocks_per_split=blocks_per_split)
 
 
 # -- helpers -------------------------------------------------------------------------------------------

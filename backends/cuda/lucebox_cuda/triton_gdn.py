@@ -571,15 +571,20 @@ def causal_conv1d(
 def _causal_conv1d_tree_kernel(
     x_ptr, weight_ptr, state_ptr, parents_ptr, y_ptr, node_states_ptr, channels,
     stride_xt, stride_wc, stride_wk, stride_sk,
-    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
 ):
     """Node i's window, newest first: x[i], x[parent(i)], ... up its ancestry, then the committed state
     rows K-2, K-3, ...; y[i] = sum_j weight[:, j] * window[j] (oldest first), and the node's conv state
-    is the window's last K-1 rows. y `[N, C]` and node states `[N, K-1, C]` are contiguous."""
+    is the window's last K-1 rows. y `[N, C]` and node states `[N, K-1, C]` are contiguous.
+
+    The window is assembled as the one-token step kernel holds it (a [BLOCK_K, BLOCK_C] tile) and reduced
+    and activated with the same operations, so a node's output equals, bit for bit, the decode step's for
+    the same token after its path."""
     node_index = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    taps = tl.arange(0, BLOCK_K)
+    window = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
     node = node_index.to(tl.int64)  # the next ancestor to read; -1 once past the root
     state_row = KERNEL - 2  # the next committed row to read once the ancestry is used up
     states_base = node_states_ptr + node_index.to(tl.int64) * (KERNEL - 1) * channels
@@ -589,22 +594,31 @@ def _causal_conv1d_tree_kernel(
         from_x = tl.load(x_ptr + tl.maximum(node, 0) * stride_xt + cols, mask=col_ok & in_tree, other=0.0)
         from_state = tl.load(state_ptr + state_row * stride_sk + cols, mask=col_ok & (node < 0), other=0.0)
         row = tl.where(in_tree, from_x, from_state.to(x_ptr.dtype.element_ty))
-        weight = tl.load(weight_ptr + cols * stride_wc + j * stride_wk, mask=col_ok, other=0.0).to(tl.float32)
-        acc += row.to(tl.float32) * weight
+        window = tl.where(taps[:, None] == j, row.to(tl.float32)[None, :], window)
         if j >= 1:
             tl.store(states_base + (j - 1) * channels + cols, row, mask=col_ok)
         parent = tl.load(parents_ptr + tl.maximum(node, 0), mask=in_tree, other=-1)
         state_row = tl.where(in_tree, state_row, state_row - 1)
         node = tl.where(in_tree, parent, node)
-    tl.store(y_ptr + node_index.to(tl.int64) * channels + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
+    weight = tl.load(weight_ptr + cols[None, :] * stride_wc + taps[:, None] * stride_wk,
+                     mask=(taps[:, None] < KERNEL) & col_ok[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(window * weight, axis=0)
+    if SILU:  # as triton_ops' step kernel: rounded to the activation dtype, then SiLU
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + node_index.to(tl.int64) * channels + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 def causal_conv1d_tree(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor, *,
+    activation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal convolution over the nodes of a candidate tree (`TorchBackend.causal_conv1d_tree`):
     x `[1, N, C]`, weight `[C, K]`, state `[1, K-1, C]` (the committed inputs), parents `[N]` long on the
-    device -> (y `[1, N, C]`, each node's conv state `[N, K-1, C]`), in x's dtype. One launch."""
+    device -> (y `[1, N, C]`, each node's conv state `[N, K-1, C]`), in x's dtype. One launch.
+    `activation="silu"`: SiLU applied in the kernel, as the decode step's `conv_silu_update_` does."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', not {activation!r}")
     _, nodes, channels = x.shape
     kernel = weight.shape[1]
     if (x.shape[0] != 1 or weight.shape[0] != channels or state.shape != (1, kernel - 1, channels)
@@ -618,7 +632,8 @@ def causal_conv1d_tree(
         _causal_conv1d_tree_kernel[(nodes, triton.cdiv(channels, CONV_BLOCK_CHANNELS))](
             x, weight, state, parents.contiguous(), y, node_states, channels,
             x.stride(1), weight.stride(0), weight.stride(1), state.stride(1),
-            KERNEL=kernel, BLOCK_C=CONV_BLOCK_CHANNELS,
+            KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=CONV_BLOCK_CHANNELS,
+            SILU=activation == "silu",
         )
     return y, node_states
 

@@ -4,9 +4,8 @@ Each wrapper takes the same tensors as the `TorchBackend` op of the same name (`
 and gives the same result; the kernels accumulate in fp32 whatever the activation dtype. No host value
 depends on device data, so every wrapper can be recorded in a CUDA graph.
 
-- `decode_attention`: one query token against a window of the KV cache, split over the sequence
-  (flash-decoding: each program reduces one slice of rows for all query heads of one KV head to a partial
-  max, sum and output, and a second kernel combines the slices), so a long context fills the GPU.
+- `_load_kv_rows`: rows of one KV head as values or Q8_0 blocks decoded in registers (the attention
+  kernels of `triton_attention`, decode step and tree verification alike, read the cache through it).
 - `gated_delta_rule_step`: one token of the Gated DeltaNet recurrence, one program per (sequence, value
   head, slice of value dims); the fp32 state slice stays in registers between the decay, the delta
   update and the readout.
@@ -30,12 +29,6 @@ import triton.language as tl
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 
-# Rows of the KV window one attention program reads per loop step. 64 rows of 256 dims of bf16 are 32 KiB
-# for K and as much for V: enough bytes in flight per program without spilling.
-ATTENTION_BLOCK_ROWS = 64
-# Programs the attention split aims for per streaming multiprocessor: 2 keep every SM busy while a
-# program waits on memory.
-PROGRAMS_PER_SM = 2
 # Value dims one Gated DeltaNet program owns: a [128, 32] fp32 state slice is 32 registers a thread with
 # 4 warps, and 27B's 48 value heads of 128 dims make 192 programs.
 DELTA_BLOCK_VALUES = 32
@@ -79,149 +72,6 @@ def _load_kv_rows(base, offsets, row_ok, dims, dim_ok, stride_n, Q8: tl.constexp
     else:
         values = tl.load(base + offsets[:, None] * stride_n + dims[None, :], mask=mask, other=0.0)
     return values  # one return: compiled Triton wants a single return type per specialisation
-
-
-@triton.jit
-def _decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, position_ptr, max_ptr, sum_ptr, acc_ptr,
-    rows, scale,
-    stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, K_Q8: tl.constexpr = False, V_Q8: tl.constexpr = False,
-):
-    """Partial attention of the GROUP query heads of one KV head over one slice of rows.
-
-    Writes, per query head and split, the running max of the scores, the sum of exp(score - max) and the
-    unnormalised output sum(exp(score - max) * v): the three numbers the combine kernel needs.
-    """
-    kv_head = tl.program_id(0)
-    split = tl.program_id(1)
-    splits = tl.num_programs(1)
-    group_index = tl.arange(0, BLOCK_G)
-    heads = kv_head * GROUP + group_index
-    head_ok = group_index < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    value_dims = tl.arange(0, BLOCK_DV)
-
-    # The query heads of a group form the rows of a small matrix, padded to the 16 rows tl.dot needs.
-    q = tl.load(q_ptr + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-
-    # The query at `position` sees rows 0 .. position; the window may end sooner.
-    visible_rows = tl.minimum(tl.load(position_ptr) + 1, rows)
-    start = split * (BLOCKS_PER_SPLIT * BLOCK_N)
-    end = tl.minimum(start + BLOCKS_PER_SPLIT * BLOCK_N, visible_rows)
-
-    running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-    # A fixed trip count and a skip, not range(start, end): Triton 3.6's interpreter cannot take a loop
-    # bound read from memory under numpy >= 2.4 (triton-lang/triton#9171), and the skip costs nothing.
-    for block in range(BLOCKS_PER_SPLIT):
-        block_start = start + block * BLOCK_N
-        if block_start < end:
-            offsets = block_start + tl.arange(0, BLOCK_N)
-            row_ok = offsets < end
-            k = _load_kv_rows(k_ptr + kv_head * stride_kh, offsets, row_ok, dims, dims < HEAD_DIM, stride_kn, K_Q8)
-            # Products in q's dtype, as the reference does: the window is read once, never upcast in memory.
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale  # [G, N] fp32
-            scores = tl.where(row_ok[None, :], scores, float("-inf"))
-            block_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the block has a visible row
-            rescale = tl.exp(running_max - block_max)
-            probs = tl.exp(scores - block_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            v = _load_kv_rows(v_ptr + kv_head * stride_vh, offsets, row_ok, value_dims, value_dims < VALUE_DIM,
-                              stride_vn, V_Q8)
-            acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            running_max = block_max
-
-    # A split wholly past the position stores max -inf and sum 0: the combine gives it weight 0.
-    partial = heads * splits + split
-    tl.store(max_ptr + partial, running_max, mask=head_ok)
-    tl.store(sum_ptr + partial, running_sum, mask=head_ok)
-    tl.store(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :], acc,
-             mask=head_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
-
-
-@triton.jit
-def _decode_attention_combine_kernel(
-    max_ptr, sum_ptr, acc_ptr, out_ptr, splits, stride_oh,
-    VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Softmax-weighted merge of one query head's partial results (split 0 always holds row 0)."""
-    head = tl.program_id(0)
-    split_index = tl.arange(0, BLOCK_S)
-    split_ok = split_index < splits
-    value_dims = tl.arange(0, BLOCK_DV)
-    partial = head * splits + split_index
-    split_max = tl.load(max_ptr + partial, mask=split_ok, other=float("-inf"))
-    split_sum = tl.load(sum_ptr + partial, mask=split_ok, other=0.0)
-    split_acc = tl.load(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :],
-                        mask=split_ok[:, None] & (value_dims[None, :] < VALUE_DIM), other=0.0)
-    weight = tl.exp(split_max - tl.max(split_max, axis=0))  # exp(-inf) = 0 for empty or padded splits
-    out = tl.sum(split_acc * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
-    tl.store(out_ptr + head * stride_oh + value_dims, out.to(out_ptr.dtype.element_ty), mask=value_dims < VALUE_DIM)
-
-
-def attention_splits(rows: int, kv_heads: int, device: torch.device, block_rows: int = ATTENTION_BLOCK_ROWS) -> int:
-    """How many slices of rows decode attention splits a window of `rows` into: enough that
-    `kv_heads * splits` programs cover every SM `PROGRAMS_PER_SM` times, never a slice under one block."""
-    blocks = max(1, math.ceil(rows / block_rows))
-    if device.type == "cuda":
-        target_programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target_programs = 4 * kv_heads  # the interpreter: a few splits, so tests exercise the combine
-    return min(blocks, max(1, math.ceil(target_programs / kv_heads)))
-
-
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float,
-    splits: int | None = None, block_rows: int = ATTENTION_BLOCK_ROWS, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`TorchBackend.decode_attention`: q `[1, 1, Hq, D]`, k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, `position`
-    `[1]` long on the device (rows past it are masked) -> `[1, 1, Hq, Dv]` in q's dtype. K and V may each be
-    a Q8_0 cache's raw rows (uint8 `[N, Hkv, D / 32 * 34]`), decoded in registers: the window is read at
-    its stored size, never decoded into memory.
-
-    `splits`: slices of rows reduced in parallel (default `attention_splits`); a fixed window gives a
-    fixed launch, so the call records into a CUDA graph. `out`: a contiguous result tensor to write into.
-    """
-    k_q8, v_q8 = k.dtype == torch.uint8, v.dtype == torch.uint8  # Q8_0 blocks, decoded in the kernel
-    rows, kv_heads, head_dim = k.shape
-    q_heads, value_dim = q.shape[2], v.shape[2]
-    head_dim = head_dim // 34 * 32 if k_q8 else head_dim
-    value_dim = value_dim // 34 * 32 if v_q8 else value_dim
-    if q.shape[:2] != (1, 1) or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads:
-        raise ValueError(f"decode_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    group = q_heads // kv_heads
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    if splits is None:
-        splits = attention_splits(rows, kv_heads, q.device, block_rows)
-    blocks = max(1, math.ceil(rows / block_rows))
-    blocks_per_split = math.ceil(blocks / splits)
-    splits = math.ceil(blocks / blocks_per_split)  # no split that starts past the window
-    if out is None:
-        out = torch.empty(1, 1, q_heads, value_dim, device=q.device, dtype=q.dtype)
-    split_max = torch.empty(q_heads, splits, device=q.device, dtype=torch.float32)
-    split_sum = torch.empty_like(split_max)
-    split_acc = torch.empty(q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
-    with _device_scope(q):
-        _decode_attention_split_kernel[(kv_heads, splits)](
-            q, k, v, position, split_max, split_sum, split_acc,
-            rows, scale,
-            q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCKS_PER_SPLIT=blocks_per_split,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_rows,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
-            DOT_PRECISION=_dot_precision(q.dtype), K_Q8=k_q8, V_Q8=v_q8,
-        )
-        _decode_attention_combine_kernel[(q_heads,)](
-            split_max, split_sum, split_acc, out, splits, out.stride(2),
-            VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_DV=triton.next_power_of_2(value_dim),
-        )
-    return out
 
 
 # -- Gated DeltaNet recurrent step ---------------------------------------------------------------------
@@ -391,6 +241,8 @@ def _decode_cases(dtype: torch.dtype, device: torch.device) -> list[tuple[str, C
     conv 10240 channels with kernel 4."""
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device).to(dtype)
+
+    from .triton_attention import decode_attention  # the decode step's attention: a one-node tree kernel
 
     cases = []
     for window, position in ((4096, 3000), (32768, 32767), (32768, 1000)):

@@ -195,8 +195,8 @@ class GatedDeltaNet:
         _, nodes, _ = x.shape
 
         mixed_qkv, z, b, a = self._project(x)
-        conv_out, node_conv = ops.causal_conv1d_tree(mixed_qkv, self.conv1d, state.conv, parents)
-        conv_out = ops.silu(conv_out)  # [1, N, C]: the nodes as the tokens of one sequence
+        # [1, N, C]: the nodes as the tokens of one sequence, convolved along their own ancestry.
+        conv_out, node_conv = ops.conv_silu_tree(mixed_qkv, self.conv1d, state.conv, parents)
         # Each node steps from its parent's state (the root from the committed one).
         core, node_state = ops.gated_delta_tree(conv_out, a, b, self.ssm_a, self.dt_bias, state.recurrent, parents,
                                                 self.num_k_heads, self.head_k_dim)
@@ -309,7 +309,8 @@ class GatedAttention:
         No host value but `window` and N: what a CUDA graph records. `commit` moves the accepted rows."""
         query, gate, key, value = self._project(x, positions)
         kv.write_rows(self.layer_index, start, key[0], value[0])
-        keys, values = kv.window(self.layer_index, window)
+        # As stored, as the decode step reads them: a Q8_0 window is decoded by the attention op.
+        keys, values = kv.window_stored(self.layer_index, window)
         out = self.ops.tree_attention(query, keys, values, start, visible, scale=self.head_dim**-0.5)
         return self._output(out, gate)
 
