@@ -12,7 +12,8 @@
 #                                        #                                          carry: .whl .llamacpp
 # Env: COMMIT (recorded in every result: the device's copy has no .git), SKIP (step names to leave out, e.g.
 # "profile-27b"; for bench-*: see bench_vs_llamacpp.sh; for spec: "llama" skips the build and llama-bench),
-# SPEC_ARGS (extra spec_bench.py options), CHECK_ARGS (cuda_check.py options; default --skip-timing),
+# SPEC_ARGS (extra spec_bench.py options), CHECK_FIRST (spec: attention kernel check and verify_determinism
+# first), CHECK_ARGS (cuda_check.py options; default --skip-timing),
 # SWEEP_BUDGET (s), DEADLINE (s, 570: later steps are cut short or skipped), OUT (set by the device tool).
 # Everything comes back in at most 5 files under $OUT: log_MODE.txt (all output, also when killed),
 # the mode's JSON and markdown, and MODE.tgz with every raw file.
@@ -97,6 +98,11 @@ spec() {
   if [ $build = 1 ]; then
     echo "[$SECONDS s] llama.cpp build in the background (~270 s)"
     (bash .llamacpp/build.sh > "$RES/llamacpp_build.log" 2>&1; echo "build rc $? at $SECONDS s" >> "$RES/llamacpp_build.log") &
+  fi
+  if [ -n "${CHECK_FIRST:-}" ]; then  # a kernel change since the last check: its module check and determinism first
+    step attention-check 120 python3 -m lucebox_cuda.triton_attention
+    step synth-08b 30 synth 0.8b
+    step determinism-08b 90 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
   fi
   step synth-27b 60 synth 27b
   # SPEC_ARGS: extra spec_bench.py options (later ones win), e.g. for a CPU dry run of this mode.

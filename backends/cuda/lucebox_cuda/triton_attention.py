@@ -292,6 +292,39 @@ def attention(
 
 
 @triton.jit
+def _path_key_block(
+    acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, rows, k_ptr, v_ptr,
+    dims, value_dims, scale, stride_kt, stride_vt,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr,
+):
+    """Logical key positions block_start .. block_start + BLOCK_N of one node's sequence: one step of the
+    online softmax (the same operations, in the same order, for every node and for the decode step)."""
+    logical = block_start + tl.arange(0, BLOCK_N)
+    row_ok = logical < end
+    # Logical position committed + t holds the path's t-th node: index #{j : rank[j] <= t}.
+    t = logical - committed
+    path_node = tl.sum(((rank[None, :] <= t[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
+    row = tl.where(logical < committed, logical, committed + path_node)
+    # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
+    row_ok = row_ok & (row < rows)
+    row = row.to(tl.int64)
+    k = _load_kv_rows(k_ptr, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8)
+    # Products in q's dtype: the window is read once, never upcast in memory.
+    scores = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST_DOT) * scale  # [G, N] fp32
+    scores = tl.where(row_ok[None, :], scores, float("-inf"))
+    block_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    # -inf only when nothing was seen yet (a window shorter than the tree): shift by 0, not NaN.
+    shift = tl.where(block_max == float("-inf"), 0.0, block_max)
+    rescale = tl.exp(running_max - shift)
+    probs = tl.exp(scores - shift[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+    v = _load_kv_rows(v_ptr, row, row_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8)
+    acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
+    return acc, block_max, running_sum
+
+
+@triton.jit
 def _path_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, position_ptr, visible_ptr, max_ptr, sum_ptr, acc_ptr,
     nodes, rows, scale,
@@ -299,7 +332,7 @@ def _path_attention_split_kernel(
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_NODES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    K_Q8: tl.constexpr, V_Q8: tl.constexpr,
+    K_Q8: tl.constexpr, V_Q8: tl.constexpr, STATIC_TRIPS: tl.constexpr,
 ):
     """Partial attention of one node's GROUP query heads (one KV head) over one split of its key sequence.
 
@@ -310,7 +343,8 @@ def _path_attention_split_kernel(
     the tree put it (row position + i for node i). So a node computes exactly what the one-token decode
     step computes for the same token once its path is committed, to the bit: the same tiles, the same
     masks, the same order of every sum. Writes per (node, head, split) the max score, the sum of
-    exp(score - max) and the unnormalised output.
+    exp(score - max) and the unnormalised output. STATIC_TRIPS: 0 on the GPU; under the interpreter,
+    BLOCKS_PER_SPLIT.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -338,33 +372,22 @@ def _path_attention_split_kernel(
     running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-    # A fixed trip count and a skip: the interpreter cannot take a loop bound read from memory.
-    for block in range(BLOCKS_PER_SPLIT):
-        block_start = start + block * BLOCK_N
-        if block_start < end:
-            logical = block_start + tl.arange(0, BLOCK_N)
-            row_ok = logical < end
-            # Logical position committed + t holds the path's t-th node: index #{j : rank[j] <= t}.
-            t = logical - committed
-            path_node = tl.sum(((rank[None, :] <= t[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
-            row = tl.where(logical < committed, logical, committed + path_node)
-            # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
-            row_ok = row_ok & (row < rows)
-            row = row.to(tl.int64)
-            k = _load_kv_rows(k_ptr + kv_head * stride_kh, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8)
-            # Products in q's dtype: the window is read once, never upcast in memory.
-            scores = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST_DOT) * scale  # [G, N] fp32
-            scores = tl.where(row_ok[None, :], scores, float("-inf"))
-            block_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            # -inf only when nothing was seen yet (a window shorter than the tree): shift by 0, not NaN.
-            shift = tl.where(block_max == float("-inf"), 0.0, block_max)
-            rescale = tl.exp(running_max - shift)
-            probs = tl.exp(scores - shift[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            v = _load_kv_rows(v_ptr + kv_head * stride_vh, row, row_ok, value_dims, value_dims < VALUE_DIM,
-                              stride_vt, V_Q8)
-            acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
-            running_max = block_max
+    k_ptr += kv_head * stride_kh
+    v_ptr += kv_head * stride_vh
+    if STATIC_TRIPS == 0:  # the GPU: a runtime-bound loop, which Triton software-pipelines
+        for block_start in range(start, end, BLOCK_N):
+            acc, running_max, running_sum = _path_key_block(
+                acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, rows, k_ptr, v_ptr,
+                dims, value_dims, scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION,
+                UPCAST_DOT, K_Q8, V_Q8)
+    else:  # the interpreter: a fixed trip count and a skip (it cannot take a loop bound read from memory)
+        for block in range(STATIC_TRIPS):
+            block_start = start + block * BLOCK_N
+            if block_start < end:
+                acc, running_max, running_sum = _path_key_block(
+                    acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, rows, k_ptr,
+                    v_ptr, dims, value_dims, scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N,
+                    DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8)
 
     # A split past the node's sequence stores max -inf, sum 0 and output 0: the combine adds exact zeros.
     partial = (node * Q_HEADS + heads) * splits + split
@@ -407,6 +430,10 @@ def _path_attention_combine_kernel(
 # flight at a 32K context, and a short context a few splits.
 PATH_BLOCK_N = 64
 PATH_BLOCKS_PER_SPLIT = 4
+# 4 warps and two K/V tiles in flight (2 x 64 KiB at 256 dims in 16 bits): two programs can share an SM.
+# Fixed too: the tile layout decides the order of each dot product's sums.
+PATH_WARPS = 4
+PATH_STAGES = 2
 # Value dims one combine program merges.
 COMBINE_BLOCK_VALUES = 64
 
@@ -463,7 +490,8 @@ def tree_attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
             BLOCK_NODES=max(16, triton.next_power_of_2(nodes)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            K_Q8=k_q8, V_Q8=v_q8,
+            K_Q8=k_q8, V_Q8=v_q8, STATIC_TRIPS=blocks_per_split if interpreted else 0,
+            num_warps=PATH_WARPS, num_stages=PATH_STAGES,
         )
         _path_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](
             split_max, split_sum, split_acc, out, splits, out.stride(1), out.stride(2),
