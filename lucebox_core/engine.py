@@ -6,12 +6,15 @@ then decodes token by token, turning ids into UTF-8-safe text, stopping on an en
 stop string (matched across token boundaries) or the token budget.
 
 The model is anything with `vocab_size`, `context_length`, `new_state(max_tokens)` and
-`forward(state, token_ids) -> logits[len(token_ids), vocab]` (which advances the state).
+`forward(state, token_ids) -> logits[len(token_ids), vocab]` (which advances the state). A model that also
+has `reset_state(state)` gets its finished sequences' states back for later requests (`Engine.release`):
+buffers, and the CUDA graphs recorded on them, are reused rather than made again per request.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -123,7 +126,7 @@ class Engine:
     """`speculative`: a `lucebox_core.speculative.SpeculativeDecoder` (drafter + verifier) for the model, or None."""
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None,
-                 prefill_chunk: int | None = None, speculative: Any = None):
+                 prefill_chunk: int | None = None, speculative: Any = None, idle_sequences: int = 1):
         self.model = model
         self.tokenizer = tokenizer
         self.ctx_size = min(ctx_size or model.context_length, model.context_length)
@@ -135,12 +138,37 @@ class Engine:
         self._last_only = "last_only" in inspect.signature(model.forward).parameters
         self.eog_ids = frozenset(getattr(tokenizer, "eot_ids", ()) or ())
         self.speculative = speculative
+        # Finished sequences kept for reuse (`release`), at most `idle_sequences` of them.
+        self.idle_sequences = idle_sequences
+        self._idle: list[Sequence] = []
+        self._idle_lock = threading.Lock()
 
     def new_sequence(self) -> Sequence:
+        """An empty sequence: a released one emptied for reuse where there is one, else a new state."""
+        reset = getattr(self.model, "reset_state", None)
+        with self._idle_lock:
+            recycled = self._idle.pop() if self._idle and reset is not None else None
+        if recycled is not None:
+            reset(recycled.state)
+            sequence = Sequence(recycled.state)
+            if self.speculative is not None:
+                sequence.draft = self.speculative.recycle(sequence.state, recycled.draft, self.ctx_size)
+            return sequence
         sequence = Sequence(self.model.new_state(self.ctx_size))
         if self.speculative is not None:
             sequence.draft = self.speculative.prepare(sequence.state, self.ctx_size)
         return sequence
+
+    def release(self, sequence: Sequence) -> None:
+        """Give back a sequence that is finished with (it must not be used again): the next `new_sequence`
+        empties and reuses its state, so the decode step and verify pass replay the CUDA graphs recorded
+        for it instead of recording them again (at 27B a recording costs about as much as a dozen steps,
+        which a short answer would otherwise pay in full). Models without `reset_state` are not pooled."""
+        if getattr(self.model, "reset_state", None) is None:
+            return
+        with self._idle_lock:
+            if len(self._idle) < self.idle_sequences and all(s is not sequence for s in self._idle):
+                self._idle.append(sequence)
 
     def _synchronize(self, logits: torch.Tensor) -> None:
         if logits.device.type == "cuda":
@@ -281,6 +309,8 @@ class Engine:
         return float(logprobs[token]), alternatives
 
     def generate(self, request: GenerationRequest, sequence: Sequence | None = None) -> GenerationResult:
+        """Run `request` to the end on `sequence` (continued), or on a sequence of its own (released after)."""
+        owned = sequence is None
         sequence = sequence if sequence is not None else self.new_sequence()
         timings = Timings()
         ids: list[int] = []
@@ -292,4 +322,6 @@ class Engine:
             text.append(step.text)
             if step.finish_reason:
                 finish = step.finish_reason
+        if owned:
+            self.release(sequence)
         return GenerationResult(ids, "".join(text), finish, timings)

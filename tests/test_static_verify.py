@@ -145,3 +145,40 @@ def test_speculative_decoding_runs_to_the_end_of_the_context(tmp_path):
     request = GenerationRequest(prompt_ids=list(range(100, 140)), max_tokens=24,
                                 sampling=SamplingParams(temperature=0), ignore_eos=True)
     assert engine.generate(request).token_ids == plain.generate(request).token_ids
+
+
+@pytest.mark.parametrize("spec_type", [None, "chain", "ddtree"])
+def test_a_released_sequence_is_reused_and_decodes_as_a_fresh_one(tmp_path, spec_type, monkeypatch):
+    """The engine empties and reuses a finished request's state (so its recorded graphs are replayed, not
+    made again): requests of different lengths in turn give exactly what a fresh state gives each."""
+    import functools
+
+    from lucebox_core.engine import Engine, GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+    from lucebox_core.speculative import dflash
+    from lucebox_core.speculative.loop import SpeculativeDecoder
+    from lucebox_qwen35 import draft_synth
+
+    target = synth.write(tmp_path / "target.gguf", size="tiny", type="f32", seed=5)
+    loaded = load_model(target)
+    model = loaded.model
+    monkeypatch.setattr(model, "verify", functools.partial(type(model).verify, model, static=True, graphs=False))
+
+    def engine(idle: int) -> Engine:
+        speculative = None
+        if spec_type is not None:
+            draft = draft_synth.write(tmp_path / "draft.gguf", size="tiny", type="f32", seed=6, target=target)
+            speculative = SpeculativeDecoder(model, dflash.load(draft, model), spec_type=spec_type)
+        return Engine(model, loaded.tokenizer, ctx_size=200, speculative=speculative, idle_sequences=idle)
+
+    greedy = SamplingParams(temperature=0)
+    requests = [GenerationRequest(prompt_ids=list(range(100, 100 + n)), max_tokens=m, sampling=greedy,
+                                  ignore_eos=True) for n, m in ((60, 30), (5, 12), (33, 40))]
+    pooled, fresh = engine(1), engine(0)
+    assert [pooled.generate(r).token_ids for r in requests] == [fresh.generate(r).token_ids for r in requests]
+    sequence = pooled.new_sequence()
+    state = sequence.state
+    pooled.release(sequence)
+    again = pooled.new_sequence()
+    assert again.state is state and again.state.length == 0 and not again.tokens
+    assert fresh.new_sequence().state is not fresh.new_sequence().state

@@ -144,4 +144,6 @@ class Scheduler:
             job._emit(Failed(exc))
         finally:
             steps.close()
-            del sequence  # the KV cache and recurrent state go with it
+            # Kept for the next request (buffers and recorded graphs reused), or freed if the pool is full.
+            self.engine.release(sequence)
+            del sequence

@@ -124,6 +124,16 @@ class SpeculativeDecoder:
         self.drafter.prepare_target(self.target, state, ctx_size)
         return self.drafter.new_state()
 
+    def recycle(self, state: Any, draft_state: Any, ctx_size: int) -> Any:
+        """`prepare` for a target state emptied for reuse: capture into its feature ring again (the same
+        buffer where it fits, so recorded verify passes stay valid), and empty the drafter's state (its
+        buffers and recorded block forwards kept) or make one if it had none."""
+        self.drafter.prepare_target(self.target, state, ctx_size)
+        if draft_state is None:
+            return self.drafter.new_state()
+        draft_state.crop(0)
+        return draft_state
+
     # -- one step ------------------------------------------------------------------------------------
 
     def step(self, state: Any, draft_state: Any, root: int, history: list[int], sampler: Any,

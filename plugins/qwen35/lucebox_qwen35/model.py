@@ -486,6 +486,19 @@ class Qwen35Model:
             },
         )
 
+    def reset_state(self, state: Qwen35State) -> None:
+        """Empty `state` for a new sequence, keeping its buffers and recordings (the engine reuses finished
+        sequences' states, so a new request replays the decode and verify graphs recorded on them): no
+        position is held, the Gated DeltaNet conv and recurrent states are zero, nothing is captured."""
+        state.kv.crop(0)
+        for linear in state.linear.values():
+            linear.conv.zero_()
+            linear.recurrent.zero_()
+        state.length = 0
+        state.captured = {}
+        if state.features is not None:
+            state.features.zero_()
+
     def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
         return {
             layer.index: KVLayerShape(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.head_dim)
@@ -669,10 +682,14 @@ class Qwen35Model:
         bad = [i for i in layers if not 0 <= i < len(self.layers)]
         if bad:
             raise LuceboxError(f"cannot capture layers {bad}: the target has {len(self.layers)} layers")
+        width = len(layers) * self.config.hidden
+        if (state.features is not None and state.capture_layers == tuple(layers)
+                and tuple(state.features.shape) == (capacity, width)):
+            # A reused state: the same ring, so verify passes recorded on it still write where it reads.
+            state.features.zero_()
+            return
         state.capture_layers = tuple(layers)
-        state.features = torch.zeros(
-            capacity, len(layers) * self.config.hidden, device=self.ops.device, dtype=self.ops.dtype
-        )
+        state.features = torch.zeros(capacity, width, device=self.ops.device, dtype=self.ops.dtype)
 
     def read_features(self, state: Qwen35State, start: int, end: int) -> torch.Tensor:
         """Captured features of committed positions `start .. end-1` (`[end - start, n * hidden]`)."""
