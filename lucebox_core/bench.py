@@ -36,10 +36,11 @@ def _sync(device: Any) -> None:
 
 
 def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int], reps: int, ctx_size: int,
-              speculative: Any = None, force_accept: float | None = None) -> list[dict]:
+              speculative: Any = None, force_accept: float | None = None,
+              prefill_chunk: int | None = None) -> list[dict]:
     model = loaded.model
     # Room for the decode warm-up steps past depth + n_gen.
-    engine = Engine(model, loaded.tokenizer, ctx_size=ctx_size + DECODE_WARMUP_STEPS)
+    engine = Engine(model, loaded.tokenizer, ctx_size=ctx_size + DECODE_WARMUP_STEPS, prefill_chunk=prefill_chunk)
     vocab = model.vocab_size
     rows: list[dict] = []
 

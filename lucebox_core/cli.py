@@ -213,6 +213,14 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
     p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
     add_cache_type_arguments(p)
+    add_ubatch_argument(p)
+
+
+def add_ubatch_argument(p: argparse.ArgumentParser) -> None:
+    """-ub (generate, bench, serve): prompt tokens per prefill forward pass, llama.cpp's flag."""
+    p.add_argument("-ub", "--ubatch-size", type=int, metavar="N",
+                   help="prompt tokens per prefill forward pass (default: the model's, 4096 on a GPU, 512 on "
+                        "the CPU); smaller takes less memory for activations and prefills more slowly")
 
 
 def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
@@ -334,7 +342,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     speculative = load_speculative(args, loaded)
-    engine = Engine(loaded.model, tokenizer, ctx_size=args.ctx_size, speculative=speculative)
+    engine = Engine(loaded.model, tokenizer, ctx_size=args.ctx_size, speculative=speculative,
+                    prefill_chunk=args.ubatch_size)
     request = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=args.n_predict, sampling=sampling, stop=args.stop or (),
         ignore_eos=args.ignore_eos,
@@ -406,7 +415,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ctx = max(args.ctx_size, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
     speculative = load_speculative(args, loaded)
     rows = run_bench(loaded, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps, ctx_size=ctx,
-                     speculative=speculative, force_accept=args.force_accept)
+                     speculative=speculative, force_accept=args.force_accept, prefill_chunk=args.ubatch_size)
     if args.json:
         _print_json(rows)
     else:

@@ -132,6 +132,8 @@ class Engine:
         self.ctx_size = min(ctx_size or model.context_length, model.context_length)
         # Tokens per prefill forward call: the model's preference (large on a GPU, where a chunk's cost is
         # reading the weights once), else 512.
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise LuceboxError(f"-ub/--ubatch-size must be at least 1, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk or getattr(model, "prefill_chunk", 512))
         # Models that can stop at the last position's logits skip the output head for the rest of a chunk
         # (at 248K vocabulary, 2 GB of logits for a 4096-token chunk).

@@ -222,7 +222,8 @@ def time_decode(model: Any, state: Any, tokens: Iterable[Any]) -> float:
 
 
 def lucebox_tests(loaded: Any, tests: list[BenchTest], reps: int,
-                  on_row: Callable[[dict], None] = lambda row: None, warmup_tokens: int = 512) -> list[dict]:
+                  on_row: Callable[[dict], None] = lambda row: None, warmup_tokens: int = 512,
+                  prefill_chunk: int | None = None) -> list[dict]:
     """Time `tests` on a loaded model; one row per test (median over `reps`, every sample kept)."""
     import torch
 
@@ -250,7 +251,7 @@ def lucebox_tests(loaded: Any, tests: list[BenchTest], reps: int,
         row: dict[str, Any] = {**common, "test": test.name, "n_prompt": test.tokens if test.kind == "pp" else 0,
                                "n_gen": test.tokens if test.kind == "tg" else 0, "n_depth": test.depth}
         if test.kind == "pp":
-            engine = Engine(model, loaded.tokenizer, ctx_size=test.tokens + 1)
+            engine = Engine(model, loaded.tokenizer, ctx_size=test.tokens + 1, prefill_chunk=prefill_chunk)
             row["prefill_chunk"] = engine.prefill_chunk
             time_prefill(engine, random_ids(test.tokens, vocab, 77))  # warm-up at this size, as llama-bench's
             samples = [time_prefill(engine, random_ids(test.tokens, vocab, rep)) for rep in range(reps)]
@@ -298,7 +299,7 @@ def cmd_lucebox(args: argparse.Namespace) -> int:
         rows.append(row)
         _write_json(args.json, rows)
 
-    lucebox_tests(loaded, args.tests, args.r, on_row=save)
+    lucebox_tests(loaded, args.tests, args.r, on_row=save, prefill_chunk=args.ubatch_size)
     return 0
 
 
@@ -310,7 +311,7 @@ def _cache_options(cache_type: str | None) -> dict[str, str]:
 
 
 def measure_memory(path: str, *, backend: str | None, device: str | None, cache_type: str, ctx: int,
-                   decode_steps: int) -> dict[str, Any]:
+                   decode_steps: int, prefill_chunk: int | None = None) -> dict[str, Any]:
     """Peak device memory of the model with one sequence of `ctx` positions, filled to the end."""
     import torch
 
@@ -325,7 +326,7 @@ def measure_memory(path: str, *, backend: str | None, device: str | None, cache_
     start = time.perf_counter()
     loaded = load_model(path, backend=backend, device=device, **_cache_options(cache_type))
     model = loaded.model
-    engine = Engine(model, loaded.tokenizer, ctx_size=ctx)
+    engine = Engine(model, loaded.tokenizer, ctx_size=ctx, prefill_chunk=prefill_chunk)
     sequence = engine.new_sequence()
     depth = ctx - decode_steps - DECODE_WARMUP_STEPS
     prefill_start = time.perf_counter()
@@ -380,6 +381,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                            "--cache-types", cache_type, "--decode", str(args.decode), "--json", part.name]
                 command += ["--backend", args.backend] if args.backend else []
                 command += ["--device", args.device] if args.device else []
+                command += ["--ubatch-size", str(args.ubatch_size)] if args.ubatch_size else []
                 if subprocess.run(command).returncode != 0:
                     log(f"memory: the {cache_type} measurement failed")
                     continue
@@ -390,7 +392,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     for cache_type in cache_types:
         log(f"memory: {Path(args.model).name}, KV {cache_type}, context {args.ctx}")
         row = measure_memory(args.model, backend=args.backend, device=args.device, cache_type=cache_type,
-                             ctx=args.ctx, decode_steps=args.decode)
+                             ctx=args.ctx, decode_steps=args.decode, prefill_chunk=args.ubatch_size)
         log(f"  peak allocated {row['peak_allocated_prefill'] / GIB:.2f} GiB (prefill) / "
             f"{row['peak_allocated_decode'] / GIB:.2f} GiB (decode); process at peak ~{row['peak_used_estimate'] / GIB:.2f}"
             f" GiB; estimate {row.get('estimate_total', 0) / GIB:.2f} GiB; {row['seconds']:.0f} s")
@@ -683,6 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tests", type=parse_tests, required=True, help="e.g. pp512,pp4096,tg128,tg128@d8192")
     p.add_argument("-r", type=int, default=3, help="repetitions per test (median reported)")
     p.add_argument("--cache-type", help="KV cache type for K and V (default: the backend's dtype)")
+    p.add_argument("-ub", "--ubatch-size", type=int, help="prefill chunk (default: the model's)")
     p.set_defaults(run=cmd_lucebox)
 
     p = sub.add_parser("memory", help="peak device memory with a full context, per KV cache type")
@@ -690,6 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--cache-types", default="f16,q8_0")
     p.add_argument("--decode", type=int, default=64, help="decode steps at the end of the context (timed)")
+    p.add_argument("-ub", "--ubatch-size", type=int, help="prefill chunk (default: the model's)")
     p.set_defaults(run=cmd_memory)
 
     p = sub.add_parser("table", help="merge result files into one markdown table")

@@ -136,6 +136,19 @@ def test_generate_rejects_prompt_over_context(tiny_model):
     assert_one_line_error(lucebox("generate", "-m", str(tiny_model), "--prompt-ids", ids, "-c", "32", "-n", "4"), "context")
 
 
+def test_generate_ubatch_size_chunks_the_prefill(tiny_model):
+    """-ub sets the prefill chunk (a 30-token prompt in chunks of 7); greedy output is that of one chunk
+    (an f32 model: chunking changes rounding only). A chunk under 1 is a one-line error naming the flag."""
+    ids = ",".join(str(100 + i) for i in range(30))
+    args = ["generate", "-m", str(tiny_model), "--prompt-ids", ids, "-n", "6", "--json", "--ignore-eos", "--temp", "0"]
+    whole = lucebox(*args)
+    chunked = lucebox(*args, "-ub", "7")
+    assert whole.returncode == 0 and chunked.returncode == 0, (whole.stderr, chunked.stderr)
+    tokens = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (whole, chunked)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    assert_one_line_error(lucebox(*args, "-ub", "0"), "--ubatch-size")
+
+
 def test_default_model_is_written_once_and_announced(tmp_path):
     env = {"LUCEBOX_HOME": str(tmp_path)}
     result = lucebox("generate", "-p", "Hello", "-n", "3", "--temp", "0", "--json", env=env)

@@ -31,9 +31,10 @@ def add_serve_parser(commands: Any) -> None:
     p.add_argument("--think-max-tokens", type=int, help="close a thought after this many tokens")
     p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
     p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
-    from ..cli import add_cache_type_arguments
+    from ..cli import add_cache_type_arguments, add_ubatch_argument
 
     add_cache_type_arguments(p)
+    add_ubatch_argument(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from ..cli import add_speculative_arguments
 
@@ -50,14 +51,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model is not None and not os.path.isfile(args.model):
         raise LuceboxError(f"{args.model}: no such file")
-    for flag, value in (("--parallel", args.parallel), ("--ctx-size", args.ctx_size)):
+    for flag, value in (("--parallel", args.parallel), ("--ctx-size", args.ctx_size),
+                        ("--ubatch-size", args.ubatch_size or 1)):
         if value < 1:
             raise LuceboxError(f"{flag} must be at least 1, got {value}")
     cache_types = cache_type_options(args.cache_type_k, args.cache_type_v)  # bad types fail before binding
     config = ServeConfig(
         model=args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, model_name=args.model_name,
         chat_template_file=args.chat_template_file, api_key=args.api_key, parallel=args.parallel,
-        backend=args.backend, device=args.device, n_predict=args.n_predict,
+        backend=args.backend, device=args.device, n_predict=args.n_predict, prefill_chunk=args.ubatch_size,
         think_max_tokens=args.think_max_tokens, thinking_default=args.reasoning == "on",
         model_draft=args.model_draft, spec_type=args.spec_type, tree_budget=args.tree_budget,
         draft_block_size=args.draft_block_size, cache_type_k=cache_types.get("cache_type_k"),

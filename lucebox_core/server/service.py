@@ -35,6 +35,7 @@ class ServeConfig:
     backend: str | None = None
     device: str | None = None
     n_predict: int | None = None  # most tokens one request generates (None: what fits in the context)
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward (-ub; None: the model's choice)
     think_max_tokens: int | None = None  # close a thought that runs longer than this
     thinking_default: bool = False  # thinking when the request does not say (Lucebox's default: off)
     responses_kept: int = 256  # recent /v1/responses kept for previous_response_id
@@ -87,7 +88,7 @@ class ModelService:
                 **cache_type_options(self.config.cache_type_k, self.config.cache_type_v),
             )
             engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size,
-                            speculative=self._speculative(loaded))
+                            speculative=self._speculative(loaded), prefill_chunk=self.config.prefill_chunk)
             self.parser_spec = _parser_for(loaded)
             self.loaded, self.engine = loaded, engine
             self.scheduler = Scheduler(engine, self.config.parallel)
