@@ -116,6 +116,7 @@ class Sequence:
     pending_logits: torch.Tensor | None = None  # logits after the last token, not yet sampled from
     unfed: list[int] = attrs.Factory(list)  # generated tokens the model has not seen yet (the last one)
     draft: Any = None  # the drafter's state for this sequence (speculative decoding)
+    streaming: bool = False  # a `stream` over it is open: it cannot be released or streamed again
 
     @property
     def length(self) -> int:
@@ -166,10 +167,12 @@ class Engine:
         empties and reuses its state, so the decode step and verify pass replay the CUDA graphs recorded
         for it instead of recording them again (at 27B a recording costs about as much as a dozen steps,
         which a short answer would otherwise pay in full). Models without `reset_state` are not pooled."""
-        if getattr(self.model, "reset_state", None) is None:
-            return
+        if getattr(self.model, "reset_state", None) is None or sequence.streaming:
+            return  # an open stream still commits into the state when it is closed: never pool that
         with self._idle_lock:
-            if len(self._idle) < self.idle_sequences and all(s is not sequence for s in self._idle):
+            # By state: a recycled state comes back in a new Sequence, and an old one released again must
+            # not put the same state in the pool twice.
+            if len(self._idle) < self.idle_sequences and all(s.state is not sequence.state for s in self._idle):
                 self._idle.append(sequence)
 
     def _synchronize(self, logits: torch.Tensor) -> None:
@@ -206,6 +209,16 @@ class Engine:
 
     def stream(self, sequence: Sequence, request: GenerationRequest, timings: Timings | None = None) -> Iterator[Step]:
         """Prefill `request.prompt_ids` onto `sequence`, then yield one `Step` per generated token."""
+        if sequence.streaming:
+            raise LuceboxError("this sequence is being generated on already: finish or close that stream first")
+        sequence.streaming = True
+        try:
+            # Closing this generator closes the inner one first, whose cleanup commits the tokens emitted.
+            yield from self._stream(sequence, request, timings)
+        finally:
+            sequence.streaming = False
+
+    def _stream(self, sequence: Sequence, request: GenerationRequest, timings: Timings | None) -> Iterator[Step]:
         timings = timings if timings is not None else Timings()
         self.prefill(sequence, request.prompt_ids, timings)
         if sequence.pending_logits is None:

@@ -79,9 +79,11 @@ class StepGraphs:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            out = step()
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                out = step()
+        finally:  # also after a failure: work queued on the side stream must come before what follows
+            current.wait_stream(side)
         if self.failure is None:
             graph = torch.cuda.CUDAGraph()
             try:

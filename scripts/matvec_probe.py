@@ -37,7 +37,7 @@ check = _load_cuda_check()
 INVARIANCE_SHAPES = [("q4_k", 17408, 5120), ("q4_k", 5120, 17408), ("q4_k", 1024, 5120), ("q4_k", 48, 5120),
                      ("q6_k", 5120, 17408), ("q6_k", 4096, 5120)]
 INVARIANCE_BATCHES = (2, 4, 8, 16, 23, 33, 64)
-INVARIANCE_VARIANTS = ("simt", "mma", "mma8", "pipe_w4_d4_m1_k1", "pipe_w4_d4_m2_k1", "pipe_w4_d3_m1_k2",
+INVARIANCE_VARIANTS = ("simt", "mma", "mma_r2", "mma8", "pipe_w4_d4_m1_k1", "pipe_w4_d4_m2_k1", "pipe_w4_d3_m1_k2",
                        "pipe_w8_d3_m1_k1", "pipe_w4_d4_m1_k2")
 
 
@@ -55,6 +55,11 @@ def invariance(backend: CudaBackend, out_json: str | None) -> int:
                 print(f"{fmt} {rows}x{cols} {variant}: batch 1 unavailable ({type(exc).__name__}: {exc})")
                 continue
             result = {"format": fmt, "rows": rows, "cols": cols, "variant": variant, "batches": {}}
+            if variant == "mma":
+                reference = single
+            elif variant == "mma_r2":  # two row tiles per block, the same 4 warps: must equal mma exactly
+                result["equals_mma"] = bool(torch.equal(single, reference))
+                print(f"{fmt} {rows}x{cols} mma_r2 == mma at batch 1 for 64 rows: {result['equals_mma']}")
             for batch in INVARIANCE_BATCHES:
                 try:
                     many = backend.matvec(x[:batch], weight, variant=variant)

@@ -96,11 +96,11 @@ def pipe_variants(batch: int, slices: tuple[int, ...], rows: int | None = None) 
 def check_variants(fmt: str, act: str, batch: int) -> list[str]:
     if not catalogue.has_mma_kernel(fmt, act, batch):
         return []
-    return ["mma", *pipe_variants(batch, CHECK_SLICES)]
+    return ["mma", "mma_r2", *pipe_variants(batch, CHECK_SLICES)]
 
 
 def time_variants(fmt: str, batch: int, rows: int) -> list[str]:
-    names = ["mma", "mma8"] + (["simt"] if batch <= 8 else [])
+    names = ["mma", "mma8", "mma_r2"] + (["simt"] if batch <= 8 else [])
     return names + pipe_variants(batch, TIME_SLICES, rows)
 
 
@@ -265,7 +265,7 @@ def report_case(fmt: str, name: str, rows: int, cols: int, batch: int, nbytes: i
     log(f"\n{fmt} {name} [{rows}x{cols}] batch {batch}: {nbytes / 2**20:.1f} MiB")
     for us, variant in timings[:8]:
         log(f"  {variant:22s} {us:9.2f} us {pct(us):6.1f}%")
-    for variant in ("mma", "mma8", "simt"):
+    for variant in ("mma", "mma8", "mma_r2", "simt"):
         if variant in by_variant and all(variant != v for _, v in timings[:8]):
             log(f"  {variant:22s} {by_variant[variant]:9.2f} us {pct(by_variant[variant]):6.1f}%")
     best_us, best = timings[0]

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--nodes", type=int, default=16)
-    parser.add_argument("--prefix", type=int, default=300)
+    # 1000: the decode windows (1024) and the verify windows (1280) differ, so split counts differ too.
+    parser.add_argument("--prefix", type=int, default=1000)
     parser.add_argument("--backend", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", default=None)

@@ -36,7 +36,8 @@ def test_source_compiles(source, arch):
             assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
-                "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm"}[macro]
+                "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_DEQUANT": "dequant",
+                "LUCEBOX_RMS_NORM": "rms_norm"}[macro]
         assert f"{name}_{'_'.join(parts)}".encode() in cubin
 
 
@@ -125,6 +126,9 @@ def test_matvec_default_ignores_the_batch(fmt, act):
 def test_named_variants_and_shared_memory():
     kernel = catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "mma8")
     assert (kernel.name, kernel.grid, kernel.block, kernel.streamed) == ("matvec_mma8_q4_k_bf16_1", 1088, 256, False)
+    # Two row tiles of 16 per block of 4 warps: half the blocks.
+    kernel = catalogue.matvec_kernel("q6_k", "bf16", 23, 17408, "mma_r2")
+    assert (kernel.name, kernel.grid, kernel.block) == ("matvec_mma_r2_q6_k_bf16_24", 544, 128)
     kernel = catalogue.matvec_kernel("q6_k", "bf16", 3, 100, "pipe_w8_d3_m2_k2", max_shared_bytes=1 << 20)
     # 8 warps x 3 stages x 32 rows x 224 bytes (Q6_K over-fetched to 14 chunks a row); rows 100 -> 4 blocks.
     assert (kernel.name, kernel.grid, kernel.block, kernel.slices, kernel.shared_bytes) == (

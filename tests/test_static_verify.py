@@ -182,3 +182,31 @@ def test_a_released_sequence_is_reused_and_decodes_as_a_fresh_one(tmp_path, spec
     again = pooled.new_sequence()
     assert again.state is state and again.state.length == 0 and not again.tokens
     assert fresh.new_sequence().state is not fresh.new_sequence().state
+
+
+def test_released_sequences_are_pooled_by_state_and_never_while_streaming(tmp_path):
+    """An open stream still commits into its state when closed, so releasing its sequence pools nothing;
+    releasing an old wrapper of a recycled state again does not put that state in the pool twice."""
+    from lucebox_core.engine import Engine, GenerationRequest
+    from lucebox_core.errors import LuceboxError
+    from lucebox_core.sampling import SamplingParams
+
+    loaded = load_model(synth.write(tmp_path / "tiny.gguf", size="tiny", type="f32", seed=8))
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=64, idle_sequences=2)
+    request = GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=4, sampling=SamplingParams(temperature=0),
+                                ignore_eos=True)
+    sequence = engine.new_sequence()
+    steps = engine.stream(sequence, request)
+    next(steps)
+    with pytest.raises(LuceboxError, match="being generated on already"):
+        next(engine.stream(sequence, request))
+    engine.release(sequence)
+    assert engine.new_sequence().state is not sequence.state  # not pooled: the stream is open
+    steps.close()
+    engine.release(sequence)
+    recycled = engine.new_sequence()
+    assert recycled.state is sequence.state
+    engine.release(recycled)
+    engine.release(sequence)  # the old wrapper of the same state
+    first, second = engine.new_sequence(), engine.new_sequence()
+    assert first.state is sequence.state and second.state is not sequence.state

@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isfile(args.model):
         raise LuceboxError(f"{args.model}: no such file")
     for flag, value in (("--parallel", args.parallel), ("--ctx-size", args.ctx_size),
-                        ("--ubatch-size", args.ubatch_size or 1)):
+                        ("--ubatch-size", 1 if args.ubatch_size is None else args.ubatch_size)):
         if value < 1:
             raise LuceboxError(f"{flag} must be at least 1, got {value}")
     cache_types = cache_type_options(args.cache_type_k, args.cache_type_v)  # bad types fail before binding

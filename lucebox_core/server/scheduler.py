@@ -127,9 +127,10 @@ class Scheduler:
 
     def _run(self, job: Job) -> None:
         timings = Timings()
-        sequence = self.engine.new_sequence()
-        steps = self.engine.stream(sequence, job.request, timings)
+        sequence, steps, failed = None, None, False
         try:
+            sequence = self.engine.new_sequence()
+            steps = self.engine.stream(sequence, job.request, timings)
             for step in steps:
                 if job.first_token_at is None:
                     job.first_token_at = time.perf_counter()
@@ -138,12 +139,16 @@ class Scheduler:
                     break
             job._emit(Finished(timings))
         except BaseException as exc:  # handed to the request's handler, which turns it into an API error
+            failed = True
             if not isinstance(exc, Exception):
                 raise
             log.debug("generation failed: %r", exc)
             job._emit(Failed(exc))
         finally:
-            steps.close()
+            if steps is not None:
+                steps.close()
             # Kept for the next request (buffers and recorded graphs reused), or freed if the pool is full.
-            self.engine.release(sequence)
+            # Not after a failure: the state may be half-updated, or hold a failed recording.
+            if sequence is not None and not failed:
+                self.engine.release(sequence)
             del sequence

@@ -88,7 +88,8 @@ class ModelService:
                 **cache_type_options(self.config.cache_type_k, self.config.cache_type_v),
             )
             engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size,
-                            speculative=self._speculative(loaded), prefill_chunk=self.config.prefill_chunk)
+                            speculative=self._speculative(loaded), prefill_chunk=self.config.prefill_chunk,
+                            idle_sequences=self.config.parallel)
             self.parser_spec = _parser_for(loaded)
             self.loaded, self.engine = loaded, engine
             self.scheduler = Scheduler(engine, self.config.parallel)

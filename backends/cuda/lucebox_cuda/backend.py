@@ -17,6 +17,7 @@ import os
 from types import ModuleType
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +34,9 @@ ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte ve
 SEQUENTIAL_PREFILL_TOKENS = 256
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
 _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
+# Rows `linear` still runs on the matrix-vector kernels (in slices of catalogue.MAX_BATCH) rather than the
+# tiled prefill product: every speculative verify pass (at most a 64-draft tree plus its root).
+VERIFY_ROWS = 2 * catalogue.MAX_BATCH
 
 
 def device_arch(device: torch.device) -> str:
@@ -198,6 +202,13 @@ class CudaBackend(TorchBackend):
             out = x2.new_empty(0, out_features)
         elif rows <= catalogue.MAX_BATCH:
             out = self.matvec(x2, weight, weight_format)
+        elif rows <= VERIFY_ROWS:
+            # A speculative verify pass larger than one kernel batch (a 65-node tree): matvec kernels in
+            # slices, which compute each row as the decode step does (tiled dequant + cuBLAS would not).
+            out = x2.new_empty(rows, out_features)
+            for start in range(0, rows, catalogue.MAX_BATCH):
+                stop = min(start + catalogue.MAX_BATCH, rows)
+                self.matvec(x2[start:stop], weight, weight_format, out=out[start:stop])
         else:
             out = self._tiled_linear(x2, weight, weight_format)
         return out.reshape(*x.shape[:-1], out_features)
@@ -219,9 +230,14 @@ class CudaBackend(TorchBackend):
         """
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
         if variant is None and _FORCED_MATVEC_VARIANT:
-            if catalogue.has_mma_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], x.shape[0]) or \
-                    _FORCED_MATVEC_VARIANT == "simt":
-                variant = _FORCED_MATVEC_VARIANT
+            # Decided by the shape, never the batch, as the default is (decode and verify stay alike): a
+            # tensor-core variant where one serves every batch, two row groups in their one-group form.
+            activation = catalogue.ACTIVATIONS[x.dtype]
+            if _FORCED_MATVEC_VARIANT == "simt" or catalogue.has_mma_kernel(weight_format, activation,
+                                                                           catalogue.MAX_BATCH):
+                pipe = catalogue.PipeVariant.parse(_FORCED_MATVEC_VARIANT)
+                variant = (attrs.evolve(pipe, row_groups=1).name if pipe is not None and pipe.row_groups > 1
+                           else _FORCED_MATVEC_VARIANT)
         x = x.contiguous()
         if not _aligned(x):
             x = x.clone()
@@ -551,7 +567,7 @@ class CudaBackend(TorchBackend):
         """The tree convolution with SiLU in the same kernel, reduced and activated as the decode step's
         `conv_silu_update_` kernel does: a verified node's GDN input is the decode step's to the bit."""
         gdn = _triton_gdn()
-        if (gdn is None or weight.shape[1] < 2 or x.shape[0] != 1
+        if (gdn is None or weight.shape[1] < 2 or x.shape[0] != 1 or state.dtype != x.dtype
                 or not _triton_takes(self.device, x, weight, state, parents)):
             return super().conv_silu_tree(x, weight, state, parents)
         return gdn.causal_conv1d_tree(x, weight, state, parents, activation="silu")

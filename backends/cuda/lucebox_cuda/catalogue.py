@@ -49,9 +49,13 @@ MATVEC_WARPS = 4  # LUCEBOX_MATVEC_WARPS in matvec.cu: one output row per warp
 MMA_FORMATS: tuple[str, ...] = ("q4_k", "q5_k", "q6_k")
 MMA_ROWS_PER_BLOCK = 16
 MMA_MAX_BATCH: dict[str, int] = {"bf16": 64, "f16": 64, "f32": 8}
-# Register-prefetch variants (matvec_mma.cu) -> (name prefix, warps per block): "mma8" splits each row
-# over 8 warps instead of 4.
-MMA_VARIANTS: dict[str, tuple[str, int]] = {"mma": ("matvec_mma", 4), "mma8": ("matvec_mma8", 8)}
+# Register-prefetch variants (matvec_mma.cu) -> (name prefix, warps per block, row tiles of 16 per block):
+# "mma8" splits each row over 8 warps instead of 4; "mma_r2" gives a block of 4 warps two row tiles, so each
+# activation fragment it loads serves twice the weights (the small-batch verify products are bound by
+# re-reading the activations once per block). Same warps, same bits: "mma_r2" and "mma" agree exactly.
+MMA_VARIANTS: dict[str, tuple[str, int, int]] = {
+    "mma": ("matvec_mma", 4, 1), "mma8": ("matvec_mma8", 8, 1), "mma_r2": ("matvec_mma_r2", 4, 2),
+}
 # Where the 8-warp kernel measured faster at batch 1 (H200 sweeps): Q4_K/Q5_K with 8192 to 65536 output
 # rows, where the 4-warp grid ends in a part-empty wave. The fallback for unmeasured shapes.
 MMA8_FORMATS = ("q4_k", "q5_k")
@@ -249,8 +253,8 @@ def matvec(weight_format: str, activation: str, batch: int) -> tuple[KernelProgr
 
 
 def matvec_mma(weight_format: str, activation: str, batch: int, variant: str = "mma") -> tuple[KernelProgram, str]:
-    prefix, _ = MMA_VARIANTS[variant]
-    macro = "LUCEBOX_MATVEC_MMA" if variant == "mma" else "LUCEBOX_MATVEC_MMA8"
+    prefix, _, _ = MMA_VARIANTS[variant]
+    macro = "LUCEBOX_" + prefix.upper()
     name = f"{prefix}_{weight_format}_{activation}_{batch}"
     return KernelProgram("matvec_mma.cu", [f"{macro}({weight_format}, {activation}, {batch})"]), name
 
@@ -324,9 +328,10 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
     if variant in MMA_VARIANTS:
         if not has_mma_kernel(weight_format, activation, rows):
             raise ValueError(f"no tensor-core matvec for {weight_format} x {activation} at {rows} rows")
+        _, warps, row_tiles = MMA_VARIANTS[variant]
         program, name = matvec_mma(weight_format, activation, tile, variant)
-        threads = 32 * MMA_VARIANTS[variant][1]
-        return MatvecLaunch(program, name, -(-out_features // MMA_ROWS_PER_BLOCK), threads, variant)
+        rows_per_block = MMA_ROWS_PER_BLOCK * row_tiles
+        return MatvecLaunch(program, name, -(-out_features // rows_per_block), 32 * warps, variant)
     if variant != "simt":
         raise ValueError(f"matvec variant must be one of {MATVEC_VARIANTS} or a pipe variant, not {variant!r}")
     program, name = matvec(weight_format, activation, tile)
@@ -366,6 +371,8 @@ def compile_check_programs() -> dict[str, KernelProgram]:
     mma_lines = [f"LUCEBOX_MATVEC_MMA({f}, {a}, 1)" for f in MMA_FORMATS for a in acts]
     mma_lines += [f"LUCEBOX_MATVEC_MMA({f}, {a}, {MMA_MAX_BATCH[a]})" for f in MMA_FORMATS for a in ("bf16", "f32")]
     mma_lines += [f"LUCEBOX_MATVEC_MMA8({f}, bf16, 1)" for f in MMA_FORMATS]
+    mma_lines += [f"LUCEBOX_MATVEC_MMA_R2({f}, {a}, {b})" for f in MMA_FORMATS for a, b in
+                  (("bf16", 1), ("bf16", 24), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
     return {
         "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),

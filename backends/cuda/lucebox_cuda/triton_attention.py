@@ -390,7 +390,7 @@ def _path_attention_split_kernel(
                     DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8)
 
     # A split past the node's sequence stores max -inf, sum 0 and output 0: the combine adds exact zeros.
-    partial = (node * Q_HEADS + heads) * splits + split
+    partial = ((node * Q_HEADS + heads) * splits + split).to(tl.int64)  # x VALUE_DIM can pass 2^31
     tl.store(max_ptr + partial, running_max, mask=head_ok)
     tl.store(sum_ptr + partial, running_sum, mask=head_ok)
     tl.store(acc_ptr + partial[:, None] * VALUE_DIM + value_dims[None, :], acc,
@@ -405,7 +405,7 @@ def _path_attention_combine_kernel(
     """One (node, query head) and BLOCK_DV of its value dims: its splits' partial results merged one
     after another in split order, so splits past the node's sequence (more of them in a larger window)
     add exact zeros and change no bit."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     split_index = tl.arange(0, BLOCK_S)
     value_dims = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     value_ok = value_dims < VALUE_DIM

@@ -33,7 +33,13 @@
 
 // -- the kernel ---------------------------------------------------------------------------------------
 
-template <class W, class X, int NB, int WARPS>
+// ROW_TILES groups of 16 rows per block (the "mma" and "mma8" kernels: 1). Each activation fragment a
+// warp loads then serves ROW_TILES weight tiles, and the sub-block sums S (which depend on the activations
+// alone) are computed once for all of them: at 16-64 activation rows the activations, re-read once per
+// block, outweigh the weights, and more rows per block read them fewer times. A row's arithmetic is the
+// same whatever ROW_TILES (the same mma steps in the same order, the same partial-sum order), so every
+// variant of one warp count gives the same bits.
+template <class W, class X, int NB, int WARPS, int ROW_TILES>
 __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, const X* __restrict__ x,
                                                 X* __restrict__ y, int rows, int cols, int batch) {
     typedef ActivationFragment<X> Frag;
@@ -45,12 +51,17 @@ __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, c
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16;
+    const int row0 = blockIdx.x * 16 * ROW_TILES;
     const int blocks_per_row = cols / W::BLOCK_VALUES;
     // Rows past the end re-read the last row (valid memory); their results are never stored.
-    const int row_a = min(row0 + g, rows - 1), row_b = min(row0 + g + 8, rows - 1);
-    const u8* bytes_a = weight + static_cast<i64>(row_a) * blocks_per_row * W::BLOCK_BYTES;
-    const u8* bytes_b = weight + static_cast<i64>(row_b) * blocks_per_row * W::BLOCK_BYTES;
+    const u8* bytes_a[ROW_TILES];
+    const u8* bytes_b[ROW_TILES];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt) {
+        const int row_a = min(row0 + 16 * rt + g, rows - 1), row_b = min(row0 + 16 * rt + g + 8, rows - 1);
+        bytes_a[rt] = weight + static_cast<i64>(row_a) * blocks_per_row * W::BLOCK_BYTES;
+        bytes_b[rt] = weight + static_cast<i64>(row_b) * blocks_per_row * W::BLOCK_BYTES;
+    }
 
     // This lane's B column in each tile: activation row and fp32 part, or none (zeros).
     const X* x_col[TILES];
@@ -64,84 +75,119 @@ __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, c
         x_col[tile] = x + static_cast<i64>(has_col[tile] ? r : 0) * cols;
     }
 
-    float acc[TILES][4];
+    float acc[ROW_TILES][TILES][4];
 #pragma unroll
-    for (int tile = 0; tile < TILES; ++tile)
+    for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) acc[tile][k] = 0.0f;
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[rt][tile][k] = 0.0f;
 
     const u32 ones[4] = {E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR};
     int block = warp;
-    typename W::Raw raw_a, raw_b;
+    typename W::Raw raw_a[ROW_TILES], raw_b[ROW_TILES];
     if (block < blocks_per_row) {
-        raw_a = W::load(bytes_a + static_cast<i64>(block) * W::BLOCK_BYTES, t);
-        raw_b = W::load(bytes_b + static_cast<i64>(block) * W::BLOCK_BYTES, t);
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+            raw_a[rt] = W::load(bytes_a[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
+            raw_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
+        }
     }
     for (; block < blocks_per_row; block += WARPS) {
         // Fetch the next block's bytes before working on this one (loads in flight during the math).
         const int next = block + WARPS;
-        typename W::Raw next_a = raw_a, next_b = raw_b;
-        if (next < blocks_per_row) {
-            next_a = W::load(bytes_a + static_cast<i64>(next) * W::BLOCK_BYTES, t);
-            next_b = W::load(bytes_b + static_cast<i64>(next) * W::BLOCK_BYTES, t);
+        typename W::Raw next_a[ROW_TILES], next_b[ROW_TILES];
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+            next_a[rt] = raw_a[rt];
+            next_b[rt] = raw_b[rt];
+            if (next < blocks_per_row) {
+                next_a[rt] = W::load(bytes_a[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
+                next_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
+            }
         }
-        float d_a, dmin_a, d_b, dmin_b;
-        W::scales(raw_a, d_a, dmin_a);
-        W::scales(raw_b, d_b, dmin_b);
-        const typename W::Groups groups_a = W::groups(raw_a), groups_b = W::groups(raw_b);
+        float d_a[ROW_TILES], dmin_a[ROW_TILES], d_b[ROW_TILES], dmin_b[ROW_TILES];
+        typename W::Groups groups_a[ROW_TILES], groups_b[ROW_TILES];
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+            W::scales(raw_a[rt], d_a[rt], dmin_a[rt]);
+            W::scales(raw_b[rt], d_b[rt], dmin_b[rt]);
+            groups_a[rt] = W::groups(raw_a[rt]);
+            groups_b[rt] = W::groups(raw_b[rt]);
+        }
         const int base = block * W::BLOCK_VALUES;
 #pragma unroll
         for (int grp = 0; grp < GROUPS; ++grp) {
-            float p[TILES][4], s[TILES][4];
+            float p[ROW_TILES][TILES][4], s[TILES][4];
 #pragma unroll
             for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
-                for (int k = 0; k < 4; ++k) p[tile][k] = s[tile][k] = 0.0f;
+                for (int k = 0; k < 4; ++k) {
+                    s[tile][k] = 0.0f;
+#pragma unroll
+                    for (int rt = 0; rt < ROW_TILES; ++rt) p[rt][tile][k] = 0.0f;
+                }
 #pragma unroll
             for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
                 const int step = grp * W::STEPS_PER_GROUP + within;
-                const u32 q_a = W::step_quants(raw_a, step), q_b = W::step_quants(raw_b, step);
-                const u32 a[4] = {even_pair<E>(q_a), even_pair<E>(q_b), odd_pair<E>(q_a), odd_pair<E>(q_b)};
+                u32 a[ROW_TILES][4];
+#pragma unroll
+                for (int rt = 0; rt < ROW_TILES; ++rt) {
+                    const u32 q_a = W::step_quants(raw_a[rt], step), q_b = W::step_quants(raw_b[rt], step);
+                    a[rt][0] = even_pair<E>(q_a);
+                    a[rt][1] = even_pair<E>(q_b);
+                    a[rt][2] = odd_pair<E>(q_a);
+                    a[rt][3] = odd_pair<E>(q_b);
+                }
                 const int column = base + W::step_column(step, t);
 #pragma unroll
                 for (int tile = 0; tile < TILES; ++tile) {
                     u32 b0 = 0, b1 = 0;
                     if (has_col[tile]) Frag::load(x_col[tile] + column, part[tile], b0, b1);
-                    E::mma(p[tile], a, b0, b1);
+#pragma unroll
+                    for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[rt], b0, b1);
                     E::mma(s[tile], ones, b0, b1);
                 }
             }
-            float scale_a, min_a, scale_b, min_b;
-            W::group(groups_a, grp, scale_a, min_a);
-            W::group(groups_b, grp, scale_b, min_b);
-            const float da = d_a * scale_a, db = d_b * scale_b;
-            const float ma = dmin_a * min_a, mb = dmin_b * min_b;
 #pragma unroll
-            for (int tile = 0; tile < TILES; ++tile)
+            for (int rt = 0; rt < ROW_TILES; ++rt) {
+                float scale_a, min_a, scale_b, min_b;
+                W::group(groups_a[rt], grp, scale_a, min_a);
+                W::group(groups_b[rt], grp, scale_b, min_b);
+                const float da = d_a[rt] * scale_a, db = d_b[rt] * scale_b;
+                const float ma = dmin_a[rt] * min_a, mb = dmin_b[rt] * min_b;
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    // Fragment element k: row g (k < 2) or g+8, column 2t + (k & 1) of the tile.
-                    if ((k & 1) && 8 * tile + 1 >= COLUMNS) continue;  // odd columns unused at all
-                    const float sum_x = s[tile][k];
-                    const float q_dot_x = fmaf(-OFFSET, sum_x, p[tile][k]);
-                    acc[tile][k] = fmaf(k < 2 ? da : db, q_dot_x, acc[tile][k]);
-                    if (W::HAS_MIN) acc[tile][k] = fmaf(-(k < 2 ? ma : mb), sum_x, acc[tile][k]);
-                }
+                for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        // Fragment element k: row g (k < 2) or g+8, column 2t + (k & 1) of the tile.
+                        if ((k & 1) && 8 * tile + 1 >= COLUMNS) continue;  // odd columns unused at all
+                        const float sum_x = s[tile][k];
+                        const float q_dot_x = fmaf(-OFFSET, sum_x, p[rt][tile][k]);
+                        acc[rt][tile][k] = fmaf(k < 2 ? da : db, q_dot_x, acc[rt][tile][k]);
+                        if (W::HAS_MIN) acc[rt][tile][k] = fmaf(-(k < 2 ? ma : mb), sum_x, acc[rt][tile][k]);
+                    }
+            }
         }
-        raw_a = next_a;
-        raw_b = next_b;
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+            raw_a[rt] = next_a[rt];
+            raw_b[rt] = next_b[rt];
+        }
     }
 
     // Add the warps' partial sums: partial[warp][row][column].
-    __shared__ float partial[WARPS][16][8 * TILES + 1];
+    __shared__ float partial[WARPS][16 * ROW_TILES][8 * TILES + 1];
 #pragma unroll
-    for (int tile = 0; tile < TILES; ++tile)
+    for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-            partial[warp][g + 8 * (k >> 1)][8 * tile + 2 * t + (k & 1)] = acc[tile][k];
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                partial[warp][16 * rt + g + 8 * (k >> 1)][8 * tile + 2 * t + (k & 1)] = acc[rt][tile][k];
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * NB; i += 32 * WARPS) {
-        const int r = i >> 4, local = i & 15, row = row0 + local;
+    for (int i = threadIdx.x; i < 16 * ROW_TILES * NB; i += 32 * WARPS) {
+        const int r = i / (16 * ROW_TILES), local = i % (16 * ROW_TILES), row = row0 + local;
         if (r >= batch || row >= rows) continue;
         float total = 0.0f;
 #pragma unroll
@@ -152,12 +198,15 @@ __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, c
     }
 }
 
-#define LUCEBOX_MATVEC_MMA_WARPS(PREFIX, WARPS, FORMAT, ACT, NB)                                         \
+#define LUCEBOX_MATVEC_MMA_WARPS(PREFIX, WARPS, ROW_TILES, FORMAT, ACT, NB)                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                            \
         PREFIX##_##FORMAT##_##ACT##_##NB(const u8* __restrict__ weight, const ACT* __restrict__ x,        \
                                          ACT* __restrict__ y, int rows, int cols, int batch) {            \
-        matvec_mma_body<Mma_##FORMAT, ACT, NB, WARPS>(weight, x, y, rows, cols, batch);                 \
+        matvec_mma_body<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES>(weight, x, y, rows, cols, batch);      \
     }
-#define LUCEBOX_MATVEC_MMA(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma, 4, FORMAT, ACT, NB)
-#define LUCEBOX_MATVEC_MMA8(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma8, 8, FORMAT, ACT, NB)
-
+#define LUCEBOX_MATVEC_MMA(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma, 4, 1, FORMAT, ACT, NB)
+#define LUCEBOX_MATVEC_MMA8(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma8, 8, 1, FORMAT, ACT, NB)
+// 2 row tiles per block of 4 warps (`mma_r2`): launch with ceil(rows / 32) blocks of 128 threads.
+// Bit-identical to `mma` (same warp count), half the activation reads. (4 row tiles spill at 255
+// registers for sm_90 even at batch 1: ptxas -v.)
+#define LUCEBOX_MATVEC_MMA_R2(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma_r2, 4, 2, FORMAT, ACT, NB)
