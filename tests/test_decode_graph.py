@@ -114,6 +114,22 @@ def test_static_decode_after_verify_and_commit(tiny):
                                    tiny.forward(dynamic, torch.tensor([token])), atol=1e-5, rtol=1e-5)
 
 
+def test_static_decode_captures_the_drafters_features(tiny):
+    """With feature capture on (a speculative sequence), the static step writes each position's features
+    into the ring as the dynamic forward does, so plain steps of such a sequence stay on the decode step."""
+    dynamic, static = tiny.new_state(64), tiny.new_state(64)
+    layers = [0, len(tiny.layers) - 1]
+    for state in (dynamic, static):
+        tiny.enable_capture(state, layers, 16)  # a ring shorter than the sequence: slots wrap
+        tiny.forward(state, _prompt(tiny, 13, seed=3))
+    for token in (5, 6, 7, 8):
+        torch.testing.assert_close(tiny.decode_step(static, token, graphs=False),
+                                   tiny.forward(dynamic, torch.tensor([token])), atol=1e-5, rtol=1e-5)
+    assert static.length == dynamic.length == 17
+    torch.testing.assert_close(tiny.read_features(static, 2, 17), tiny.read_features(dynamic, 2, 17),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_forward_takes_the_static_step_when_graphs_are_on(tiny, monkeypatch):
     """With decode graphs switched on (as on CUDA) one-token `forward` calls go through `decode_step`; on
     the CPU no graph is recorded and the result is the dynamic one."""

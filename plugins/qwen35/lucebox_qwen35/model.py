@@ -535,8 +535,7 @@ class Qwen35Model:
         """
         ops = self.ops
         token_ids = token_ids.reshape(-1)
-        if (self.decode_graphs and token_ids.shape[0] == 1 and positions is None and not capture
-                and state.features is None):
+        if self.decode_graphs and token_ids.shape[0] == 1 and positions is None and not capture:
             return self.decode_step(state, token_ids)
         token_ids = token_ids.to(ops.device)
         tokens = token_ids.shape[0]
@@ -637,7 +636,9 @@ class Qwen35Model:
         window = kv_window(length + 1, state.kv.max_context, self.decode_min_window)
         if use_graphs and buffers.graphs is not None and buffers.graphs.failure is None:
             # The recording's buffer is overwritten by the next replay: hand out a copy.
-            logits = buffers.graphs.run(window, lambda: self._static_step(state, window)).clone()
+            # Recordings with the drafter's feature capture write the feature ring too.
+            key = window if state.features is None else (window, "features")
+            logits = buffers.graphs.run(key, lambda: self._static_step(state, window)).clone()
         else:
             logits = self._static_step(state, window)
         state.kv.extend_to(length + 1)
@@ -655,7 +656,15 @@ class Qwen35Model:
                 return layer.linear_attn(x, state.linear[layer.index])
             return layer.self_attn.decode_static(x, buffers.position, state.kv, window)
 
-        return self.ops.linear(self._run_layers(buffers.embedded, mix), self.lm_head)[0]
+        taps: list[torch.Tensor] = []
+        tapped = state.capture_layers if state.features is not None else ()
+        hidden = self._run_layers(buffers.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
+        if state.features is not None:
+            # The drafter's features of this position, into the ring at a device index (a graph records it):
+            # plain decoding of a speculative sequence stays on this step, the one verification matches.
+            slot = buffers.position % state.features.shape[0]
+            state.features.index_copy_(0, slot, self._concat_taps(state, taps).to(state.features.dtype))
+        return self.ops.linear(hidden, self.lm_head)[0]
 
     # -- the target side of speculative decoding ------------------------------------------------------
 
