@@ -4,7 +4,7 @@
 #   bash scripts/gpu_session.sh check    # ~8-9 min: cuda_check (kernel cases, 4 Triton modules' checks, tiny
 #                                        #   F32 and 0.8b Q4_K_M models vs torch f32; its matvec timings
 #                                        #   left to the sweep), matvec_sweep.py (60 s timing budget),
-#                                        #   verify_determinism.py on 0.8b (default and all-`mma` matvecs),
+#                                        #   verify_determinism.py on 0.8b, matvec_probe invariance, ncu counters,
 #                                        #   decode profiles of 0.8b and 27b.          carry: .whl
 #   bash scripts/gpu_session.sh bench-a  # ~6.5 min: PART=A of bench_vs_llamacpp.sh.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh bench-b  # ~6.5 min: PART=B (depths, memory at 32K). carry: .whl .llamacpp
@@ -64,11 +64,9 @@ check() {
   [ -f scripts/matvec_sweep.py ] && step matvec_sweep 150 python3 scripts/matvec_sweep.py --out "$RES" \
     --budget-s "${SWEEP_BUDGET:-60}"
   step synth-08b 30 synth 0.8b
-  # Is a verified node's result independent of its depth (what --force-accept needs)? With the measured
-  # matvec defaults, then with one kernel everywhere, to tell a matvec variant from the rest.
-  step determinism-08b 60 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
-  step determinism-08b-mma 60 env LUCEBOX_MATVEC_VARIANT=mma python3 scripts/verify_determinism.py "$(model 0.8b)" \
-    --json "$RES/determinism_mma.json"
+  # Does every verified node get plain decoding's logits to the bit (what --force-accept and exact speculative
+  # output need)? Chain and tree, every node against decoding its path.
+  step determinism-08b 90 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
   # Is column j of a batch-N product bit-identical to row j's batch-1 product, per matvec variant?
   step matvec-invariance 90 python3 scripts/matvec_probe.py invariance --json "$RES/matvec_invariance.json"
   # Hardware counters of the main decode products (speed of light, memory, warp stalls, issue slots).
