@@ -126,7 +126,7 @@ class SpeculativeDecoder:
 
     def recycle(self, state: Any, draft_state: Any, ctx_size: int) -> Any:
         """`prepare` for a target state emptied for reuse: capture into its feature ring again (the same
-        buffer where it fits, so recorded verify passes stay valid), and empty the drafter's state (its
+        buffer where it fits, which its recorded decode steps write into), and empty the drafter's state (its
         buffers and recorded block forwards kept) or make one if it had none."""
         self.drafter.prepare_target(self.target, state, ctx_size)
         if draft_state is None:

@@ -637,7 +637,8 @@ class Qwen35Model:
         if use_graphs and buffers.graphs is not None and buffers.graphs.failure is None:
             # The recording's buffer is overwritten by the next replay: hand out a copy.
             # Recordings with the drafter's feature capture write the feature ring too.
-            key = window if state.features is None else (window, "features")
+            # Keyed on the ring itself: a recording writes into the buffer it was made with.
+            key = window if state.features is None else (window, state.features.data_ptr())
             logits = buffers.graphs.run(key, lambda: self._static_step(state, window)).clone()
         else:
             logits = self._static_step(state, window)
@@ -694,7 +695,7 @@ class Qwen35Model:
         width = len(layers) * self.config.hidden
         if (state.features is not None and state.capture_layers == tuple(layers)
                 and tuple(state.features.shape) == (capacity, width)):
-            # A reused state: the same ring, so verify passes recorded on it still write where it reads.
+            # A reused state: the same ring, which its recorded decode steps write into.
             state.features.zero_()
             return
         state.capture_layers = tuple(layers)
