@@ -37,8 +37,8 @@ check = _load_cuda_check()
 INVARIANCE_SHAPES = [("q4_k", 17408, 5120), ("q4_k", 5120, 17408), ("q4_k", 1024, 5120), ("q4_k", 48, 5120),
                      ("q6_k", 5120, 17408), ("q6_k", 4096, 5120)]
 INVARIANCE_BATCHES = (2, 4, 8, 16, 23, 33, 64)
-INVARIANCE_VARIANTS = ("simt", "mma", "mma_r2", "mma8", "pipe_w4_d4_m1_k1", "pipe_w4_d4_m2_k1", "pipe_w4_d3_m1_k2",
-                       "pipe_w8_d3_m1_k1", "pipe_w4_d4_m1_k2")
+INVARIANCE_VARIANTS = ("simt", "mma", "mma_r2", "mma8", "stream_w4_d4", "stream_w8_d3", "pipe_w4_d4_m1_k1",
+                       "pipe_w4_d4_m2_k1", "pipe_w4_d3_m1_k2", "pipe_w8_d3_m1_k1", "pipe_w4_d4_m1_k2")
 
 
 def invariance(backend: CudaBackend, out_json: str | None) -> int:

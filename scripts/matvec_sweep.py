@@ -4,7 +4,8 @@ decode shapes, and the best variant per shape (ready to paste into `catalogue.MA
     python3 scripts/matvec_sweep.py --out DIR [--budget-s 170] [--skip-correctness]
 
 1. Compiles every program the run needs, in parallel worker processes (forked before any CUDA call).
-2. Correctness: each streamed configuration (catalogue.PIPE_SWEEP_CONFIGS, with 1 and 3 K-slices) and the
+2. Correctness: each streamed configuration (catalogue.PIPE_SWEEP_CONFIGS, with 1 and 3 K-slices, and
+   catalogue.STREAM_SWEEP_CONFIGS) and the
    register-prefetch `mma` kernel, for Q4_K/Q5_K/Q6_K x bf16/f16/f32 activations x batch 1, 2, 4, 8, 16, 33,
    64 (fp32 up to 8) on fresh random GGUF blocks, outputs NaN-poisoned, against a float64 reference with
    the bounds of scripts/cuda_check.py. Rows 1001 (a part-filled last row group) x 5120, and at batch 1
@@ -93,15 +94,19 @@ def pipe_variants(batch: int, slices: tuple[int, ...], rows: int | None = None) 
     return names
 
 
+def stream_variants() -> list[str]:
+    return [catalogue.StreamVariant(warps, depth).name for warps, depth in catalogue.STREAM_SWEEP_CONFIGS]
+
+
 def check_variants(fmt: str, act: str, batch: int) -> list[str]:
     if not catalogue.has_mma_kernel(fmt, act, batch):
         return []
-    return ["mma", "mma_r2", *pipe_variants(batch, CHECK_SLICES)]
+    return ["mma", "mma_r2", *pipe_variants(batch, CHECK_SLICES), *stream_variants()]
 
 
 def time_variants(fmt: str, batch: int, rows: int) -> list[str]:
     names = ["mma", "mma8", "mma_r2"] + (["simt"] if batch <= 8 else [])
-    return names + pipe_variants(batch, TIME_SLICES, rows)
+    return names + stream_variants() + pipe_variants(batch, TIME_SLICES, rows)
 
 
 def check_cases() -> list[tuple[str, str, int]]:

@@ -31,9 +31,10 @@ def test_source_compiles(source, arch):
     for line in program.instantiations:
         macro, args = line.split("(", 1)
         parts = [part.strip() for part in args.rstrip(")").split(",")]
-        if macro == "LUCEBOX_MATVEC_PIPE":
+        if macro in ("LUCEBOX_MATVEC_PIPE", "LUCEBOX_MATVEC_STREAM"):
             fmt, act, batch, warps, depth, groups = parts
-            assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
+            kind = macro.removeprefix("LUCEBOX_MATVEC_").lower()
+            assert f"matvec_{kind}_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
                 "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_DEQUANT": "dequant",
@@ -168,3 +169,36 @@ def test_matvec_kernel_refuses_a_missing_variant():
     with pytest.raises(ValueError, match="no tensor-core matvec for q8_0"):
         catalogue.matvec_kernel("q8_0", "bf16", 1, 64, variant="pipe_w4_d4_m1_k1")
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 64, variant="simt").name == "matvec_q4_k_bf16_1"
+
+
+def test_stream_variants():
+    for warps, depth in catalogue.STREAM_SWEEP_CONFIGS:
+        variant = catalogue.StreamVariant(warps, depth)
+        assert catalogue.StreamVariant.parse(variant.name) == variant
+    assert catalogue.StreamVariant.parse("pipe_w4_d4_m1_k1") is None
+    with pytest.raises(ValueError, match="unsupported stream variant"):
+        catalogue.StreamVariant.parse("stream_w3_d4")
+    # "stream" is the default shape; the grid is the most blocks that get a tile (the host caps it at what
+    # the GPU holds at once); one counter per 16-row group.
+    kernel = catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "stream", in_features=5120, max_shared_bytes=200 * 1024)
+    assert (kernel.name, kernel.block, kernel.persistent, kernel.streamed) == (
+        "matvec_stream_w4_d4_m1_q4_k_bf16_1", 128, True, True)
+    assert (kernel.grid, kernel.row_groups) == (1088 * 20 // 4, 1088)
+    ring_and_flush = 4 * 4 * 16 * 144 + 4 * 16 * 9 * 4
+    assert kernel.shared_bytes == ring_and_flush + 5120 * 2  # one bf16 activation row staged
+    # Batches beyond one, and a device without room for the row, go without the staged row.
+    assert catalogue.matvec_kernel("q4_k", "bf16", 2, 17408, "stream", in_features=5120,
+                                   max_shared_bytes=200 * 1024).shared_bytes == ring_and_flush
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "stream", in_features=5120,
+                                   max_shared_bytes=ring_and_flush).shared_bytes == ring_and_flush
+    with pytest.raises(ValueError, match="shared memory"):
+        catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "stream_w8_d6", in_features=256, max_shared_bytes=48 * 1024)
+    with pytest.raises(ValueError, match="no tensor-core matvec for q8_0"):
+        catalogue.matvec_kernel("q8_0", "bf16", 1, 64, "stream", in_features=256)
+
+
+def test_tuned_stream_variant_serves_every_batch(monkeypatch):
+    monkeypatch.setitem(catalogue.MATVEC_TUNED, ("q4_k", 1, 17408, 5120), "stream_w8_d3")
+    chosen = {catalogue.matvec_kernel("q4_k", "bf16", rows, 17408, in_features=5120).name.rsplit("_", 1)[0]
+              for rows in (1, 2, 23, 64)}
+    assert chosen == {"matvec_stream_w8_d3_m1_q4_k_bf16"}

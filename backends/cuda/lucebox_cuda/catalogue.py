@@ -4,10 +4,11 @@ Every kernel is a template instantiated by a macro line appended to its source (
 bf16, 1)` defines `matvec_q4_k_bf16_1`), so a process compiles only the instantiations it uses, each its
 own small cached program. Pure Python: usable without a GPU (the compile tests use it).
 
-Three matrix-vector kernels: `matvec.cu` (CUDA cores, one warp per output row, every format),
-`matvec_mma.cu` (tensor cores, 16 output rows per block of 4 or 8 warps, register prefetch, the K-quants)
-and `matvec_pipe.cu` (the same tensor-core math with the weight streamed through shared memory by
-cp.async, parameterized by warps, pipeline depth, row groups per warp and K-slices). `matvec_kernel` picks
+Four matrix-vector kernels: `matvec.cu` (CUDA cores, one warp per output row, every format),
+`matvec_mma.cu` (tensor cores, 16 output rows per block of 4 or 8 warps, register prefetch, the K-quants),
+`matvec_pipe.cu` (the same tensor-core math with the weight streamed through shared memory by
+cp.async, parameterized by warps, pipeline depth, row groups per warp and K-slices) and `matvec_stream.cu`
+(the streamed math on a persistent grid whose warps take equal runs of the weight's tiles: stream-K). `matvec_kernel` picks
 one (`default_variant`: a measured table, else a rule) and says how to launch it.
 """
 
@@ -62,7 +63,10 @@ MMA8_FORMATS = ("q4_k", "q5_k")
 MMA8_OUT_FEATURES = range(8192, 65537)
 # "pipe" is the default streamed variant (matvec_pipe.cu) for the shape; explicit ones are named by
 # `PipeVariant.name`, e.g. "pipe_w4_d4_m1_k2".
-MATVEC_VARIANTS = ("pipe", *MMA_VARIANTS, "simt")
+# "stream" is the stream-K kernel (matvec_stream.cu) in its default shape; explicit ones are named by
+# `StreamVariant.name`, e.g. "stream_w4_d4".
+MATVEC_VARIANTS = ("pipe", "stream", *MMA_VARIANTS, "simt")
+DEFAULT_STREAM = (4, 4)  # (warps, depth) of "stream"
 
 # -- the streamed (cp.async) tensor-core kernel, matvec_pipe.cu ---------------------------------------
 
@@ -124,6 +128,51 @@ PIPE_SWEEP_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (warps, depth, row g
 )
 # Two row groups per warp double the accumulators: only up to this batch tile (beyond it they spill).
 PIPE_MAX_BATCH_TWO_GROUPS = 16
+
+# -- the stream-K tensor-core kernel, matvec_stream.cu --------------------------------------------------
+
+
+@attrs.frozen
+class StreamVariant:
+    """One configuration of matvec_stream.cu: warps per block and ring stages per warp (one 16-row group
+    per tile). The grid is persistent (sized to fill the GPU once by the host, from the occupancy
+    calculator), and the warps take equal runs of the weight's (row group, GGUF block) tiles."""
+
+    warps: int
+    depth: int
+
+    @property
+    def name(self) -> str:
+        return f"stream_w{self.warps}_d{self.depth}"
+
+    @classmethod
+    def parse(cls, name: str) -> StreamVariant | None:
+        """The variant named `name` ("stream_w4_d4"), or None if `name` is not of that form."""
+        match = re.fullmatch(r"stream_w(\d+)_d(\d+)", name)
+        if match is None:
+            return None
+        warps, depth = map(int, match.groups())
+        if warps not in (1, 2, 4, 8, 16) or not 2 <= depth <= 16:
+            raise ValueError(f"unsupported stream variant {name!r}")
+        return cls(warps, depth)
+
+    def kernel_name(self, weight_format: str, activation: str, batch: int) -> str:
+        return f"matvec_stream_w{self.warps}_d{self.depth}_m1_{weight_format}_{activation}_{batch}"
+
+    def shared_bytes(self, weight_format: str, activation: str, batch: int) -> int:
+        """Dynamic shared memory without the staged activation row: StreamShape::SHARED_BYTES."""
+        tiles = -(-batch * (3 if activation == "f32" else 1) // 8)
+        ring = self.warps * self.depth * 16 * PIPE_ROW_STRIDE[weight_format]
+        return ring + self.warps * 16 * (8 * tiles + 1) * 4
+
+    def staged_x_bytes(self, activation: str, batch: int, in_features: int) -> int:
+        """Extra shared memory for keeping the activation row in shared memory (one 16-bit row only)."""
+        return in_features * 2 if batch == 1 and activation in ("bf16", "f16") else 0
+
+
+# The stream-K variants the sweep compares.
+STREAM_SWEEP_CONFIGS: tuple[tuple[int, int], ...] = ((4, 3), (4, 4), (4, 6), (8, 3), (8, 4), (2, 6))
+
 
 # Measured defaults (exact shapes) from scripts/matvec_sweep.py: (format, batch tile, out, in) -> variant.
 # Empty until the first sweep on the target GPU; `default_variant` uses the rule below where no entry is.
@@ -223,7 +272,7 @@ def default_variant(weight_format: str, activation: str, rows: int, out_features
     pipe = PipeVariant.parse(tuned) if tuned is not None else None
     if pipe is not None:
         return attrs.evolve(pipe, row_groups=1).name if pipe.row_groups > 1 else tuned
-    if tuned in MMA_VARIANTS:
+    if tuned in MMA_VARIANTS or (tuned is not None and StreamVariant.parse(tuned) is not None):
         return tuned
     if weight_format in MMA8_FORMATS and (out_features in MMA8_OUT_FEATURES or tuned == "simt"):
         return "mma8"
@@ -259,6 +308,11 @@ def matvec_mma(weight_format: str, activation: str, batch: int, variant: str = "
     return KernelProgram("matvec_mma.cu", [f"{macro}({weight_format}, {activation}, {batch})"]), name
 
 
+def matvec_stream(weight_format: str, activation: str, batch: int, stream: StreamVariant) -> tuple[KernelProgram, str]:
+    line = f"LUCEBOX_MATVEC_STREAM({weight_format}, {activation}, {batch}, {stream.warps}, {stream.depth}, 1)"
+    return KernelProgram("matvec_stream.cu", [line]), stream.kernel_name(weight_format, activation, batch)
+
+
 def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVariant) -> tuple[KernelProgram, str]:
     line = (f"LUCEBOX_MATVEC_PIPE({weight_format}, {activation}, {batch}, {pipe.warps}, {pipe.depth}, "
             f"{pipe.row_groups})")
@@ -278,11 +332,17 @@ class MatvecLaunch:
     variant: str
     slices: int = 1
     shared_bytes: int = 0
+    # matvec_stream.cu: `grid` is the most blocks that get work (tiles / warps); the host launches at most
+    # what fills the GPU once. It needs `2 * blocks * warps * batch * 16` fp32 partials and `row_groups`
+    # zeroed counters.
+    persistent: bool = False
+    row_groups: int = 0
 
     @property
     def streamed(self) -> bool:
-        """Whether this is a matvec_pipe.cu kernel (it takes the partials and counters arguments)."""
-        return self.program.file == "matvec_pipe.cu"
+        """Whether this is a matvec_pipe.cu or matvec_stream.cu kernel (they take the partials and counters
+        arguments)."""
+        return self.program.file in ("matvec_pipe.cu", "matvec_stream.cu")
 
 
 def has_mma_kernel(weight_format: str, activation: str, rows: int) -> bool:
@@ -304,6 +364,23 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
         variant = default_variant(weight_format, activation, rows, out_features, in_features)
         if asked == "pipe" and PipeVariant.parse(variant) is None and has_mma_kernel(weight_format, activation, rows):
             variant = PipeVariant(4, 4, 1, pipe_slices(out_features, in_features, weight_format)).name
+    if variant == "stream":
+        variant = StreamVariant(*DEFAULT_STREAM).name
+    stream = StreamVariant.parse(variant)
+    if stream is not None:
+        if not has_mma_kernel(weight_format, activation, rows):
+            raise ValueError(f"no tensor-core matvec for {weight_format} x {activation} at {rows} rows")
+        shared = stream.shared_bytes(weight_format, activation, tile)
+        if shared > max_shared_bytes:
+            raise ValueError(f"{variant} needs {shared} bytes of shared memory; this device allows {max_shared_bytes}")
+        staged = stream.staged_x_bytes(activation, tile, in_features)
+        if shared + staged <= max_shared_bytes:
+            shared += staged
+        program, name = matvec_stream(weight_format, activation, tile, stream)
+        row_groups = -(-out_features // 16)
+        tiles = row_groups * (in_features // 256)
+        return MatvecLaunch(program, name, max(1, -(-tiles // stream.warps)), 32 * stream.warps, variant,
+                            shared_bytes=shared, persistent=True, row_groups=row_groups)
     pipe = PipeVariant.parse(variant)
     if pipe is not None:
         if not has_mma_kernel(weight_format, activation, rows):
@@ -373,8 +450,12 @@ def compile_check_programs() -> dict[str, KernelProgram]:
     mma_lines += [f"LUCEBOX_MATVEC_MMA8({f}, bf16, 1)" for f in MMA_FORMATS]
     mma_lines += [f"LUCEBOX_MATVEC_MMA_R2({f}, {a}, {b})" for f in MMA_FORMATS for a, b in
                   (("bf16", 1), ("bf16", 24), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
+    stream_lines = [f"LUCEBOX_MATVEC_STREAM({f}, {a}, 1, 4, 4, 1)" for f in MMA_FORMATS for a in acts]
+    stream_lines += [f"LUCEBOX_MATVEC_STREAM({f}, bf16, {MMA_MAX_BATCH['bf16']}, 8, 3, 1)" for f in ("q4_k", "q6_k")]
+    stream_lines += [f"LUCEBOX_MATVEC_STREAM(q5_k, f32, {MMA_MAX_BATCH['f32']}, 2, 6, 1)"]
     return {
         "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),
+        "matvec_stream.cu": KernelProgram("matvec_stream.cu", stream_lines),
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),
