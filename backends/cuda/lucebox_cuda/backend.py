@@ -277,21 +277,12 @@ class CudaBackend(TorchBackend):
                 if int(result) != 0:
                     raise LuceboxError(f"cuFuncSetAttribute({name.name}) on {kernel.name} failed: {result}")
             state["shared_ready"].add(kernel.name)
-        slices, partials, counters, grid = kernel.slices, 0, 0, kernel.grid
-        if kernel.persistent:
-            grid = min(grid, self._resident_blocks(function, kernel, state))
-        if slices > 1 or kernel.persistent:
-            if kernel.persistent:  # two slots per warp of fp32 sums of a row group it shares with others
-                need_partials, need_counters = 2 * grid * (kernel.block // 32) * rows * 16, kernel.row_groups
-            else:
-                need_partials, need_counters = slices * rows * out_features, kernel.grid
+        slices, partials, counters = kernel.slices, 0, 0
+        if slices > 1:
+            need_partials, need_counters = slices * rows * out_features, kernel.grid
             scratch, arrivals = state["scratch"], state["counters"]
             if scratch is None or scratch.numel() < need_partials or arrivals.numel() < need_counters:
                 if torch.cuda.is_current_stream_capturing():
-                    if kernel.persistent:
-                        raise LuceboxError(
-                            f"{kernel.name}: its scratch must be allocated by an uncaptured launch of the same "
-                            f"shape before a CUDA graph captures it (warm up first)")
                     scratch = arrivals = None
                     slices = 1
                 else:
@@ -303,27 +294,11 @@ class CudaBackend(TorchBackend):
                     # Zeroed once; every launch leaves its counters at zero again.
                     arrivals = torch.zeros(count, dtype=torch.int32, device=self.device)
                     state["scratch"], state["counters"] = scratch, arrivals
-            if slices > 1 or kernel.persistent:
+            if slices > 1:
                 partials, counters = scratch.data_ptr(), arrivals.data_ptr()
-        launch(function, (grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
+        launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
         return out
-
-    def _resident_blocks(self, function: Any, kernel: catalogue.MatvecLaunch, state: dict) -> int:
-        """Blocks of `kernel` the whole GPU holds at once (the occupancy calculator x SMs): the grid of a
-        persistent kernel, so that every warp starts at once and none waits for a second wave."""
-        key = ("resident", kernel.name, kernel.shared_bytes)
-        if key not in state:
-            from cuda.bindings import driver
-
-            result, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                function, kernel.block, kernel.shared_bytes)
-            if int(result) != 0 or int(per_sm) < 1:
-                raise LuceboxError(f"{kernel.name} cannot run with {kernel.shared_bytes} bytes of shared memory "
-                                   f"per block on this device (occupancy query: {result}, {per_sm} blocks)")
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            state[key] = int(per_sm) * sms
-        return state[key]
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,
                         weight_format: str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:

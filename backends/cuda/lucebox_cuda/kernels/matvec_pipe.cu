@@ -32,8 +32,39 @@
 // `matvec_pipe_w<WARPS>_d<DEPTH>_m<GM>_<format>_<activation>_<NB>`; launch with 32 * WARPS threads, grid
 // (ceil(rows / (16 * GM)), slices), and the dynamic shared memory above. Arguments: weight, x, y, rows,
 // cols, batch, partials (float*, may be null with one slice), counters (u32*, likewise).
-#include "cp_async.cuh"
-#include "mma_staged.cuh"
+#include "mma_formats.cuh"
+
+// -- cp.async (sm_80 and later) ------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 shared_address(const void* pointer) {
+    u32 address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+    return address;
+}
+
+// 16 bytes global -> shared, bypassing L1; bytes past `source_bytes` (1..16) are written as zeros.
+__device__ __forceinline__ void copy_async_16(u32 destination, const void* source, int source_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(destination), "l"(source),
+                 "r"(source_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `pending` of this thread's committed copy groups are still in flight.
+template <int pending> __device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+// -- shared-memory layout ------------------------------------------------------------------------------
+
+// One row's GGUF block as copied: whole 16-byte chunks. Blocks that are not a multiple of 16 bytes start
+// at an even offset 0..14 inside their first chunk, so they need (bytes + 14) rounded up to chunks.
+template <class W> struct StreamedBlock {
+    static constexpr bool OVERFETCH = W::BLOCK_BYTES % 16 != 0;
+    static constexpr int CHUNKS = OVERFETCH ? (W::BLOCK_BYTES + 14 + 15) / 16 : W::BLOCK_BYTES / 16;
+    static constexpr int ROW_STRIDE = 16 * CHUNKS;
+};
 
 template <class W, class X, int NB, int WARPS, int DEPTH, int GM> struct PipeShape {
     static constexpr int SPLITS = ActivationFragment<X>::SPLITS;
@@ -55,10 +86,13 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
                                                  float* __restrict__ partials, u32* __restrict__ counters) {
     static_assert(DEPTH >= 2, "a pipeline needs a stage to decode and one to fill");
     static_assert(GM == 1 || GM == 2, "one or two 16-row groups per warp");
-    typedef StagedMath<W, X, NB, GM> Math;
+    typedef ActivationFragment<X> Frag;
+    typedef typename Frag::E E;
     typedef StreamedBlock<W> Streamed;
     typedef PipeShape<W, X, NB, WARPS, DEPTH, GM> Shape;
-    constexpr int SPLITS = Shape::SPLITS, TILES = Shape::TILES, ROWS = Shape::ROWS;
+    constexpr int SPLITS = Shape::SPLITS, COLUMNS = NB * SPLITS, TILES = Shape::TILES, ROWS = Shape::ROWS;
+    constexpr int GROUPS = W::STEPS / W::STEPS_PER_GROUP;
+    constexpr float OFFSET = E::MAGIC + W::BIAS;
     extern __shared__ __align__(16) u8 shared[];
     __shared__ u32 last_slice;
 
@@ -127,7 +161,17 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
             row_phase[m][h] = static_cast<u32>(row * row_bytes) & 15u;
         }
 
-    const typename Math::Columns columns = Math::columns(x, cols, batch, g);
+    // This lane's B column in each tile: activation row and fp32 part, or none (zeros).
+    const X* x_col[TILES];
+    int part[TILES];
+    bool has_col[TILES];
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile) {
+        const int column = 8 * tile + g, r = column / SPLITS;
+        has_col[tile] = column < COLUMNS && r < batch;
+        part[tile] = column % SPLITS;
+        x_col[tile] = x + static_cast<i64>(has_col[tile] ? r : 0) * cols;
+    }
 
     float acc[GM][TILES][4];
 #pragma unroll
@@ -136,6 +180,7 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
         for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
             for (int k = 0; k < 4; ++k) acc[m][tile][k] = 0.0f;
+    const u32 ones[4] = {E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR};
 
     // Prologue: DEPTH - 1 blocks in flight. Every thread commits one group per stage, empty or not, so
     // that "group i landed" is always "at most DEPTH - 1 groups pending" after issuing i + DEPTH - 1.
@@ -154,15 +199,69 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
 
         const int block = first + warp + WARPS * i;
         const u8* stage = ring + read_stage * Shape::STAGE_BYTES;
-        const u8* staged[GM][2];
+        typename W::Raw raw[GM][2];
+        float d[GM][2], dmin[GM][2];
+        typename W::Groups groups[GM][2];
 #pragma unroll
         for (int m = 0; m < GM; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const u32 phase = Streamed::OVERFETCH ? (row_phase[m][h] + static_cast<u32>(block) * W::BLOCK_BYTES) & 15u : 0u;
-                staged[m][h] = stage + (16 * m + 8 * h + g) * Streamed::ROW_STRIDE + phase;
+                raw[m][h] = W::load(stage + (16 * m + 8 * h + g) * Streamed::ROW_STRIDE + phase, t);
+                W::scales(raw[m][h], d[m][h], dmin[m][h]);
+                groups[m][h] = W::groups(raw[m][h]);
             }
-        Math::accumulate(staged, block, t, columns, acc);
+        const int base = block * W::BLOCK_VALUES;
+#pragma unroll
+        for (int grp = 0; grp < GROUPS; ++grp) {
+            float p[GM][TILES][4], s[TILES][4];
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    s[tile][k] = 0.0f;
+#pragma unroll
+                    for (int m = 0; m < GM; ++m) p[m][tile][k] = 0.0f;
+                }
+#pragma unroll
+            for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
+                const int step = grp * W::STEPS_PER_GROUP + within;
+                const int column = base + W::step_column(step, t);
+                u32 b0[TILES], b1[TILES];
+#pragma unroll
+                for (int tile = 0; tile < TILES; ++tile) {
+                    b0[tile] = b1[tile] = 0;
+                    if (has_col[tile]) Frag::load(x_col[tile] + column, part[tile], b0[tile], b1[tile]);
+                    E::mma(s[tile], ones, b0[tile], b1[tile]);
+                }
+#pragma unroll
+                for (int m = 0; m < GM; ++m) {
+                    const u32 q_a = W::step_quants(raw[m][0], step), q_b = W::step_quants(raw[m][1], step);
+                    const u32 a[4] = {even_pair<E>(q_a), even_pair<E>(q_b), odd_pair<E>(q_a), odd_pair<E>(q_b)};
+#pragma unroll
+                    for (int tile = 0; tile < TILES; ++tile) E::mma(p[m][tile], a, b0[tile], b1[tile]);
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < GM; ++m) {
+                float scale_a, min_a, scale_b, min_b;
+                W::group(groups[m][0], grp, scale_a, min_a);
+                W::group(groups[m][1], grp, scale_b, min_b);
+                const float da = d[m][0] * scale_a, db = d[m][1] * scale_b;
+                const float ma = dmin[m][0] * min_a, mb = dmin[m][1] * min_b;
+#pragma unroll
+                for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        // Fragment element k: row g (k < 2) or g + 8, column 2t + (k & 1) of the tile.
+                        if ((k & 1) && 8 * tile + 1 >= COLUMNS) continue;  // odd columns unused at all
+                        const float sum_x = s[tile][k];
+                        const float q_dot_x = fmaf(-OFFSET, sum_x, p[m][tile][k]);
+                        acc[m][tile][k] = fmaf(k < 2 ? da : db, q_dot_x, acc[m][tile][k]);
+                        if (W::HAS_MIN) acc[m][tile][k] = fmaf(-(k < 2 ? ma : mb), sum_x, acc[m][tile][k]);
+                    }
+            }
+        }
         read_stage = read_stage + 1 == DEPTH ? 0 : read_stage + 1;
         write_stage = write_stage + 1 == DEPTH ? 0 : write_stage + 1;
     }
