@@ -73,6 +73,8 @@ check() {
   step ncu-matvec 120 ncu_matvec
   step profile-08b 60 python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES"
   step synth-27b 60 synth 27b
+  # The same on the 27B layout, whose products run the tuned kernels (several variants of one class per shape).
+  step determinism-27b 150 python3 scripts/verify_determinism.py "$(model 27b)" --json "$RES/determinism_27b.json"
   step profile-27b 100 python3 scripts/bench_vs_llamacpp.py profile "$(model 27b)" --out "$RES"
 }
 

@@ -4,8 +4,7 @@ decode shapes, and the best variant per shape (ready to paste into `catalogue.MA
     python3 scripts/matvec_sweep.py --out DIR [--budget-s 170] [--skip-correctness]
 
 1. Compiles every program the run needs, in parallel worker processes (forked before any CUDA call).
-2. Correctness: each streamed configuration (catalogue.PIPE_SWEEP_CONFIGS, with 1 and 3 K-slices, and
-   catalogue.STREAM_SWEEP_CONFIGS) and the
+2. Correctness: each streamed configuration (catalogue.PIPE_SWEEP_CONFIGS, with 1 and 3 K-slices) and the
    register-prefetch `mma` kernel, for Q4_K/Q5_K/Q6_K x bf16/f16/f32 activations x batch 1, 2, 4, 8, 16, 33,
    64 (fp32 up to 8) on fresh random GGUF blocks, outputs NaN-poisoned, against a float64 reference with
    the bounds of scripts/cuda_check.py. Rows 1001 (a part-filled last row group) x 5120, and at batch 1
@@ -57,22 +56,31 @@ CHECK_BATCHES = (1, 2, 4, 8, 16, 33, 64)
 CHECK_SLICES = (1, 3)
 TIME_SLICES = (1, 2, 4)
 
-# The Qwen3.5-27B Q4_K_M decode products, [out, in].
+# The Qwen3.5-27B Q4_K_M decode products, [out, in], as the model runs them: projections of one input fused
+# into one product where their GGUF types agree (`fuse_rows`). Q4_K_M gives Q6_K to the output head and, on
+# half the layers (`use_more_bits`), to ffn_down and the attn_v-like tensor (attn_qkv in GDN layers, attn_v in
+# attention layers), which then stays apart from its Q4_K neighbours.
 SHAPES_27B: dict[str, tuple[int, int]] = {
-    "ffn_gate/up": (17408, 5120),
-    "ffn_down": (5120, 17408),
+    "gdn_qkvz": (16384, 5120),
     "gdn_qkv": (10240, 5120),
     "gdn_z": (6144, 5120),
+    "gdn_ba": (96, 5120),
     "gdn_out/attn_o": (5120, 6144),
-    "attn_q+gate": (12288, 5120),
-    "attn_k/v": (1024, 5120),
-    "ssm_alpha/beta": (48, 5120),
+    "ffn_gate_up": (34816, 5120),
+    "ffn_down": (5120, 17408),
+    "attn_qkv": (14336, 5120),
+    "attn_qk": (13312, 5120),
+    "attn_v": (1024, 5120),
     "head": (248320, 5120),
 }
-SMALL_BATCHES = (2, 4, 8, 16, 23, 64)
-SMALL_BATCH_CASES = [("q4_k", name) for name in ("ffn_gate/up", "ffn_down", "gdn_qkv", "gdn_z", "gdn_out/attn_o")]
-SMALL_BATCH_CASES += [("q6_k", "ffn_down"), ("q6_k", "head")]
-TIMING_CASES = [(fmt, name, 1) for fmt in ("q4_k", "q6_k") for name in SHAPES_27B]
+BATCH1_CASES = [("q4_k", name) for name in ("gdn_qkvz", "gdn_z", "gdn_ba", "gdn_out/attn_o", "ffn_gate_up",
+                                             "ffn_down", "attn_qkv", "attn_qk")]
+BATCH1_CASES += [("q6_k", name) for name in ("gdn_qkv", "ffn_down", "attn_v", "head")]
+SMALL_BATCHES = (23, 2, 4, 8, 16, 64)  # the DDTree verify batch first: the table's class choice needs it
+SMALL_BATCH_CASES = [("q4_k", name) for name in ("ffn_gate_up", "gdn_qkvz", "ffn_down", "gdn_out/attn_o", "gdn_z",
+                                                  "attn_qkv")]
+SMALL_BATCH_CASES += [("q6_k", "ffn_down"), ("q6_k", "gdn_qkv"), ("q6_k", "head")]
+TIMING_CASES = [(fmt, name, 1) for fmt, name in BATCH1_CASES]
 TIMING_CASES += [(fmt, name, batch) for batch in SMALL_BATCHES for fmt, name in SMALL_BATCH_CASES]
 
 RESULTS: dict = {"correctness": [], "timing": [], "best": []}
@@ -94,19 +102,15 @@ def pipe_variants(batch: int, slices: tuple[int, ...], rows: int | None = None) 
     return names
 
 
-def stream_variants() -> list[str]:
-    return [catalogue.StreamVariant(warps, depth).name for warps, depth in catalogue.STREAM_SWEEP_CONFIGS]
-
-
 def check_variants(fmt: str, act: str, batch: int) -> list[str]:
     if not catalogue.has_mma_kernel(fmt, act, batch):
         return []
-    return ["mma", "mma_r2", *pipe_variants(batch, CHECK_SLICES), *stream_variants()]
+    return ["mma", "mma_r2", *pipe_variants(batch, CHECK_SLICES)]
 
 
 def time_variants(fmt: str, batch: int, rows: int) -> list[str]:
     names = ["mma", "mma8", "mma_r2"] + (["simt"] if batch <= 8 else [])
-    return names + stream_variants() + pipe_variants(batch, TIME_SLICES, rows)
+    return names + pipe_variants(batch, TIME_SLICES, rows)
 
 
 def check_cases() -> list[tuple[str, str, int]]:
@@ -289,10 +293,7 @@ def summary() -> None:
     for entry in RESULTS["best"]:
         log(f"{entry['format']:6s} {entry['shape']:16s} {entry['batch']:5d} {entry['best']:22s} {entry['us']:8.2f} "
             f"{entry['pct_copy']:5.1f}% {entry['default']:22s} {cell(entry['default_us'])} {cell(entry['mma_us'])}")
-    # Winners by (format, batch tile, out, in): batch 23 runs the 24 tile. Paste into catalogue.py.
-    table = {}
-    for entry in RESULTS["best"]:
-        table[(entry["format"], entry["tile"], entry["rows"], entry["cols"])] = entry["best"]
+    table = tuned_table(RESULTS["timing"])
     log("\n# catalogue.py: measured defaults (paste over MATVEC_TUNED)")
     log("MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {")
     for key in sorted(table):
@@ -301,12 +302,66 @@ def summary() -> None:
     RESULTS["tuned_table"] = [[*key, value] for key, value in sorted(table.items())]
 
 
+# The verify batch that weighs with batch 1 in a shape's choice of arithmetic class: a DDTree of the default
+# budget (22 nodes and the root).
+VERIFY_BATCH = 23
+
+
+def tuned_table(timing: list[dict]) -> dict[tuple[str, int, int, int], str]:
+    """MATVEC_TUNED from timing records: per shape, the arithmetic class (catalogue.arithmetic_class: the
+    variants that give the same bits) with the least batch-1 plus batch-23 time (each the class's best
+    variant at that batch), then per measured batch the fastest variant of that class, keyed by batch tile.
+    One class per shape keeps decode and verify bit-identical; the CUDA-core kernel never anchors a shape
+    (a verify on it costs several times a tensor-core one)."""
+    times: dict[tuple[str, int, int], dict[int, dict[str, float]]] = {}
+    for record in timing:
+        if record["variant"] == "simt" or catalogue.PipeVariant.parse(record["variant"]) is None and \
+                record["variant"] not in catalogue.MMA_VARIANTS:
+            continue
+        shape = (record["format"], record["rows"], record["cols"])
+        times.setdefault(shape, {}).setdefault(record["batch"], {})[record["variant"]] = record["us"]
+    table = {}
+    for (fmt, rows, cols), by_batch in times.items():
+        if 1 not in by_batch:
+            continue
+
+        def best_in(cls: tuple, batch: int) -> tuple[float, str] | None:
+            found = [(us, v) for v, us in by_batch.get(batch, {}).items() if catalogue.arithmetic_class(v) == cls]
+            return min(found) if found else None
+
+        classes = {catalogue.arithmetic_class(v) for v in by_batch[1]}
+        scores = []
+        for cls in classes:
+            score = best_in(cls, 1)[0]
+            if VERIFY_BATCH in by_batch:
+                verify = best_in(cls, VERIFY_BATCH)
+                if verify is None:
+                    continue
+                score += verify[0]
+            scores.append((score, cls))
+        anchor = min(scores)[1]
+        for batch in by_batch:
+            best = best_in(anchor, batch)
+            if best is not None:
+                table[(fmt, catalogue.batch_tile(batch), rows, cols)] = best[1]
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     parser.add_argument("--budget-s", type=float, default=160.0, help="stop timing new cases after this many s")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--table-from", type=Path, metavar="JSON",
+                        help="only print MATVEC_TUNED from an earlier run's matvec_sweep.json (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.table_from:
+        table = tuned_table(json.loads(args.table_from.read_text())["timing"])
+        print("MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {")
+        for key in sorted(table):
+            print(f"    {key!r}: {table[key]!r},")
+        print("}")
+        return 0
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
 

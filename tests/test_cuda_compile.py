@@ -31,10 +31,9 @@ def test_source_compiles(source, arch):
     for line in program.instantiations:
         macro, args = line.split("(", 1)
         parts = [part.strip() for part in args.rstrip(")").split(",")]
-        if macro in ("LUCEBOX_MATVEC_PIPE", "LUCEBOX_MATVEC_STREAM"):
+        if macro == "LUCEBOX_MATVEC_PIPE":
             fmt, act, batch, warps, depth, groups = parts
-            kind = macro.removeprefix("LUCEBOX_MATVEC_").lower()
-            assert f"matvec_{kind}_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
+            assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
                 "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_DEQUANT": "dequant",
@@ -84,20 +83,27 @@ def test_batch_tile_rejects_more_than_the_maximum():
 @pytest.mark.parametrize(
     ("fmt", "act", "rows", "shape", "variant", "name", "grid", "block", "slices"),
     [
-        # The H200 sweep's batch-1 winners for the 27B shapes (catalogue.MATVEC_TUNED), at every batch ...
-        ("q4_k", "bf16", 1, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 1088, 256, 1),
-        ("q4_k", "bf16", 23, (17408, 5120), "mma8", "matvec_mma8_q4_k_bf16_24", 1088, 256, 1),
-        # ... a two-row-group winner in its one-group form (two groups exist only up to batch 16) ...
-        ("q4_k", "bf16", 1, (5120, 17408), "pipe_w4_d4_m1_k2", "matvec_pipe_w4_d4_m1_q4_k_bf16_1", 320, 128, 2),
-        ("q4_k", "bf16", 33, (5120, 17408), "pipe_w4_d4_m1_k2", "matvec_pipe_w4_d4_m1_q4_k_bf16_48", 320, 128, 2),
+        # The H200 sweep's table (catalogue.MATVEC_TUNED): the fastest of the shape's arithmetic class at the
+        # measured batch nearest in ratio (12 rows -> the 16 entry, 33 rows -> the 64 entry) ...
+        ("q4_k", "bf16", 1, (17408, 5120), "mma", "matvec_mma_q4_k_bf16_1", 1088, 128, 1),
+        ("q4_k", "bf16", 12, (17408, 5120), "pipe_w4_d4_m2_k1", "matvec_pipe_w4_d4_m2_q4_k_bf16_12", 544, 128, 1),
+        ("q4_k", "bf16", 23, (17408, 5120), "mma_r2", "matvec_mma_r2_q4_k_bf16_24", 544, 128, 1),
+        ("q4_k", "bf16", 33, (17408, 5120), "mma_r2", "matvec_mma_r2_q4_k_bf16_48", 544, 128, 1),
+        # ... far from any timed batch, the rule for unmeasured shapes where it lies in the shape's class ...
+        ("q4_k", "bf16", 1, (248320, 5120), "pipe_w4_d4_m2_k1", "matvec_pipe_w4_d4_m2_q4_k_bf16_1", 7760, 128, 1),
+        ("q4_k", "bf16", 33, (248320, 5120), "mma_r2", "matvec_mma_r2_q4_k_bf16_48", 7760, 128, 1),
         ("q6_k", "bf16", 1, (248320, 5120), "pipe_w4_d3_m1_k1", "matvec_pipe_w4_d3_m1_q6_k_bf16_1", 15520, 128, 1),
-        # ... a CUDA-core winner of a tiny shape on tensor cores ...
-        ("q4_k", "bf16", 1, (1024, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 64, 256, 1),
-        # ... and for unmeasured shapes the register-prefetch kernels.
-        ("q4_k", "bf16", 1, (34816, 5120), "mma8", "matvec_mma8_q4_k_bf16_1", 2176, 256, 1),
-        ("q4_k", "bf16", 8, (6000, 5120), "mma", "matvec_mma_q4_k_bf16_8", 375, 128, 1),
-        ("q6_k", "f16", 13, (17000, 5120), "mma", "matvec_mma_q6_k_f16_16", 1063, 128, 1),
-        ("q4_k", "bf16", 1, (96, 5120), "mma", "matvec_mma_q4_k_bf16_1", 6, 128, 1),
+        # ... tiny shapes on the fastest tensor-core class (a CUDA-core winner would slow every verify) ...
+        ("q4_k", "bf16", 1, (1024, 5120), "pipe_w8_d3_m1_k4", "matvec_pipe_w8_d3_m1_q4_k_bf16_1", 64, 256, 4),
+        ("q4_k", "bf16", 23, (1024, 5120), "pipe_w8_d3_m1_k4", "matvec_pipe_w8_d3_m1_q4_k_bf16_24", 64, 256, 4),
+        # ... and for unmeasured shapes the rule: 4 warps, one slice, the variant by batch range ...
+        ("q4_k", "bf16", 1, (34816, 5120), "mma", "matvec_mma_q4_k_bf16_1", 2176, 128, 1),
+        ("q4_k", "bf16", 8, (34816, 5120), "mma_r2", "matvec_mma_r2_q4_k_bf16_8", 1088, 128, 1),
+        ("q4_k", "bf16", 12, (34816, 5120), "pipe_w4_d4_m2_k1", "matvec_pipe_w4_d4_m2_q4_k_bf16_12", 1088, 128, 1),
+        ("q6_k", "f16", 13, (17000, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_f16_16", 1063, 128, 1),
+        ("q6_k", "bf16", 23, (17000, 5120), "mma", "matvec_mma_q6_k_bf16_24", 1063, 128, 1),
+        # ... or, for few rows, 8 warps and 4 K-slices.
+        ("q4_k", "bf16", 1, (96, 5120), "pipe_w8_d3_m1_k4", "matvec_pipe_w8_d3_m1_q4_k_bf16_1", 6, 256, 4),
         # fp32 activations have tensor-core kernels only up to 8 rows: CUDA cores at every batch.
         ("q5_k", "f32", 1, (17408, 5120), "simt", "matvec_q5_k_f32_1", 4352, 128, 1),
         ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128, 1),
@@ -112,16 +118,34 @@ def test_matvec_kernel_choice(fmt, act, rows, shape, variant, name, grid, block,
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
 @pytest.mark.parametrize("act", ["bf16", "f16", "f32"])
-def test_matvec_default_ignores_the_batch(fmt, act):
-    """One kernel variant per shape whatever the batch: a verify pass then computes each token's product
-    as the one-token decode step does (the GPU probe shows each variant is bit-identical across batches)."""
+def test_matvec_default_stays_in_one_arithmetic_class(fmt, act):
+    """One arithmetic class per shape whatever the batch: a verify pass then computes each token's product
+    as the one-token decode step does (the GPU probe shows the variants of a class agree bit for bit, and
+    each is bit-identical across batches)."""
     for out_features, in_features in [(17408, 5120), (5120, 17408), (248320, 5120), (1024, 5120), (48, 5120),
                                       (6144, 5120), (34816, 5120), (100, 256)]:
-        chosen = {(kernel.variant, kernel.slices, kernel.block, kernel.grid)
-                  for rows in (1, 2, 5, 8, 16, 23, 33, 64)
+        chosen = {catalogue.arithmetic_class(kernel.variant)
+                  for rows in (1, 2, 5, 8, 9, 12, 16, 23, 33, 64)
                   for kernel in [catalogue.matvec_kernel(fmt, act, rows, out_features, in_features=in_features,
                                                          max_shared_bytes=200 * 1024)]}
         assert len(chosen) == 1, (out_features, in_features, chosen)
+
+
+def test_arithmetic_classes():
+    assert catalogue.arithmetic_class("mma") == catalogue.arithmetic_class("mma_r2") == \
+        catalogue.arithmetic_class("pipe_w4_d3_m2_k1") == ("mma", 4, 1)
+    assert catalogue.arithmetic_class("mma8") == catalogue.arithmetic_class("pipe_w8_d4_m1_k1") == ("mma", 8, 1)
+    assert catalogue.arithmetic_class("pipe_w4_d4_m1_k2") != catalogue.arithmetic_class("mma")
+    assert catalogue.arithmetic_class("simt") == ("simt",)
+    with pytest.raises(ValueError, match="unknown matvec variant"):
+        catalogue.arithmetic_class("fast")
+
+
+def test_tuned_entries_of_a_shape_share_a_class():
+    classes: dict[tuple, set] = {}
+    for (fmt, _, out, inn), variant in catalogue.MATVEC_TUNED.items():
+        classes.setdefault((fmt, out, inn), set()).add(catalogue.arithmetic_class(variant))
+    assert classes and all(len(found) == 1 for found in classes.values()), classes
 
 
 def test_named_variants_and_shared_memory():
@@ -140,9 +164,9 @@ def test_named_variants_and_shared_memory():
     # A named variant over the device's limit is refused; the default steps its depth down to fit.
     with pytest.raises(ValueError, match="shared memory"):
         catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe_w8_d6_m1_k1", max_shared_bytes=99 * 1024)
-    small = catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe", max_shared_bytes=40 * 1024)
+    small = catalogue.matvec_kernel("q6_k", "bf16", 1, 4096, "pipe", max_shared_bytes=40 * 1024)
     assert small.variant.startswith("pipe_w4_d2_") and small.shared_bytes <= 40 * 1024
-    assert catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "pipe", max_shared_bytes=16 * 1024).variant == "mma"
+    assert catalogue.matvec_kernel("q6_k", "bf16", 1, 4096, "pipe", max_shared_bytes=16 * 1024).variant == "mma"
 
 
 def test_pipe_variant_names_round_trip():
@@ -160,7 +184,7 @@ def test_tuned_table_overrides_the_rule(monkeypatch):
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, in_features=5120).variant == "pipe_w8_d3_m1_k1"
     # ... "pipe" still asks for the streamed kernel, and unmeasured shapes keep the rule.
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "pipe", in_features=5120).variant.startswith("pipe_")
-    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 10000, in_features=5120).variant == "mma8"
+    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 10000, in_features=5120).variant == "mma"
 
 
 def test_matvec_kernel_refuses_a_missing_variant():
@@ -170,35 +194,3 @@ def test_matvec_kernel_refuses_a_missing_variant():
         catalogue.matvec_kernel("q8_0", "bf16", 1, 64, variant="pipe_w4_d4_m1_k1")
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 64, variant="simt").name == "matvec_q4_k_bf16_1"
 
-
-def test_stream_variants():
-    for warps, depth in catalogue.STREAM_SWEEP_CONFIGS:
-        variant = catalogue.StreamVariant(warps, depth)
-        assert catalogue.StreamVariant.parse(variant.name) == variant
-    assert catalogue.StreamVariant.parse("pipe_w4_d4_m1_k1") is None
-    with pytest.raises(ValueError, match="unsupported stream variant"):
-        catalogue.StreamVariant.parse("stream_w3_d4")
-    # "stream" is the default shape; the grid is the most blocks that get a tile (the host caps it at what
-    # the GPU holds at once); one counter per 16-row group.
-    kernel = catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "stream", in_features=5120, max_shared_bytes=200 * 1024)
-    assert (kernel.name, kernel.block, kernel.persistent, kernel.streamed) == (
-        "matvec_stream_w4_d4_m1_q4_k_bf16_1", 128, True, True)
-    assert (kernel.grid, kernel.row_groups) == (1088 * 20 // 4, 1088)
-    ring_and_flush = 4 * 4 * 16 * 144 + 4 * 16 * 9 * 4
-    assert kernel.shared_bytes == ring_and_flush + 5120 * 2  # one bf16 activation row staged
-    # Batches beyond one, and a device without room for the row, go without the staged row.
-    assert catalogue.matvec_kernel("q4_k", "bf16", 2, 17408, "stream", in_features=5120,
-                                   max_shared_bytes=200 * 1024).shared_bytes == ring_and_flush
-    assert catalogue.matvec_kernel("q4_k", "bf16", 1, 17408, "stream", in_features=5120,
-                                   max_shared_bytes=ring_and_flush).shared_bytes == ring_and_flush
-    with pytest.raises(ValueError, match="shared memory"):
-        catalogue.matvec_kernel("q6_k", "bf16", 1, 64, "stream_w8_d6", in_features=256, max_shared_bytes=48 * 1024)
-    with pytest.raises(ValueError, match="no tensor-core matvec for q8_0"):
-        catalogue.matvec_kernel("q8_0", "bf16", 1, 64, "stream", in_features=256)
-
-
-def test_tuned_stream_variant_serves_every_batch(monkeypatch):
-    monkeypatch.setitem(catalogue.MATVEC_TUNED, ("q4_k", 1, 17408, 5120), "stream_w8_d3")
-    chosen = {catalogue.matvec_kernel("q4_k", "bf16", rows, 17408, in_features=5120).name.rsplit("_", 1)[0]
-              for rows in (1, 2, 23, 64)}
-    assert chosen == {"matvec_stream_w8_d3_m1_q4_k_bf16"}

@@ -4,16 +4,16 @@ Every kernel is a template instantiated by a macro line appended to its source (
 bf16, 1)` defines `matvec_q4_k_bf16_1`), so a process compiles only the instantiations it uses, each its
 own small cached program. Pure Python: usable without a GPU (the compile tests use it).
 
-Four matrix-vector kernels: `matvec.cu` (CUDA cores, one warp per output row, every format),
-`matvec_mma.cu` (tensor cores, 16 output rows per block of 4 or 8 warps, register prefetch, the K-quants),
-`matvec_pipe.cu` (the same tensor-core math with the weight streamed through shared memory by
-cp.async, parameterized by warps, pipeline depth, row groups per warp and K-slices) and `matvec_stream.cu`
-(the streamed math on a persistent grid whose warps take equal runs of the weight's tiles: stream-K). `matvec_kernel` picks
+Three matrix-vector kernels: `matvec.cu` (CUDA cores, one warp per output row, every format),
+`matvec_mma.cu` (tensor cores, 16 output rows per block of 4 or 8 warps, register prefetch, the K-quants)
+and `matvec_pipe.cu` (the same tensor-core math with the weight streamed through shared memory by
+cp.async, parameterized by warps, pipeline depth, row groups per warp and K-slices). `matvec_kernel` picks
 one (`default_variant`: a measured table, else a rule) and says how to launch it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import attrs
@@ -57,16 +57,21 @@ MMA_MAX_BATCH: dict[str, int] = {"bf16": 64, "f16": 64, "f32": 8}
 MMA_VARIANTS: dict[str, tuple[str, int, int]] = {
     "mma": ("matvec_mma", 4, 1), "mma8": ("matvec_mma8", 8, 1), "mma_r2": ("matvec_mma_r2", 4, 2),
 }
-# Where the 8-warp kernel measured faster at batch 1 (H200 sweeps): Q4_K/Q5_K with 8192 to 65536 output
-# rows, where the 4-warp grid ends in a part-empty wave. The fallback for unmeasured shapes.
-MMA8_FORMATS = ("q4_k", "q5_k")
-MMA8_OUT_FEATURES = range(8192, 65537)
+# Shapes the sweep has not timed (H200 sweeps of the 27B shapes, 2026-11-30 session 4): the 4-warp,
+# one-slice class (`arithmetic_class`), which was fastest or within ~5% at batch 1 and fastest at the
+# verify batches on every large shape, with its measured best variant per batch range: (largest batch
+# tile, variant). Products of few rows (the 96-row GDN gates, 1024-row K/V) take 8 warps and 4 K-slices
+# at every batch: their handful of row groups fills the GPU only when split along K.
+UNMEASURED_RULE: dict[str, tuple[tuple[int, str], ...]] = {
+    "q4_k": ((1, "mma"), (8, "mma_r2"), (16, "pipe_w4_d4_m2_k1"), (64, "mma_r2")),
+    "q5_k": ((1, "mma"), (8, "mma_r2"), (16, "pipe_w4_d4_m2_k1"), (64, "mma_r2")),
+    "q6_k": ((1, "pipe_w4_d3_m1_k1"), (16, "pipe_w4_d4_m1_k1"), (24, "mma"), (64, "mma_r2")),
+}
+FEW_ROWS = 4096
+FEW_ROWS_VARIANT = "pipe_w8_d3_m1_k4"
 # "pipe" is the default streamed variant (matvec_pipe.cu) for the shape; explicit ones are named by
 # `PipeVariant.name`, e.g. "pipe_w4_d4_m1_k2".
-# "stream" is the stream-K kernel (matvec_stream.cu) in its default shape; explicit ones are named by
-# `StreamVariant.name`, e.g. "stream_w4_d4".
-MATVEC_VARIANTS = ("pipe", "stream", *MMA_VARIANTS, "simt")
-DEFAULT_STREAM = (4, 4)  # (warps, depth) of "stream"
+MATVEC_VARIANTS = ("pipe", *MMA_VARIANTS, "simt")
 
 # -- the streamed (cp.async) tensor-core kernel, matvec_pipe.cu ---------------------------------------
 
@@ -129,115 +134,72 @@ PIPE_SWEEP_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (warps, depth, row g
 # Two row groups per warp double the accumulators: only up to this batch tile (beyond it they spill).
 PIPE_MAX_BATCH_TWO_GROUPS = 16
 
-# -- the stream-K tensor-core kernel, matvec_stream.cu --------------------------------------------------
-
-
-@attrs.frozen
-class StreamVariant:
-    """One configuration of matvec_stream.cu: warps per block and ring stages per warp (one 16-row group
-    per tile). The grid is persistent (sized to fill the GPU once by the host, from the occupancy
-    calculator), and the warps take equal runs of the weight's (row group, GGUF block) tiles."""
-
-    warps: int
-    depth: int
-
-    @property
-    def name(self) -> str:
-        return f"stream_w{self.warps}_d{self.depth}"
-
-    @classmethod
-    def parse(cls, name: str) -> StreamVariant | None:
-        """The variant named `name` ("stream_w4_d4"), or None if `name` is not of that form."""
-        match = re.fullmatch(r"stream_w(\d+)_d(\d+)", name)
-        if match is None:
-            return None
-        warps, depth = map(int, match.groups())
-        if warps not in (1, 2, 4, 8, 16) or not 2 <= depth <= 16:
-            raise ValueError(f"unsupported stream variant {name!r}")
-        return cls(warps, depth)
-
-    def kernel_name(self, weight_format: str, activation: str, batch: int) -> str:
-        return f"matvec_stream_w{self.warps}_d{self.depth}_m1_{weight_format}_{activation}_{batch}"
-
-    def shared_bytes(self, weight_format: str, activation: str, batch: int) -> int:
-        """Dynamic shared memory without the staged activation row: StreamShape::SHARED_BYTES."""
-        tiles = -(-batch * (3 if activation == "f32" else 1) // 8)
-        ring = self.warps * self.depth * 16 * PIPE_ROW_STRIDE[weight_format]
-        return ring + self.warps * 16 * (8 * tiles + 1) * 4
-
-    def staged_x_bytes(self, activation: str, batch: int, in_features: int) -> int:
-        """Extra shared memory for keeping the activation row in shared memory (one 16-bit row only)."""
-        return in_features * 2 if batch == 1 and activation in ("bf16", "f16") else 0
-
-
-# The stream-K variants the sweep compares.
-STREAM_SWEEP_CONFIGS: tuple[tuple[int, int], ...] = ((4, 3), (4, 4), (4, 6), (8, 3), (8, 4), (2, 6))
-
-
-# Measured defaults (exact shapes) from scripts/matvec_sweep.py: (format, batch tile, out, in) -> variant.
-# Empty until the first sweep on the target GPU; `default_variant` uses the rule below where no entry is.
-# Measured on an H200 (scripts/matvec_sweep.py, 2026-11-30 run 2; bf16 activations, the 27B shapes).
+# Measured defaults (exact shapes) from scripts/matvec_sweep.py: (format, batch tile, out, in) -> variant,
+# every entry of a shape in one arithmetic class (`arithmetic_class`; the sweep's `tuned_table` picks the
+# class by batch-1 plus batch-23 time). `default_variant` uses a rule where a shape has no entry.
+# Measured on an H200 (scripts/matvec_sweep.py, 2026-11-30 session 4; bf16 activations, the 27B shapes:
+# raw timings in docs/results/raw/2026-11-30-s4-matvec_sweep_stream.json).
 MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
-    ('q4_k', 1, 48, 5120): 'simt',
-    ('q4_k', 1, 1024, 5120): 'simt',
-    ('q4_k', 1, 5120, 6144): 'mma8',
-    ('q4_k', 1, 5120, 17408): 'pipe_w4_d4_m2_k2',
+    ('q4_k', 1, 48, 5120): 'pipe_w8_d3_m1_k4',
+    ('q4_k', 1, 1024, 5120): 'pipe_w8_d3_m1_k4',
+    ('q4_k', 1, 5120, 6144): 'mma',
+    ('q4_k', 1, 5120, 17408): 'mma',
     ('q4_k', 1, 6144, 5120): 'mma',
-    ('q4_k', 1, 10240, 5120): 'mma8',
-    ('q4_k', 1, 12288, 5120): 'mma8',
-    ('q4_k', 1, 17408, 5120): 'mma8',
+    ('q4_k', 1, 10240, 5120): 'pipe_w4_d3_m1_k1',
+    ('q4_k', 1, 12288, 5120): 'mma',
+    ('q4_k', 1, 17408, 5120): 'mma',
     ('q4_k', 1, 248320, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 2, 5120, 6144): 'mma8',
-    ('q4_k', 2, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q4_k', 2, 5120, 6144): 'mma',
+    ('q4_k', 2, 5120, 17408): 'mma_r2',
     ('q4_k', 2, 6144, 5120): 'mma',
-    ('q4_k', 2, 10240, 5120): 'mma8',
-    ('q4_k', 2, 17408, 5120): 'mma8',
-    ('q4_k', 4, 5120, 6144): 'mma8',
-    ('q4_k', 4, 5120, 17408): 'pipe_w4_d4_m1_k2',
+    ('q4_k', 2, 10240, 5120): 'mma_r2',
+    ('q4_k', 2, 17408, 5120): 'mma_r2',
+    ('q4_k', 4, 5120, 6144): 'pipe_w4_d4_m1_k1',
+    ('q4_k', 4, 5120, 17408): 'mma_r2',
     ('q4_k', 4, 6144, 5120): 'mma',
-    ('q4_k', 4, 10240, 5120): 'mma8',
-    ('q4_k', 4, 17408, 5120): 'mma8',
-    ('q4_k', 8, 5120, 6144): 'pipe_w8_d3_m1_k1',
-    ('q4_k', 8, 5120, 17408): 'pipe_w4_d4_m1_k2',
-    ('q4_k', 8, 6144, 5120): 'mma',
-    ('q4_k', 8, 10240, 5120): 'mma',
-    ('q4_k', 8, 17408, 5120): 'mma',
+    ('q4_k', 4, 10240, 5120): 'mma_r2',
+    ('q4_k', 4, 17408, 5120): 'mma_r2',
+    ('q4_k', 8, 5120, 6144): 'pipe_w4_d3_m1_k1',
+    ('q4_k', 8, 5120, 17408): 'mma_r2',
+    ('q4_k', 8, 6144, 5120): 'mma_r2',
+    ('q4_k', 8, 10240, 5120): 'mma_r2',
+    ('q4_k', 8, 17408, 5120): 'mma_r2',
     ('q4_k', 16, 5120, 6144): 'mma',
-    ('q4_k', 16, 5120, 17408): 'pipe_w4_d4_m2_k2',
+    ('q4_k', 16, 5120, 17408): 'pipe_w4_d4_m2_k1',
     ('q4_k', 16, 6144, 5120): 'mma',
     ('q4_k', 16, 10240, 5120): 'pipe_w4_d4_m2_k1',
     ('q4_k', 16, 17408, 5120): 'pipe_w4_d4_m2_k1',
     ('q4_k', 24, 5120, 6144): 'mma',
-    ('q4_k', 24, 5120, 17408): 'pipe_w4_d3_m1_k1',
+    ('q4_k', 24, 5120, 17408): 'mma_r2',
     ('q4_k', 24, 6144, 5120): 'mma',
-    ('q4_k', 24, 10240, 5120): 'mma',
-    ('q4_k', 24, 17408, 5120): 'mma',
-    ('q4_k', 64, 5120, 6144): 'mma8',
-    ('q4_k', 64, 5120, 17408): 'pipe_w8_d3_m1_k2',
-    ('q4_k', 64, 6144, 5120): 'pipe_w8_d4_m1_k1',
-    ('q4_k', 64, 10240, 5120): 'pipe_w8_d4_m1_k1',
-    ('q4_k', 64, 17408, 5120): 'pipe_w4_d6_m1_k1',
+    ('q4_k', 24, 10240, 5120): 'mma_r2',
+    ('q4_k', 24, 17408, 5120): 'mma_r2',
+    ('q4_k', 64, 5120, 6144): 'mma_r2',
+    ('q4_k', 64, 5120, 17408): 'mma_r2',
+    ('q4_k', 64, 6144, 5120): 'mma_r2',
+    ('q4_k', 64, 10240, 5120): 'mma_r2',
+    ('q4_k', 64, 17408, 5120): 'mma_r2',
     ('q6_k', 1, 48, 5120): 'pipe_w8_d4_m1_k4',
     ('q6_k', 1, 1024, 5120): 'pipe_w8_d4_m1_k4',
     ('q6_k', 1, 5120, 6144): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 1, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 1, 5120, 17408): 'pipe_w4_d3_m1_k1',
     ('q6_k', 1, 6144, 5120): 'pipe_w4_d3_m1_k1',
     ('q6_k', 1, 10240, 5120): 'pipe_w4_d3_m1_k1',
     ('q6_k', 1, 12288, 5120): 'pipe_w8_d4_m1_k1',
     ('q6_k', 1, 17408, 5120): 'pipe_w4_d3_m1_k1',
     ('q6_k', 1, 248320, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 2, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 2, 5120, 17408): 'pipe_w4_d3_m1_k1',
     ('q6_k', 2, 248320, 5120): 'pipe_w4_d4_m2_k1',
-    ('q6_k', 4, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 4, 5120, 17408): 'pipe_w4_d3_m1_k1',
     ('q6_k', 4, 248320, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 8, 5120, 17408): 'pipe_w4_d3_m1_k2',
+    ('q6_k', 8, 5120, 17408): 'pipe_w4_d4_m2_k1',
     ('q6_k', 8, 248320, 5120): 'pipe_w4_d4_m2_k1',
     ('q6_k', 16, 5120, 17408): 'pipe_w4_d4_m1_k1',
     ('q6_k', 16, 248320, 5120): 'pipe_w4_d4_m2_k1',
     ('q6_k', 24, 5120, 17408): 'mma',
-    ('q6_k', 24, 248320, 5120): 'mma',
-    ('q6_k', 64, 5120, 17408): 'mma8',
-    ('q6_k', 64, 248320, 5120): 'mma',
+    ('q6_k', 24, 248320, 5120): 'mma_r2',
+    ('q6_k', 64, 5120, 17408): 'mma_r2',
+    ('q6_k', 64, 248320, 5120): 'mma_r2',
 }
 
 
@@ -252,40 +214,79 @@ def pipe_slices(out_features: int, in_features: int, weight_format: str, row_gro
     return slices
 
 
-def default_variant(weight_format: str, activation: str, rows: int, out_features: int, in_features: int) -> str:
-    """The variant a product uses by default, chosen by the shape alone and never by the batch.
+def arithmetic_class(variant: str) -> tuple:
+    """Variants of one class compute every output with the same instructions in the same order, so they
+    give the same bits. Tensor-core kernels: a row's GGUF blocks are split between W warps (warp w takes
+    blocks w, w + W, ... of its K-slice), each block's products are the same mma steps with the same
+    scale-and-min epilogue, and the warps' then the slices' partial sums are added in order; how many
+    rows a block holds, how deep the weight is prefetched or through which memory are not part of it. So
+    the class is (warps, K-slices): `mma`, `mma_r2` and `pipe_w4_*_k1` agree, as do `mma8` and
+    `pipe_w8_*_k1` (`scripts/matvec_probe.py invariance` checks this on the GPU)."""
+    if variant == "simt":
+        return ("simt",)
+    if variant in MMA_VARIANTS:
+        return ("mma", MMA_VARIANTS[variant][1], 1)
+    pipe = PipeVariant.parse(variant)
+    if pipe is None:
+        raise ValueError(f"unknown matvec variant {variant!r}")
+    return ("mma", pipe.warps, pipe.slices)
 
-    Every variant computes each activation row's product with the same instructions in the same order
-    whatever the batch (`scripts/matvec_probe.py invariance` checks this bit for bit on the GPU), so one
-    variant per shape gives a token the same logits in a one-token decode step and in a 16-64-row
-    speculative verify pass: what makes speculative decoding reproduce plain greedy decoding on the GPU
-    even at near-ties (and `--force-accept` hold). The choice is the batch-1 winner of MATVEC_TUNED for
-    the exact shape, with two-row-group streamed kernels (built only up to batch 16) taken in their
-    one-group form, and CUDA-core winners of tiny shapes replaced by a tensor-core kernel (a CUDA-core
-    product of a 16-64-row verify costs several times a tensor-core one, at ~1 us more per decode step).
-    Unmeasured shapes: the 8-warp tensor-core kernel for Q4_K/Q5_K with 8K-64K rows, else 4 warps.
-    Activations with no tensor-core kernel at MAX_BATCH rows (fp32 beyond 8) take the CUDA-core kernel at
-    every batch, for the same reason."""
+
+def default_variant(weight_format: str, activation: str, rows: int, out_features: int, in_features: int) -> str:
+    """The variant a product uses by default: the fastest measured for the shape and batch within one
+    arithmetic class per shape, never across classes.
+
+    Within a class every variant computes each activation row's product with the same instructions in
+    the same order whatever the batch (`scripts/matvec_probe.py invariance` checks this bit for bit on the
+    GPU), so a token gets the same logits in a one-token decode step and in a 16-64-row speculative
+    verify pass: what makes speculative decoding reproduce plain greedy decoding on the GPU even at
+    near-ties (and `--force-accept` hold). The class is that of the shape's batch-1 entry of MATVEC_TUNED
+    (chosen by the sweep for decode and verify time together); the variant is the shape's entry for the
+    measured batch nearest this one (in ratio, within 2x) that exists at this batch, else the rule for
+    unmeasured shapes if it falls in the class, else the nearest entry, else the batch-1 entry (two-row-
+    group streamed kernels, built only up to batch 16, in their one-group form beyond). CUDA-core
+    winners of tiny shapes are replaced by a tensor-core kernel (a CUDA-core product of a 16-64-row verify
+    costs several times a tensor-core one, at ~1 us more per decode step). Unmeasured shapes: the rule of
+    UNMEASURED_RULE. Activations with no tensor-core kernel at MAX_BATCH rows (fp32 beyond 8) take the
+    CUDA-core kernel at every batch, for the same reason."""
     if not has_mma_kernel(weight_format, activation, MAX_BATCH):
         return "simt"
-    tuned = MATVEC_TUNED.get((weight_format, 1, out_features, in_features))
-    pipe = PipeVariant.parse(tuned) if tuned is not None else None
-    if pipe is not None:
-        return attrs.evolve(pipe, row_groups=1).name if pipe.row_groups > 1 else tuned
-    if tuned in MMA_VARIANTS or (tuned is not None and StreamVariant.parse(tuned) is not None):
-        return tuned
-    if weight_format in MMA8_FORMATS and (out_features in MMA8_OUT_FEATURES or tuned == "simt"):
-        return "mma8"
-    return "mma"
+    tile = batch_tile(rows)
+    anchor = MATVEC_TUNED.get((weight_format, 1, out_features, in_features))
+    if anchor is None or anchor == "simt":
+        return _unmeasured_variant(weight_format, tile, out_features)
+    anchor_class = arithmetic_class(anchor)
+    measured = sorted(
+        (abs(math.log(batch / tile)), -batch, variant)
+        for (fmt, batch, out, inn), variant in MATVEC_TUNED.items()
+        if (fmt, out, inn) == (weight_format, out_features, in_features)
+        and arithmetic_class(variant) == anchor_class and _variant_exists(variant, tile))
+    if measured and measured[0][0] <= math.log(2):
+        return measured[0][2]
+    ruled = _unmeasured_variant(weight_format, tile, out_features)  # no timing near this batch
+    if arithmetic_class(ruled) == anchor_class and _variant_exists(ruled, tile):
+        return ruled
+    if measured:
+        return measured[0][2]
+    pipe = PipeVariant.parse(anchor)
+    return attrs.evolve(pipe, row_groups=1).name if pipe is not None and pipe.row_groups > 1 else anchor
 
 
-def _variant_exists(variant: str, weight_format: str, activation: str, rows: int) -> bool:
-    if variant == "simt":
-        return True
-    if not has_mma_kernel(weight_format, activation, rows):
-        return False
+def _unmeasured_variant(weight_format: str, tile: int, out_features: int) -> str:
+    """The rule for shapes the sweep has not timed: UNMEASURED_RULE's variant for the batch tile, one
+    arithmetic class per format and size at every batch."""
+    if out_features < FEW_ROWS:
+        return FEW_ROWS_VARIANT
+    for largest_tile, variant in UNMEASURED_RULE[weight_format]:
+        if tile <= largest_tile:
+            return variant
+    raise ValueError(f"batch tile {tile} beyond the rule's last entry")
+
+
+def _variant_exists(variant: str, tile: int) -> bool:
+    """Whether a tensor-core variant is built for this batch tile (two row groups per warp only up to 16)."""
     pipe = PipeVariant.parse(variant)
-    return pipe is None or pipe.row_groups == 1 or batch_tile(rows) <= PIPE_MAX_BATCH_TWO_GROUPS
+    return pipe is None or pipe.row_groups == 1 or tile <= PIPE_MAX_BATCH_TWO_GROUPS
 
 
 def batch_tile(rows: int) -> int:
@@ -308,11 +309,6 @@ def matvec_mma(weight_format: str, activation: str, batch: int, variant: str = "
     return KernelProgram("matvec_mma.cu", [f"{macro}({weight_format}, {activation}, {batch})"]), name
 
 
-def matvec_stream(weight_format: str, activation: str, batch: int, stream: StreamVariant) -> tuple[KernelProgram, str]:
-    line = f"LUCEBOX_MATVEC_STREAM({weight_format}, {activation}, {batch}, {stream.warps}, {stream.depth}, 1)"
-    return KernelProgram("matvec_stream.cu", [line]), stream.kernel_name(weight_format, activation, batch)
-
-
 def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVariant) -> tuple[KernelProgram, str]:
     line = (f"LUCEBOX_MATVEC_PIPE({weight_format}, {activation}, {batch}, {pipe.warps}, {pipe.depth}, "
             f"{pipe.row_groups})")
@@ -332,17 +328,11 @@ class MatvecLaunch:
     variant: str
     slices: int = 1
     shared_bytes: int = 0
-    # matvec_stream.cu: `grid` is the most blocks that get work (tiles / warps); the host launches at most
-    # what fills the GPU once. It needs `2 * blocks * warps * batch * 16` fp32 partials and `row_groups`
-    # zeroed counters.
-    persistent: bool = False
-    row_groups: int = 0
 
     @property
     def streamed(self) -> bool:
-        """Whether this is a matvec_pipe.cu or matvec_stream.cu kernel (they take the partials and counters
-        arguments)."""
-        return self.program.file in ("matvec_pipe.cu", "matvec_stream.cu")
+        """Whether this is a matvec_pipe.cu kernel (it takes the partials and counters arguments)."""
+        return self.program.file == "matvec_pipe.cu"
 
 
 def has_mma_kernel(weight_format: str, activation: str, rows: int) -> bool:
@@ -364,23 +354,6 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
         variant = default_variant(weight_format, activation, rows, out_features, in_features)
         if asked == "pipe" and PipeVariant.parse(variant) is None and has_mma_kernel(weight_format, activation, rows):
             variant = PipeVariant(4, 4, 1, pipe_slices(out_features, in_features, weight_format)).name
-    if variant == "stream":
-        variant = StreamVariant(*DEFAULT_STREAM).name
-    stream = StreamVariant.parse(variant)
-    if stream is not None:
-        if not has_mma_kernel(weight_format, activation, rows):
-            raise ValueError(f"no tensor-core matvec for {weight_format} x {activation} at {rows} rows")
-        shared = stream.shared_bytes(weight_format, activation, tile)
-        if shared > max_shared_bytes:
-            raise ValueError(f"{variant} needs {shared} bytes of shared memory; this device allows {max_shared_bytes}")
-        staged = stream.staged_x_bytes(activation, tile, in_features)
-        if shared + staged <= max_shared_bytes:
-            shared += staged
-        program, name = matvec_stream(weight_format, activation, tile, stream)
-        row_groups = -(-out_features // 16)
-        tiles = row_groups * (in_features // 256)
-        return MatvecLaunch(program, name, max(1, -(-tiles // stream.warps)), 32 * stream.warps, variant,
-                            shared_bytes=shared, persistent=True, row_groups=row_groups)
     pipe = PipeVariant.parse(variant)
     if pipe is not None:
         if not has_mma_kernel(weight_format, activation, rows):
@@ -450,12 +423,8 @@ def compile_check_programs() -> dict[str, KernelProgram]:
     mma_lines += [f"LUCEBOX_MATVEC_MMA8({f}, bf16, 1)" for f in MMA_FORMATS]
     mma_lines += [f"LUCEBOX_MATVEC_MMA_R2({f}, {a}, {b})" for f in MMA_FORMATS for a, b in
                   (("bf16", 1), ("bf16", 24), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
-    stream_lines = [f"LUCEBOX_MATVEC_STREAM({f}, {a}, 1, 4, 4, 1)" for f in MMA_FORMATS for a in acts]
-    stream_lines += [f"LUCEBOX_MATVEC_STREAM({f}, bf16, {MMA_MAX_BATCH['bf16']}, 8, 3, 1)" for f in ("q4_k", "q6_k")]
-    stream_lines += [f"LUCEBOX_MATVEC_STREAM(q5_k, f32, {MMA_MAX_BATCH['f32']}, 2, 6, 1)"]
     return {
         "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),
-        "matvec_stream.cu": KernelProgram("matvec_stream.cu", stream_lines),
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),
