@@ -14,7 +14,7 @@
 # "profile-27b"; for bench-*: see bench_vs_llamacpp.sh; for spec: "llama" skips the build and llama-bench),
 # SPEC_ARGS (extra spec_bench.py options), CHECK_FIRST (spec: attention kernel check and verify_determinism
 # first), CHECK_ARGS (cuda_check.py options; default --skip-timing),
-# SWEEP_BUDGET (s), DEADLINE (s, 570: later steps are cut short or skipped), OUT (set by the device tool).
+# SWEEP_BUDGET (s), SWEEP_ARGS (extra matvec_sweep.py options, e.g. --skip-correctness), DEADLINE (s, 570: later steps are cut short or skipped), OUT (set by the device tool).
 # Everything comes back in at most 5 files under $OUT: log_MODE.txt (all output, also when killed),
 # the mode's JSON and markdown, and MODE.tgz with every raw file.
 set -o pipefail
@@ -62,7 +62,7 @@ check() {
     ${CHECK_ARGS---skip-timing}
   cp "$RES/cuda_check.json" "$OUT/" 2>/dev/null
   [ -f scripts/matvec_sweep.py ] && step matvec_sweep 150 python3 scripts/matvec_sweep.py --out "$RES" \
-    --budget-s "${SWEEP_BUDGET:-60}"
+    --budget-s "${SWEEP_BUDGET:-60}" ${SWEEP_ARGS:-}
   step synth-08b 30 synth 0.8b
   # Does every verified node get plain decoding's logits to the bit (what --force-accept and exact speculative
   # output need)? Chain and tree, every node against decoding its path.
