@@ -8,6 +8,9 @@
 #                                        #   decode profiles of 0.8b and 27b.          carry: .whl
 #   bash scripts/gpu_session.sh bench-a  # ~6.5 min: PART=A of bench_vs_llamacpp.sh.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh bench-b  # ~6.5 min: PART=B (depths, memory at 32K). carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh bench-all  # PART=all: A and B in one call with one build; fits 10 minutes only
+#                                        #   trimmed (REPS=2 DEPTH_REPS=2 SMALL_TESTS=pp512,pp4096,tg128
+#                                        #   SKIP=llama-08b-depth DEADLINE=540).     carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh spec     # ~7 min: spec_bench.py on 27b Q4_K_M + llama.cpp's plain tg128.
 #                                        #                                          carry: .whl .llamacpp
 # Env: COMMIT (recorded in every result: the device's copy has no .git), SKIP (step names to leave out, e.g.
@@ -125,8 +128,9 @@ session() {
     check) check ;;
     bench-a) PART=A bash scripts/bench_vs_llamacpp.sh ;;
     bench-b) PART=B bash scripts/bench_vs_llamacpp.sh ;;
+    bench-all) PART=all bash scripts/bench_vs_llamacpp.sh ;;  # A and B, one build: trim REPS/tests to fit
     spec) spec ;;
-    *) echo "unknown mode $MODE: check, bench-a, bench-b or spec"; return 2 ;;
+    *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all or spec"; return 2 ;;
   esac
   pack
   echo "[$SECONDS s] gpu_session $MODE done"
