@@ -238,7 +238,7 @@ class Engine:
         try:
             while True:
                 start = time.perf_counter()  # decode time counts the model and sampler, not the consumer
-                block = None
+                block, fed_ahead, step_logits = None, False, None
                 if speculative and sequence.length + self.speculative.max_nodes > self.ctx_size:
                     # No room left for a whole candidate tree: finish plainly, feeding the pending token first.
                     speculative = False
@@ -260,27 +260,38 @@ class Engine:
                     timings.accepted_lengths.append(len(block.tokens))
                     tokens = block.tokens
                 else:
-                    logits = sequence.pending_logits
+                    logits = step_logits = sequence.pending_logits
                     if request.constraint is not None:
                         allowed = request.constraint.allowed(logits.shape[-1])
                         if allowed is not None:
                             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
                     history = sequence.tokens + sequence.unfed
-                    tokens = [sampler.sample(logits, history)]
+                    chosen = sampler.sample_tensor(logits, history)
+                    fed_ahead = not speculative and self._more_wanted_after_next(sequence, generated, request)
+                    if fed_ahead:
+                        token, next_logits = self._feed_before_reading(sequence, chosen)
+                    else:
+                        token = int(chosen)
+                    tokens = [token]
                 emitted = 0
                 try:
                     for token in tokens:
                         info = (None, ())
                         if block is None:
-                            info = self._logprobs(sequence.pending_logits, token, request.logprobs)
+                            info = self._logprobs(step_logits, token, request.logprobs)
                         emitted += 1
                         generated.append(token)
                         if request.constraint is not None:
                             request.constraint.accept(token)
-                        # The new token is fed to the model only when another one is wanted after it.
+                        # The new token is fed to the model only when another one is wanted after it (or,
+                        # fed ahead, when no length limit ends the answer at it).
                         if block is not None:  # the previous pending token is now part of the committed path
                             sequence.tokens.append(sequence.unfed[0])
-                        sequence.unfed, sequence.pending_logits = [token], None
+                        if block is None and fed_ahead:
+                            sequence.tokens.append(token)
+                            sequence.unfed, sequence.pending_logits = [], next_logits[-1]
+                        else:
+                            sequence.unfed, sequence.pending_logits = [token], None
                         if token in self.eog_ids and not request.ignore_eos:
                             yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
                             return
@@ -302,7 +313,7 @@ class Engine:
                         # Keep exactly what was emitted: the root and the accepted nodes before the last
                         # emitted token, which stays pending like any sampled token.
                         block.commit(emitted)
-                if block is None and not speculative:
+                if block is None and not speculative and not fed_ahead:
                     token = tokens[0]
                     logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
                     sequence.tokens.append(token)
@@ -311,6 +322,30 @@ class Engine:
                 timings.decode_seconds += time.perf_counter() - start
         finally:
             timings.decode_tokens += len(generated)
+
+    def _more_wanted_after_next(self, sequence: Sequence, generated: list[int], request: GenerationRequest) -> bool:
+        """Whether the next sampled token certainly gets a successor fed to the model, as far as the length
+        limits tell (max_tokens, the context): then it can be fed before the host knows it. A stop string or
+        end-of-generation token may still end the answer there; the token then stays fed (the sequence
+        holds it and the logits after it), which a later call continues from as well as from an unfed one."""
+        return (len(generated) + 1 < request.max_tokens and not sequence.unfed
+                and len(sequence.tokens) + 1 < self.ctx_size)
+
+    def _feed_before_reading(self, sequence: Sequence, chosen: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Feed the sampled token `chosen` (still on the device) to the model, then read it: the device
+        computes the next step while the host detokenizes, checks stops and hands the token out, instead of
+        idling between steps (what a host-side round trip per token costs: ~0.8 ms of a 27B step, ~0.4 ms of
+        a 0.8B one on an H200). The read waits for the sampling only, not the step queued after it."""
+        on_gpu = chosen.device.type == "cuda"
+        host = torch.empty(1, dtype=torch.long, pin_memory=on_gpu)
+        host.copy_(chosen, non_blocking=on_gpu)
+        sampled = torch.cuda.Event() if on_gpu else None
+        if sampled is not None:
+            sampled.record()
+        logits = self.model.forward(sequence.state, chosen)
+        if sampled is not None:
+            sampled.synchronize()
+        return int(host[0]), logits
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token: int, top: int | None) -> tuple[float | None, tuple]:

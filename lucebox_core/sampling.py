@@ -128,10 +128,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """The next token id for logits of shape [vocab]."""
+        return int(self.sample_tensor(logits, history))
+
+    def sample_tensor(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The next token id as a one-element long tensor where `logits` are, without waiting for the device
+        (the engine feeds it to the model before the host reads it)."""
         if self.params.greedy:
-            return int(torch.argmax(self.apply_penalties(logits.float(), history)))
+            return torch.argmax(self.apply_penalties(logits.float(), history)).reshape(1)
         probs = self.probabilities(logits, history)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        return torch.multinomial(probs, 1, generator=self.generator).reshape(1)
 
 
 class StopMatcher:

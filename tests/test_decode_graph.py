@@ -173,3 +173,28 @@ def test_graph_replay_equals_eager_on_cuda(tmp_path):
         b = model.decode_step(eager, token, graphs=False)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert graphed.decode.graphs is not None and len(graphed.decode.graphs) >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend_name", ["torch", "cuda"])
+def test_engine_feeding_ahead_equals_token_by_token_greedy_on_cuda(tmp_path, backend_name):
+    """The engine feeds each sampled token to the graph-replayed step before the host reads it (pinned copy,
+    event): the tokens must be those of a plain host loop of forward + argmax."""
+    from lucebox_core.engine import Engine, GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+
+    path = tmp_path / "tiny-f32.gguf"
+    synth.write(path, size="tiny", type="f32", seed=22)
+    loaded = load_model(path, backend=backend_name, device="cuda")
+    model = loaded.model
+    prompt = _prompt(model, 9, seed=2)
+    engine = Engine(model, loaded.tokenizer, ctx_size=256)
+    result = engine.generate(GenerationRequest(prompt_ids=prompt.tolist(), max_tokens=STEPS,
+                                               sampling=SamplingParams(temperature=0), ignore_eos=True))
+    state = model.new_state(256)
+    logits = model.forward(state, prompt)[-1]
+    expected = []
+    for _ in range(STEPS):
+        expected.append(int(logits.argmax()))
+        logits = model.forward(state, torch.tensor([expected[-1]]))[-1]
+    assert result.token_ids == expected

@@ -55,3 +55,33 @@ def test_quantized_files_match_transformers_on_the_same_weights(type_name, tmp_p
         with torch.no_grad():
             theirs = reference(torch.tensor([tokens])).logits[0, -1:]
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+
+
+def test_answer_ended_by_a_stop_string_continues_like_a_fresh_prefill(tmp_path):
+    """The plain loop feeds each sampled token before the host reads it (the device works while the host
+    detokenizes). An answer ended by a stop string then leaves its last token fed; the next call on the
+    sequence must continue exactly as a fresh sequence given the whole history as a prompt."""
+    path = tmp_path / "tiny-f32.gguf"
+    synth.write(path, size="tiny", type="f32", seed=13)
+    loaded = load_model(path)
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=256)
+    greedy = SamplingParams(temperature=0)
+    free = engine.generate(GenerationRequest(prompt_ids=PROMPT, max_tokens=8, sampling=greedy, ignore_eos=True))
+    # A stop string made of the text of the 4th generated token: the answer ends there.
+    stop = loaded.tokenizer.decode(free.token_ids[3:4])
+    assert stop.strip(), "the synthetic model's 4th token must decode to visible text"
+    sequence = engine.new_sequence()
+    stopped = engine.generate(GenerationRequest(prompt_ids=PROMPT, max_tokens=8, sampling=greedy, ignore_eos=True,
+                                                stop=[stop]), sequence)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    assert sequence.tokens == PROMPT + stopped.token_ids and sequence.unfed == []  # the last token was fed ahead
+    follow_up = [9707, 11]
+    continued = engine.generate(GenerationRequest(prompt_ids=follow_up, max_tokens=5, sampling=greedy,
+                                                  ignore_eos=True), sequence)
+    fresh = engine.generate(GenerationRequest(prompt_ids=PROMPT + stopped.token_ids + follow_up, max_tokens=5,
+                                              sampling=greedy, ignore_eos=True))
+    assert continued.token_ids == fresh.token_ids
+    # An answer ended by max_tokens leaves its last token unfed, as before: one position for it remains.
+    limited = engine.new_sequence()
+    engine.generate(GenerationRequest(prompt_ids=PROMPT, max_tokens=3, sampling=greedy, ignore_eos=True), limited)
+    assert limited.unfed == free.token_ids[2:3] and limited.tokens == PROMPT + free.token_ids[:2]
