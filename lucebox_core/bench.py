@@ -70,7 +70,9 @@ def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int],
         return time.perf_counter() - start
 
     for n in [p for p in prompts if p > 0]:
-        time_prefill(min(n, 16), 0)  # warm-up
+        # Warm-up at the measured length (as llama-bench's warm-up run): the first pass of a new prompt
+        # length compiles and tunes kernels for its shapes, which a shorter warm-up leaves to the timed runs.
+        time_prefill(n, reps)
         seconds = statistics.median(time_prefill(n, rep) for rep in range(reps))
         rows.append({"test": f"pp{n}", "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds})
     if n_gen > 0:
