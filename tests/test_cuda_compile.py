@@ -102,8 +102,9 @@ def test_batch_tile_rejects_more_than_the_maximum():
         ("q4_k", "bf16", 12, (34816, 5120), "pipe_w4_d4_m2_k1", "matvec_pipe_w4_d4_m2_q4_k_bf16_12", 1088, 128, 1),
         ("q6_k", "f16", 13, (17000, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_f16_16", 1063, 128, 1),
         ("q6_k", "bf16", 23, (17000, 5120), "mma", "matvec_mma_q6_k_bf16_24", 1063, 128, 1),
-        # ... or, for few rows, 8 warps and 4 K-slices.
+        # ... or, for few long rows, 8 warps and 4 K-slices (few short rows: the 4-warp rule).
         ("q4_k", "bf16", 1, (96, 5120), "pipe_w8_d3_m1_k4", "matvec_pipe_w8_d3_m1_q4_k_bf16_1", 6, 256, 4),
+        ("q4_k", "bf16", 1, (1024, 1024), "mma", "matvec_mma_q4_k_bf16_1", 64, 128, 1),
         # fp32 activations have tensor-core kernels only up to 8 rows: CUDA cores at every batch.
         ("q5_k", "f32", 1, (17408, 5120), "simt", "matvec_q5_k_f32_1", 4352, 128, 1),
         ("q5_k", "f32", 9, (17408, 5120), "simt", "matvec_q5_k_f32_12", 4352, 128, 1),

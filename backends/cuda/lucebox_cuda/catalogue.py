@@ -60,8 +60,8 @@ MMA_VARIANTS: dict[str, tuple[str, int, int]] = {
 # Shapes the sweep has not timed (H200 sweeps of the 27B shapes, 2026-11-30 session 4): the 4-warp,
 # one-slice class (`arithmetic_class`), which was fastest or within ~5% at batch 1 and fastest at the
 # verify batches on every large shape, with its measured best variant per batch range: (largest batch
-# tile, variant). Products of few rows (the 96-row GDN gates, 1024-row K/V) take 8 warps and 4 K-slices
-# at every batch: their handful of row groups fills the GPU only when split along K.
+# tile, variant). Products of few rows (the 96-row GDN gates, 1024-row K/V) with long rows take 8 warps and
+# 4 K-slices at every batch: their handful of row groups fills the GPU only when split along K.
 UNMEASURED_RULE: dict[str, tuple[tuple[int, str], ...]] = {
     "q4_k": ((1, "mma"), (8, "mma_r2"), (16, "pipe_w4_d4_m2_k1"), (64, "mma_r2")),
     "q5_k": ((1, "mma"), (8, "mma_r2"), (16, "pipe_w4_d4_m2_k1"), (64, "mma_r2")),
@@ -69,6 +69,7 @@ UNMEASURED_RULE: dict[str, tuple[tuple[int, str], ...]] = {
 }
 FEW_ROWS = 4096
 FEW_ROWS_VARIANT = "pipe_w8_d3_m1_k4"
+FEW_ROWS_MIN_IN = 4096  # K-slices of at least 4 GGUF blocks (measured with 20-block rows; shorter ones untimed)
 # "pipe" is the default streamed variant (matvec_pipe.cu) for the shape; explicit ones are named by
 # `PipeVariant.name`, e.g. "pipe_w4_d4_m1_k2".
 MATVEC_VARIANTS = ("pipe", *MMA_VARIANTS, "simt")
@@ -284,7 +285,7 @@ def default_variant(weight_format: str, activation: str, rows: int, out_features
     tile = batch_tile(rows)
     anchor = MATVEC_TUNED.get((weight_format, 1, out_features, in_features))
     if anchor is None or anchor == "simt":
-        return _unmeasured_variant(weight_format, tile, out_features)
+        return _unmeasured_variant(weight_format, tile, out_features, in_features)
     anchor_class = arithmetic_class(anchor)
     measured = sorted(
         (abs(math.log(batch / tile)), -batch, variant)
@@ -293,7 +294,7 @@ def default_variant(weight_format: str, activation: str, rows: int, out_features
         and arithmetic_class(variant) == anchor_class and _variant_exists(variant, tile))
     if measured and measured[0][0] <= math.log(2):
         return measured[0][2]
-    ruled = _unmeasured_variant(weight_format, tile, out_features)  # no timing near this batch
+    ruled = _unmeasured_variant(weight_format, tile, out_features, in_features)  # no timing near this batch
     if arithmetic_class(ruled) == anchor_class and _variant_exists(ruled, tile):
         return ruled
     if measured:
@@ -302,10 +303,10 @@ def default_variant(weight_format: str, activation: str, rows: int, out_features
     return attrs.evolve(pipe, row_groups=1).name if pipe is not None and pipe.row_groups > 1 else anchor
 
 
-def _unmeasured_variant(weight_format: str, tile: int, out_features: int) -> str:
+def _unmeasured_variant(weight_format: str, tile: int, out_features: int, in_features: int) -> str:
     """The rule for shapes the sweep has not timed: UNMEASURED_RULE's variant for the batch tile, one
     arithmetic class per format and size at every batch."""
-    if out_features < FEW_ROWS:
+    if out_features < FEW_ROWS and in_features >= FEW_ROWS_MIN_IN:
         return FEW_ROWS_VARIANT
     for largest_tile, variant in UNMEASURED_RULE[weight_format]:
         if tile <= largest_tile:
