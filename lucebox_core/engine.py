@@ -273,6 +273,9 @@ class Engine:
                         if landing is None:  # pinned, so the copy does not wait for the step queued after it
                             landing = torch.empty(1, dtype=torch.long, pin_memory=chosen.device.type == "cuda")
                         token, next_logits = self._feed_before_reading(sequence, chosen, landing)
+                        # Recorded at once: the model holds the token whatever the checks below raise.
+                        sequence.tokens.append(token)
+                        sequence.unfed, sequence.pending_logits = [], next_logits[-1]
                     else:
                         token = int(chosen)
                     tokens = [token]
@@ -290,10 +293,7 @@ class Engine:
                         # fed ahead, when no length limit ends the answer at it).
                         if block is not None:  # the previous pending token is now part of the committed path
                             sequence.tokens.append(sequence.unfed[0])
-                        if block is None and fed_ahead:
-                            sequence.tokens.append(token)
-                            sequence.unfed, sequence.pending_logits = [], next_logits[-1]
-                        else:
+                        if not fed_ahead:
                             sequence.unfed, sequence.pending_logits = [token], None
                         if token in self.eog_ids and not request.ignore_eos:
                             yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
@@ -342,9 +342,8 @@ class Engine:
         a 0.8B one on an H200). The read waits for the sampling only, not the step queued after it."""
         on_gpu = chosen.device.type == "cuda"
         landing.copy_(chosen, non_blocking=on_gpu)
-        sampled = torch.cuda.Event() if on_gpu else None
-        if sampled is not None:
-            sampled.record()
+        # On the stream of the token's device, which need not be the current device's.
+        sampled = torch.cuda.current_stream(chosen.device).record_event() if on_gpu else None
         logits = self.model.forward(sequence.state, chosen)
         if sampled is not None:
             sampled.synchronize()

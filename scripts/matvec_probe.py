@@ -85,7 +85,10 @@ def invariance(backend: CudaBackend, out_json: str | None) -> int:
         backend._device_weights.clear()
     if out_json:
         Path(out_json).write_text(json.dumps(rows_out, indent=1))
-    return 0
+    differs = [r for r in rows_out if ("equals" in r and not r["equals"][1])
+               or any(not isinstance(v, str) and v != 0 for v in r["batches"].values())]
+    print(f"invariance: {'all bit-identical' if not differs else f'{len(differs)} variants differ'}")
+    return 1 if differs else 0
 
 
 def launch(backend: CudaBackend, cases: list[str]) -> int:

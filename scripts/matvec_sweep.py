@@ -339,6 +339,8 @@ def tuned_table(timing: list[dict]) -> dict[tuple[str, int, int, int], str]:
                     continue
                 score += verify[0]
             scores.append((score, cls))
+        if not scores:  # no class timed at both batches
+            continue
         anchor = min(scores)[1]
         for batch in by_batch:
             best = best_in(anchor, batch)

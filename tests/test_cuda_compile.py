@@ -125,11 +125,12 @@ def test_matvec_default_stays_in_one_arithmetic_class(fmt, act):
     each is bit-identical across batches)."""
     for out_features, in_features in [(17408, 5120), (5120, 17408), (248320, 5120), (1024, 5120), (48, 5120),
                                       (6144, 5120), (34816, 5120), (100, 256)]:
-        chosen = {catalogue.arithmetic_class(kernel.variant)
-                  for rows in (1, 2, 5, 8, 9, 12, 16, 23, 33, 64)
-                  for kernel in [catalogue.matvec_kernel(fmt, act, rows, out_features, in_features=in_features,
-                                                         max_shared_bytes=200 * 1024)]}
-        assert len(chosen) == 1, (out_features, in_features, chosen)
+        for asked in (None, "pipe"):  # the default, and its streamed form (LUCEBOX_MATVEC_VARIANT=pipe)
+            chosen = {catalogue.arithmetic_class(kernel.variant)
+                      for rows in (1, 2, 5, 8, 9, 12, 16, 23, 33, 64)
+                      for kernel in [catalogue.matvec_kernel(fmt, act, rows, out_features, asked,
+                                                             in_features=in_features, max_shared_bytes=200 * 1024)]}
+            assert len(chosen) == 1, (asked, out_features, in_features, chosen)
 
 
 def test_arithmetic_classes():

@@ -85,3 +85,37 @@ def test_answer_ended_by_a_stop_string_continues_like_a_fresh_prefill(tmp_path):
     limited = engine.new_sequence()
     engine.generate(GenerationRequest(prompt_ids=PROMPT, max_tokens=3, sampling=greedy, ignore_eos=True), limited)
     assert limited.unfed == free.token_ids[2:3] and limited.tokens == PROMPT + free.token_ids[:2]
+
+
+def test_a_failure_after_the_token_was_fed_leaves_the_sequence_consistent(tmp_path):
+    """A token fed ahead is recorded on the sequence at once: if a later check of that token raises (here a
+    constraint rejecting it), the sequence still says what the model holds, and continues correctly."""
+    path = tmp_path / "tiny-f32.gguf"
+    synth.write(path, size="tiny", type="f32", seed=14)
+    loaded = load_model(path)
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=256)
+
+    class RejectsThird:
+        accepted = 0
+        finished = False
+
+        def allowed(self, vocab_size):
+            return None
+
+        def accept(self, token_id):
+            self.accepted += 1
+            if self.accepted == 3:
+                raise ValueError("rejected")
+
+    greedy = SamplingParams(temperature=0)
+    sequence = engine.new_sequence()
+    with pytest.raises(ValueError, match="rejected"):
+        engine.generate(GenerationRequest(prompt_ids=PROMPT, max_tokens=8, sampling=greedy, ignore_eos=True,
+                                          constraint=RejectsThird()), sequence)
+    assert sequence.state.length == sequence.length == len(PROMPT) + 3 and sequence.unfed == []
+    follow_up = [9707, 11]
+    continued = engine.generate(GenerationRequest(prompt_ids=follow_up, max_tokens=4, sampling=greedy,
+                                                  ignore_eos=True), sequence)
+    fresh = engine.generate(GenerationRequest(prompt_ids=sequence.tokens[: len(PROMPT) + 3] + follow_up,
+                                              max_tokens=4, sampling=greedy, ignore_eos=True))
+    assert continued.token_ids == fresh.token_ids

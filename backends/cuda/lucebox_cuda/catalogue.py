@@ -234,17 +234,6 @@ MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
 }
 
 
-def pipe_slices(out_features: int, in_features: int, weight_format: str, row_groups: int = 1) -> int:
-    """K-slices for the default streamed kernel: enough thread blocks that every SM holds several (a
-    guess for ~132 SMs: at least ~1000 blocks), but each slice still at least 8 GGUF blocks long."""
-    blocks = -(-out_features // (16 * row_groups))
-    blocks_per_row = in_features // 256
-    slices = 1
-    while slices < 4 and blocks * slices < 1000 and blocks_per_row // (2 * slices) >= 8:
-        slices *= 2
-    return slices
-
-
 def arithmetic_class(variant: str) -> tuple:
     """Variants of one class compute every output with the same instructions in the same order, so they
     give the same bits. Tensor-core kernels: a row's GGUF blocks are split between W warps (warp w takes
@@ -383,8 +372,14 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
     asked = variant
     if variant is None or variant == "pipe":
         variant = default_variant(weight_format, activation, rows, out_features, in_features)
-        if asked == "pipe" and PipeVariant.parse(variant) is None and has_mma_kernel(weight_format, activation, rows):
-            variant = PipeVariant(4, 4, 1, pipe_slices(out_features, in_features, weight_format)).name
+        if asked == "pipe" and has_mma_kernel(weight_format, activation, MAX_BATCH):
+            # The streamed form of the shape's class (its batch-1 default's), so that "pipe" too gives every
+            # batch the same bits (activations with no tensor-core kernel at every batch keep the default).
+            anchor = default_variant(weight_format, activation, 1, out_features, in_features)
+            pipe = PipeVariant.parse(anchor)
+            if pipe is None:
+                pipe = PipeVariant(MMA_VARIANTS[anchor][1] if anchor in MMA_VARIANTS else 4, 4, 1, 1)
+            variant = attrs.evolve(pipe, row_groups=1).name
     pipe = PipeVariant.parse(variant)
     if pipe is not None:
         if not has_mma_kernel(weight_format, activation, rows):
@@ -395,9 +390,9 @@ def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: 
             if asked is not None and asked != "pipe":
                 raise ValueError(f"{variant} needs {pipe.shared_bytes(weight_format, activation, tile)} bytes of "
                                  f"shared memory; this device allows {max_shared_bytes}")
-            if pipe.depth <= 2:
+            if pipe.depth <= 2:  # the register-prefetch kernel of the same class where there is one
+                variant = "mma8" if (pipe.warps, pipe.slices) == (8, 1) else "mma"
                 pipe = None
-                variant = "mma"
                 break
             pipe = attrs.evolve(pipe, depth=pipe.depth - 1)
             variant = pipe.name
