@@ -9,7 +9,8 @@ A stack of decoder layers, three Gated DeltaNet layers then one gated full-atten
 where the mixer is `GatedDeltaNet` (linear attention with a decaying, delta-rule-updated fp32 state per
 value head, after a short causal convolution) or `GatedAttention` (softmax attention with q/k RMSNorm,
 partial NeoX RoPE and a sigmoid output gate). Names follow transformers' `modeling_qwen3_5.py`; the
-GGUF names are in `GGUF_NAMES`.
+GGUF names are in `GGUF_NAMES`. The target side of speculative decoding (the drafter's feature capture,
+tree verification, commit) is `verify.SpeculativeTarget`, which `Qwen35Model` inherits.
 
 What llama.cpp's converter baked into the GGUF, and what that means here:
 - zero-centred RMSNorm weights are stored with the 1 added: every norm is a plain `x_normed * w`;
@@ -22,15 +23,12 @@ What llama.cpp's converter baked into the GGUF, and what that means here:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
 import torch
 
-from lucebox_core.errors import LuceboxError
 from lucebox_core.graphs import MIN_WINDOW, StepGraphs, graphs_enabled, kv_window
 from lucebox_core.kv import (
     K_FLAG,
@@ -39,10 +37,10 @@ from lucebox_core.kv import (
     KVLayerShape,
     kv_cache_type,
 )
-from lucebox_core.speculative.trees import TreeIndex
 
 from .layout import Qwen35Config
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
+from .verify import SpeculativeTarget, StaticVerify
 
 ARCHITECTURE = "qwen35"
 # `<|MASK|>`-like slot of the Qwen3.5/3.6 vocabulary that z-lab's DFlash drafters were trained with.
@@ -394,41 +392,10 @@ class StaticDecode:
     graphs: StepGraphs | None = None  # made on the first graphed step
 
 
-@attrs.frozen
-class TreeVerification:
-    """What `Qwen35Model.verify` computed for a candidate tree, kept until `commit` picks a path."""
-
-    tree: TreeIndex
-    committed: int  # state.length at verification: the root's position
-    logits: torch.Tensor  # [N, vocab]
-    features: torch.Tensor | None  # [N, n_capture * hidden]
-    kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> K, V rows of every node
-    conv: dict[int, torch.Tensor]  # GDN layer -> [N, K-1, C], conv state after each node
-    recurrent: dict[int, torch.Tensor]  # GDN layer -> [N, H_v, D_k, D_v], state after each node
-    # The static pass wrote every node's K/V into the cache at `committed + i` (insertion order) instead
-    # of returning `kv_rows`; its tensors are a recording's buffers, valid until the next verify.
-    static: bool = False
-    # Static: the path whose rows `commit` has already moved to `committed + 0, 1, ...` (a second commit
-    # of the same verification may only extend it: the moved-over rows held other nodes).
-    compacted: list[int] = attrs.Factory(list)
-
-
-@attrs.define
-class StaticVerify:
-    """The fixed device inputs of a sequence's tree verification for one node count."""
-
-    tokens: torch.Tensor  # [N] long
-    parents: torch.Tensor  # [N] long
-    depths: torch.Tensor  # [N] long
-    visible: torch.Tensor  # [N, N] bool
-    start: torch.Tensor  # [1] long: the committed length, the root's position
-    embedded: torch.Tensor  # [1, N, hidden]
-
-
 # -- the model -------------------------------------------------------------------------------------------
 
 
-class Qwen35Model:
+class Qwen35Model(SpeculativeTarget):
     def __init__(
         self,
         config: Qwen35Config,
@@ -685,171 +652,3 @@ class Qwen35Model:
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head alone, `[..., hidden] -> [..., vocab]`: no final norm (a drafter applies its own)."""
         return self.ops.linear(hidden, self.lm_head)
-
-    def enable_capture(self, state: Qwen35State, layers: Collection[int], capacity: int) -> None:
-        """Keep the outputs of `layers` (0-based: transformers' `hidden_states[i + 1]`) of every committed
-        position in a ring of `capacity` rows, for a drafter. Positions already seen are not captured."""
-        bad = [i for i in layers if not 0 <= i < len(self.layers)]
-        if bad:
-            raise LuceboxError(f"cannot capture layers {bad}: the target has {len(self.layers)} layers")
-        width = len(layers) * self.config.hidden
-        if (state.features is not None and state.capture_layers == tuple(layers)
-                and tuple(state.features.shape) == (capacity, width)):
-            # A reused state: the same ring, which its recorded decode steps write into.
-            state.features.zero_()
-            return
-        state.capture_layers = tuple(layers)
-        state.features = torch.zeros(capacity, width, device=self.ops.device, dtype=self.ops.dtype)
-
-    def read_features(self, state: Qwen35State, start: int, end: int) -> torch.Tensor:
-        """Captured features of committed positions `start .. end-1` (`[end - start, n * hidden]`)."""
-        assert state.features is not None, "enable_capture was not called on this state"
-        capacity = state.features.shape[0]
-        if start < end - capacity or end > state.length:
-            raise LuceboxError(f"features of positions {start}..{end - 1} are not held (ring of {capacity})")
-        slots = torch.arange(start, end, device=state.features.device) % capacity
-        return state.features[slots]
-
-    def _concat_taps(self, state: Qwen35State, taps: list[torch.Tensor]) -> torch.Tensor:
-        # `taps` follow layer order; the ring follows `capture_layers` order.
-        order = sorted(state.capture_layers)
-        return torch.cat([taps[order.index(i)] for i in state.capture_layers], dim=-1)
-
-    def _store_features(self, state: Qwen35State, start: int, rows: torch.Tensor) -> None:
-        assert state.features is not None
-        capacity = state.features.shape[0]
-        rows = rows[-capacity:]
-        start += max(0, len(rows) - capacity)
-        slots = torch.arange(start, start + len(rows), device=state.features.device) % capacity
-        state.features[slots] = rows.to(state.features.dtype)
-
-    def verify(self, state: Qwen35State, tokens: Seq[int] | torch.Tensor, parents: Seq[int], *,
-               static: bool | None = None, graphs: bool | None = None) -> TreeVerification:
-        """Run a candidate tree in one forward pass without committing anything.
-
-        `tokens[0]` is the root (the pending token, at position `state.length`), node `i` has parent
-        `parents[i]` (`-1` for the root; parents precede children) and sits at position
-        `state.length + depth(i)`. Each node sees the committed prefix and its own ancestors; Gated
-        DeltaNet and conv state follow each node's own parent chain. Chain verification is the tree
-        with parents `[-1, 0, 1, ...]`.
-
-        `static` (default: on where decode steps are graphed) runs the static-shape pass, which writes the
-        nodes' K/V into the cache past the committed rows and reads a fixed window, so `graphs` (default
-        likewise) can record it once per (window, node count) and replay it.
-        """
-        ops = self.ops
-        tree = TreeIndex.build(parents, device=ops.device)
-        token_ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(ops.device)
-        committed = state.length
-        static = self.decode_graphs if static is None else static
-        # The static pass writes every node's K/V at committed + i; the dynamic one only needs the deepest
-        # node's position.
-        needed = committed + (tree.size if static else tree.max_depth + 1)
-        if needed > state.kv.max_context:
-            raise LuceboxError(
-                f"context overflow: verifying {tree.size} nodes at position {committed} needs rows up to "
-                f"{needed - 1}; the context holds {state.kv.max_context}"
-            )
-        if static:
-            return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
-        positions = committed + tree.depths
-        visible = tree.visibility()
-        kv_rows, conv, recurrent, taps = {}, {}, {}, []
-
-        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-            if layer.linear_attn is not None:
-                out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], tree.parents
-                )
-            else:
-                out, k_rows, v_rows = layer.self_attn.verify_tree(x, positions, state.kv, visible)
-                kv_rows[layer.index] = (k_rows, v_rows)
-            return out
-
-        hidden = self._run_layers(ops.embedding(token_ids, self.embed_tokens)[None], mix,
-                                  lambda layer, output: taps.append(output[0]), state.capture_layers)
-        features = self._concat_taps(state, taps) if state.features is not None else None
-        logits = ops.linear(hidden, self.lm_head)[0]
-        return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
-
-    def _verify_static(self, state: Qwen35State, tree: TreeIndex, token_ids: torch.Tensor,
-                       use_graphs: bool) -> TreeVerification:
-        ops = self.ops
-        nodes, committed = tree.size, state.length
-        inputs = state.verify_inputs.get(nodes)
-        if inputs is None:
-            inputs = state.verify_inputs[nodes] = StaticVerify(
-                tokens=torch.zeros(nodes, dtype=torch.long, device=ops.device),
-                parents=torch.zeros(nodes, dtype=torch.long, device=ops.device),
-                depths=torch.zeros(nodes, dtype=torch.long, device=ops.device),
-                visible=torch.zeros(nodes, nodes, dtype=torch.bool, device=ops.device),
-                start=torch.zeros(1, dtype=torch.long, device=ops.device),
-                embedded=torch.zeros(1, nodes, self.config.hidden, dtype=ops.dtype, device=ops.device),
-            )
-        inputs.tokens.copy_(token_ids)
-        inputs.parents.copy_(tree.parents)
-        inputs.depths.copy_(tree.depths)
-        inputs.visible.copy_(tree.visibility())
-        inputs.start.fill_(committed)
-        inputs.embedded.copy_(ops.embedding(inputs.tokens, self.embed_tokens)[None])
-        window = kv_window(committed + nodes, state.kv.max_context, self.decode_min_window)
-        if use_graphs:
-            if state.verify_graphs is None:
-                state.verify_graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle(), label="verify pass")
-            # Keyed on whether features are captured too: a recording without them would return none.
-            key = (window, nodes, state.features is not None)
-            outputs = state.verify_graphs.run(key, lambda: self._static_verify_pass(state, inputs, window))
-        else:
-            outputs = self._static_verify_pass(state, inputs, window)
-        logits, features, conv, recurrent = outputs
-        return TreeVerification(tree, committed, logits, features, {}, conv, recurrent, static=True)
-
-    def _static_verify_pass(self, state: Qwen35State, inputs: StaticVerify, window: int):
-        """The verify pass as a function of device buffers, `window` and N alone (what a graph records)."""
-        positions = inputs.start + inputs.depths
-        conv, recurrent, taps = {}, {}, []
-
-        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-            if layer.linear_attn is not None:
-                out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], inputs.parents
-                )
-                return out
-            return layer.self_attn.verify_static(x, positions, inputs.start, state.kv, window, inputs.visible)
-
-        hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]),
-                                  state.capture_layers)
-        features = self._concat_taps(state, taps) if state.features is not None else None
-        return self.ops.linear(hidden, self.lm_head)[0], features, conv, recurrent
-
-    def commit(self, state: Qwen35State, verification: TreeVerification, path: Seq[int]) -> None:
-        """Keep the accepted `path` (node indices from the root, each the parent of the next): their KV
-        rows compacted to positions `committed .. committed + len(path) - 1`, the conv and recurrent
-        state after the last of them and their features. Nothing of any other node survives."""
-        path = list(path)
-        parents = verification.tree.parent_list
-        if not path or path[0] != 0 or any(parents[b] != a for a, b in itertools.pairwise(path)):
-            raise ValueError(f"{path} is not a path from the root of the verified tree")
-        done = verification.compacted
-        if verification.static and path[: len(done)] != done[: len(path)]:
-            raise ValueError(f"{path} leaves the path {done} already committed from this verification")
-        committed = verification.committed  # committing again (a longer path) first undoes the last one
-        index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
-        state.kv.crop(committed)
-        if verification.static:  # the nodes' rows are in the cache in insertion order: compact the path
-            if len(path) > len(done):
-                # Only the new part moves: rows committed + 0 .. len(done) - 1 already hold the earlier
-                # part, and the new part's sources (path[i] >= i >= len(done)) were never written over.
-                state.kv.move_rows(committed + index[len(done):],
-                                   committed + torch.arange(len(done), len(path), device=index.device))
-                verification.compacted[:] = path
-            state.kv.extend_to(committed + len(path))
-        for layer, (k_rows, v_rows) in verification.kv_rows.items():
-            state.kv.append(layer, k_rows[index], v_rows[index])
-        last = path[-1]
-        for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
-            linear.conv.copy_(verification.conv[layer][last : last + 1])
-            linear.recurrent.copy_(verification.recurrent[layer][last : last + 1])
-        if state.features is not None and verification.features is not None:
-            self._store_features(state, committed, verification.features[index])
-        state.length = committed + len(path)
