@@ -1,7 +1,20 @@
-"""`lucebox bench`: prompt and decode speed like llama-bench, with the bandwidth decode achieved.
+"""`lucebox bench`: prompt and decode speed measured the way llama-bench measures them, with the bandwidth
+decode achieved.
 
-Decode at batch 1 reads every weight once per token (the embedding table only one row), so bytes read
-per token / seconds per token is the bandwidth achieved; compare it with the device's copy bandwidth.
+As llama-bench does: prompt processing (`ppN`) is one prefill of N random tokens; decode (`tgN`, at a
+context depth) feeds N tokens one at a time, each a fresh random id, and the host waits for the device
+after every token, so the per-step host work is inside the clock. Every timed row has an untimed run at its
+own shape first (kernels compile and tune, graphs are recorded for the KV windows the run crosses), the
+device is synchronised before a clock starts and before it stops, and the figure is the median of `-r`
+repetitions. The clocks wait for the model's own device, through its backend.
+
+Decode at batch 1 reads every weight once per token (the embedding table only one row), so bytes read per
+token / seconds per token is the bandwidth achieved; compare it with the device's copy bandwidth.
+
+With a drafter (`-md`) there are three more kinds of row: the speculative decode speed (greedy, after a
+32-token random prompt; with `--force-accept K` the first K drafts of every step are replaced by the
+target's own continuation, and the row says FORCED: never an acceptance rate), the cost of one draft step,
+and the cost of one verify pass per node count.
 """
 
 from __future__ import annotations
@@ -13,9 +26,11 @@ from typing import Any
 import attrs
 import torch
 
-from .engine import Engine
+from .engine import Engine, GenerationRequest
+from .sampling import SamplingParams
 
-DECODE_WARMUP_STEPS = 2
+DECODE_WARMUP_STEPS = 2  # positions the decode rows need past depth + n_gen (the cli allocates them)
+SPEC_PROMPT_TOKENS = 32
 
 
 def decode_bytes_per_token(gguf_file: Any) -> int:
@@ -26,48 +41,48 @@ def decode_bytes_per_token(gguf_file: Any) -> int:
     return total
 
 
-def _random_ids(n: int, vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _sync(device: Any) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int], reps: int, ctx_size: int,
-              speculative: Any = None, force_accept: float | None = None,
-              prefill_chunk: int | None = None) -> list[dict]:
-    model = loaded.model
-    # Room for the decode warm-up steps past depth + n_gen.
-    engine = Engine(model, loaded.tokenizer, ctx_size=ctx_size + DECODE_WARMUP_STEPS, prefill_chunk=prefill_chunk)
+def run_bench(assembled: Any, *, prompts: list[int], n_gen: int, depths: list[int], reps: int,
+              force_accept: float | None = None) -> list[dict]:
+    """The rows of `lucebox bench` for an `assembly.AssembledEngine` (its context must hold the longest test
+    plus `DECODE_WARMUP_STEPS`)."""
+    loaded, assembled_engine = assembled.loaded, assembled.engine
+    model, backend = loaded.model, assembled_engine.backend
+    # The plain rows run without the drafter: a speculative sequence also captures the drafter's features.
+    plain = Engine(model, loaded.tokenizer, ctx_size=assembled_engine.ctx_size,
+                   prefill_chunk=assembled_engine.prefill_chunk, backend=backend)
     vocab = model.vocab_size
     rows: list[dict] = []
 
     def time_prefill(n: int, seed: int) -> float:
-        sequence = engine.new_sequence()
-        ids = _random_ids(n, vocab, seed).tolist()
-        _sync(None)
+        sequence = plain.new_sequence()
+        ids = _random_ids(n, vocab, seed)
+        backend.synchronize()
         start = time.perf_counter()
-        engine.prefill(sequence, ids)
-        _sync(None)
-        return time.perf_counter() - start
+        plain.prefill(sequence, ids)
+        backend.synchronize()
+        seconds = time.perf_counter() - start
+        plain.release(sequence)
+        return seconds
 
-    def time_decode(depth: int, seed: int, steps: int = n_gen) -> float:
-        sequence = engine.new_sequence()
+    def time_decode(depth: int, seed: int) -> float:
+        sequence = plain.new_sequence()  # a released one: its recorded decode steps are replayed
         if depth:
-            engine.prefill(sequence, _random_ids(depth, vocab, seed).tolist())
-        token = torch.tensor([int(_random_ids(1, vocab, seed + 1))])
-        # Two untimed steps: the first records the decode step's CUDA graph for this KV window (graphs.py),
-        # the second replays it once, as llama-bench's own warm-up run does.
-        for _ in range(DECODE_WARMUP_STEPS):
-            model.forward(sequence.state, token)
-        _sync(None)
+            plain.prefill(sequence, _random_ids(depth, vocab, seed))
+        ids = _random_ids(DECODE_WARMUP_STEPS + n_gen, vocab, seed + 1)
+        for token in ids[:DECODE_WARMUP_STEPS]:
+            model.forward(sequence.state, torch.tensor([token]))
+        backend.synchronize()
         start = time.perf_counter()
-        for _ in range(steps):
-            model.forward(sequence.state, token)
-        _sync(None)
-        return time.perf_counter() - start
+        for token in ids[DECODE_WARMUP_STEPS:]:
+            model.forward(sequence.state, torch.tensor([token]))
+            backend.synchronize()  # llama-bench waits for every token
+        seconds = time.perf_counter() - start
+        plain.release(sequence)
+        return seconds
 
     for n in [p for p in prompts if p > 0]:
         # Warm-up at the measured length (as llama-bench's warm-up run): the first pass of a new prompt
@@ -77,8 +92,8 @@ def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int],
         rows.append({"test": f"pp{n}", "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds})
     if n_gen > 0:
         bytes_per_token = decode_bytes_per_token(loaded.gguf)
-        time_decode(0, 0, steps=min(n_gen, 4))  # warm-up
         for depth in depths:
+            time_decode(depth, 1000 + depth)  # warm-up at this depth: records every KV window the test crosses
             seconds = statistics.median(time_decode(depth, rep) for rep in range(reps))
             rate = n_gen / seconds
             rows.append(
@@ -92,63 +107,63 @@ def run_bench(loaded: Any, *, prompts: list[int], n_gen: int, depths: list[int],
                     "achieved_GB_per_s": bytes_per_token * rate / 1e9,
                 }
             )
-    if speculative is not None and n_gen > 0:
-        rows.extend(_speculative_rows(loaded, speculative, n_gen=n_gen, reps=reps, ctx_size=ctx_size,
-                                      force_accept=force_accept))
+    if assembled_engine.speculative is not None and n_gen > 0:
+        rows.extend(_speculative_rows(plain, assembled_engine, n_gen=n_gen, reps=reps, force_accept=force_accept))
     return rows
 
 
-def _speculative_rows(loaded: Any, speculative: Any, *, n_gen: int, reps: int, ctx_size: int,
+def _speculative_rows(plain: Engine, engine: Engine, *, n_gen: int, reps: int,
                       force_accept: float | None) -> list[dict]:
-    """Speculative decode speed (greedy, after a 32-token random prompt), draft cost and verify cost."""
-    from .engine import GenerationRequest
-    from .sampling import SamplingParams
-
-    model = loaded.model
-    plain = Engine(model, loaded.tokenizer, ctx_size=ctx_size)
-    engine = Engine(model, loaded.tokenizer, ctx_size=ctx_size, speculative=speculative)
+    """Speculative decode speed, draft cost and verify cost (see the module docstring)."""
+    model, backend, speculative = engine.model, engine.backend, engine.speculative
     greedy = SamplingParams(temperature=0)
     rows: list[dict] = []
-    label = f"{speculative.spec_type}" + (f" budget {speculative.budget}" if speculative.spec_type == "ddtree" else "")
-    rates, lengths = [], []
-    for rep in range(reps):
-        request = GenerationRequest(prompt_ids=_random_ids(32, model.vocab_size, 100 + rep).tolist(), max_tokens=n_gen,
-                                    sampling=greedy, ignore_eos=True)
+    label = f"{speculative.spec_type}" + (f" budget {speculative.budget}" if speculative.budget is not None else "")
+
+    def run(seed: int) -> Any:
+        request = GenerationRequest(prompt_ids=_random_ids(SPEC_PROMPT_TOKENS, model.vocab_size, seed),
+                                    max_tokens=n_gen, sampling=greedy, ignore_eos=True)
         if force_accept is not None:
-            # One block past the end, so the last step is forced like the others.
+            # The plain greedy continuation, one block past the end so the last step is forced like the others.
             reference = plain.generate(attrs.evolve(request, max_tokens=n_gen + speculative.block_size)).token_ids
             request = attrs.evolve(request, force_accept=force_accept, force_reference=reference)
-        result = engine.generate(request)
-        rates.append(result.timings.decode_tokens_per_s)
-        lengths.extend(result.timings.accepted_lengths)
-    forced = f" FORCED accept {force_accept:g}" if force_accept is not None else ""
-    rows.append({"test": f"tg{n_gen} spec {label}{forced}", "tokens": n_gen, "tokens_per_s": statistics.median(rates),
-                 "seconds": n_gen / statistics.median(rates), "mean_accepted_length": sum(lengths) / max(1, len(lengths)),
-                 "forced_accept": force_accept})
+        return engine.generate(request)  # its sequence is released after, and reused by the next run
 
-    # Per-step costs on a sequence holding a 32-token prompt.
+    # The untimed run at this row's shapes: the draft and verify passes are recorded for the windows and
+    # node counts the timed runs meet (otherwise the first repetition records them inside its clock).
+    run(99)
+    results = [run(100 + rep) for rep in range(reps)]
+    rate = statistics.median(r.timings.decode_tokens_per_s for r in results)
+    lengths = [n for r in results for n in r.timings.accepted_lengths]
+    forced = f" FORCED accept {force_accept:g}" if force_accept is not None else ""
+    rows.append({"test": f"tg{n_gen} spec {label}{forced}", "tokens": n_gen, "tokens_per_s": rate,
+                 "seconds": n_gen / rate if rate else float("inf"),
+                 "mean_accepted_length": sum(lengths) / max(1, len(lengths)), "forced_accept": force_accept})
+
+    # Per-step costs on a sequence holding a 32-token prompt, each after a warm-up call at its shape.
     sequence = engine.new_sequence()
-    engine.prefill(sequence, _random_ids(32, model.vocab_size, 7).tolist())
-    state, root = sequence.state, 1000
-    drafter = speculative.drafter
-    drafter.draft(model, state, sequence.draft, root, speculative.block_size)  # warm-up
-    start = time.perf_counter()
-    for _ in range(reps):
-        drafter.draft(model, state, sequence.draft, root, speculative.block_size)
-    _sync(None)
-    draft_seconds = (time.perf_counter() - start) / reps
-    rows.append({"test": f"draft step (block {speculative.block_size})", "tokens": speculative.block_size - 1,
-                 "seconds": draft_seconds, "tokens_per_s": (speculative.block_size - 1) / draft_seconds})
-    budget = speculative.budget if isinstance(speculative.budget, int) else 22
-    for nodes in sorted({1, speculative.block_size, budget + 1}):
-        parents = list(range(-1, nodes - 1))
-        model.verify(state, [root] * nodes, parents)  # warm-up
+    engine.prefill(sequence, _random_ids(SPEC_PROMPT_TOKENS, model.vocab_size, 7))
+    state, root, block = sequence.state, 1000, speculative.block_size
+    tokens = [*sequence.tokens, root]
+
+    def per_call(call: Any) -> float:
+        call()  # warm-up at this shape
+        backend.synchronize()
         start = time.perf_counter()
         for _ in range(reps):
-            model.verify(state, [root] * nodes, parents)
-        _sync(None)
-        seconds = (time.perf_counter() - start) / reps
-        rows.append({"test": f"verify {nodes} nodes", "tokens": nodes, "seconds": seconds, "tokens_per_s": nodes / seconds})
+            call()
+        backend.synchronize()
+        return (time.perf_counter() - start) / reps
+
+    draft_seconds = per_call(lambda: speculative.drafter.draft(model, state, sequence.draft, tokens, block))
+    rows.append({"test": f"draft step (block {block})", "tokens": block - 1, "seconds": draft_seconds,
+                 "tokens_per_s": (block - 1) / draft_seconds})
+    budget = speculative.budget if isinstance(speculative.budget, int) else 22
+    for nodes in sorted({1, block, budget + 1}):
+        parents = list(range(-1, nodes - 1))
+        seconds = per_call(lambda: model.verify(state, [root] * nodes, parents))
+        rows.append({"test": f"verify {nodes} nodes", "tokens": nodes, "seconds": seconds,
+                     "tokens_per_s": nodes / seconds})
     return rows
 
 

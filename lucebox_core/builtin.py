@@ -31,7 +31,8 @@ def lucebox_kv_policies():
         KVPolicy(
             name="full",
             factory="lucebox_core.kv:FullKVCache",
-            description="every position's K and V kept, contiguous per sequence",
+            cache_types=["f32", "f16", "bf16", "q8_0"],
+            description="every position's K and V kept, contiguous per sequence (slot = position)",
         )
     ]
 
@@ -42,7 +43,7 @@ def lucebox_drafters():
         Drafter(
             name="dflash",
             factory="lucebox_core.speculative.dflash:load",
-            architectures=["dflash-draft", "qwen35-dflash-draft"],
+            architectures=["dflash-draft"],
             description="DFlash block-diffusion drafter conditioned on captured target features",
         )
     ]
@@ -59,7 +60,7 @@ def lucebox_verifiers():
         Verifier(
             name="ddtree",
             factory="lucebox_core.speculative.loop:DDTreeVerifier",
-            description="best-first draft tree (chain pre-seed, budget 22 or auto) verified in one pass",
+            description="best-first draft tree (chain pre-seed, --tree-budget 22 or auto) verified in one pass",
         ),
     ]
 

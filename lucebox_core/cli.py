@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +157,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     candidates = sorted(registry().converters(), key=lambda c: not c.hf_architectures)
     converters = [c for c in candidates if c.accepts(config)]
     if not converters:
-        family = model_type.replace("qwen3_5", "qwen35").replace("_text", "")
-        raise PluginError(f"{hf_dir}: no installed plugin converts model_type {model_type!r}{install_hint(family)}")
+        raise PluginError(f"{hf_dir}: no installed plugin converts model_type {model_type!r}{install_hint(model_type)}")
     converter = converters[0]
     if args.type not in converter.types:
         raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(converter.types)} for {converter.name}")
@@ -200,122 +198,24 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- generate
 
 
-def _comma_ints(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _assemble(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The engine the flags describe (`assembly.build_engine`: the one place engines are made)."""
+    from .assembly import EngineOptions, build_engine
 
-
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model, random weights)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length to allocate (default 4096)")
-    p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
-    p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
-    add_cache_type_arguments(p)
-    add_ubatch_argument(p)
-
-
-def add_ubatch_argument(p: argparse.ArgumentParser) -> None:
-    """-ub (generate, bench, serve): prompt tokens per prefill forward pass, llama.cpp's flag."""
-    p.add_argument("-ub", "--ubatch-size", type=int, metavar="N",
-                   help="prompt tokens per prefill forward pass (default: the model's, 4096 on a GPU, 512 on "
-                        "the CPU); smaller takes less memory for activations and prefills more slowly")
-
-
-def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
-    """-ctk / -ctv (generate, bench, serve). Checked when the model loads, so an unknown type is a
-    LuceboxError naming the flag rather than an argparse usage dump."""
-    from .kv import KV_CACHE_TYPES
-
-    types = ", ".join(KV_CACHE_TYPES)
-    p.add_argument("-ctk", "--cache-type-k", metavar="TYPE",
-                   help=f"KV cache type of K: {types} (default: the backend's dtype)")
-    p.add_argument("-ctv", "--cache-type-v", metavar="TYPE",
-                   help=f"KV cache type of V: {types} (default: the backend's dtype)")
-
-
-def cache_type_options(cache_type_k: str | None, cache_type_v: str | None) -> dict[str, str]:
-    """The model options for the cache-type flags that were given, checked (a LuceboxError names the flag);
-    none given, none passed, so a family without them still loads."""
-    from .kv import K_FLAG, V_FLAG, kv_cache_type
-
-    options = {}
-    if cache_type_k is not None:
-        options["cache_type_k"] = kv_cache_type(cache_type_k, K_FLAG)
-    if cache_type_v is not None:
-        options["cache_type_v"] = kv_cache_type(cache_type_v, V_FLAG)
-    return options
-
-
-def _tree_budget(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"the tree budget must be at least 1, got {value}")
-    return value
-
-
-def add_speculative_arguments(p: argparse.ArgumentParser, *, force: bool) -> None:
-    """The speculative-decoding flags (generate, bench, serve)."""
-    p.add_argument("-md", "--model-draft", "--draft", dest="model_draft",
-                   help="DFlash draft GGUF: enables speculative decoding")
-    p.add_argument("--spec-type", choices=("chain", "ddtree"), default="ddtree",
-                   help="verify one drafted block (chain) or a best-first draft tree (ddtree, the default)")
-    p.add_argument("--tree-budget", type=_tree_budget, default=22,
-                   help="drafted nodes per ddtree verify (default 22), or 'auto': from the measured verify-cost "
-                        "curve and the drafter's confidence")
-    p.add_argument("--draft-block-size", type=int, help="positions per draft block (default: the draft's, 16)")
-    if force:
-        p.add_argument("--force-accept", type=float, metavar="K",
-                       help="benchmark aid: replace the first K drafts per step by the target's own greedy "
-                            "continuation (computed first) so exactly K are accepted; fractional K mixes "
-                            "floor and ceil. Output equals plain greedy. Never a real acceptance rate.")
-
-
-def load_speculative(args: argparse.Namespace, loaded: Any) -> Any:
-    """The `SpeculativeDecoder` the flags ask for, or None without -md."""
-    if not getattr(args, "model_draft", None):
-        if getattr(args, "force_accept", None) is not None:
-            raise LuceboxError("--force-accept needs a drafter (-md/--model-draft FILE)")
-        return None
-    from .plugins import registry
-    from .speculative import SpeculativeDecoder
-
-    force = getattr(args, "force_accept", None)
-    if force is not None and not 0 <= force:
-        raise LuceboxError(f"--force-accept must be >= 0, got {force}")
-    drafter = registry().named("lucebox_drafters", "dflash", "drafter").create(args.model_draft, loaded.model)
-    decoder = SpeculativeDecoder(loaded.model, drafter, spec_type=args.spec_type, budget=args.tree_budget,
-                                 block_size=args.draft_block_size)
-    if force is not None and force > decoder.block_size - 1:
-        raise LuceboxError(f"--force-accept {force} exceeds the {decoder.block_size - 1} drafts of a block")
-    return decoder
-
-
-def _load(args: argparse.Namespace, **options: Any) -> Any:
-    from .loading import load_model
-
-    options = {**cache_type_options(getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)),
-               **options}
-    return load_model(
-        args.model,
-        backend=args.backend,
-        device=args.device,
-        chat_template_file=getattr(args, "chat_template_file", None),
-        **options,
-    )
+    options = EngineOptions.from_args(args, **overrides)
+    if getattr(args, "force_accept", None) is not None and options.model_draft is None:
+        raise LuceboxError("--force-accept needs a drafter (-md/--model-draft FILE)")
+    return build_engine(options)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import Engine, GenerationRequest
+    from .engine import GenerationRequest
+    from .flags import check_force_accept
     from .sampling import SamplingParams
 
-    loaded = _load(args)
+    assembled = _assemble(args)
+    loaded, engine, speculative = assembled.loaded, assembled.engine, assembled.speculative
+    check_force_accept(args.force_accept, speculative)
     tokenizer = loaded.tokenizer
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
@@ -341,9 +241,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
-    speculative = load_speculative(args, loaded)
-    engine = Engine(loaded.model, tokenizer, ctx_size=args.ctx_size, speculative=speculative,
-                    prefill_chunk=args.ubatch_size)
     request = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=args.n_predict, sampling=sampling, stop=args.stop or (),
         ignore_eos=args.ignore_eos,
@@ -409,17 +306,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_bench, run_bench
+    from .bench import DECODE_WARMUP_STEPS, format_bench, run_bench
+    from .flags import check_force_accept
 
-    loaded = _load(args)
+    if args.reps < 1:
+        raise LuceboxError(f"-r/--reps must be at least 1, got {args.reps}")
+    # Room for the longest test, and the decode warm-up past depth + n_gen.
     ctx = max(args.ctx_size, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
-    speculative = load_speculative(args, loaded)
-    rows = run_bench(loaded, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps, ctx_size=ctx,
-                     speculative=speculative, force_accept=args.force_accept, prefill_chunk=args.ubatch_size)
+    assembled = _assemble(args, ctx_size=ctx + DECODE_WARMUP_STEPS)
+    check_force_accept(args.force_accept, assembled.speculative)
+    rows = run_bench(assembled, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps,
+                     force_accept=args.force_accept)
     if args.json:
         _print_json(rows)
     else:
-        print(format_bench(loaded, rows))
+        print(format_bench(assembled.loaded, rows))
     return 0
 
 
@@ -427,6 +328,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .flags import add_model_arguments, add_speculative_arguments, comma_ints
+
     parser = argparse.ArgumentParser(prog="lucebox", description="Lucebox: fast local LLM inference.")
     parser.add_argument("--version", action="version", version=f"lucebox {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -468,10 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_tokenize)
 
     p = commands.add_parser("generate", help="generate text from a prompt")
-    _add_model_arguments(p)
+    add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("-p", "--prompt", help="prompt text")
-    prompt.add_argument("--prompt-ids", type=_comma_ints, help="prompt as token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt-ids", type=comma_ints, help="prompt as token ids, e.g. 1,2,3")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--chat", action="store_true", help="render -p as a user message through the chat template")
     p.add_argument("--chat-template-file", help="jinja chat template to use instead of the GGUF's")
@@ -491,28 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_generate)
 
     p = commands.add_parser("bench", help="measure prompt and decode speed, like llama-bench")
-    _add_model_arguments(p)
-    p.add_argument("-p", "--n-prompt", type=_comma_ints, default=[512], help="prompt lengths (default 512)")
+    add_model_arguments(p, ctx_help="least context to allocate (raised to fit the longest test)")
+    p.add_argument("-p", "--n-prompt", type=comma_ints, default=[512], help="prompt lengths (default 512)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens to decode per test (default 128)")
-    p.add_argument("-d", "--depth", type=_comma_ints, default=[0], help="context depths for decode (default 0)")
+    p.add_argument("-d", "--depth", type=comma_ints, default=[0], help="context depths for decode (default 0)")
     p.add_argument("-r", "--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
     p.add_argument("--json", action="store_true", help="print a JSON list of results")
     add_speculative_arguments(p, force=True)
     p.set_defaults(run=cmd_bench)
 
-    for register in _EXTRA_COMMANDS:
-        register(commands)
-    return parser
-
-
-def _add_serve_parser(commands: Any) -> None:
-    from .server.cli import add_serve_parser
+    from .server.cli import add_serve_parser  # the server's subcommand lives with the server
 
     add_serve_parser(commands)
-
-
-# Subcommands that live in their own modules.
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = [_add_serve_parser]
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

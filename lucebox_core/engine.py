@@ -8,7 +8,9 @@ stop string (matched across token boundaries) or the token budget.
 The model is anything with `vocab_size`, `context_length`, `new_state(max_tokens)` and
 `forward(state, token_ids) -> logits[len(token_ids), vocab]` (which advances the state). A model that also
 has `reset_state(state)` gets its finished sequences' states back for later requests (`Engine.release`):
-buffers, and the CUDA graphs recorded on them, are reused rather than made again per request.
+buffers, and the CUDA graphs recorded on them, are reused rather than made again per request. The engine
+waits for the device, and copies sampled tokens back, through the backend's device services (`backend`:
+the model's ops by default).
 """
 
 from __future__ import annotations
@@ -127,9 +129,11 @@ class Engine:
     """`speculative`: a `lucebox_core.speculative.SpeculativeDecoder` (drafter + verifier) for the model, or None."""
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None,
-                 prefill_chunk: int | None = None, speculative: Any = None, idle_sequences: int = 1):
+                 prefill_chunk: int | None = None, speculative: Any = None, idle_sequences: int = 1,
+                 backend: Any = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.backend = backend if backend is not None else getattr(model, "ops", None)
         self.ctx_size = min(ctx_size or model.context_length, model.context_length)
         # Tokens per prefill forward call: the model's preference (large on a GPU, where a chunk's cost is
         # reading the weights once), else 512.
@@ -175,9 +179,10 @@ class Engine:
             if len(self._idle) < self.idle_sequences and all(s.state is not sequence.state for s in self._idle):
                 self._idle.append(sequence)
 
-    def _synchronize(self, logits: torch.Tensor) -> None:
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
+    def _synchronize(self) -> None:
+        """Wait for the model's device (a timing must count the work, not its launch)."""
+        if self.backend is not None:
+            self.backend.synchronize()
 
     def prefill(self, sequence: Sequence, token_ids: Seq[int], timings: Timings | None = None) -> None:
         """Run new prompt tokens through the model in chunks; keep the last position's logits."""
@@ -202,7 +207,7 @@ class Engine:
             sequence.tokens.extend(chunk)
         assert logits is not None
         sequence.pending_logits = logits[-1]
-        self._synchronize(logits)
+        self._synchronize()
         if timings is not None:
             timings.prompt_tokens += len(token_ids)
             timings.prompt_seconds += time.perf_counter() - start
@@ -257,7 +262,7 @@ class Engine:
                     block = self.speculative.step(
                         sequence.state, sequence.draft, root, sequence.tokens + [root], sampler, forced
                     )
-                    self._synchronize(block.verification.logits)
+                    self._synchronize()
                     timings.accepted_lengths.append(len(block.tokens))
                     tokens = block.tokens
                 else:
@@ -271,7 +276,7 @@ class Engine:
                     fed_ahead = not speculative and self._more_wanted_after_next(sequence, generated, request)
                     if fed_ahead:
                         if landing is None:  # pinned, so the copy does not wait for the step queued after it
-                            landing = torch.empty(1, dtype=torch.long, pin_memory=chosen.device.type == "cuda")
+                            landing = self._host_buffer()
                         token, next_logits = self._feed_before_reading(sequence, chosen, landing)
                         # Recorded at once: the model holds the token whatever the checks below raise.
                         sequence.tokens.append(token)
@@ -321,7 +326,7 @@ class Engine:
                     logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
                     sequence.tokens.append(token)
                     sequence.unfed, sequence.pending_logits = [], logits[-1]
-                    self._synchronize(logits)
+                    self._synchronize()
                 timings.decode_seconds += time.perf_counter() - start
         finally:
             timings.decode_tokens += len(generated)
@@ -340,14 +345,20 @@ class Engine:
         computes the next step while the host detokenizes, checks stops and hands the token out, instead of
         idling between steps (what a host-side round trip per token costs: ~0.8 ms of a 27B step, ~0.4 ms of
         a 0.8B one on an H200). The read waits for the sampling only, not the step queued after it."""
-        on_gpu = chosen.device.type == "cuda"
-        landing.copy_(chosen, non_blocking=on_gpu)
-        # On the stream of the token's device, which need not be the current device's.
-        sampled = torch.cuda.current_stream(chosen.device).record_event() if on_gpu else None
+        landing.copy_(chosen, non_blocking=True)
+        # Marks the copy on the model's device's stream (the backend's device, which need not be the
+        # current device).
+        sampled = self.backend.record_event() if self.backend is not None else None
         logits = self.model.forward(sequence.state, chosen)
         if sampled is not None:
-            sampled.synchronize()
+            self.backend.wait_event(sampled)
         return int(landing[0]), logits
+
+    def _host_buffer(self) -> torch.Tensor:
+        """Where a sampled token's copy lands: pinned on a GPU, so it does not wait for the step after it."""
+        if self.backend is not None:
+            return self.backend.host_buffer((1,), torch.long)
+        return torch.empty(1, dtype=torch.long)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token: int, top: int | None) -> tuple[float | None, tuple]:

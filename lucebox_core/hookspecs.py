@@ -23,17 +23,17 @@ def lucebox_kernel_backends():
 
 @hookspec
 def lucebox_kv_policies():
-    """KV policies: how attention KV is stored, in what type, and what stays resident."""
+    """KV policies (`--kv-policy`): how attention KV is stored, in what type, and what stays resident."""
 
 
 @hookspec
 def lucebox_drafters():
-    """Drafter kinds for speculative decoding (e.g. dflash): load a draft GGUF, propose tokens."""
+    """Drafters for speculative decoding, by draft-GGUF architecture: load a draft file, propose tokens."""
 
 
 @hookspec
 def lucebox_verifiers():
-    """Verifiers for speculative decoding (e.g. chain, ddtree): build candidates, accept a prefix."""
+    """Verifiers for speculative decoding (`--spec-type`): build candidates, run one target pass, accept."""
 
 
 @hookspec
@@ -54,3 +54,8 @@ def lucebox_default_models():
 @hookspec
 def lucebox_response_parsers():
     """Parsers that split a family's raw output into reasoning, content and tool calls, while streaming."""
+
+
+@hookspec
+def lucebox_op_kernels():
+    """Kernels a backend offers for named ops (generic or a family's), each with its check of what it takes."""

@@ -1,20 +1,27 @@
-"""The built-in `full` KV policy: every position's K and V, contiguous per sequence.
+"""KV caches: the interface a KV policy implements, and the built-in `full` policy.
 
-One `FullKVCache` belongs to one sequence. It holds, for each attention layer that has a KV cache, a K
-buffer `[max_context, kv_heads, ...]` and a V buffer, allocated once, so appending never reallocates and
-rolling back (speculative decoding) is only a move of the fill pointer. The cache knows nothing of a model
-family: each layer declares its own head count and head dims.
+A KV policy (`--kv-policy NAME`, the `lucebox_kv_policies` hook) decides how one sequence's attention K and V
+are stored and kept resident. It owns the allocation and the storage types (`-ctk` / `-ctv`), and gives the
+model the interface of `KVCache` below, in terms of *logical positions* (a token's place in the sequence):
+where a position's row physically sits (a slot of a contiguous buffer, a page, a resident set) is the
+policy's business, so paged and bounded-residency policies implement the same calls.
+
+The built-in `full` policy (`FullKVCache`): every position's K and V, contiguous per sequence, slot =
+position. For each attention layer it holds a K buffer `[max_context, kv_heads, ...]` and a V buffer,
+allocated once, so appending never reallocates and rolling back (speculative decoding) is only a move of
+the fill pointer. It knows nothing of a model family: each layer declares its own head count and head dims.
 
 K and V each have a storage type of their own (llama.cpp's `-ctk` / `-ctv`): `f32`, `f16`, `bf16` are
 plain dtypes; `q8_0` is GGUF's Q8_0 block layout along the head dim (per 32 values, an fp16 scale and 32
-int8s: 34 bytes, 1.0625 bytes a value), quantized like ggml's `quantize_row_q8_0_ref`. Every read hands
-back floats (a quantized store decodes to the cache's `dtype`), so attention kernels see float K/V;
-`window_stored` exposes the raw buffers for kernels that read Q8_0 themselves.
+int8s: 34 bytes, 1.0625 bytes a value), quantized like ggml's `quantize_row_q8_0_ref`. Reads for eager
+attention hand back floats (a quantized store decodes to the cache's `dtype`); `gather` hands the rows as
+stored to kernels that read Q8_0 themselves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 import torch
@@ -135,6 +142,46 @@ def kv_bytes_per_token(shape: KVLayerShape, k_type: str, v_type: str) -> int:
     return row_bytes(k_type, shape.kv_heads * shape.k_head_dim) + row_bytes(v_type, shape.kv_heads * shape.v_head_dim)
 
 
+class KVCache(Protocol):
+    """One sequence's attention K/V, as a KV policy stores it. Positions are logical; all but the host-side
+    bookkeeping (`commit`, `rollback`, `length`) work on device tensors without a host sync, so the static
+    steps that call them can be recorded as graphs.
+
+    Two ways in:
+    - eager (prefill, a dynamic verify pass): `append` stores the next positions and returns every visible
+      row, decoded, for attention;
+    - static (a recorded decode step or verify pass): `write` stores rows at device-held positions,
+      attention reads `gather(layer, size)` (the first `size` positions, in position order, as stored), and
+      afterwards the host declares them held with `commit(length)`.
+    Speculative decoding: `move` copies accepted rows to their final positions, `rollback` forgets the rest.
+    """
+
+    max_context: int  # the most positions the sequence may hold
+    k_type: str
+    v_type: str
+    dtype: torch.dtype  # what quantized types decode to
+    shapes: dict[int, KVLayerShape]  # cached layer -> what it stores per position
+
+    @property
+    def length(self) -> int: ...  # positions held
+
+    @property
+    def nbytes(self) -> int: ...  # device bytes held
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    def ensure_room(self, new_tokens: int) -> None: ...
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def gather(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def move(self, source: torch.Tensor, destination: torch.Tensor) -> None: ...
+    def commit(self, length: int) -> None: ...
+    def rollback(self, length: int) -> None: ...
+
+
 class FullKVCache:
     """K and V of every position of one sequence, for the attention layers named in `layers`.
 
@@ -214,9 +261,9 @@ class FullKVCache:
         return self._k_codec.decode(self._keys[layer][:end]), self._v_codec.decode(self._values[layer][:end])
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store `k` `[T, kv_heads, k_head_dim]` and `v` `[T, kv_heads, v_head_dim]` after what `layer`
-        holds; return all of that layer's K and V, `[length + T, ...]` (views for plain types, decoded
-        copies for quantized ones)."""
+        """Store `k` `[T, kv_heads, k_head_dim]` and `v` `[T, kv_heads, v_head_dim]` at the positions after
+        what `layer` holds; return all of that layer's K and V, `[length + T, ...]` in position order (views
+        for plain types, decoded copies for quantized ones)."""
         if layer not in self.shapes:
             raise KeyError(f"layer {layer} has no KV cache (cached layers: {sorted(self.shapes)})")
         start, tokens = self._lengths[layer], k.shape[0]
@@ -243,28 +290,21 @@ class FullKVCache:
         stores the same bits (Q8_0 re-quantizes its own output exactly)."""
         return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
 
-    # -- the static-shape decode step (CUDA graphs) ------------------------------------------------------
-    # A captured step may not depend on host values, so it writes at a position held in a device tensor
-    # and reads a fixed-size window of the buffers (masked by that position); the host fill pointers are
-    # moved afterwards with `extend_to`.
+    # -- the static path (recorded steps) ---------------------------------------------------------------
+    # A recorded step may not depend on host values, so it writes at positions held in a device tensor and
+    # reads a fixed-size window of the buffers (masked by the caller); the host fill pointers are moved
+    # afterwards with `commit`.
 
-    def write_at(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one position's `k` `[1, kv_heads, k_head_dim]` and `v` at the row named by the device tensor
-        `position` `[1]` (long); the fill pointer does not move."""
-        self._keys[layer].index_copy_(0, position, self._k_codec.encode(k))
-        self._values[layer].index_copy_(0, position, self._v_codec.encode(v))
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k` `[N, kv_heads, k_head_dim]` and `v` at the logical positions named by the device long
+        tensor `positions` `[N]` (here the slot is the position); the fill pointer does not move."""
+        self._keys[layer].index_copy_(0, positions, self._k_codec.encode(k))
+        self._values[layer].index_copy_(0, positions, self._v_codec.encode(v))
 
-    def write_rows(self, layer: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store `k` `[N, kv_heads, k_head_dim]` and `v` at rows `start .. start + N - 1`, `start` `[1]` a
-        device tensor (static tree verification writes its nodes there, in insertion order); the fill
-        pointer does not move."""
-        rows = start + torch.arange(k.shape[0], device=start.device)
-        self._keys[layer].index_copy_(0, rows, self._k_codec.encode(k))
-        self._values[layer].index_copy_(0, rows, self._v_codec.encode(v))
-
-    def move_rows(self, source: torch.Tensor, destination: torch.Tensor) -> None:
-        """Copy rows `source` to rows `destination` (device long tensors) in every layer, all reads before
-        any write: a verified tree's accepted nodes, from insertion slots to their spine positions."""
+    def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy the rows of positions `source` to positions `destination` (device long tensors) in every
+        layer, all reads before any write: a verified tree's accepted nodes, from the positions they were
+        written at (insertion order) to their places on the accepted path."""
         for layer in self._keys:
             for buffer in (self._keys[layer], self._values[layer]):
                 buffer.index_copy_(0, destination, buffer.index_select(0, source))
@@ -273,31 +313,26 @@ class FullKVCache:
         if not 0 < size <= self.max_context:
             raise ValueError(f"a window of {size} rows does not fit the context size {self.max_context}")
 
-    def window(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `size` rows of `layer`'s K and V, whatever they hold, as floats (views for plain types,
-        decoded for quantized ones): the caller masks rows past its position."""
-        self._check_window(size)
-        return self._decoded(layer, size)
-
-    def window_stored(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the first `size` rows of the raw K and V buffers: a plain dtype `[size, heads, dim]`, or
-        uint8 Q8_0 blocks `[size, heads, dim / 32 * 34]` (for kernels that decode Q8_0 themselves)."""
+    def gather(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions `0 .. size - 1` as stored, whatever they hold (the caller masks those past
+        its own): a plain dtype `[size, heads, dim]`, or uint8 Q8_0 blocks `[size, heads, dim / 32 * 34]`
+        for kernels that decode Q8_0 themselves. Here views of the buffers, no copy."""
         self._check_window(size)
         return self._keys[layer][:size], self._values[layer][:size]
 
-    def extend_to(self, length: int) -> None:
-        """Declare rows below `length` written in every layer (after `write_at`)."""
+    def commit(self, length: int) -> None:
+        """Declare positions below `length` held in every layer (after `write`)."""
         if length > self.max_context:
             raise LuceboxError(f"context overflow: {length} positions do not fit in the context size {self.max_context}")
         for layer in self._lengths:
             self._lengths[layer] = max(self._lengths[layer], length)
 
-    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V `layer` holds now, as floats."""
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V `layer` holds now, in position order, as floats."""
         return self._decoded(layer, self._lengths[layer])
 
-    def crop(self, length: int) -> None:
-        """Forget every position from `length` on (rollback): a pointer move, nothing is cleared."""
+    def rollback(self, length: int) -> None:
+        """Forget every position from `length` on: a pointer move, nothing is cleared."""
         if length < 0:
             raise ValueError(f"cannot crop to a negative length ({length})")
         for layer, held in self._lengths.items():

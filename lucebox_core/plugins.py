@@ -25,12 +25,11 @@ from .specs import ALL_KINDS, KernelBackend
 ENTRY_POINT_GROUP = "lucebox"
 BUILTIN_MODULES = ("lucebox_core.builtin",)
 
-# Where to send a user whose file no installed plugin handles. Only a hint: the core never imports these.
+# Where to send a user whose file no installed plugin handles, by the start of a GGUF architecture, an HF
+# `model_type` or a backend name. Only a hint: the core never imports these.
 INSTALL_HINTS = {
-    "qwen35": "lucebox-qwen",
-    "qwen35moe": "lucebox-qwen",
-    "qwen35-dflash-draft": "lucebox-qwen",
-    "gemma4": "lucebox-gemma4",
+    "qwen3": "lucebox-qwen",
+    "gemma": "lucebox-gemma4",
     "laguna": "lucebox-laguna",
     "cuda": "lucebox-cuda",
     "hip": "lucebox-hip",
@@ -38,7 +37,8 @@ INSTALL_HINTS = {
 
 
 def install_hint(name: str) -> str:
-    package = INSTALL_HINTS.get(name)
+    name = str(name).lower()
+    package = next((p for prefix, p in INSTALL_HINTS.items() if name.startswith(prefix)), None)
     return f"; install {package} (pip install {package})" if package else "; is the plugin for it installed?"
 
 
@@ -97,6 +97,9 @@ class Registry:
     def response_parsers(self) -> list[Any]:
         return self._specs("lucebox_response_parsers")
 
+    def op_kernels(self) -> list[Any]:
+        return self._specs("lucebox_op_kernels")
+
     def family_for(self, architecture: str | None, path: Any = None) -> Any:
         """The model family that loads GGUF architecture `architecture`, or a PluginError saying what to install."""
         for family in self.model_families():
@@ -108,6 +111,27 @@ class Registry:
             f"{where}no installed plugin handles architecture {architecture!r} "
             f"(handled: {', '.join(known) or 'none'}){install_hint(str(architecture))}"
         )
+
+    def drafter_for(self, architecture: str | None, path: Any = None) -> Any:
+        """The drafter that loads draft-GGUF architecture `architecture`, or a PluginError saying what is
+        handled (the draft file chooses its drafter as a model file chooses its family)."""
+        for drafter in self.drafters():
+            if architecture in drafter.architectures:
+                return drafter
+        where = f"{path}: " if path is not None else ""
+        known = sorted({a for d in self.drafters() for a in d.architectures})
+        raise PluginError(
+            f"{where}no installed drafter loads architecture {architecture!r} "
+            f"(drafters load: {', '.join(known) or 'none'}){install_hint(str(architecture))}"
+        )
+
+    def verifier(self, name: str) -> Any:
+        """The verifier `--spec-type NAME` names."""
+        return self.named("lucebox_verifiers", name, "verifier (--spec-type)")
+
+    def kv_policy(self, name: str) -> Any:
+        """The KV policy `--kv-policy NAME` names."""
+        return self.named("lucebox_kv_policies", name, "KV policy (--kv-policy)")
 
     def named(self, hook: str, name: str, what: str) -> Any:
         for spec in self._specs(hook):

@@ -48,12 +48,16 @@ def target_available(target: Target) -> tuple[bool, str]:
 class ModelFamily:
     """A model family: the GGUF architectures it loads and the function that builds a model.
 
-    `loader(gguf_file, backend, **options)` returns a model object the engine drives.
+    `loader(gguf_file, backend, **options)` returns a model object the engine drives; the options the
+    engine passes are `kv_policy` (a `KVPolicy`) and, when given, `cache_type_k` / `cache_type_v`. `ops`:
+    the family's own named ops (a `lucebox_core.ops.OpSet`), so tools can find the reference of any op a
+    backend offers a kernel for.
     """
 
     name: str
     architectures: tuple[str, ...] = attrs.field(converter=tuple)
     loader: Target
+    ops: Target | None = None
     description: str = ""
     kind = "model"
 
@@ -90,12 +94,35 @@ class KernelBackend:
 
 @attrs.frozen(kw_only=True)
 class KVPolicy:
-    """A way of storing and keeping attention KV resident (`full`, paged, kvflash...)."""
+    """A way of storing and keeping attention KV resident (`full`, paged, kvflash...).
+
+    `factory(layers, max_context, *, dtype, device, k_type, v_type)` makes one sequence's cache (a
+    `lucebox_core.kv.KVCache`); `cache_types` are the `-ctk` / `-ctv` types it stores.
+    """
 
     name: str
     factory: Target
+    cache_types: tuple[str, ...] = attrs.field(default=("f32", "f16", "bf16"), converter=tuple)
     description: str = ""
     kind = "kv_policy"
+
+    def check_types(self, k_type: Any, v_type: Any) -> tuple[str | None, str | None]:
+        """The cache type names for the `-ctk` / `-ctv` values given (None: the default), or a LuceboxError
+        naming the flag and what this policy stores."""
+        from .kv import K_FLAG, V_FLAG, kv_cache_type
+
+        checked = []
+        for value, flag in ((k_type, K_FLAG), (v_type, V_FLAG)):
+            if value is None:
+                checked.append(None)
+                continue
+            name = kv_cache_type(value, flag)
+            if name not in self.cache_types:
+                from .errors import LuceboxError
+
+                raise LuceboxError(f"{flag} {name}: the {self.name!r} KV policy stores {', '.join(self.cache_types)}")
+            checked.append(name)
+        return checked[0], checked[1]
 
     def is_available(self) -> tuple[bool, str]:
         return target_available(self.factory)
@@ -106,7 +133,11 @@ class KVPolicy:
 
 @attrs.frozen(kw_only=True)
 class Drafter:
-    """A drafter kind; `architectures` are the draft-GGUF architectures it loads."""
+    """A drafter kind; `architectures` are the draft-GGUF architectures it loads (the draft file's
+    `general.architecture` chooses the drafter, as a model's chooses its family).
+
+    `factory(gguf_file, target, **options)` returns a drafter (see `lucebox_core.speculative.loop`).
+    """
 
     name: str
     factory: Target
@@ -123,7 +154,11 @@ class Drafter:
 
 @attrs.frozen(kw_only=True)
 class Verifier:
-    """A verifier: turns proposals into a candidate set, runs one target pass, accepts a prefix."""
+    """A verifier: turns proposals into a candidate set, runs one target pass, accepts a prefix.
+
+    Chosen by name (`--spec-type NAME`); `factory(target, *, budget, top_k)` returns one (see
+    `lucebox_core.speculative.loop.TreeVerifier`).
+    """
 
     name: str
     factory: Target
@@ -228,6 +263,30 @@ class ResponseParser:
         return resolve(self.factory)(*args, **kwargs)
 
 
+@attrs.frozen(kw_only=True)
+class OpKernel:
+    """A backend's kernel for one named op (generic, or a family's own): see `lucebox_core.ops`.
+
+    `kernel(ops, *args, **kwargs)` computes the op; `accepts(ops, *args, **kwargs)` says whether it takes
+    these arguments (None: any), else the next kernel or the op's reference runs. Highest `priority` first.
+    """
+
+    op: str
+    backend: str  # the `KernelBackend` name whose instances use it
+    kernel: Target
+    accepts: Target | None = None
+    priority: int = 0
+    description: str = ""
+    kind = "kernel"
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}.{self.op}"
+
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.kernel)
+
+
 ALL_KINDS = {
     "lucebox_model_families": ModelFamily,
     "lucebox_kernel_backends": KernelBackend,
@@ -238,4 +297,5 @@ ALL_KINDS = {
     "lucebox_converters": Converter,
     "lucebox_default_models": DefaultModel,
     "lucebox_response_parsers": ResponseParser,
+    "lucebox_op_kernels": OpKernel,
 }

@@ -1,18 +1,21 @@
-"""The pure-torch reference backend: every op a model family needs, written for clarity, on any torch device.
+"""The pure-torch reference backend: the generic ops every model family needs, written for clarity, on any
+torch device, and the device services the engine uses (synchronisation, events, pinned memory, graphs).
 
-This file is the op contract. A fast backend (CUDA, HIP) implements the same methods with the same
-signatures and is tested against these on random inputs; model code is written once against them.
+This file is the contract of the generic ops, and their reference. A fast backend (CUDA, HIP) extends this
+class for its device and weights, and offers kernels for any op by name through the `lucebox_op_kernels`
+hook (`lucebox_core.ops`): each kernel is tested against the reference here on random inputs, and runs
+wherever its check accepts the arguments. A family's own ops (a recurrent scan, a convolution) live with
+the family, in an `OpSet` written against these. Model code is written once against the ops.
 
 Conventions shared by every op:
 
 - Sequence tensors are batch-first and token-major: `[B, T, H, D]` (batch, tokens, heads, head dim), as in
   flash-attention and flash-linear-attention. Models that serve one sequence pass `B = 1`.
 - Activations are in the backend's compute `dtype`; each op computes in fp32 internally where precision
-  matters (norms, softmax, RoPE angles, Gated DeltaNet) and returns the input's dtype.
-- Recurrent Gated DeltaNet state is always fp32, `[B, H_v, D_k, D_v]`.
-- Ops are functional: they return new state instead of mutating what they are given, so a caller can keep
-  the old state for speculative rollback. The exceptions end in `_` and update a state in place: the
-  fused one-token ops of the decode step, which a CUDA graph replays over fixed buffers.
+  matters (norms, softmax, RoPE angles) and returns the input's dtype.
+- Ops are functional: they return new tensors instead of mutating what they are given, so a caller can
+  keep an old state for speculative rollback. (A family's ops ending in `_` update a state in place: the
+  fused one-token ops of a decode step, which a CUDA graph replays over fixed buffers.)
 - Weights are either torch tensors or `lucebox_core.quants.QuantTensor`s (raw GGUF blocks, dequantized on
   the fly), in torch order: `[out_features, in_features]` for matrices.
 """
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .static_step import graphs_enabled
 
 Weight = Any  # torch.Tensor or lucebox_core.quants.QuantTensor
 
@@ -84,7 +89,11 @@ class TorchBackend:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         weight_cache_bytes: int | None = None,
+        *,
+        kernel_table_for: dict | None = None,
     ) -> None:
+        """`kernel_table_for`: the op kernels to use (`lucebox_core.ops.kernel_table`); default: those the
+        installed plugins register for this backend's `name` ({} for none: the references alone)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_cache_bytes = (
@@ -92,6 +101,11 @@ class TorchBackend:
         )
         self._weight_cache: dict[int, tuple[Weight, torch.Tensor]] = {}  # id(weight) -> (weight, dense)
         self._cached_bytes = 0
+        # The kernels plugins offer for this backend's ops, by name (`lucebox_core.ops`); its generic ops that
+        # have one are routed through them from here on.
+        from .ops import install_kernels, kernel_table
+
+        install_kernels(self, kernel_table(self.name) if kernel_table_for is None else kernel_table_for)
 
     def __repr__(self) -> str:
         return f"TorchBackend(device={str(self.device)!r}, dtype={self.dtype})"
@@ -146,6 +160,61 @@ class TorchBackend:
         if isinstance(weight, torch.Tensor):
             return weight[start:stop].to(device=self.device, dtype=self.dtype)
         return weight.dequantize_rows(start, stop, self.dtype, self.device)
+
+    # -- the device: synchronisation, events, host memory, graphs --------------------------------------
+    # The engine, the benchmark and the static-step runner reach the device only through these, so a
+    # backend for other hardware says here how it waits, signals and records. torch runs CUDA and ROCm
+    # devices through the same `torch.cuda` calls; on the CPU work is done when it is queued.
+
+    def synchronize(self) -> None:
+        """Wait until the work queued on this backend's device so far has run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def record_event(self) -> Any:
+        """A marker after the work queued so far on this device's current stream, for `wait_event` (None
+        where queued work is already done)."""
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device).record_event()
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        """Wait on the host until the work before `event` (from `record_event`) has run."""
+        if event is not None:
+            event.synchronize()
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory a device copy can land in without waiting for later work (pinned, on a GPU)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def graphs_enabled(self) -> bool:
+        """Whether static steps on this device are recorded as graphs and replayed (CUDA, unless
+        `LUCEBOX_CUDA_GRAPHS=0`)."""
+        return graphs_enabled(self.device)
+
+    def new_graph_pool(self) -> Any:
+        """A memory pool for the graphs of one set of static buffers (a sequence's), freed with them."""
+        return torch.cuda.graph_pool_handle()
+
+    def on_side_stream(self, function: Any) -> Any:
+        """`function()` on a fresh stream ordered after, and before, the current one (a graph's warm-up
+        must not run on the stream a recording will capture)."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                return function()
+        finally:  # also after a failure: work queued on the side stream must come before what follows
+            current.wait_stream(side)
+
+    def record_graph(self, function: Any, pool: Any) -> tuple[Any, Any]:
+        """Record `function()` as a graph (which runs nothing) into `pool`: (the graph, whose `replay()`
+        runs it, and the outputs it leaves in buffers of the recording)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = function()
+        return graph, outputs
 
     # -- matmul and embedding --------------------------------------------------------------------------
 
@@ -209,7 +278,8 @@ class TorchBackend:
         return x * self.sigmoid(gate)
 
     def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Gated DeltaNet's output norm, norm before gate: `rms_norm(x) * silu(z)` over the last dim."""
+        """A gated output norm, norm before gate: `rms_norm(x) * silu(z)` over the last dim (linear-attention
+        mixers' output norm)."""
         return self.rms_norm(x, weight, eps) * self.silu(z)
 
     def qk_norm_rope(
@@ -221,63 +291,20 @@ class TorchBackend:
         key = self.rope_neox(self.rms_norm(key, k_norm, eps), positions, rot_dim, theta)
         return query, key
 
-    def conv_silu_update_(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """One token of the causal convolution, then SiLU: x `[B, C]` -> `[B, C]`; `state` `[B, K-1, C]`
-        is shifted in place."""
-        y, new_state = self.causal_conv1d_step(x, weight, state)
-        state.copy_(new_state)
-        return self.silu(y)
-
-    def gated_delta_decode_(
-        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
-        dt_bias: torch.Tensor, state: torch.Tensor, num_k_heads: int, head_k_dim: int,
-    ) -> torch.Tensor:
-        """One Gated DeltaNet token from the convolved channels to the core output, the state updated in
-        place. `mixed` `[B, C]` (after SiLU: q, k, v channels), `a`, `b` `[B, H_v]` (the decay and write
-        projections), `ssm_a` (= -exp(A_log)) and `dt_bias` `[H_v]` fp32, `state` `[B, H_v, D_k, D_v]`
-        fp32. Returns o `[B, 1, H_v, D_v]`: q and k L2-normalised, `beta = sigmoid(b)`,
-        `g = ssm_a * softplus(a + dt_bias)`, then `gated_delta_rule_recurrent`."""
-        batch = mixed.shape[0]
-        key_dim = num_k_heads * head_k_dim
-        value_heads = state.shape[1]
-        query, key, value = mixed[:, None].split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-        query = self.l2norm(query.reshape(batch, 1, num_k_heads, head_k_dim))
-        key = self.l2norm(key.reshape(batch, 1, num_k_heads, head_k_dim))
-        value = value.reshape(batch, 1, value_heads, -1)
-        beta = self.sigmoid(b)[:, None]
-        g = (ssm_a * self.softplus(a.float() + dt_bias))[:, None]
-        out, new_state = self.gated_delta_rule_recurrent(query, key, value, g, beta, state)
-        state.copy_(new_state)
-        return out
-
-    def gated_delta_tree(
-        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
-        state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`gated_delta_decode_` for the nodes of a candidate tree, each from its parent's state:
-        mixed `[1, N, C]` (after SiLU), a, b `[1, N, H_v]`, state `[1, H_v, D_k, D_v]` fp32 (not modified),
-        parents `[N]` -> (o `[1, N, H_v, D_v]`, the fp32 state after every node `[N, H_v, D_k, D_v]`)."""
-        nodes = mixed.shape[1]
-        key_dim = num_k_heads * head_k_dim
-        value_heads = state.shape[1]
-        query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-        query = self.l2norm(query.reshape(1, nodes, num_k_heads, head_k_dim))
-        key = self.l2norm(key.reshape(1, nodes, num_k_heads, head_k_dim))
-        value = value.reshape(1, nodes, value_heads, -1)
-        beta = self.sigmoid(b)
-        g = ssm_a * self.softplus(a.float() + dt_bias)
-        return self.gated_delta_rule_tree(query, key, value, g, beta, state, parents)
-
     # -- normalisation ---------------------------------------------------------------------------------
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`x / sqrt(mean(x^2) + eps) * weight` over the last dim, computed in fp32.
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x / sqrt(mean(x^2) + eps) * weight` over the last dim, computed in fp32 (written into `out`, a
+        tensor like x, if given).
 
-        GGUF stores Qwen3.5's zero-centred norm weights with the 1 already added, so one op serves both.
+        GGUF stores zero-centred norm weights (Qwen3.5's, Gemma's) with the 1 already added, so one op
+        serves both.
         """
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return (normed * weight.float()).to(x.dtype)
+        result = (normed * weight.float()).to(x.dtype)
+        return result if out is None else out.copy_(result)
 
     def l2norm(self, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         """`x / sqrt(sum(x^2) + eps)` over the last dim, in fp32 (eps inside the root, as fla does)."""
@@ -415,209 +442,3 @@ class TorchBackend:
         probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
         out = torch.bmm(probs.to(q.dtype), values)  # [Hkv, N * group, Dv]
         return out.reshape(kv_heads, nodes, group, -1).permute(1, 0, 2, 3).reshape(1, nodes, q_heads, -1)
-
-    # -- short convolution -----------------------------------------------------------------------------
-
-    def causal_conv1d(
-        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depthwise causal convolution over tokens, continuing from `state`. No bias, no activation.
-
-        x `[B, T, C]`, weight `[C, K]`, state `[B, K-1, C]` (the previous K-1 inputs, zeros at the start).
-        Returns y `[B, T, C]` with `y[t] = sum_j weight[:, j] * window[t + j]` over the window
-        `cat(state, x)`, so `weight[:, K-1]` multiplies the current token; and the new state, the last
-        K-1 inputs of that window.
-        """
-        kernel = weight.shape[1]
-        window = torch.cat([state.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
-        tokens = x.shape[1]
-        w = weight.to(x.dtype)
-        y = sum(window[:, j : j + tokens] * w[:, j] for j in range(kernel))
-        return y, window[:, tokens:]
-
-    def causal_conv1d_step(
-        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One-token `causal_conv1d` (the decode kernel): x `[B, C]` -> y `[B, C]`, new state `[B, K-1, C]`."""
-        window = torch.cat([state.to(x.dtype), x[:, None]], dim=1)  # [B, K, C]
-        y = (window * weight.to(x.dtype).t()).sum(dim=1)
-        return y, window[:, 1:]
-
-    def causal_conv1d_tree(
-        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`causal_conv1d_step` for the nodes of a candidate tree: x `[1, N, C]`, weight `[C, K]`, state
-        `[1, K-1, C]` (the committed inputs), parents `[N]` long (-1 for the root) -> (y `[1, N, C]`, each
-        node's conv state `[N, K-1, C]`). Node i's window, oldest first, is the last K rows of the
-        committed inputs followed by the inputs along the path root -> i; its state is the window's last
-        K-1 rows. The windows are found on the device (no host read of `parents`)."""
-        nodes, kernel = x.shape[1], weight.shape[1]
-        history = torch.cat([state[0].to(x.dtype), x[0]], dim=0)  # rows 0..K-2 committed, K-1+i node i
-        node = torch.arange(nodes, device=x.device)
-        state_row = torch.full_like(node, kernel - 2)
-        newest_first = []
-        for _ in range(kernel):  # walk up the ancestry; past the root, down the committed rows
-            in_tree = node >= 0
-            newest_first.append(torch.where(in_tree, kernel - 1 + node, state_row))
-            state_row = torch.where(in_tree, state_row, state_row - 1)
-            node = torch.where(in_tree, parents.to(node.device)[node.clamp(min=0)], node)
-        windows = history[torch.stack(newest_first[::-1], dim=1)]  # [N, K, C]
-        y = (windows * weight.to(x.dtype).t()).sum(dim=1)  # as causal_conv1d_step
-        return y[None], windows[:, 1:]
-
-    def conv_silu_tree(
-        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`causal_conv1d_tree`, then SiLU on y: the tree form of `conv_silu_update_` (a backend fuses the
-        two as it fuses the decode step's, with the same arithmetic)."""
-        y, node_states = self.causal_conv1d_tree(x, weight, state, parents)
-        return self.silu(y), node_states
-
-    # -- Gated DeltaNet --------------------------------------------------------------------------------
-
-    @staticmethod
-    def _gdn_inputs(q, k, v, g, beta, state, scale):
-        """Shared preparation: broadcast key heads, move heads before tokens, fp32, scale q."""
-        batch, _, key_heads, key_dim = k.shape
-        value_heads, value_dim = v.shape[-2:]
-        if value_heads % key_heads:
-            raise ValueError(f"value heads ({value_heads}) must be a multiple of key heads ({key_heads})")
-        if value_heads != key_heads:
-            # Tiled: value head h reads key head h % H_k (the GGUF order; see the module docstring).
-            repeats = value_heads // key_heads
-            q, k = q.repeat(1, 1, repeats, 1), k.repeat(1, 1, repeats, 1)
-        scale = key_dim**-0.5 if scale is None else scale
-        q = q.transpose(1, 2).float() * scale
-        k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
-        g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()
-        if state is None:
-            state = torch.zeros(batch, value_heads, key_dim, value_dim, device=v.device, dtype=torch.float32)
-        return q, k, v, g, beta, state.float()
-
-    def gated_delta_rule_recurrent(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor | None,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gated delta rule one token at a time (decode; the definition the chunked form must match).
-
-        q, k `[B, T, H_k, D_k]` (already L2-normalised), v `[B, T, H_v, D_v]`, g (log decay, <= 0) and
-        beta `[B, T, H_v]`, state `[B, H_v, D_k, D_v]` fp32 or None for zeros. When H_v > H_k, value head
-        `h` uses key head `h % H_k` (tiled, the order a GGUF stores after llama.cpp's converter reorders V
-        heads). q is multiplied by `scale` (default `D_k**-0.5`). Per value head and token:
-
-            S <- exp(g) * S;   u = beta * (v - S^T k);   S <- S + k u^T;   o = S^T q
-
-        Returns o `[B, T, H_v, D_v]` in v's dtype and the new fp32 state.
-        """
-        input_dtype = v.dtype
-        q, k, v, g, beta, state = self._gdn_inputs(q, k, v, g, beta, state, scale)
-        outputs = []
-        for t in range(q.shape[2]):
-            state = state * g[:, :, t, None, None].exp()
-            predicted = torch.einsum("bhk,bhkv->bhv", k[:, :, t], state)
-            update = (v[:, :, t] - predicted) * beta[:, :, t, None]
-            state = state + k[:, :, t, :, None] * update[:, :, None, :]
-            outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
-        out = torch.stack(outputs, dim=1) if outputs else v.transpose(1, 2).clone()
-        return out.to(input_dtype), state
-
-    def gated_delta_rule_tree(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor,
-        parents: torch.Tensor,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gated delta rule over the nodes of a candidate tree, each node one step from its parent's
-        state (speculative verification): the recurrent form with the nodes as tokens, except that node
-        `i` starts from the state after node `parents[i]`, the root (parent -1) from `state`.
-
-        q, k `[1, N, H_k, D_k]`, v `[1, N, H_v, D_v]`, g, beta `[1, N, H_v]`, state `[1, H_v, D_k, D_v]`
-        fp32 (not modified), parents `[N]` long with `parents[i] < i`. Returns o `[1, N, H_v, D_v]` and
-        the fp32 state after every node, `[N, H_v, D_k, D_v]`, so a committed path can keep its last one.
-        """
-        input_dtype = v.dtype
-        q, k, v, g, beta, root_state = self._gdn_inputs(q, k, v, g, beta, state, scale)
-        nodes = q.shape[2]
-        node_states = torch.empty(nodes, *root_state.shape[1:], device=v.device, dtype=torch.float32)
-        outputs = []
-        for i, parent in enumerate(parents.tolist()):
-            s = (root_state[0] if parent < 0 else node_states[parent]) * g[0, :, i, None, None].exp()
-            predicted = torch.einsum("hk,hkv->hv", k[0, :, i], s)
-            update = (v[0, :, i] - predicted) * beta[0, :, i, None]
-            s = s + k[0, :, i, :, None] * update[:, None, :]
-            node_states[i] = s
-            outputs.append(torch.einsum("hk,hkv->hv", q[0, :, i], s))
-        out = torch.stack(outputs, dim=0)[None] if outputs else v.transpose(1, 2).clone()
-        return out.to(input_dtype), node_states
-
-    def gated_delta_rule_chunked(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor | None,
-        chunk_size: int = 64,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gated delta rule over chunks of tokens (prefill): same inputs and results as the recurrent form.
-
-        Within a chunk starting from state S0, let G_t be the cumulative log decay from the chunk start to
-        token t and D_ts = exp(G_t - G_s) for s <= t. Unrolling the recurrence gives, for the updates u,
-        a unit lower-triangular system (I + A) U = beta*V - beta*exp(G)*K S0 with
-        A_ts = beta_t D_ts (k_t . k_s) for s < t, solved once per chunk for both right-hand sides; then
-        outputs O = (exp(G)*Q) S0 + ((Q K^T) * D) U and the next state exp(G_last) S0 + (exp(G_last - G) K)^T U.
-        Only the short scan over chunks is sequential.
-        """
-        input_dtype = v.dtype
-        q, k, v, g, beta, state = self._gdn_inputs(q, k, v, g, beta, state, scale)
-        batch, heads, tokens, _ = k.shape
-        value_dim = v.shape[-1]
-        # Pad to whole chunks with tokens that change nothing: beta = 0 writes nothing, g = 0 decays nothing.
-        pad = (-tokens) % chunk_size
-        if pad:
-            q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-            g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-        chunks = (tokens + pad) // chunk_size
-        q, k, v = (x.reshape(batch, heads, chunks, chunk_size, -1) for x in (q, k, v))
-        g, beta = (x.reshape(batch, heads, chunks, chunk_size) for x in (g, beta))
-
-        log_decay = g.cumsum(-1)  # G_t, [B, H, N, C]
-        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-        pair_log_decay = log_decay[..., :, None] - log_decay[..., None, :]
-        # Mask before exp: above the diagonal G_t - G_s > 0 could overflow.
-        pair_decay = pair_log_decay.masked_fill(~causal, float("-inf")).exp()  # D, [B, H, N, C, C]
-
-        key_affinity = (k @ k.transpose(-1, -2)) * pair_decay * beta[..., :, None]
-        system = key_affinity.tril(-1) + torch.eye(chunk_size, device=q.device)
-        updates_from_values = torch.linalg.solve_triangular(
-            system, v * beta[..., None], upper=False, unitriangular=True
-        )
-        updates_per_state = torch.linalg.solve_triangular(
-            system, k * (beta * log_decay.exp())[..., None], upper=False, unitriangular=True
-        )
-        intra_attention = (q @ k.transpose(-1, -2)) * pair_decay
-        decayed_q = q * log_decay.exp()[..., None]
-        chunk_log_decay = log_decay[..., -1]  # [B, H, N]
-        keys_to_end = k * (chunk_log_decay[..., None] - log_decay).exp()[..., None]
-
-        outputs = torch.empty(batch, heads, chunks, chunk_size, value_dim, device=q.device, dtype=torch.float32)
-        for n in range(chunks):
-            updates = updates_from_values[:, :, n] - updates_per_state[:, :, n] @ state
-            outputs[:, :, n] = decayed_q[:, :, n] @ state + intra_attention[:, :, n] @ updates
-            state = state * chunk_log_decay[:, :, n, None, None].exp() + keys_to_end[:, :, n].transpose(-1, -2) @ updates
-
-        out = outputs.reshape(batch, heads, chunks * chunk_size, value_dim)[:, :, :tokens]
-        return out.transpose(1, 2).to(input_dtype), state

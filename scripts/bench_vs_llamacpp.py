@@ -173,7 +173,7 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 class DecodeSnapshot:
     """A sequence's state at depth, restored before each repetition (llama-bench restores its cached depth
-    state the same way). Knows the qwen35 state: KV fill pointers (`kv.crop`), the Gated DeltaNet conv
+    state the same way). Knows the qwen35 state: KV fill pointers (`kv.rollback`), the Gated DeltaNet conv
     and recurrent tensors (restored in place: a recorded decode graph holds their addresses), the length."""
 
     def __init__(self, state: Any) -> None:
@@ -187,7 +187,7 @@ class DecodeSnapshot:
         """Put `state` back at the snapshot's depth; False if this state kind is not known (it then goes on)."""
         if not self.supported:
             return False
-        state.kv.crop(self.length)
+        state.kv.rollback(self.length)
         for i, (conv, recurrent) in self.linear.items():
             state.linear[i].conv.copy_(conv)
             state.linear[i].recurrent.copy_(recurrent)
@@ -196,10 +196,10 @@ class DecodeSnapshot:
 
 
 def _graph_status(state: Any) -> dict[str, Any]:
-    graphs = getattr(getattr(state, "decode", None), "graphs", None)
-    if graphs is None:
+    step = getattr(state, "decode", None)  # the decode step's StaticStep
+    if step is None:
         return {"graph_windows": 0, "graph_failure": None}
-    return {"graph_windows": len(graphs), "graph_failure": graphs.failure}
+    return {"graph_windows": len(step), "graph_failure": step.failure}
 
 
 def time_prefill(engine: Any, ids: list[int]) -> float:
@@ -608,7 +608,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     eager = per_step(lambda: model.decode_step(state, token, graphs=False), 8)
     model.decode_step(state, token, graphs=True)  # records the window's graph
     graphed = statistics.median(per_step(lambda: model.decode_step(state, token, graphs=True), 32) for _ in range(3))
-    graph = next(iter(state.decode.graphs._recorded.values()))[0]
+    graph = state.decode.recordings()[0]
     bare = statistics.median(per_step(graph.replay, 32) for _ in range(3))
     weight_bytes = decode_bytes_per_token(loaded.gguf)
     summary: dict[str, Any] = {

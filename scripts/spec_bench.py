@@ -179,10 +179,10 @@ def measure_verify_and_draft(loaded: Any, drafter: Any, results: Results, args: 
     engine.prefill(sequence, random_ids(args.prefill, model.vocab_size, 11))
     log(f"prefill {args.prefill} tokens (first use: weight upload, compiles) {time.perf_counter() - start:.1f} s")
     state, root, block = sequence.state, random_ids(1, model.vocab_size, 12)[0], decoder.block_size
-    draft_logits = drafter.draft(model, state, sequence.draft, root, block)  # also projects the prompt's features
+    draft_logits = drafter.draft(model, state, sequence.draft, [*sequence.tokens, root], block)  # also projects the prompt's features
 
     if "draft" not in args.skip:
-        draft = timed(lambda: drafter.draft(model, state, sequence.draft, root, block), args.reps)
+        draft = timed(lambda: drafter.draft(model, state, sequence.draft, [*sequence.tokens, root], block), args.reps)
 
         def build_tree() -> None:
             log_probs, ids = trees.top_k_log_probs(draft_logits, trees.DEFAULT_TOP_K)
@@ -326,14 +326,14 @@ def measure_end_to_end(loaded: Any, drafter: Any, results: Results, args: argpar
 
 
 def run(args: argparse.Namespace) -> int:
+    from lucebox_core.assembly import load_drafter
     from lucebox_core.loading import load_model
-    from lucebox_core.plugins import registry
 
     results = Results(Path(args.out) if args.out else None, environment(part="spec", measure_copy=False))
     target, drafter_path = ensure_files(args)
     start = time.perf_counter()
     loaded = load_model(target, backend=args.backend, device=args.device)
-    drafter = registry().named("lucebox_drafters", "dflash", "drafter").create(str(drafter_path), loaded.model)
+    drafter = load_drafter(str(drafter_path), loaded.model, loaded.backend)  # chosen by the file's architecture
     results.data["setup"] = {
         "target": target.name, "drafter": drafter_path.name, "backend": loaded.backend_name,
         "ops": repr(loaded.model.ops), "activations": str(loaded.model.ops.dtype).removeprefix("torch."),

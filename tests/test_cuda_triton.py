@@ -21,11 +21,12 @@ from lucebox_cuda import triton_attention, triton_ops
 from triton.runtime.interpreter import InterpretedFunction
 
 from lucebox_core.torch_backend import TorchBackend
+from lucebox_qwen35.ops import QWEN35_OPS
 
 if not isinstance(triton_ops._causal_conv1d_step_kernel, InterpretedFunction):
     pytest.skip("lucebox_cuda.triton_ops was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
 
-REFERENCE = TorchBackend("cpu", torch.float32)
+REFERENCE = QWEN35_OPS.bind(TorchBackend("cpu", torch.float32))  # the torch reference with the qwen35 family's ops
 
 
 def relative_error(result: torch.Tensor, expected: torch.Tensor) -> float:
@@ -230,13 +231,14 @@ def test_causal_conv1d_step_casts_the_state_to_the_input_dtype():
     torch.testing.assert_close(new_state.float(), expected_state.float(), rtol=2**-7, atol=0)
 
 
-# -- the CudaBackend overrides dispatch here ------------------------------------------------------------
+# -- the CudaBackend's registered kernels dispatch here -------------------------------------------------
 
 
 @pytest.fixture
 def backend_on_cpu():
     """A CudaBackend whose device is the CPU: its constructor refuses one without CUDA, so the object is
-    made without it; only the Triton overrides (which need no compiled CUDA module) are called."""
+    made without it (the base constructor installs the kernels lucebox-cuda registers for "cuda"); only
+    the Triton kernels (which need no compiled CUDA module) are called."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="lucebox-cuda's dependencies (cuda-bindings) are not installed")
     from lucebox_cuda.backend import CudaBackend
 
@@ -245,30 +247,36 @@ def backend_on_cpu():
     return backend
 
 
-def test_backend_overrides_match_the_reference(backend_on_cpu, monkeypatch):
+def test_registered_kernels_match_the_reference(backend_on_cpu, monkeypatch):
     calls = []
     for module, name in ((triton_attention, "decode_attention"), (triton_ops, "gated_delta_rule_step"),
                          (triton_ops, "causal_conv1d_step")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    family = QWEN35_OPS.bind(backend_on_cpu)  # the family's ops, routed to the backend's kernels for them
     torch.manual_seed(7)
     q, k, v = torch.randn(1, 1, 6, 32), torch.randn(90, 2, 32), torch.randn(90, 2, 32)
     pos = torch.tensor([70])
+    assert backend_on_cpu.decode_attention.choice(q, k, v, pos, scale=0.3) == "cuda.decode_attention"
     assert relative_error(backend_on_cpu.decode_attention(q, k, v, pos, scale=0.3),
                           REFERENCE.decode_attention(q, k, v, pos, scale=0.3)) < 1e-5
     inputs = delta_inputs(1, 2, 6, 16, 16)
-    for result, expected in zip(backend_on_cpu.gated_delta_rule_recurrent(*inputs, 0.5),
+    for result, expected in zip(family.gated_delta_rule_recurrent(*inputs, 0.5),
                                 REFERENCE.gated_delta_rule_recurrent(*inputs, 0.5)):
         assert relative_error(result, expected) < 1e-5
     x, weight, state = torch.randn(1, 48), torch.randn(48, 4), torch.randn(1, 3, 48)
-    for result, expected in zip(backend_on_cpu.causal_conv1d_step(x, weight, state),
+    for result, expected in zip(family.causal_conv1d_step(x, weight, state),
                                 REFERENCE.causal_conv1d_step(x, weight, state)):
         assert relative_error(result, expected) < 1e-6
     assert calls == ["decode_attention", "gated_delta_rule_step", "causal_conv1d_step"]
-    # Two tokens are the chunked/prefill case: the recurrent override leaves them to the reference.
+    # Two tokens are the chunked/prefill case: the recurrent kernel's check leaves them to the reference.
     two = [torch.cat([t, t], dim=1) for t in inputs[:5]]
-    backend_on_cpu.gated_delta_rule_recurrent(*two, inputs[5])
+    assert family.gated_delta_rule_recurrent.choice(*two, inputs[5]) == "reference"
+    family.gated_delta_rule_recurrent(*two, inputs[5])
     assert calls.count("gated_delta_rule_step") == 1
+    # A bf16 window on an fp32 backend is still the kernel's; a GGUF weight's product is the NVRTC kernel's
+    # only on the device (here the CPU is not the backend's kind of device, and the check says so).
+    assert backend_on_cpu.linear.choice(torch.randn(2, 32), torch.randn(4, 32)) == "reference"
 
 
 # -- every kernel compiles for the GPUs (no GPU needed) -----------------------------------------------

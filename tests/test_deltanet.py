@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from lucebox_core.torch_backend import TorchBackend
+from lucebox_qwen35.ops import QWEN35_OPS
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
-backend = TorchBackend()
+backend = QWEN35_OPS.bind(TorchBackend())  # the torch reference with the qwen35 family's ops
 
 
 def random_inputs(seed, *, batch=2, tokens=37, key_heads=2, value_heads=6, key_dim=16, value_dim=12, with_state=True):

@@ -75,7 +75,7 @@ def test_q8_0_round_trip_is_bit_exact_with_gguf():
 def test_each_role_is_stored_and_read_in_its_own_type():
     shapes = {3: KVLayerShape(2, 64, 32), 7: KVLayerShape(1, 32, 64)}
     cache = FullKVCache(shapes, max_context=16, dtype=torch.float32, k_type="q8_0", v_type="bf16")
-    raw_k, raw_v = cache.window_stored(3, 16)
+    raw_k, raw_v = cache.gather(3, 16)
     assert raw_k.dtype == torch.uint8 and tuple(raw_k.shape) == (16, 2, 2 * 34)
     assert raw_v.dtype == torch.bfloat16 and tuple(raw_v.shape) == (16, 2, 32)
     k, v = torch.from_numpy(_random_rows((5, 2, 64), seed=2)), torch.from_numpy(_random_rows((5, 2, 32), seed=3))
@@ -86,12 +86,12 @@ def test_each_role_is_stored_and_read_in_its_own_type():
     assert torch.equal(all_v, v.to(torch.bfloat16))
     assert [torch.equal(a, b) for a, b in zip(cache.as_stored(k, v), (all_k, all_v))] == [True, True]
     # The static step's write at a device position reads back as append does.
-    cache.write_at(3, torch.tensor([5]), k[:1], v[:1])
-    window_k, window_v = cache.window(3, 6)
-    assert torch.equal(window_k[5], all_k[0]) and torch.equal(window_v[5], all_v[0])
-    cache.extend_to(6)
-    cache.crop(2)
-    assert cache.length == 2 and torch.equal(cache.get(3)[0], all_k[:2])
+    cache.write(3, torch.tensor([5]), k[:1], v[:1])
+    window_k, window_v = cache.gather(3, 6)
+    assert torch.equal(dequantize_q8_0(window_k[5]), all_k[0]) and torch.equal(window_v[5], all_v[0])
+    cache.commit(6)
+    cache.rollback(2)
+    assert cache.length == 2 and torch.equal(cache.read(3)[0], all_k[:2])
 
 
 def test_cache_bytes_shrink_with_the_type():
@@ -191,7 +191,7 @@ def test_static_decode_step_with_a_q8_0_cache(q8_model, prompt):
             dynamic_logits = model.forward(dynamic, torch.tensor([token]))
             static_logits = model.decode_step(static, token, graphs=False)
         for layer in dynamic.kv.shapes:
-            for ours, theirs in zip(static.kv.window_stored(layer, 15), dynamic.kv.window_stored(layer, 15)):
+            for ours, theirs in zip(static.kv.gather(layer, 15), dynamic.kv.gather(layer, 15)):
                 assert (ours != theirs).float().mean() < 1e-3
                 a, b = dequantize_q8_0(ours), dequantize_q8_0(theirs)
                 quantum = b.reshape(*b.shape[:-1], -1, 32).abs().amax(-1) / 127
@@ -215,7 +215,7 @@ def test_speculative_verify_and_commit_with_a_q8_0_cache(q8_model, prompt):
     assert tree_state.length == plain_state.length == len(prompt) + len(path)
     end = tree_state.length
     for layer in tree_state.kv.shapes:
-        for a, b in zip(tree_state.kv.window_stored(layer, end), plain_state.kv.window_stored(layer, end)):
+        for a, b in zip(tree_state.kv.gather(layer, end), plain_state.kv.gather(layer, end)):
             assert torch.equal(a, b)
     torch.testing.assert_close(model.decode_step(tree_state, 7, graphs=False),
                                model.forward(plain_state, torch.tensor([7])), atol=2e-4, rtol=1e-4)

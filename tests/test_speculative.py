@@ -172,7 +172,7 @@ def test_commit_equals_plain_decoding_of_the_accepted_path(loaded, drafter):
     torch.testing.assert_close(verification.logits[path], torch.stack(plain_logits), atol=2e-4, rtol=1e-4)
     assert tree_state.length == plain_state.length == 10
     for layer in tree_state.kv.shapes:
-        for a, b in zip(tree_state.kv.get(layer), plain_state.kv.get(layer)):
+        for a, b in zip(tree_state.kv.read(layer), plain_state.kv.read(layer)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for layer, linear in tree_state.linear.items():
         torch.testing.assert_close(linear.conv, plain_state.linear[layer].conv, atol=1e-5, rtol=1e-5)
@@ -361,7 +361,7 @@ def test_zlab_checkpoint_converts_and_drafts_like_a_from_scratch_reference(tmp_p
     drafter.prepare_target(model, state, 64)
     model.forward(state, torch.tensor([11, 12, 13, 14, 15, 16, 17]))
     draft_state = drafter.new_state()
-    got = drafter.draft(model, state, draft_state, 42)
+    got = drafter.draft(model, state, draft_state, [42])
 
     # From scratch, z-lab style: no cache, the whole context projected and attended in one pass.
     w = {k.removeprefix("model."): v for k, v in weights.items()}

@@ -11,8 +11,9 @@ from gguf import quants as gguf_quants
 
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend
+from lucebox_qwen35.ops import QWEN35_OPS
 
-backend = TorchBackend()
+backend = QWEN35_OPS.bind(TorchBackend())  # the torch reference with the qwen35 family's ops
 
 
 def rand(*shape, seed=0):
@@ -197,7 +198,7 @@ def test_causal_conv1d_short_input_and_step():
 # -- the full KV policy (what attention reads back) ------------------------------------------------------
 
 
-def test_full_kv_cache_append_crop_overflow():
+def test_full_kv_cache_append_rollback_overflow():
     from lucebox_core.errors import LuceboxError
     from lucebox_core.kv import FullKVCache, KVLayerShape
 
@@ -211,11 +212,11 @@ def test_full_kv_cache_append_crop_overflow():
     k_all, v_all = cache.append(3, k2, v2)
     torch.testing.assert_close(k_all, torch.cat([k1, k2]))
     torch.testing.assert_close(v_all, torch.cat([v1, v2]))
-    cache.crop(2)  # rollback
+    cache.rollback(2)
     assert cache.length == 2
     k_all, _ = cache.append(3, k2, v2)
     torch.testing.assert_close(k_all, torch.cat([k1[:2], k2]))
-    cache.crop(5)
+    cache.rollback(5)
     cache.ensure_room(5)
     with pytest.raises(LuceboxError, match="context overflow"):
         cache.ensure_room(6)

@@ -7,6 +7,7 @@ import torch
 
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.torch_backend import TorchBackend
+from lucebox_qwen35.ops import QWEN35_OPS
 
 TREES = [[-1], [-1, 0, 1, 2], [-1, 0, 0, 1, 3, 2, 2], [-1, 0, 1, 0, 3, 3, 5, 1]]
 
@@ -14,7 +15,7 @@ TREES = [[-1], [-1, 0, 1, 2], [-1, 0, 0, 1, 3, 2, 2], [-1, 0, 1, 0, 3, 3, 5, 1]]
 @pytest.mark.parametrize("parents", TREES)
 @pytest.mark.parametrize("position", [0, 7])
 def test_tree_attention_is_masked_attention(parents, position):
-    ops = TorchBackend()
+    ops = QWEN35_OPS.bind(TorchBackend())  # the torch reference with the qwen35 family's ops
     generator = torch.Generator().manual_seed(len(parents) * 31 + position)
     nodes, q_heads, kv_heads, dim = len(parents), 6, 2, 16
     rows = position + nodes + 5  # rows past the tree hold garbage the kernel must not read as keys
@@ -31,7 +32,7 @@ def test_tree_attention_is_masked_attention(parents, position):
 
 @pytest.mark.parametrize("parents", TREES)
 def test_gated_delta_rule_tree_follows_each_ancestry(parents):
-    ops = TorchBackend()
+    ops = QWEN35_OPS.bind(TorchBackend())  # the torch reference with the qwen35 family's ops
     generator = torch.Generator().manual_seed(len(parents))
     nodes, k_heads, v_heads, dk, dv = len(parents), 2, 4, 8, 6
     q = ops.l2norm(torch.randn(1, nodes, k_heads, dk, generator=generator))
@@ -60,7 +61,7 @@ def test_gated_delta_rule_tree_follows_each_ancestry(parents):
 def test_causal_conv1d_tree_follows_each_ancestry(parents):
     """Each node's output and conv state equal one-token convolutions along its own path from the root,
     starting from the committed state."""
-    ops = TorchBackend()
+    ops = QWEN35_OPS.bind(TorchBackend())  # the torch reference with the qwen35 family's ops
     generator = torch.Generator().manual_seed(7 + len(parents))
     nodes, channels, kernel = len(parents), 5, 4
     x = torch.randn(1, nodes, channels, generator=generator)

@@ -17,6 +17,7 @@ from lucebox_cuda import triton_fused, triton_ops
 from triton.runtime.interpreter import InterpretedFunction
 
 from lucebox_core.torch_backend import TorchBackend
+from lucebox_qwen35.ops import QWEN35_OPS
 
 if not isinstance(triton_fused._gate_kernel, InterpretedFunction):
     pytest.skip("lucebox_cuda.triton_fused was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
@@ -41,7 +42,7 @@ def randn(*shape, gen, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm(dtype):
     gen = torch.Generator().manual_seed(1)
-    ops = TorchBackend("cpu", dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops
     for shape in [(1, 1, 96), (1, 5, 200)]:
         x, residual = randn(*shape, gen=gen, dtype=dtype), randn(*shape, gen=gen, dtype=dtype) * 3
         weight = randn(shape[-1], gen=gen, dtype=dtype)
@@ -58,7 +59,7 @@ def test_add_rms_norm(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gates_on_stacked_halves(dtype):
     gen = torch.Generator().manual_seed(2)
-    ops = TorchBackend("cpu", dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops
     stacked = randn(1, 3, 2 * 300, gen=gen, dtype=dtype) * 2
     gate, up = stacked.split([300, 300], dim=-1)  # strided views, as after a fused gate/up product
     close(triton_fused.silu_mul(gate, up), ops.silu_mul(gate, up), dtype)
@@ -70,7 +71,7 @@ def test_gates_on_stacked_halves(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_rms_norm(dtype):
     gen = torch.Generator().manual_seed(3)
-    ops = TorchBackend("cpu", dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops
     heads, dim, conv = 6, 32, 100
     stacked = randn(1, 2, conv + heads * dim, gen=gen, dtype=dtype)
     z = stacked[..., conv:].reshape(1, 2, heads, dim)  # z as a view of a stacked [qkv | z] product
@@ -83,7 +84,7 @@ def test_gated_rms_norm(dtype):
 @pytest.mark.parametrize("rot_dim", [16, 64])
 def test_qk_norm_rope(dtype, rot_dim):
     gen = torch.Generator().manual_seed(4)
-    ops = TorchBackend("cpu", dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops
     tokens, q_heads, kv_heads, dim = 3, 4, 2, 64
     query_and_gate = randn(1, tokens, q_heads, 2 * dim, gen=gen, dtype=dtype)
     query = query_and_gate[..., :dim]  # strided, as in the model
@@ -100,7 +101,7 @@ def test_qk_norm_rope(dtype, rot_dim):
 @pytest.mark.parametrize("key_heads,value_heads", [(2, 2), (2, 6)])
 def test_gated_delta_decode(dtype, key_heads, value_heads):
     gen = torch.Generator().manual_seed(5)
-    ops = TorchBackend("cpu", dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops
     dk, dv = 16, 48
     channels = 2 * key_heads * dk + value_heads * dv
     stacked = randn(2, channels + 7, gen=gen, dtype=dtype)
@@ -121,7 +122,7 @@ def test_gated_delta_decode(dtype, key_heads, value_heads):
 @pytest.mark.parametrize("parents", [[-1, 0, 1, 2], [-1, 0, 0, 1, 3, 2, 2], [-1, 0, -1, 2, 1]])
 def test_gated_delta_tree(dtype, parents):
     gen = torch.Generator().manual_seed(len(parents))
-    ops = TorchBackend("cpu", dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops
     key_heads, value_heads, dk, dv = 2, 6, 16, 32
     nodes, channels = len(parents), 2 * key_heads * dk + value_heads * dv
     mixed = randn(1, nodes, channels + 5, gen=gen, dtype=dtype)[..., :channels]  # strided rows

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from lucebox_cuda import triton_gdn
 
 from lucebox_core.torch_backend import TorchBackend
+from lucebox_qwen35.ops import QWEN35_OPS
 
 if not triton_gdn._interpreted():
     pytest.skip("lucebox_cuda.triton_gdn was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
 
-REFERENCE = TorchBackend("cpu", torch.float32)
+REFERENCE = QWEN35_OPS.bind(TorchBackend("cpu", torch.float32))  # the torch reference with the qwen35 family's ops
 # Relative-error bounds. fp32: the kernels and the reference differ only in summation order. bf16: the
 # output is rounded to bf16 (and the interpreter truncates where the GPU rounds); the state stays fp32.
 OUT_BOUND = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from ..assembly import EngineOptions
 from .errors import APIError
 from .metrics import ServerMetrics
 from .replay import ToolCallReplay
@@ -22,29 +23,18 @@ from .replay import ToolCallReplay
 log = logging.getLogger("lucebox.server")
 
 
-@attrs.define(kw_only=True)
-class ServeConfig:
-    model: str | None = None  # GGUF path; None = the embedded default model
+@attrs.frozen(kw_only=True)
+class ServeConfig(EngineOptions):
+    """The engine's options (`EngineOptions`: model, backend, context, KV policy, drafter...) and the server's."""
+
     host: str = "127.0.0.1"
     port: int = 8000
-    ctx_size: int = 4096
     model_name: str | None = None  # the id reported to clients (default: the file's stem)
-    chat_template_file: str | None = None
     api_key: str | None = None
-    parallel: int = 1
-    backend: str | None = None
-    device: str | None = None
     n_predict: int | None = None  # most tokens one request generates (None: what fits in the context)
-    prefill_chunk: int | None = None  # prompt tokens per prefill forward (-ub; None: the model's choice)
     think_max_tokens: int | None = None  # close a thought that runs longer than this
     thinking_default: bool = False  # thinking when the request does not say (Lucebox's default: off)
     responses_kept: int = 256  # recent /v1/responses kept for previous_response_id
-    model_draft: str | None = None  # DFlash draft GGUF: speculative decoding
-    spec_type: str = "ddtree"
-    tree_budget: int | str = 22
-    draft_block_size: int | None = None
-    cache_type_k: str | None = None  # KV cache types (f32, f16, bf16, q8_0); None: the backend's dtype
-    cache_type_v: str | None = None
 
 
 class ModelService:
@@ -76,20 +66,12 @@ class ModelService:
         return thread
 
     def load(self) -> None:
-        from ..cli import cache_type_options
-        from ..engine import Engine
-        from ..loading import load_model
+        from ..assembly import build_engine
         from .scheduler import Scheduler
 
         try:
-            loaded = load_model(
-                self.config.model, backend=self.config.backend, device=self.config.device,
-                chat_template_file=self.config.chat_template_file,
-                **cache_type_options(self.config.cache_type_k, self.config.cache_type_v),
-            )
-            engine = Engine(loaded.model, loaded.tokenizer, ctx_size=self.config.ctx_size,
-                            speculative=self._speculative(loaded), prefill_chunk=self.config.prefill_chunk,
-                            idle_sequences=self.config.parallel)
+            assembled = build_engine(self.config)
+            loaded, engine = assembled.loaded, assembled.engine
             self.parser_spec = _parser_for(loaded)
             self.loaded, self.engine = loaded, engine
             self.scheduler = Scheduler(engine, self.config.parallel)
@@ -102,16 +84,6 @@ class ModelService:
                 self._on_load_error(exc)
             if not isinstance(exc, Exception):
                 raise
-
-    def _speculative(self, loaded: Any) -> Any:
-        if not self.config.model_draft:
-            return None
-        from ..plugins import registry
-        from ..speculative import SpeculativeDecoder
-
-        drafter = registry().named("lucebox_drafters", "dflash", "drafter").create(self.config.model_draft, loaded.model)
-        return SpeculativeDecoder(loaded.model, drafter, spec_type=self.config.spec_type,
-                                  budget=self.config.tree_budget, block_size=self.config.draft_block_size)
 
     @property
     def drafter_info(self) -> dict[str, Any] | None:

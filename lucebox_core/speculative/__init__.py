@@ -1,11 +1,13 @@
-"""Speculative decoding: DFlash drafter, chain and DDTree verification, lossless acceptance."""
+"""Speculative decoding: the decoder that binds a drafter and a verifier to a target, DFlash, chain and DDTree
+verification, lossless acceptance."""
 
 from .loop import (
-    SPEC_TYPES,
     ForcedStep,
     SpeculativeBlock,
     SpeculativeDecoder,
+    TreeVerifier,
+    Verdict,
     forced_accept_counts,
 )
 
-__all__ = ["SPEC_TYPES", "ForcedStep", "SpeculativeBlock", "SpeculativeDecoder", "forced_accept_counts"]
+__all__ = ["ForcedStep", "SpeculativeBlock", "SpeculativeDecoder", "TreeVerifier", "Verdict", "forced_accept_counts"]

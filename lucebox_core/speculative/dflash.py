@@ -15,7 +15,8 @@ target captured at a few of its layers. One draft step is one forward pass over 
 Context K/V rows depend only on their own position, so they are projected once per committed position
 into the drafter's own ring cache (`DraftState`) and never hold anything of a rejected branch.
 
-GGUF layout (Lucebox's draft files, architectures `dflash-draft` and `qwen35-dflash-draft`): standard
+GGUF layout (Lucebox's draft files; the architecture is `dflash-draft`, or a family's own name ending in
+`dflash-draft` that its plugin registers for this drafter, e.g. `qwen35-dflash-draft`): standard
 `<arch>.*` hyper-parameter keys plus `<arch>.dflash.{block_size, n_target_layers, target_layer_ids,
 mask_token_id}`; tensors `dflash.fc.weight`, `dflash.hidden_norm.weight`, `output_norm.weight` and per
 layer `blk.i.{attn_norm, ffn_norm | post_attention_norm, attn_q, attn_k, attn_v, attn_output,
@@ -35,9 +36,9 @@ import numpy as np
 import torch
 
 from ..errors import GGUFError, LuceboxError
-from ..graphs import StepGraphs, graphs_enabled
+from ..static_step import StaticStep
 
-ARCHITECTURES = ("dflash-draft", "qwen35-dflash-draft")
+ARCHITECTURE_SUFFIX = "dflash-draft"  # every DFlash draft architecture ends so
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CONTEXT_WINDOW = 4096  # committed positions the drafter attends to (Lucebox's draft_ctx_max)
 
@@ -126,15 +127,6 @@ def add_metadata(writer: Any, cfg: DraftConfig) -> None:
 
 
 @attrs.define
-class _BlockInputs:
-    """The fixed device inputs of one block size's forward (what its CUDA graph reads)."""
-
-    ids: torch.Tensor  # [B] long: the last committed token, then mask tokens
-    start: torch.Tensor  # [1] long: the block's first position (the target's committed length)
-    embedded: torch.Tensor  # [1, B, hidden]
-
-
-@attrs.define
 class DraftState:
     """The drafter's cache of context K/V rows for one sequence: a ring indexed by position."""
 
@@ -142,8 +134,8 @@ class DraftState:
     values: list[torch.Tensor]
     positions: torch.Tensor  # [capacity] long: the position each slot holds, -1 when empty
     length: int = 0  # committed positions projected so far
-    blocks: dict[int, _BlockInputs] = attrs.Factory(dict)  # the static block inputs per block size
-    graphs: StepGraphs | None = None  # the block forward's recordings (CUDA)
+    block_ids: dict[int, torch.Tensor] = attrs.Factory(dict)  # per block size: [last token, MASK, ...] [B]
+    step: StaticStep | None = None  # the block forward's static inputs and recordings
 
     @property
     def capacity(self) -> int:
@@ -249,37 +241,33 @@ class DFlashDrafter:
         state.positions[slots] = positions
         state.length = committed
 
-    def draft(self, target: Any, target_state: Any, state: DraftState, last_token: int,
+    def draft(self, target: Any, target_state: Any, state: DraftState, tokens: list[int],
               block_size: int | None = None) -> torch.Tensor:
-        """Logits `[block - 1, vocab]` for the positions after `last_token` (the pending token, at
-        position `target_state.length`).
+        """Logits `[block - 1, vocab]` for the positions after `tokens[-1]` (the pending token, at position
+        `target_state.length`; the tokens before it are the committed sequence, which DFlash reads through
+        the target's captured features instead).
 
         The context sync runs eagerly (its size varies with what was accepted); the block's forward reads
-        only fixed device buffers, so on a GPU it is recorded once per block size as a CUDA graph."""
+        only fixed device buffers, so on a GPU it is recorded once per block size as a graph."""
         ops = self.ops
         block = block_size or self.block_size
         self.sync(target, target_state, state)
-        inputs = state.blocks.get(block)
-        if inputs is None:
-            inputs = state.blocks[block] = _BlockInputs(
-                ids=torch.full((block,), self.mask_token_id, dtype=torch.long, device=ops.device),
-                start=torch.zeros(1, dtype=torch.long, device=ops.device),
-                embedded=torch.zeros(1, block, self.config.hidden, dtype=ops.dtype, device=ops.device),
-            )
-        inputs.ids[:1].fill_(int(last_token))
-        inputs.start.fill_(target_state.length)
+        ids = state.block_ids.get(block)
+        if ids is None:
+            ids = state.block_ids[block] = torch.full((block,), self.mask_token_id, dtype=torch.long, device=ops.device)
+        ids[:1].fill_(int(tokens[-1]))
+        if state.step is None:
+            state.step = StaticStep(ops, "draft block")
+        inputs = state.step.inputs(start=target_state.length)
         # The embedding lookup decodes GGUF rows with small host constants: eagerly, outside the recording.
-        inputs.embedded.copy_(target.embed(inputs.ids)[None].to(ops.dtype))
-        if graphs_enabled(ops.device):
-            if state.graphs is None:
-                state.graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle(), label="draft block")
-            return state.graphs.run(block, lambda: self._draft_block(target, state, inputs)).clone()
-        return self._draft_block(target, state, inputs)
+        inputs.set("embedded", target.embed(ids)[None].to(ops.dtype))
+        return state.step.run(block, lambda step_inputs: self._draft_block(target, state, step_inputs), inputs,
+                              clone=True)
 
-    def _draft_block(self, target: Any, state: DraftState, inputs: _BlockInputs) -> torch.Tensor:
-        """The block's forward as a function of device buffers and the block size alone."""
+    def _draft_block(self, target: Any, state: DraftState, inputs: Any) -> torch.Tensor:
+        """The block's forward as a function of its static inputs and the block size alone."""
         c, ops = self.config, self.ops
-        block = inputs.ids.shape[0]
+        block = inputs.embedded.shape[1]
         x = inputs.embedded  # [1, B, hidden]
         positions = inputs.start + torch.arange(block, device=ops.device)
         valid = state.positions >= 0
@@ -312,8 +300,8 @@ class DFlashDrafter:
 def _config_from_gguf(gguf_file: Any, target: Any) -> DraftConfig:
     path = gguf_file.path
     arch = gguf_file.architecture
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"{path}: general.architecture is {arch!r}; a DFlash draft is one of {', '.join(ARCHITECTURES)}")
+    if not str(arch).endswith(ARCHITECTURE_SUFFIX):
+        raise GGUFError(f"{path}: general.architecture is {arch!r}; a DFlash draft's ends in {ARCHITECTURE_SUFFIX!r}")
 
     def shape(name: str) -> tuple[int, ...]:
         info = gguf_file.tensors.get(name)

@@ -4,6 +4,15 @@
 emits one by one (honouring stops inside the block) and then commits exactly the emitted ones
 (`SpeculativeBlock.commit(m)`), so the engine keeps one decode loop.
 
+The two parts come from hooks. A *drafter* (`lucebox_drafters`, chosen by the draft GGUF's architecture)
+has `block_size`, `describe()`, `prepare_target(target, target_state, ctx_size)` (ask the target for what
+it needs, e.g. captured features), `new_state()` (its per-sequence state, with `crop(length)`) and
+`draft(target, target_state, draft_state, tokens, block_size)` -> logits `[block_size - 1, vocab]` for
+the positions after `tokens[-1]` (the sequence so far, the pending root last). A *verifier*
+(`lucebox_verifiers`, chosen by `--spec-type NAME`) has `name`, `max_nodes(block_size)`, `describe()`
+and `verify(target, state, root, draft_logits, sampler, history)` -> a `Verdict`; `TreeVerifier` below
+implements `verify` as candidates -> one target pass (`target.verify`) -> walk, for subclasses to fill in.
+
 Acceptance:
 - temperature 0: each node's next token is the target's (penalised) argmax there; the walk follows the
   child holding it. The output equals plain greedy decoding.
@@ -17,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -26,7 +35,6 @@ import torch
 from ..errors import LuceboxError
 from . import trees
 
-SPEC_TYPES = ("chain", "ddtree")  # the built-in verifiers (VERIFIERS below)
 AUTO_BUDGETS = (4, 8, 12, 15, 18, 22, 26, 30, 36, 44, 52, 64)
 
 
@@ -63,19 +71,23 @@ class ForcedStep:
 
 
 class VerifyCostCurve:
-    """Seconds of one verify pass against the node count, measured once on a scratch state."""
+    """Seconds of one verify pass against the node count, measured once on a scratch state.
 
-    def __init__(self, target: Any, sizes: Sequence[int] = (1, 8, 16, 24, 32, 48, 65)):
+    `synchronize`: waits for the target's device (its backend's), so the clock times the work, not its
+    launch (a replayed graph returns at once)."""
+
+    def __init__(self, target: Any, synchronize: Callable[[], None],
+                 sizes: Sequence[int] = (1, 8, 16, 24, 32, 48, 65)):
         state = target.new_state(256)
         target.forward(state, torch.arange(16) + 100)
         self.sizes, self.seconds = [], []
         for n in sizes:
             parents = list(range(-1, n - 1))
             target.verify(state, [100] * n, parents)  # warm-up (on a GPU: records the pass)
-            _synchronize()
+            synchronize()
             start = time.perf_counter()
             target.verify(state, [100] * n, parents)
-            _synchronize()  # a replayed graph returns at once: time the work, not its launch
+            synchronize()
             self.sizes.append(n)
             self.seconds.append(time.perf_counter() - start)
 
@@ -86,38 +98,55 @@ class VerifyCostCurve:
         return self.seconds[-1] * nodes / self.sizes[-1]
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+@attrs.frozen
+class Verdict:
+    """What a verifier decided for one drafted block."""
+
+    tokens: list[int]  # the accepted drafted tokens, then the bonus (the target's own next token)
+    path: list[int]  # the accepted candidates' node indices, the root first
+    verification: Any  # the target's verification, for `target.commit`
 
 
 class SpeculativeDecoder:
-    """A drafter and a verifier bound to a target model."""
+    """A drafter and a verifier bound to a target model.
 
-    def __init__(self, target: Any, drafter: Any, *, spec_type: str = "ddtree", budget: int | str = trees.DEFAULT_BUDGET,
-                 block_size: int | None = None, top_k: int = trees.DEFAULT_TOP_K) -> None:
-        if spec_type not in SPEC_TYPES:
-            raise LuceboxError(f"--spec-type must be one of {', '.join(SPEC_TYPES)}, got {spec_type!r}")
-        if budget != "auto" and (not isinstance(budget, int) or budget < 1):
-            raise LuceboxError(f"--tree-budget must be a positive integer or 'auto', got {budget!r}")
+    `verifier`: a verifier object, or the name of one (`--spec-type`), made through the verification hook
+    with `budget` and `top_k`. `backend`: the target's ops (default `target.ops`), whose device the
+    verifiers' timings wait for."""
+
+    def __init__(self, target: Any, drafter: Any, verifier: Any = "ddtree", *, budget: int | str = trees.DEFAULT_BUDGET,
+                 block_size: int | None = None, top_k: int = trees.DEFAULT_TOP_K, backend: Any = None,
+                 spec_type: str | None = None) -> None:
         block = block_size or drafter.block_size
         if not 2 <= block <= 64:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {block}")
-        self.target, self.drafter = target, drafter
-        self.spec_type, self.budget, self.block_size = spec_type, budget, block
-        self.verifier = VERIFIERS[spec_type](target, budget=budget, top_k=top_k)
+        backend = backend if backend is not None else getattr(target, "ops", None)
+        if spec_type is not None:  # the flag's name for it
+            verifier = spec_type
+        if isinstance(verifier, str):
+            from ..plugins import registry
+
+            verifier = registry().verifier(verifier).create(target, budget=budget, top_k=top_k, backend=backend)
+        self.target, self.drafter, self.verifier = target, drafter, verifier
+        self.block_size = block
+
+    @property
+    def spec_type(self) -> str:
+        return self.verifier.name
+
+    @property
+    def budget(self) -> int | str | None:
+        """The verifier's node budget (`--tree-budget`), where it has one."""
+        return getattr(self.verifier, "budget", None)
 
     @property
     def max_nodes(self) -> int:
         """The most candidates one verify pass can hold (the root included): what must fit in the context."""
-        if self.spec_type == "chain":
-            return self.block_size
-        budget = AUTO_BUDGETS[-1] if self.budget == "auto" else int(self.budget)
-        return max(self.block_size, budget + 1)
+        return int(self.verifier.max_nodes(self.block_size))
 
     def describe(self) -> dict[str, Any]:
         return {**self.drafter.describe(), "spec_type": self.spec_type, "tree_budget": self.budget,
-                "draft_block_size": self.block_size}
+                **self.verifier.describe(), "draft_block_size": self.block_size}
 
     def prepare(self, state: Any, ctx_size: int) -> Any:
         """Enable feature capture on a fresh target state; return the drafter's state for it."""
@@ -140,16 +169,12 @@ class SpeculativeDecoder:
              forced: ForcedStep | None = None) -> SpeculativeBlock:
         """Draft after `root` (the pending token at position `state.length`), verify, walk; no commit.
 
-        `history`: every token before the root plus the root (what penalties look at)."""
-        logits = self.drafter.draft(self.target, state, draft_state, root, self.block_size)
+        `history`: every token before the root plus the root (what the drafter and penalties look at)."""
+        logits = self.drafter.draft(self.target, state, draft_state, history, self.block_size)
         if forced is not None:
             logits = _force(logits, forced)
-        tree, draft_probs = self.verifier.candidates(root, logits, sampler, history)
-        verification = self.target.verify(state, tree.tokens, tree.parents)
-        path, bonus = self.verifier.walk(tree, verification.logits, draft_probs, sampler, history)
-        self.verifier.learn(tree, len(path) - 1)
-        tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
-        return SpeculativeBlock(tokens, path, verification, self.target, state)
+        verdict = self.verifier.verify(self.target, state, root, logits, sampler, history)
+        return SpeculativeBlock(list(verdict.tokens), list(verdict.path), verdict.verification, self.target, state)
 
 
 def _greedy_or_sampled_walk(tree: trees.DraftTree, node_logits: torch.Tensor, sampler: Any,
@@ -165,13 +190,40 @@ def _greedy_or_sampled_walk(tree: trees.DraftTree, node_logits: torch.Tensor, sa
     return trees.sampled_walk(tree, draw)
 
 
-class ChainVerifier:
+class TreeVerifier:
+    """A verifier that builds a candidate tree from the draft, verifies it in one target pass and walks it.
+
+    Subclasses give `candidates(root, draft_logits, sampler, history)` -> (a `trees.DraftTree`, the
+    drafter's per-position probabilities or []), `walk(tree, node_logits, draft_probs, sampler, history)`
+    -> (accepted path, bonus token), `max_nodes(block_size)`, and may `learn` from each outcome."""
+
+    name = "tree"
+
+    def verify(self, target: Any, state: Any, root: int, draft_logits: torch.Tensor, sampler: Any,
+               history: list[int]) -> Verdict:
+        tree, draft_probs = self.candidates(root, draft_logits, sampler, history)
+        verification = target.verify(state, tree.tokens, tree.parents)
+        path, bonus = self.walk(tree, verification.logits, draft_probs, sampler, history)
+        self.learn(tree, len(path) - 1)
+        return Verdict([tree.tokens[i] for i in path[1:]] + [bonus], path, verification)
+
+    def learn(self, tree: trees.DraftTree, accepted: int) -> None:
+        """Hear how many drafted candidates of `tree` the target accepted (adaptive verifiers)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+class ChainVerifier(TreeVerifier):
     """One drafted block as a chain. Temperature > 0: speculative sampling (min(1, p/q) and residual)."""
 
     name = "chain"
 
     def __init__(self, target: Any, **_: Any) -> None:
         self.target = target
+
+    def max_nodes(self, block_size: int) -> int:
+        return block_size
 
     def candidates(self, root: int, logits: torch.Tensor, sampler: Any, history: list[int]):
         if sampler.params.greedy:
@@ -193,28 +245,36 @@ class ChainVerifier:
 
         return trees.chain_rejection_walk(tree, target_probs, draft_probs, sampler.generator)
 
-    def learn(self, tree: trees.DraftTree, accepted: int) -> None:
-        pass
 
-
-class DDTreeVerifier:
+class DDTreeVerifier(TreeVerifier):
     """A best-first draft tree from the drafter's per-position top-K, under a node budget (or 'auto')."""
 
     name = "ddtree"
 
     def __init__(self, target: Any, *, budget: int | str = trees.DEFAULT_BUDGET, top_k: int = trees.DEFAULT_TOP_K,
-                 **_: Any) -> None:
+                 backend: Any = None, **_: Any) -> None:
+        if budget != "auto" and (not isinstance(budget, int) or budget < 1):
+            raise LuceboxError(f"--tree-budget must be a positive integer or 'auto', got {budget!r}")
         self.target, self.budget, self.top_k = target, budget, top_k
+        self.backend = backend if backend is not None else getattr(target, "ops", None)
         self._cost: VerifyCostCurve | None = None
         self._calibration = 1.0  # running ratio of accepted drafts to what the drafter's probabilities predict
         self.last_budget: int | None = None
+
+    def max_nodes(self, block_size: int) -> int:
+        budget = AUTO_BUDGETS[-1] if self.budget == "auto" else int(self.budget)
+        return max(block_size, budget + 1)
+
+    def describe(self) -> dict[str, Any]:
+        return {"tree_budget": self.budget}
 
     def candidates(self, root: int, logits: torch.Tensor, sampler: Any, history: list[int]):
         log_probs, ids = trees.top_k_log_probs(logits, self.top_k)
         if self.budget != "auto":
             return trees.ddtree(root, log_probs, ids, int(self.budget)), []
         if self._cost is None:
-            self._cost = VerifyCostCurve(self.target)
+            self._cost = VerifyCostCurve(self.target, self.backend.synchronize if self.backend is not None
+                                         else lambda: None)
         full = trees.ddtree(root, log_probs, ids, AUTO_BUDGETS[-1])
         # Best-first order makes every prefix of the node list the tree of that budget. Expected accepted
         # drafts with the first b nodes = the sum of their path probabilities under the drafter, scaled by
@@ -240,9 +300,6 @@ class DDTreeVerifier:
         if predicted:
             ratio = min(4.0, max(0.05, accepted / predicted))
             self._calibration = 0.9 * self._calibration + 0.1 * ratio
-
-
-VERIFIERS = {"chain": ChainVerifier, "ddtree": DDTreeVerifier}
 
 
 def _force(logits: torch.Tensor, forced: ForcedStep) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""`CudaBackend`: the torch reference ops, with the hot ones replaced by NVRTC-compiled CUDA kernels.
+"""`CudaBackend`: one NVIDIA GPU, its weights and its NVRTC-compiled CUDA kernels.
 
-Anything without a kernel yet (or a shape or dtype a kernel does not take) falls through to
-`TorchBackend`, which stays the oracle every kernel is checked against (`scripts/cuda_check.py`).
+The ops the GPU runs as kernels are registered by name in `op_kernels.py` (the `lucebox_op_kernels` hook): each
+with the check of which arguments it takes; anything else (a shape or dtype a kernel does not take, an op
+without a kernel) runs the reference, `TorchBackend`'s or a family's, which stays the oracle every kernel
+is checked against (`scripts/cuda_check.py`). This class holds what those kernels share: the device, the
+weights uploaded in their GGUF formats, the compiled modules and their launches, the matrix-vector products.
 
 Weights stay in their GGUF block formats on the GPU: the raw bytes of each `QuantTensor` are uploaded
 once and kept; the matrix-vector kernels dequantize them in registers. Batches of more than `MAX_BATCH`
@@ -12,9 +15,7 @@ multiply it with torch (tensor cores through cuBLAS).
 from __future__ import annotations
 
 import functools
-import warnings
 import os
-from types import ModuleType
 from typing import Any
 
 import attrs
@@ -23,20 +24,14 @@ import torch.nn.functional as F
 
 from lucebox_core.errors import LuceboxError
 from lucebox_core.quants import QuantTensor
-from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight, concat_rows
+from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight
 
 from . import catalogue
 from .nvrtc import CudaModule, Float, Int, KernelProgram, Pointer, compile_program, ensure_context, launch
 
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
-# Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
-# kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
-SEQUENTIAL_PREFILL_TOKENS = 256
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
 _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
-# Rows `linear` still runs on the matrix-vector kernels (in slices of catalogue.MAX_BATCH) rather than the
-# tiled prefill product: every speculative verify pass (at most a 64-draft tree plus its root).
-VERIFY_ROWS = 2 * catalogue.MAX_BATCH
 
 
 def device_arch(device: torch.device) -> str:
@@ -47,60 +42,6 @@ def device_arch(device: torch.device) -> str:
 
 def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % ALIGNMENT == 0
-
-
-@functools.cache
-def _triton_ops() -> ModuleType | None:
-    """`lucebox_cuda.triton_ops` if Triton imports here, else None (the torch ops then serve)."""
-    try:
-        from . import triton_ops
-    except ImportError:
-        return None
-    return triton_ops
-
-
-@functools.cache
-def _triton_attention() -> ModuleType | None:
-    """`lucebox_cuda.triton_attention` (prefill and tree-verify attention) if Triton imports here, else None."""
-    try:
-        from . import triton_attention
-    except ImportError:
-        return None
-    return triton_attention
-
-
-@functools.cache
-def _triton_gdn() -> ModuleType | None:
-    """`lucebox_cuda.triton_gdn` (Gated DeltaNet prefill and tree kernels) if Triton imports here, else None."""
-    try:
-        from . import triton_gdn
-    except ImportError:
-        return None
-    return triton_gdn
-
-
-@functools.cache
-def _triton_fused() -> ModuleType | None:
-    """`lucebox_cuda.triton_fused` (the fused decode-step ops) if Triton imports here, else None."""
-    try:
-        from . import triton_fused
-    except ImportError:
-        return None
-    return triton_fused
-
-
-def _rows_indexable(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels can index these as rows: last dim contiguous, leading dims one stride."""
-    fused = _triton_fused()
-    return fused is not None and all(t.stride(-1) == 1 and fused._mergeable(t) for t in tensors)
-
-
-def _triton_takes(device: torch.device, *tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on these tensors: Triton importable, all on `device`, floats."""
-    if _triton_ops() is None:
-        return False
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    return all(t.device == device and (t.dtype in floats or not t.is_floating_point()) for t in tensors)
 
 
 class CudaBackend(TorchBackend):
@@ -165,20 +106,12 @@ class CudaBackend(TorchBackend):
         self._device_weights[id(weight)] = (weight, on_device)
         return on_device
 
-    def fuse_rows(self, weights: list[Weight]) -> Weight | None:
-        """Projections of one input stacked into one weight on this GPU (one matvec launch instead of
-        several, and a larger grid), where the kernels take it; the parts are never uploaded."""
-        if not all(self._kernel_format(torch.empty(0, w.shape[-1], dtype=self.dtype, device=self.device), w)
-                   for w in weights):
-            return None
-        return concat_rows(weights, self.device)
-
     @property
     def device_weight_bytes(self) -> int:
         """Bytes of raw GGUF weight data held on the GPU."""
         return sum(copy.nbytes for _, copy in self._device_weights.values())
 
-    def _kernel_format(self, x: torch.Tensor, weight: Weight) -> str | None:
+    def kernel_format(self, x: torch.Tensor, weight: Weight) -> str | None:
         """The kernel weight-format name if the kernels take this (x, weight) pair, else None."""
         if not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
             return None
@@ -189,29 +122,7 @@ class CudaBackend(TorchBackend):
             return None
         return weight_format
 
-    # -- matmul and embedding --------------------------------------------------------------------------
-
-    def linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
-        weight_format = self._kernel_format(x, weight)
-        if weight_format is None:
-            return super().linear(x, weight)
-        out_features, in_features = weight.shape
-        rows = x.numel() // in_features
-        x2 = x.reshape(rows, in_features)
-        if rows == 0:
-            out = x2.new_empty(0, out_features)
-        elif rows <= catalogue.MAX_BATCH:
-            out = self.matvec(x2, weight, weight_format)
-        elif rows <= VERIFY_ROWS:
-            # A speculative verify pass larger than one kernel batch (a 65-node tree): matvec kernels in
-            # slices, which compute each row as the decode step does (tiled dequant + cuBLAS would not).
-            out = x2.new_empty(rows, out_features)
-            for start in range(0, rows, catalogue.MAX_BATCH):
-                stop = min(start + catalogue.MAX_BATCH, rows)
-                self.matvec(x2[start:stop], weight, weight_format, out=out[start:stop])
-        else:
-            out = self._tiled_linear(x2, weight, weight_format)
-        return out.reshape(*x.shape[:-1], out_features)
+    # -- matrix products on GGUF blocks (the `linear` kernel in op_kernels.py runs them) ---------------------
 
     def matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str | None = None, *,
                out: torch.Tensor | None = None, variant: str | None = None) -> torch.Tensor:
@@ -322,7 +233,9 @@ class CudaBackend(TorchBackend):
                      Pointer(rows_data.data_ptr()), Pointer(tile.data_ptr()), Int(count), Int(in_features))
         return tile
 
-    def _tiled_linear(self, x: torch.Tensor, weight: QuantTensor, weight_format: str) -> torch.Tensor:
+    def tiled_linear(self, x: torch.Tensor, weight: QuantTensor, weight_format: str) -> torch.Tensor:
+        """`x @ weight.T` for many rows (prefill): bounded tiles of weight rows dequantized on the GPU into
+        a scratch buffer, each multiplied with cuBLAS."""
         out_features, in_features = weight.shape
         rows_per_tile = max(1, STREAM_BLOCK_BYTES // (in_features * x.element_size()))
         if rows_per_tile < out_features:
@@ -341,27 +254,13 @@ class CudaBackend(TorchBackend):
             out[:, start:stop] = F.linear(x, tile)
         return out
 
-    def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:
-        if isinstance(weight, QuantTensor):
-            # Gather the rows' raw bytes on the GPU and decode only those.
-            return self.device_weight(weight).lookup_rows(ids.to(self.device), self.dtype)
-        return super().embedding(ids, weight)
-
     # -- normalisation ---------------------------------------------------------------------------------
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """The reference `rms_norm` in one kernel; `out` (contiguous, like x) is written if given."""
+    def rms_norm_kernel(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference `rms_norm` in one kernel, for activations and weights of a kernel dtype on this
+        device (`op_kernels.accepts_rms_norm`); `out` (contiguous, like x) is written if given."""
         n = x.shape[-1]
-        if (
-            x.device != self.device
-            or x.dtype not in catalogue.ACTIVATIONS
-            or weight.dtype not in catalogue.ACTIVATIONS
-            or weight.numel() != n
-            or x.numel() == 0
-        ):
-            result = super().rms_norm(x, weight, eps)
-            return result if out is None else out.copy_(result)
         x = x.contiguous()
         weight = weight.to(self.device).contiguous()
         if out is None:
@@ -375,209 +274,10 @@ class CudaBackend(TorchBackend):
                      Pointer(out.data_ptr()), Int(n), Float(eps))
         return out
 
-    # -- Triton kernels (lucebox_cuda.triton_ops) ------------------------------------------------------
-
-    def decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float
-    ) -> torch.Tensor:
-        """The reference `decode_attention` as a one-node tree verification (`triton_attention`): the decode
-        step and a speculative verify pass share one kernel and one key partition, so a verified token gets
-        the bits the decode step gives it. A Q8_0 window (uint8 rows) is decoded in registers."""
-        if (_triton_attention() is None or not _triton_takes(self.device, q, k, v, position) or k.dim() != 3
-                or q.shape[2] % k.shape[1]):
-            return super().decode_attention(q, k, v, position, scale=scale)
-        return self._cache_attention(lambda: _triton_attention().decode_attention(q, k, v, position, scale=scale),
-                                     lambda: super(CudaBackend, self).decode_attention(q, k, v, position, scale=scale),
-                                     k, v)
-
-    def _cache_attention(self, kernel: Any, reference: Any, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        quantized = k.dtype == torch.uint8 or v.dtype == torch.uint8
-        if quantized and self.__dict__.get("_q8_attention_failure"):
-            return reference()
-        try:
-            return kernel()
-        except Exception as exc:  # noqa: BLE001 -- first used eagerly (a graph's warm-up), so this is safe
-            if not quantized or torch.cuda.is_current_stream_capturing():
-                raise
-            # The Q8_0 path is the newest kernel: if it does not build here, run through the reference.
-            self.__dict__["_q8_attention_failure"] = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"Q8_0 cache attention kernel unavailable, decoding the window instead: {exc}",
-                          RuntimeWarning, stacklevel=3)
-            return reference()
-
-    def gated_delta_rule_recurrent(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor | None,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference recurrence; one token (decode) runs as one Triton kernel, more fall through."""
-        tensors = (q, k, v, g, beta) + (() if state is None else (state,))
-        if q.shape[1] != 1 or v.shape[2] % k.shape[2] or not _triton_takes(self.device, *tensors):
-            return super().gated_delta_rule_recurrent(q, k, v, g, beta, state, scale)
-        return _triton_ops().gated_delta_rule_step(q, k, v, g, beta, state, scale)
-
-    def causal_conv1d_step(
-        self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference one-token convolution (no activation) as one Triton kernel."""
-        if not _triton_takes(self.device, x, weight, state):
-            return super().causal_conv1d_step(x, weight, state)
-        return _triton_ops().causal_conv1d_step(x, weight, state)
-
-    # -- fused decode-step ops (lucebox_cuda.triton_fused) --------------------------------------------
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (not _triton_takes(self.device, x, residual, weight) or x.shape != residual.shape
-                or not _rows_indexable(x, residual)):
-            return super().add_rms_norm(x, residual, weight, eps)
-        return _triton_fused().add_rms_norm(x, residual, weight, eps)
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if (not _triton_takes(self.device, gate, up) or gate.shape != up.shape or gate.dtype != up.dtype
-                or not _rows_indexable(gate, up)):
-            return super().silu_mul(gate, up)
-        return _triton_fused().silu_mul(gate, up)
-
-    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if (not _triton_takes(self.device, x, gate) or x.shape != gate.shape or x.dtype != gate.dtype
-                or not _rows_indexable(x, gate)):
-            return super().sigmoid_mul(x, gate)
-        return _triton_fused().sigmoid_mul(x, gate)
-
-    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if (not _triton_takes(self.device, x, z, weight) or x.shape != z.shape or x.dtype != z.dtype
-                or not _rows_indexable(x, z)):
-            return super().gated_rms_norm(x, z, weight, eps)
-        return _triton_fused().gated_rms_norm(x, z, weight, eps)
-
-    def qk_norm_rope(self, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                     positions: torch.Tensor, rot_dim: int, theta: float, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (not _triton_takes(self.device, query, key, q_norm, k_norm, positions) or query.shape[0] != 1
-                or query.stride(-1) != 1 or key.stride(-1) != 1):
-            return super().qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps)
-        return _triton_fused().qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps,
-                                            inv_freq=self._rope_inv_freq(rot_dim, theta))
-
     @functools.cache
-    def _rope_inv_freq(self, rot_dim: int, theta: float) -> torch.Tensor:
-        # Made once, outside any graph recording (the first eager call): the expression builds host values.
-        return _triton_fused().rope_inv_freq(rot_dim, theta, self.device)
+    def rope_inv_freq(self, rot_dim: int, theta: float) -> torch.Tensor:
+        """RoPE's inverse frequencies on this device, made once, outside any graph recording (the first eager
+        call): the expression builds host values."""
+        from . import triton_fused
 
-    def conv_silu_update_(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        if not _triton_takes(self.device, x, weight, state) or state.dtype != x.dtype:
-            return super().conv_silu_update_(x, weight, state)
-        out, _ = _triton_ops().causal_conv1d_step(x, weight, state, activation="silu", new_state=state)
-        return out
-
-    def gated_delta_decode_(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
-                            dt_bias: torch.Tensor, state: torch.Tensor, num_k_heads: int, head_k_dim: int
-                            ) -> torch.Tensor:
-        if (not _triton_takes(self.device, mixed, a, b, ssm_a, dt_bias, state) or not state.is_contiguous()
-                or state.dtype != torch.float32 or any(t.stride(-1) != 1 for t in (mixed, a, b))):
-            return super().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
-        return _triton_fused().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
-
-    # -- prefill and tree-verify attention (lucebox_cuda.triton_attention) ------------------------------
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                  causal_offset: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The reference `attention` as a FlashAttention-2 forward in Triton (GQA, causal offset, bool mask):
-        the reference materialises every score (14 GB for a 4096-token chunk at depth 32K). Other shapes
-        (not 4-D, heads not a multiple, no keys, a negative offset) fall through."""
-        tensors = (q, k, v) + (() if mask is None else (mask,))
-        if (
-            _triton_attention() is None
-            or not _triton_takes(self.device, *tensors)
-            or q.dim() != 4 or k.dim() != 4 or v.dim() != 4
-            or q.shape[2] % k.shape[2]
-            or k.shape[1] == 0
-            or (causal_offset is not None and causal_offset < 0)
-        ):
-            return super().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
-        return _triton_attention().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
-
-    def tree_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
-                       visible: torch.Tensor, *, scale: float) -> torch.Tensor:
-        """The reference `tree_attention` in Triton: each node over its own path, split over the rows in the
-        decode step's fixed partition (flash-decoding for N nodes); a Q8_0 window is decoded in registers."""
-        if (
-            _triton_attention() is None
-            or not _triton_takes(self.device, q, k, v, position, visible)
-            or q.dim() != 4 or k.dim() != 3
-            or q.shape[2] % k.shape[1]
-        ):
-            return super().tree_attention(q, k, v, position, visible, scale=scale)
-        return self._cache_attention(
-            lambda: _triton_attention().tree_attention(q, k, v, position, visible, scale=scale),
-            lambda: super(CudaBackend, self).tree_attention(q, k, v, position, visible, scale=scale), k, v)
-
-    # -- Gated DeltaNet prefill and tree verification (lucebox_cuda.triton_gdn) ------------------------
-
-    def gated_delta_rule_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                 beta: torch.Tensor, state: torch.Tensor | None, chunk_size: int = 64,
-                                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference chunked rule as two Triton kernels (chunk inverses, then the chunk scan)."""
-        tensors = (q, k, v, g, beta) + (() if state is None else (state,))
-        gdn = _triton_gdn()
-        if (gdn is None or v.shape[2] % k.shape[2] or chunk_size not in gdn.CHUNK_SIZES
-                or not _triton_takes(self.device, *tensors)):
-            return super().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
-        if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
-            return gdn.gated_delta_rule_sequential(q, k, v, g, beta, state, scale)
-        return gdn.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
-
-    def gated_delta_rule_tree(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                              beta: torch.Tensor, state: torch.Tensor, parents: torch.Tensor,
-                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference tree rule as one Triton launch walking the nodes (parents read on the device), so
-        a verify pass can be recorded as a CUDA graph."""
-        gdn = _triton_gdn()
-        if (gdn is None or q.shape[0] != 1 or v.shape[2] % k.shape[2]
-                or not _triton_takes(self.device, q, k, v, g, beta, state, parents)):
-            return super().gated_delta_rule_tree(q, k, v, g, beta, state, parents, scale)
-        return gdn.gated_delta_rule_tree(q, k, v, g, beta, state, parents, scale)
-
-    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference prefill convolution (no activation) as one Triton kernel."""
-        gdn = _triton_gdn()
-        if gdn is None or weight.shape[1] < 2 or not _triton_takes(self.device, x, weight, state):
-            return super().causal_conv1d(x, weight, state)
-        return gdn.causal_conv1d(x, weight, state)
-
-    def causal_conv1d_tree(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference tree convolution as one Triton kernel walking each node's ancestry on the device
-        (sums in fp32, as the decode step's convolution kernel does)."""
-        gdn = _triton_gdn()
-        if (gdn is None or weight.shape[1] < 2 or x.shape[0] != 1
-                or not _triton_takes(self.device, x, weight, state, parents)):
-            return super().causal_conv1d_tree(x, weight, state, parents)
-        return gdn.causal_conv1d_tree(x, weight, state, parents)
-
-    def conv_silu_tree(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tree convolution with SiLU in the same kernel, reduced and activated as the decode step's
-        `conv_silu_update_` kernel does: a verified node's GDN input is the decode step's to the bit."""
-        gdn = _triton_gdn()
-        if (gdn is None or weight.shape[1] < 2 or x.shape[0] != 1 or state.dtype != x.dtype
-                or not _triton_takes(self.device, x, weight, state, parents)):
-            return super().conv_silu_tree(x, weight, state, parents)
-        return gdn.causal_conv1d_tree(x, weight, state, parents, activation="silu")
-
-    def gated_delta_tree(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
-                         dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor, num_k_heads: int,
-                         head_k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference composition as one Triton kernel walking the nodes (parents read on the device)."""
-        if (not _triton_takes(self.device, mixed, a, b, ssm_a, dt_bias, state, parents) or mixed.shape[0] != 1
-                or not state.is_contiguous() or state.dtype != torch.float32
-                or any(t.stride(-1) != 1 for t in (mixed, a, b))):
-            return super().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
-        return _triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+        return triton_fused.rope_inv_freq(rot_dim, theta, self.device)

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import importlib.util
 
-from lucebox_core import KernelBackend, hookimpl
+from lucebox_core import KernelBackend, OpKernel, hookimpl
 
 # Compute capability the kernels need: bf16 conversions (`cvt.rn.bf16.f32`) arrived with sm_80.
 MIN_CAPABILITY = (8, 0)
+
+# The ops with a kernel on this backend (each `op_kernels.<op>`, checked by `op_kernels.accepts_<op>`): the core's
+# generic ops, then the Qwen3.5 family's Gated DeltaNet and convolution ops (names only: the backend does not
+# import the family).
+GENERIC_KERNEL_OPS = (
+    "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm",
+    "qk_norm_rope", "attention", "decode_attention", "tree_attention",
+)
+FAMILY_KERNEL_OPS = (
+    "gated_delta_rule_recurrent", "gated_delta_rule_chunked", "gated_delta_rule_tree", "gated_delta_decode_",
+    "gated_delta_tree", "causal_conv1d", "causal_conv1d_step", "causal_conv1d_tree", "conv_silu_update_",
+    "conv_silu_tree",
+)
 
 
 def _installed(module: str) -> bool:
@@ -51,4 +64,14 @@ def lucebox_kernel_backends():
             availability=availability,
             description="GGUF-native CUDA kernels (NVRTC-compiled for the device's sm_XY); torch ops elsewhere",
         )
+    ]
+
+
+@hookimpl
+def lucebox_op_kernels():
+    return [
+        OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.op_kernels:{op}", accepts=f"lucebox_cuda.op_kernels:accepts_{op}",
+                 description="NVRTC matrix-vector and dequant kernels" if op in ("linear", "embedding", "fuse_rows",
+                                                                                  "rms_norm") else "Triton")
+        for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
     ]

@@ -339,7 +339,7 @@ def gated_delta_decode_(
     mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, num_k_heads: int, head_k_dim: int,
 ) -> torch.Tensor:
-    """`TorchBackend.gated_delta_decode_`: mixed `[B, C]`, a, b `[B, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
+    """the qwen35 family's `gated_delta_decode_` reference (`lucebox_qwen35.ops`): mixed `[B, C]`, a, b `[B, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
     state `[B, H_v, D_k, D_v]` fp32 contiguous (updated in place) -> o `[B, 1, H_v, D_v]` in mixed's dtype."""
     batch, value_heads, key_dim, value_dim = state.shape
     key_channels = num_k_heads * head_k_dim
@@ -420,7 +420,7 @@ def gated_delta_tree(
     mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.gated_delta_tree`: mixed `[1, N, C]`, a, b `[1, N, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
+    """the qwen35 family's `gated_delta_tree` reference (`lucebox_qwen35.ops`): mixed `[1, N, C]`, a, b `[1, N, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
     state `[1, H_v, D_k, D_v]` fp32 contiguous (not modified), parents `[N]` long on the device ->
     (o `[1, N, H_v, D_v]` in mixed's dtype, node states `[N, H_v, D_k, D_v]` fp32). One launch."""
     _, value_heads, key_dim, value_dim = state.shape
@@ -454,6 +454,7 @@ def main() -> int:
     (fresh random inputs, the reference run in fp32 on the same rounded inputs) and time both."""
     import functools
 
+    from lucebox_core.ops import with_family_ops
     from lucebox_core.torch_backend import TorchBackend
 
     from .timing import median_ms as _median_ms
@@ -464,12 +465,12 @@ def main() -> int:
         return 1
     device = torch.device("cuda")
     torch.manual_seed(0)
-    oracle = TorchBackend(device, torch.float32, weight_cache_bytes=0)
+    oracle = with_family_ops(TorchBackend(device, torch.float32, weight_cache_bytes=0))
     bounds = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
     failures = []
     print(f"{'op':<40} {'dtype':<9} {'rel err':>9} {'triton ms':>10} {'torch ms':>9}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        reference = TorchBackend(device, dtype, weight_cache_bytes=0)
+        reference = with_family_ops(TorchBackend(device, dtype, weight_cache_bytes=0))
 
         def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*shape, device=device) * scale).to(dtype)

@@ -1,7 +1,7 @@
 """Triton kernels for Gated DeltaNet over many tokens: chunked prefill, tree verification, and the
 short causal convolutions that feed them, with torch-facing wrappers.
 
-Each wrapper takes the tensors of the `TorchBackend` op of the same name (`lucebox_core.torch_backend`)
+Each wrapper takes the tensors of the reference op of the same name (the qwen35 family's, `lucebox_qwen35.ops`)
 and gives the same result; the recurrent state is fp32 and every kernel accumulates in fp32. No host
 value depends on device data (tree parents are read on the device), so every wrapper can be recorded in
 a CUDA graph. Value head `h` reads key head `h % H_k` (the tiled GGUF order).
@@ -20,7 +20,7 @@ a CUDA graph. Value head `h` reads key head `h % H_k` (the tiled GGUF order).
 - `gated_delta_rule_tree`: `_walk_kernel` over the nodes of a tree in index order; a node whose parent
   is not the previous node reloads its parent's state from the node states the program already wrote.
 - `causal_conv1d`: the prefill depthwise convolution, one program per (block of tokens, block of channels).
-- `causal_conv1d_tree`: `TorchBackend.causal_conv1d_tree` in one launch; each node's window is its own
+- `causal_conv1d_tree`: the qwen35 family's `causal_conv1d_tree` reference (`lucebox_qwen35.ops`) in one launch; each node's window is its own
   ancestry, then the committed state.
 
 The wrappers run under `TRITON_INTERPRET=1` on CPU tensors too (that is how tests/test_triton_gdn.py
@@ -302,7 +302,7 @@ def gated_delta_rule_chunked(
     state: torch.Tensor | None, chunk_size: int = 64, scale: float | None = None, *,
     block_values: int | None = None, num_warps: int = SCAN_WARPS, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.gated_delta_rule_chunked`: q, k `[B, T, H_k, D_k]` (L2-normalised), v `[B, T, H_v, D_v]`,
+    """the qwen35 family's `gated_delta_rule_chunked` reference (`lucebox_qwen35.ops`): q, k `[B, T, H_k, D_k]` (L2-normalised), v `[B, T, H_v, D_v]`,
     g (fp32 log decay) and beta `[B, T, H_v]`, state `[B, H_v, D_k, D_v]` fp32 or None (zeros; not
     modified) -> (o `[B, T, H_v, D_v]` in v's dtype, the new fp32 state).
 
@@ -463,7 +463,7 @@ def gated_delta_rule_sequential(
     state: torch.Tensor | None, scale: float | None = None, *, block_values: int = WALK_BLOCK_VALUES,
     num_warps: int = WALK_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.gated_delta_rule_recurrent` (any T) as one kernel walking the tokens in order: the
+    """the qwen35 family's `gated_delta_rule_recurrent` reference (`lucebox_qwen35.ops`) (any T) as one kernel walking the tokens in order: the
     simple form of `gated_delta_rule_chunked`, same arguments less `chunk_size`. Slower for long T
     (every token is a dependent step); kept as a fallback and as a second oracle."""
     _check_delta_shapes("gated_delta_rule_sequential", q, k, v, g, beta)
@@ -478,7 +478,7 @@ def gated_delta_rule_tree(
     state: torch.Tensor, parents: torch.Tensor, scale: float | None = None, *,
     block_values: int = WALK_BLOCK_VALUES, num_warps: int = WALK_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.gated_delta_rule_tree`: q, k `[1, N, H_k, D_k]`, v `[1, N, H_v, D_v]`, g, beta
+    """the qwen35 family's `gated_delta_rule_tree` reference (`lucebox_qwen35.ops`): q, k `[1, N, H_k, D_k]`, v `[1, N, H_v, D_v]`, g, beta
     `[1, N, H_v]`, state `[1, H_v, D_k, D_v]` fp32 (not modified), parents `[N]` long on the device
     (`parents[i] < i`, -1 for a root) -> (o `[1, N, H_v, D_v]` in v's dtype, the fp32 state after every
     node `[N, H_v, D_k, D_v]`). One launch; `parents` is never read on the host."""
@@ -546,7 +546,7 @@ def _causal_conv1d_kernel(
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.causal_conv1d`: x `[B, T, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, T, C]`,
+    """the qwen35 family's `causal_conv1d` reference (`lucebox_qwen35.ops`): x `[B, T, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, T, C]`,
     new state `[B, K-1, C]`), both in x's dtype (fp32 accumulation; no activation)."""
     batch, tokens, channels = x.shape
     kernel = weight.shape[1]
@@ -613,7 +613,7 @@ def causal_conv1d_tree(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor, *,
     activation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal convolution over the nodes of a candidate tree (`TorchBackend.causal_conv1d_tree`):
+    """The causal convolution over the nodes of a candidate tree (the qwen35 family's `causal_conv1d_tree` reference (`lucebox_qwen35.ops`)):
     x `[1, N, C]`, weight `[C, K]`, state `[1, K-1, C]` (the committed inputs), parents `[N]` long on the
     device -> (y `[1, N, C]`, each node's conv state `[N, K-1, C]`), in x's dtype. One launch.
     `activation="silu"`: SiLU applied in the kernel, as the decode step's `conv_silu_update_` does."""
@@ -663,11 +663,12 @@ def _tree_parents(nodes: int, device: torch.device) -> torch.Tensor:
 
 
 def main() -> int:
-    """Check every kernel against `TorchBackend` on the GPU at 27B shapes and time both; print a table.
+    """Check every kernel against the references on the GPU at 27B shapes and time both; print a table.
 
     The reference runs in fp32 on the same (rounded) inputs. Returns 1, naming the kernel, if a relative
     error exceeds its dtype's bound. Also times the chunk-scan launch options, to pick the defaults.
     """
+    from lucebox_core.ops import with_family_ops
     from lucebox_core.torch_backend import TorchBackend
 
     if not torch.cuda.is_available():
@@ -676,7 +677,7 @@ def main() -> int:
     device = torch.device("cuda")
     torch.manual_seed(0)
     bounds = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
-    oracle = TorchBackend(device, torch.float32, weight_cache_bytes=0)
+    oracle = with_family_ops(TorchBackend(device, torch.float32, weight_cache_bytes=0))
     failures: list[str] = []
 
     def check(label: str, dtype: torch.dtype, kernel: Callable, reference: Callable, args: tuple,

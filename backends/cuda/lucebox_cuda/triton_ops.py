@@ -1,6 +1,6 @@
 """Triton kernels for the small non-matmul ops of the decode step, with thin torch-facing wrappers.
 
-Each wrapper takes the same tensors as the `TorchBackend` op of the same name (`lucebox_core.torch_backend`)
+Each wrapper takes the tensors of the reference op of the same name (the qwen35 family's, `lucebox_qwen35.ops`)
 and gives the same result; the kernels accumulate in fp32 whatever the activation dtype. No host value
 depends on device data, so every wrapper can be recorded in a CUDA graph.
 
@@ -90,7 +90,7 @@ def _gated_delta_step_kernel(
     sequence_head = tl.program_id(0)
     batch = sequence_head // value_heads
     head = sequence_head % value_heads
-    key_head = head % key_heads  # tiled heads: the GGUF order (see TorchBackend.gated_delta_rule_recurrent)
+    key_head = head % key_heads  # tiled heads: the GGUF order (see the reference `gated_delta_rule_recurrent`)
     key_dims = tl.arange(0, BLOCK_K)
     value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key_ok = key_dims < KEY_DIM
@@ -118,7 +118,7 @@ def gated_delta_rule_step(
     state: torch.Tensor | None, scale: float | None = None, *, new_state: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.gated_delta_rule_recurrent` for one token: q, k `[B, 1, H_k, D_k]`, v `[B, 1, H_v, D_v]`,
+    """the qwen35 family's `gated_delta_rule_recurrent` reference (`lucebox_qwen35.ops`) for one token: q, k `[B, 1, H_k, D_k]`, v `[B, 1, H_v, D_v]`,
     g, beta `[B, 1, H_v]`, state `[B, H_v, D_k, D_v]` fp32 (None: zeros) -> (o `[B, 1, H_v, D_v]` in v's
     dtype, the new fp32 state).
 
@@ -196,7 +196,7 @@ def causal_conv1d_step(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, *, activation: str | None = None,
     new_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TorchBackend.causal_conv1d_step`: x `[B, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, C]`,
+    """the qwen35 family's `causal_conv1d_step` reference (`lucebox_qwen35.ops`): x `[B, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, C]`,
     new state `[B, K-1, C]`), both in x's dtype.
 
     `activation="silu"` applies SiLU to y in the same kernel (the reference op applies none; the model
@@ -270,11 +270,12 @@ def _decode_cases(dtype: torch.dtype, device: torch.device) -> list[tuple[str, C
 
 
 def main() -> int:
-    """Check every kernel against `TorchBackend` on the GPU at the 27B shapes and time both; print a table.
+    """Check every kernel against the references on the GPU at the 27B shapes and time both; print a table.
 
     Results are poisoned with NaN before the checked run and compared with the reference op run in fp32 on
     the same (rounded) inputs. Returns 1, naming the kernel, if a relative error exceeds its dtype's bound.
     """
+    from lucebox_core.ops import with_family_ops
     from lucebox_core.torch_backend import TorchBackend
 
     if not torch.cuda.is_available():
@@ -283,12 +284,12 @@ def main() -> int:
     device = torch.device("cuda")
     torch.manual_seed(0)
     bounds = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-    oracle = TorchBackend(device, torch.float32, weight_cache_bytes=0)
+    oracle = with_family_ops(TorchBackend(device, torch.float32, weight_cache_bytes=0))
     failures = []
     print(f"{torch.cuda.get_device_name(device)}, Triton {triton.__version__}, torch {torch.__version__}")
     print(f"{'op':<44} {'dtype':<9} {'rel err':>9} {'triton ms':>10} {'torch ms':>9}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        reference = TorchBackend(device, dtype, weight_cache_bytes=0)
+        reference = with_family_ops(TorchBackend(device, dtype, weight_cache_bytes=0))
         for label, kernel, op, args, kwargs in _decode_cases(dtype, device):
             upcast = tuple(t.float() if t.is_floating_point() else t for t in args)
             expected = getattr(oracle, op)(*upcast, **kwargs)

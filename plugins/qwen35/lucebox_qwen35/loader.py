@@ -14,6 +14,7 @@ from lucebox_core.kv import K_FLAG, V_FLAG, kv_cache_type
 
 from .layout import Qwen35Config, tensor_shapes
 from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model, Weight
+from .ops import QWEN35_OPS
 
 class _TensorSource:
     """Tensors of one GGUF by transformers name, each checked against the shape the layout expects
@@ -59,16 +60,18 @@ class _MetadataView(Mapping[str, Any]):
         return len(self.gguf.keys())
 
 
-_OPTIONS = {"kv_dtype", "cache_type_k", "cache_type_v", "gdn_chunk_size"}
+_OPTIONS = {"kv_policy", "kv_dtype", "cache_type_k", "cache_type_v", "gdn_chunk_size"}
 
 
 def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     """Build a `Qwen35Model` from a GGUF (a `GGUFFile` or a path) on `backend` (default: torch on the CPU).
 
-    Options: `cache_type_k` / `cache_type_v` (KV storage types, `f32`, `f16`, `bf16` or `q8_0`, each
-    independently; default `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
+    Options: `kv_policy` (a `KVPolicy`; default the built-in `full`), `cache_type_k` / `cache_type_v` (KV
+    storage types, `f32`, `f16`, `bf16` or `q8_0`, each independently, as the policy stores them; default
+    `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
     """
     from lucebox_core.ggufio import GGUFFile
+    from lucebox_core.plugins import registry
     from lucebox_core.torch_backend import TorchBackend
 
     unknown = set(options) - _OPTIONS
@@ -76,10 +79,12 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
         raise LuceboxError(
             f"unknown qwen35 model option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(_OPTIONS))})"
         )
+    kv_policy = options.get("kv_policy") or registry().kv_policy("full")
     # Bad cache types fail before any weight is read.
     for option, flag in (("cache_type_k", K_FLAG), ("cache_type_v", V_FLAG)):
         if options.get(option) is not None:
             kv_cache_type(options[option], flag)
+    kv_policy.check_types(options.get("cache_type_k"), options.get("cache_type_v"))
     if isinstance(gguf_file, (str, os.PathLike)):
         gguf_file = GGUFFile(gguf_file)
     backend = backend if backend is not None else TorchBackend()
@@ -88,7 +93,8 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     config = Qwen35Config.from_gguf_metadata(
         _MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
     )
-    src = _TensorSource(gguf_file, config, backend)
+    ops = QWEN35_OPS.bind(backend)  # the backend's ops and the family's own, each on a kernel where one takes it
+    src = _TensorSource(gguf_file, config, ops)
     chunk_size = int(options.get("gdn_chunk_size", 64))
 
     embed_tokens = src.weight("embed_tokens")
@@ -100,7 +106,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
             input_layernorm=src.vector("layers.{i}.input_layernorm", i),
             post_attention_layernorm=src.vector("layers.{i}.post_attention_layernorm", i),
             mlp=MLP(
-                backend,
+                ops,
                 gate_proj=src.weight("layers.{i}.mlp.gate_proj", i),
                 up_proj=src.weight("layers.{i}.mlp.up_proj", i),
                 down_proj=src.weight("layers.{i}.mlp.down_proj", i),
@@ -116,7 +122,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
         layers.append(layer)
 
     return Qwen35Model(
-        config, backend, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head,
+        config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head, kv_policy=kv_policy,
         kv_dtype=options.get("kv_dtype"), cache_type_k=options.get("cache_type_k"),
         cache_type_v=options.get("cache_type_v"), source=str(gguf_file.path),
     )

@@ -9,15 +9,17 @@ A stack of decoder layers, three Gated DeltaNet layers then one gated full-atten
 where the mixer is `GatedDeltaNet` (linear attention with a decaying, delta-rule-updated fp32 state per
 value head, after a short causal convolution) or `GatedAttention` (softmax attention with q/k RMSNorm,
 partial NeoX RoPE and a sigmoid output gate). Names follow transformers' `modeling_qwen3_5.py`; the
-GGUF names are in `GGUF_NAMES`. The target side of speculative decoding (the drafter's feature capture,
-tree verification, commit) is `verify.SpeculativeTarget`, which `Qwen35Model` inherits.
+GGUF names are in `GGUF_NAMES`. The mixer's own maths (the gated delta rule, the short convolution) are the
+family's named ops in `ops.py`, which a backend may run as kernels; `self.ops` is the backend with them
+bound. The target side of speculative decoding (the drafter's feature capture, tree verification, commit)
+is `verify.SpeculativeTarget`, which `Qwen35Model` inherits.
 
 What llama.cpp's converter baked into the GGUF, and what that means here:
 - zero-centred RMSNorm weights are stored with the 1 added: every norm is a plain `x_normed * w`;
 - `ssm_a` holds `-exp(A_log)`, so the decay is `g = ssm_a * softplus(a + dt_bias)`;
 - when there are more value heads than key heads, V heads are reordered from grouped to tiled (value head
   `h` reads key head `h % num_k_heads`) consistently in every tensor, which is exactly the mapping of the
-  backend's gated-delta-rule ops, so the GGUF tensors are used as they are;
+  family's gated-delta-rule ops (`ops.py`), so the GGUF tensors are used as they are;
 - `attn_q` keeps transformers' per-head interleave `[q_h | gate_h]`.
 """
 
@@ -29,18 +31,12 @@ from typing import Any
 import attrs
 import torch
 
-from lucebox_core.graphs import MIN_WINDOW, StepGraphs, graphs_enabled, kv_window
-from lucebox_core.kv import (
-    K_FLAG,
-    V_FLAG,
-    FullKVCache,
-    KVLayerShape,
-    kv_cache_type,
-)
+from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type
+from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, kv_window
 
 from .layout import Qwen35Config
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
-from .verify import SpeculativeTarget, StaticVerify
+from .verify import SpeculativeTarget
 
 ARCHITECTURE = "qwen35"
 # `<|MASK|>`-like slot of the Qwen3.5/3.6 vocabulary that z-lab's DFlash drafters were trained with.
@@ -260,7 +256,7 @@ class GatedAttention:
         out = self.ops.sigmoid_mul(out, gate.reshape(out.shape))
         return self.ops.linear(out.reshape(batch, tokens, -1), self.o_proj)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, past: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
         """`past`: positions the cache held before this forward call; query `i` sees keys `0 .. past + i`."""
         query, gate, key, value = self._project(x, positions)
         all_keys, all_values = kv.append(self.layer_index, key[0], value[0])
@@ -270,24 +266,24 @@ class GatedAttention:
         )
         return self._output(out, gate)
 
-    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: FullKVCache, window: int) -> torch.Tensor:
-        """One token `x` `[1, 1, hidden]` at the device position `position` `[1]`: its K/V written at that
-        row, attention over the first `window` rows masked past it. No host value but `window`."""
+    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:
+        """One token `x` `[1, 1, hidden]` at the device position `position` `[1]`: its K/V written there,
+        attention over the first `window` positions masked past it. No host value but `window`."""
         query, gate, key, value = self._project(x, position)
-        kv.write_at(self.layer_index, position, key[0], value[0])
+        kv.write(self.layer_index, position, key[0], value[0])
         # As stored: a Q8_0 window goes to the attention op undecoded (its kernel decodes in registers).
-        keys, values = kv.window_stored(self.layer_index, window)
+        keys, values = kv.gather(self.layer_index, window)
         out = self.ops.decode_attention(query, keys, values, position, scale=self.head_dim**-0.5)
         return self._output(out, gate)
 
     def verify_tree(
-        self, x: torch.Tensor, positions: torch.Tensor, kv: FullKVCache, visible: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, visible: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tree nodes `x` `[1, N, hidden]` attend to the whole cache plus the nodes `visible` `[N, N]` lets
         them see (their ancestors and themselves); the cache is not written. Returns the output and the
         nodes' K and V rows (as the cache will read them back), for `commit` to keep the accepted ones."""
         query, gate, key, value = self._project(x, positions)
-        past_keys, past_values = kv.get(self.layer_index)
+        past_keys, past_values = kv.read(self.layer_index)
         # Through the cache's storage type and back: a quantized cache must give the nodes the K/V that
         # plain decoding would read, or the verified logits would differ from decoding the accepted path.
         key_rows, value_rows = kv.as_stored(key[0], value[0])
@@ -298,17 +294,16 @@ class GatedAttention:
         out = self.ops.attention(query, all_keys, all_values, scale=self.head_dim**-0.5, mask=mask)
         return self._output(out, gate), key_rows, value_rows
 
-
-    def verify_static(self, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, kv: FullKVCache,
+    def verify_static(self, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, kv: KVCache,
                       window: int, visible: torch.Tensor) -> torch.Tensor:
-        """Tree nodes `x` `[1, N, hidden]` at device `positions` `[N]`: their K/V written at rows
+        """Tree nodes `x` `[1, N, hidden]` at device `positions` `[N]`: their K/V written at positions
         `start .. start + N - 1` (`start` `[1]`, the committed length; insertion order), attention over
-        the first `window` rows with each node seeing the committed rows and its `visible` ancestors.
+        the first `window` positions with each node seeing the committed ones and its `visible` ancestors.
         No host value but `window` and N: what a CUDA graph records. `commit` moves the accepted rows."""
         query, gate, key, value = self._project(x, positions)
-        kv.write_rows(self.layer_index, start, key[0], value[0])
+        kv.write(self.layer_index, start + torch.arange(x.shape[1], device=start.device), key[0], value[0])
         # As stored, as the decode step reads them: a Q8_0 window is decoded by the attention op.
-        keys, values = kv.window_stored(self.layer_index, window)
+        keys, values = kv.gather(self.layer_index, window)
         out = self.ops.tree_attention(query, keys, values, start, visible, scale=self.head_dim**-0.5)
         return self._output(out, gate)
 
@@ -364,7 +359,7 @@ class Qwen35State:
     filled with the hidden states of the layers a forward call was asked to capture.
     """
 
-    kv: FullKVCache
+    kv: KVCache  # made by the model's KV policy
     linear: dict[int, GatedDeltaNetState]
     length: int = 0  # tokens seen
     captured: dict[int, torch.Tensor] = attrs.Factory(dict)
@@ -372,24 +367,11 @@ class Qwen35State:
     # of `capture_layers`, concatenated, for committed position `pos`.
     capture_layers: tuple[int, ...] = ()
     features: torch.Tensor | None = None
-    # The static decode step's inputs and recordings (made on the first `decode_step`).
-    decode: StaticDecode | None = None
-    # The static verify pass's inputs per node count, and its recordings (apart from the decode step's,
-    # so that a verify pass that cannot be recorded leaves decoding graphed).
-    verify_inputs: dict[int, StaticVerify] = attrs.Factory(dict)
-    verify_graphs: StepGraphs | None = None
-
-
-@attrs.define
-class StaticDecode:
-    """The fixed device inputs of one sequence's decode step, and its CUDA graphs (one per KV window)."""
-
-    token: torch.Tensor  # [1] long
-    position: torch.Tensor  # [1] long: the new token's position, = the sequence length before the step
-    # [1, 1, hidden]: the token's embedding, gathered eagerly before the step (the GGUF dequantizers in
-    # lucebox_core.quants build small host constants, a host-to-device copy that a graph cannot record).
-    embedded: torch.Tensor
-    graphs: StepGraphs | None = None  # made on the first graphed step
+    # The static decode step (its input buffers and recordings, one per KV window), made on the first
+    # `decode_step`; the static verify pass's apart, so that a verify pass that cannot be recorded leaves
+    # decoding graphed.
+    decode: StaticStep | None = None
+    verify: StaticStep | None = None
 
 
 # -- the model -------------------------------------------------------------------------------------------
@@ -399,19 +381,23 @@ class Qwen35Model(SpeculativeTarget):
     def __init__(
         self,
         config: Qwen35Config,
-        backend: Any,
+        ops: Any,
         embed_tokens: Weight,
         layers: list[DecoderLayer],
         norm: torch.Tensor,
         lm_head: Weight,
         *,
+        kv_policy: Any,
         kv_dtype: torch.dtype | None = None,
         cache_type_k: str | torch.dtype | None = None,
         cache_type_v: str | torch.dtype | None = None,
         source: str = "",
     ) -> None:
+        """`ops`: the backend with the family's ops bound (`QWEN35_OPS.bind(backend)`); `kv_policy`: the
+        `KVPolicy` whose caches the sequences' attention layers use."""
         self.config = config
-        self.ops = backend
+        self.ops = ops
+        self.kv_policy = kv_policy
         self.embed_tokens = embed_tokens
         self.layers = layers
         self.norm = norm
@@ -419,18 +405,19 @@ class Qwen35Model(SpeculativeTarget):
         self.tied_embeddings = lm_head is embed_tokens
         # KV storage types (`f32`, `f16`, `bf16`, `q8_0`), K and V independently; default: `kv_dtype`, else
         # the backend's dtype. Quantized K/V are read back as the backend's dtype.
-        self.kv_dtype = kv_dtype or backend.dtype
+        self.kv_dtype = kv_dtype or ops.dtype
         self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
         self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
+        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
         self.vocab_size = int(embed_tokens.shape[0])
         self.context_length = int(config.context_length)
         self.source = source
-        # One-token forward calls take the static decode step, replayed as a CUDA graph, on CUDA devices.
-        self.decode_graphs = graphs_enabled(backend.device)
+        # One-token forward calls take the static decode step, replayed as a graph where the backend records.
+        self.decode_graphs = ops.graphs_enabled()
         self.decode_min_window = MIN_WINDOW
         # Prefill chunk the engine uses: on a GPU a chunk's cost is mostly reading (or decoding) every
         # weight once, so large chunks amortise it; on the CPU, smaller ones bound the activations.
-        self.prefill_chunk = 4096 if torch.device(backend.device).type == "cuda" else 512
+        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
 
     def __repr__(self) -> str:
         linear = sum(layer.is_linear for layer in self.layers)
@@ -444,8 +431,8 @@ class Qwen35Model(SpeculativeTarget):
         max_tokens = self.context_length if max_tokens is None else max_tokens
         device, dtype = self.ops.device, self.ops.dtype
         return Qwen35State(
-            kv=FullKVCache(self.kv_layer_shapes(), max_tokens, dtype=dtype, device=device,
-                           k_type=self.cache_type_k, v_type=self.cache_type_v),
+            kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=dtype, device=device,
+                                     k_type=self.cache_type_k, v_type=self.cache_type_v),
             linear={
                 layer.index: layer.linear_attn.new_state(device, dtype)
                 for layer in self.layers
@@ -457,7 +444,7 @@ class Qwen35Model(SpeculativeTarget):
         """Empty `state` for a new sequence, keeping its buffers and recordings (the engine reuses finished
         sequences' states, so a new request replays the decode and verify graphs recorded on them): no
         position is held, the Gated DeltaNet conv and recurrent states are zero, nothing is captured."""
-        state.kv.crop(0)
+        state.kv.rollback(0)
         for linear in state.linear.values():
             linear.conv.zero_()
             linear.recurrent.zero_()
@@ -573,64 +560,49 @@ class Qwen35Model(SpeculativeTarget):
         """Feed one token at position `state.length` through the static-shape step; return logits `[1, vocab]`
         and advance the state, exactly as `forward` does for one token.
 
-        The step reads the token and its position from fixed device tensors, writes K/V at that position
+        The step reads the token and its position from fixed device buffers, writes K/V at that position
         (attention reads a fixed window of the cache, masked on the device), updates the Gated DeltaNet
-        state in place and leaves the logits in a buffer of its own, so with `graphs` (default: on for
-        CUDA devices) each window size is recorded once per sequence as a CUDA graph and then replayed.
+        state in place and leaves the logits in a buffer of its own, so with `graphs` (default: where the
+        backend records graphs) each window size is recorded once per sequence and then replayed.
         """
         ops = self.ops
         length = state.length
         state.kv.ensure_room(1)
-        use_graphs = self.decode_graphs if graphs is None else graphs
         if state.decode is None:
-            state.decode = StaticDecode(
-                token=torch.zeros(1, dtype=torch.long, device=ops.device),
-                position=torch.zeros(1, dtype=torch.long, device=ops.device),
-                embedded=torch.zeros(1, 1, self.config.hidden, dtype=ops.dtype, device=ops.device),
-            )
-        buffers = state.decode
-        if use_graphs and buffers.graphs is None:
-            # A memory pool per sequence: its recordings are made, replayed and freed together. A pool
-            # shared across sequences tripped PyTorch's allocator (use_count assertion) once an earlier
-            # sequence's graphs were freed while a later one was recording (H200 run 3).
-            buffers.graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle())
-        if isinstance(token, torch.Tensor) and token.device == ops.device:
-            buffers.token.copy_(token.reshape(1))
-        else:  # a host value: a fill launch, no copy that would wait for the device
-            buffers.token.fill_(int(token.reshape(-1)[0]) if isinstance(token, torch.Tensor) else int(token))
-        buffers.position.fill_(length)
-        buffers.embedded.copy_(ops.embedding(buffers.token, self.embed_tokens).reshape(buffers.embedded.shape))
+            state.decode = StaticStep(ops, "decode step", graphs=self.decode_graphs)
+        if isinstance(token, torch.Tensor) and token.device != torch.device(ops.device):
+            token = int(token.reshape(-1)[0])  # a host value: filled on the device, no copy to wait for
+        inputs = state.decode.inputs(token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),
+                                     position=length)
+        # The embedding is gathered eagerly, outside the recording: the GGUF dequantizers in
+        # lucebox_core.quants build small host constants, a host-to-device copy that a graph cannot record.
+        inputs.set("embedded", ops.embedding(inputs.token, self.embed_tokens).reshape(1, 1, -1))
         window = kv_window(length + 1, state.kv.max_context, self.decode_min_window)
-        if use_graphs and buffers.graphs is not None and buffers.graphs.failure is None:
-            # The recording's buffer is overwritten by the next replay: hand out a copy.
-            # Recordings with the drafter's feature capture write the feature ring too.
-            # Keyed on the ring itself: a recording writes into the buffer it was made with.
-            key = window if state.features is None else (window, state.features.data_ptr())
-            logits = buffers.graphs.run(key, lambda: self._static_step(state, window)).clone()
-        else:
-            logits = self._static_step(state, window)
-        state.kv.extend_to(length + 1)
+        # Recordings with the drafter's feature capture write the feature ring too: keyed on the ring itself,
+        # since a recording writes into the buffer it was made with.
+        key = window if state.features is None else (window, state.features.data_ptr())
+        logits = state.decode.run(key, lambda step_inputs: self._static_step(state, step_inputs, window), inputs,
+                                  clone=True, graphs=graphs)
+        state.kv.commit(length + 1)
         state.length = length + 1
         state.captured = {}
         return logits
 
-    def _static_step(self, state: Qwen35State, window: int) -> torch.Tensor:
-        """The decode step as a function of device buffers and `window` alone (what a graph records)."""
-        buffers = state.decode
-        assert buffers is not None
+    def _static_step(self, state: Qwen35State, inputs: StaticInputs, window: int) -> torch.Tensor:
+        """The decode step as a function of its static inputs and `window` alone (what a graph records)."""
 
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 return layer.linear_attn(x, state.linear[layer.index])
-            return layer.self_attn.decode_static(x, buffers.position, state.kv, window)
+            return layer.self_attn.decode_static(x, inputs.position, state.kv, window)
 
         taps: list[torch.Tensor] = []
         tapped = state.capture_layers if state.features is not None else ()
-        hidden = self._run_layers(buffers.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
+        hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
         if state.features is not None:
             # The drafter's features of this position, into the ring at a device index (a graph records it):
             # plain decoding of a speculative sequence stays on this step, the one verification matches.
-            slot = buffers.position % state.features.shape[0]
+            slot = inputs.position % state.features.shape[0]
             state.features.index_copy_(0, slot, self._concat_taps(state, taps).to(state.features.dtype))
         return self.ops.linear(hidden, self.lm_head)[0]
 

@@ -1,6 +1,6 @@
 """The hooks `lucebox-qwen` implements. Everything heavy is imported lazily, by reference."""
 
-from lucebox_core import Converter, DefaultModel, ModelFamily, ResponseParser, Synthesizer, hookimpl
+from lucebox_core import Converter, DefaultModel, Drafter, ModelFamily, ResponseParser, Synthesizer, hookimpl
 
 
 @hookimpl
@@ -10,7 +10,22 @@ def lucebox_model_families():
             name="qwen35",
             architectures=["qwen35"],
             loader="lucebox_qwen35.loader:load",
+            ops="lucebox_qwen35.ops:QWEN35_OPS",
             description="Qwen3.5 / Qwen3.6 dense: Gated DeltaNet + gated attention hybrid",
+        )
+    ]
+
+
+@hookimpl
+def lucebox_drafters():
+    # The family's own draft files (written by `lucebox synth --arch qwen35-dflash-draft`) are DFlash drafters:
+    # the core's DFlash loader reads them.
+    return [
+        Drafter(
+            name="dflash",
+            factory="lucebox_core.speculative.dflash:load",
+            architectures=["qwen35-dflash-draft"],
+            description="DFlash drafter files written for qwen35 targets",
         )
     ]
 

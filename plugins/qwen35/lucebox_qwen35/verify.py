@@ -14,17 +14,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import torch
 
 from lucebox_core.errors import LuceboxError
-from lucebox_core.graphs import StepGraphs, kv_window
 from lucebox_core.speculative.trees import TreeIndex
-
-if TYPE_CHECKING:
-    from .model import DecoderLayer, Qwen35State
+from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
 
 
 @attrs.frozen
@@ -46,23 +43,12 @@ class TreeVerification:
     compacted: list[int] = attrs.Factory(list)
 
 
-@attrs.define
-class StaticVerify:
-    """The fixed device inputs of a sequence's tree verification for one node count."""
-
-    tokens: torch.Tensor  # [N] long
-    parents: torch.Tensor  # [N] long
-    depths: torch.Tensor  # [N] long
-    visible: torch.Tensor  # [N, N] bool
-    start: torch.Tensor  # [1] long: the committed length, the root's position
-    embedded: torch.Tensor  # [1, N, hidden]
-
-
-
 class SpeculativeTarget:
-    """Feature capture, tree verification and commit, as methods of `Qwen35Model`."""
+    """Feature capture, tree verification and commit, as methods of `Qwen35Model` (a `state` here is a
+    `model.Qwen35State`, a `layer` a `model.DecoderLayer`; this module does not import the model's, which
+    imports it)."""
 
-    def enable_capture(self, state: Qwen35State, layers: Collection[int], capacity: int) -> None:
+    def enable_capture(self, state: Any, layers: Collection[int], capacity: int) -> None:
         """Keep the outputs of `layers` (0-based: transformers' `hidden_states[i + 1]`) of every committed
         position in a ring of `capacity` rows, for a drafter. Positions already seen are not captured."""
         bad = [i for i in layers if not 0 <= i < len(self.layers)]
@@ -77,7 +63,7 @@ class SpeculativeTarget:
         state.capture_layers = tuple(layers)
         state.features = torch.zeros(capacity, width, device=self.ops.device, dtype=self.ops.dtype)
 
-    def read_features(self, state: Qwen35State, start: int, end: int) -> torch.Tensor:
+    def read_features(self, state: Any, start: int, end: int) -> torch.Tensor:
         """Captured features of committed positions `start .. end-1` (`[end - start, n * hidden]`)."""
         assert state.features is not None, "enable_capture was not called on this state"
         capacity = state.features.shape[0]
@@ -86,12 +72,12 @@ class SpeculativeTarget:
         slots = torch.arange(start, end, device=state.features.device) % capacity
         return state.features[slots]
 
-    def _concat_taps(self, state: Qwen35State, taps: list[torch.Tensor]) -> torch.Tensor:
+    def _concat_taps(self, state: Any, taps: list[torch.Tensor]) -> torch.Tensor:
         # `taps` follow layer order; the ring follows `capture_layers` order.
         order = sorted(state.capture_layers)
         return torch.cat([taps[order.index(i)] for i in state.capture_layers], dim=-1)
 
-    def _store_features(self, state: Qwen35State, start: int, rows: torch.Tensor) -> None:
+    def _store_features(self, state: Any, start: int, rows: torch.Tensor) -> None:
         assert state.features is not None
         capacity = state.features.shape[0]
         rows = rows[-capacity:]
@@ -99,7 +85,7 @@ class SpeculativeTarget:
         slots = torch.arange(start, start + len(rows), device=state.features.device) % capacity
         state.features[slots] = rows.to(state.features.dtype)
 
-    def verify(self, state: Qwen35State, tokens: Seq[int] | torch.Tensor, parents: Seq[int], *,
+    def verify(self, state: Any, tokens: Seq[int] | torch.Tensor, parents: Seq[int], *,
                static: bool | None = None, graphs: bool | None = None) -> TreeVerification:
         """Run a candidate tree in one forward pass without committing anything.
 
@@ -132,7 +118,7 @@ class SpeculativeTarget:
         visible = tree.visibility()
         kv_rows, conv, recurrent, taps = {}, {}, {}, []
 
-        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
                     x, state.linear[layer.index], tree.parents
@@ -148,44 +134,29 @@ class SpeculativeTarget:
         logits = ops.linear(hidden, self.lm_head)[0]
         return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
 
-    def _verify_static(self, state: Qwen35State, tree: TreeIndex, token_ids: torch.Tensor,
+    def _verify_static(self, state: Any, tree: TreeIndex, token_ids: torch.Tensor,
                        use_graphs: bool) -> TreeVerification:
         ops = self.ops
         nodes, committed = tree.size, state.length
-        inputs = state.verify_inputs.get(nodes)
-        if inputs is None:
-            inputs = state.verify_inputs[nodes] = StaticVerify(
-                tokens=torch.zeros(nodes, dtype=torch.long, device=ops.device),
-                parents=torch.zeros(nodes, dtype=torch.long, device=ops.device),
-                depths=torch.zeros(nodes, dtype=torch.long, device=ops.device),
-                visible=torch.zeros(nodes, nodes, dtype=torch.bool, device=ops.device),
-                start=torch.zeros(1, dtype=torch.long, device=ops.device),
-                embedded=torch.zeros(1, nodes, self.config.hidden, dtype=ops.dtype, device=ops.device),
-            )
-        inputs.tokens.copy_(token_ids)
-        inputs.parents.copy_(tree.parents)
-        inputs.depths.copy_(tree.depths)
-        inputs.visible.copy_(tree.visibility())
-        inputs.start.fill_(committed)
-        inputs.embedded.copy_(ops.embedding(inputs.tokens, self.embed_tokens)[None])
+        if state.verify is None:
+            state.verify = StaticStep(ops, "verify pass", graphs=self.decode_graphs)
+        # The tree's tokens, shape and the committed length (the root's position) in fixed device buffers.
+        inputs = state.verify.inputs(tokens=token_ids, parents=tree.parents, depths=tree.depths,
+                                     visible=tree.visibility(), start=committed)
+        inputs.set("embedded", ops.embedding(inputs.tokens, self.embed_tokens)[None])
         window = kv_window(committed + nodes, state.kv.max_context, self.decode_min_window)
-        if use_graphs:
-            if state.verify_graphs is None:
-                state.verify_graphs = StepGraphs(ops.device, torch.cuda.graph_pool_handle(), label="verify pass")
-            # Keyed on whether features are captured too: a recording without them would return none.
-            key = (window, nodes, state.features is not None)
-            outputs = state.verify_graphs.run(key, lambda: self._static_verify_pass(state, inputs, window))
-        else:
-            outputs = self._static_verify_pass(state, inputs, window)
-        logits, features, conv, recurrent = outputs
+        # Keyed on whether features are captured too: a recording without them would return none.
+        key = (window, nodes, state.features is not None)
+        logits, features, conv, recurrent = state.verify.run(
+            key, lambda step_inputs: self._static_verify_pass(state, step_inputs, window), inputs, graphs=use_graphs)
         return TreeVerification(tree, committed, logits, features, {}, conv, recurrent, static=True)
 
-    def _static_verify_pass(self, state: Qwen35State, inputs: StaticVerify, window: int):
-        """The verify pass as a function of device buffers, `window` and N alone (what a graph records)."""
+    def _static_verify_pass(self, state: Any, inputs: StaticInputs, window: int):
+        """The verify pass as a function of its static inputs, `window` and N alone (what a graph records)."""
         positions = inputs.start + inputs.depths
         conv, recurrent, taps = {}, {}, []
 
-        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
                     x, state.linear[layer.index], inputs.parents
@@ -198,7 +169,7 @@ class SpeculativeTarget:
         features = self._concat_taps(state, taps) if state.features is not None else None
         return self.ops.linear(hidden, self.lm_head)[0], features, conv, recurrent
 
-    def commit(self, state: Qwen35State, verification: TreeVerification, path: Seq[int]) -> None:
+    def commit(self, state: Any, verification: TreeVerification, path: Seq[int]) -> None:
         """Keep the accepted `path` (node indices from the root, each the parent of the next): their KV
         rows compacted to positions `committed .. committed + len(path) - 1`, the conv and recurrent
         state after the last of them and their features. Nothing of any other node survives."""
@@ -211,15 +182,15 @@ class SpeculativeTarget:
             raise ValueError(f"{path} leaves the path {done} already committed from this verification")
         committed = verification.committed  # committing again (a longer path) first undoes the last one
         index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
-        state.kv.crop(committed)
+        state.kv.rollback(committed)
         if verification.static:  # the nodes' rows are in the cache in insertion order: compact the path
             if len(path) > len(done):
-                # Only the new part moves: rows committed + 0 .. len(done) - 1 already hold the earlier
+                # Only the new part moves: positions committed + 0 .. len(done) - 1 already hold the earlier
                 # part, and the new part's sources (path[i] >= i >= len(done)) were never written over.
-                state.kv.move_rows(committed + index[len(done):],
-                                   committed + torch.arange(len(done), len(path), device=index.device))
+                state.kv.move(committed + index[len(done):],
+                              committed + torch.arange(len(done), len(path), device=index.device))
                 verification.compacted[:] = path
-            state.kv.extend_to(committed + len(path))
+            state.kv.commit(committed + len(path))
         for layer, (k_rows, v_rows) in verification.kv_rows.items():
             state.kv.append(layer, k_rows[index], v_rows[index])
         last = path[-1]

@@ -1,0 +1,349 @@
+"""The ops `lucebox-cuda` runs as kernels: for each named op, the kernel and its check of what it takes.
+
+Registered by name through the `lucebox_op_kernels` hook (`plugin.py`, `GENERIC_KERNEL_OPS` and `FAMILY_KERNEL_OPS`), the one mechanism by
+which a backend offers kernels (`lucebox_core.ops`): the generic ops of `TorchBackend` (products on GGUF
+blocks, norms, attention, the fused decode-step compositions) and the Qwen3.5 family's Gated DeltaNet and
+convolution ops alike. Each `accepts_<op>` gets the arguments of the op's reference and says whether its
+kernel takes them (on this device, floats the kernels read, shapes they handle); where it does not, the
+reference runs. Every kernel gives the reference's result (`scripts/cuda_check.py` on the GPU, the Triton
+interpreter in the CPU tests).
+
+The first argument of each is `ops`: the `CudaBackend` for a generic op, the family's view of it (which
+reads through to the backend) for a family op.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from lucebox_core.quants import QuantTensor
+from lucebox_core.torch_backend import TorchBackend, concat_rows
+
+from . import catalogue
+
+# Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
+# kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
+SEQUENTIAL_PREFILL_TOKENS = 256
+# Rows `linear` still runs on the matrix-vector kernels (in slices of catalogue.MAX_BATCH) rather than the
+# tiled prefill product: every speculative verify pass (at most a 64-draft tree plus its root).
+VERIFY_ROWS = 2 * catalogue.MAX_BATCH
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _optional(module: str) -> ModuleType | None:
+    """`lucebox_cuda.<module>` if Triton imports here, else None (the references then serve)."""
+    try:
+        return __import__(f"lucebox_cuda.{module}", fromlist=["_"])
+    except ImportError:
+        return None
+
+
+triton_ops = functools.cache(lambda: _optional("triton_ops"))
+triton_attention = functools.cache(lambda: _optional("triton_attention"))
+triton_gdn = functools.cache(lambda: _optional("triton_gdn"))
+triton_fused = functools.cache(lambda: _optional("triton_fused"))
+
+
+def _triton_takes(ops: Any, *tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on these tensors: Triton importable, all on the backend's device,
+    floats of a kernel dtype (integer tensors such as positions pass)."""
+    if triton_ops() is None:
+        return False
+    device = ops.device
+    return all(t.device == device and (t.dtype in FLOATS or not t.is_floating_point()) for t in tensors)
+
+
+def _rows_indexable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels can index these as rows: last dim contiguous, leading dims one stride."""
+    fused = triton_fused()
+    return fused is not None and all(t.stride(-1) == 1 and fused._mergeable(t) for t in tensors)
+
+
+# -- weights and products (the NVRTC kernels) --------------------------------------------------------------
+
+
+def accepts_fuse_rows(ops: Any, weights: list[Any]) -> bool:
+    return all(ops.kernel_format(torch.empty(0, w.shape[-1], dtype=ops.dtype, device=ops.device), w) for w in weights)
+
+
+def fuse_rows(ops: Any, weights: list[Any]) -> Any:
+    """Projections of one input stacked into one weight on this GPU (one matvec launch instead of several,
+    and a larger grid); the parts are never uploaded."""
+    return concat_rows(weights, ops.device)
+
+
+def accepts_linear(ops: Any, x: torch.Tensor, weight: Any) -> bool:
+    return ops.kernel_format(x, weight) is not None
+
+
+def linear(ops: Any, x: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+    """Few rows (decode, verify) on the matrix-vector kernels, which read each weight byte once; more
+    (prefill) through tiles dequantized into a scratch buffer and cuBLAS."""
+    weight_format = ops.kernel_format(x, weight)
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    x2 = x.reshape(rows, in_features)
+    if rows == 0:
+        out = x2.new_empty(0, out_features)
+    elif rows <= catalogue.MAX_BATCH:
+        out = ops.matvec(x2, weight, weight_format)
+    elif rows <= VERIFY_ROWS:
+        # A speculative verify pass larger than one kernel batch (a 65-node tree): matvec kernels in
+        # slices, which compute each row as the decode step does (tiled dequant + cuBLAS would not).
+        out = x2.new_empty(rows, out_features)
+        for start in range(0, rows, catalogue.MAX_BATCH):
+            stop = min(start + catalogue.MAX_BATCH, rows)
+            ops.matvec(x2[start:stop], weight, weight_format, out=out[start:stop])
+    else:
+        out = ops.tiled_linear(x2, weight, weight_format)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def accepts_embedding(ops: Any, ids: torch.Tensor, weight: Any) -> bool:
+    return isinstance(weight, QuantTensor)
+
+
+def embedding(ops: Any, ids: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
+    """Gather the rows' raw bytes on the GPU and decode only those."""
+    return ops.device_weight(weight).lookup_rows(ids.to(ops.device), ops.dtype)
+
+
+def accepts_rms_norm(ops: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     out: torch.Tensor | None = None) -> bool:
+    return (x.device == ops.device and x.dtype in catalogue.ACTIVATIONS and weight.dtype in catalogue.ACTIVATIONS
+            and weight.numel() == x.shape[-1] and x.numel() > 0)
+
+
+def rms_norm(ops: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    return ops.rms_norm_kernel(x, weight, eps, out=out)
+
+
+# -- attention (lucebox_cuda.triton_attention) ------------------------------------------------------------
+
+
+def _cache_attention(ops: Any, kernel: Any, reference: Any, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Run an attention kernel over a KV window; a Q8_0 window whose kernel does not build here falls back
+    to the reference (with one warning), as the newest kernel might."""
+    backend = getattr(ops, "backend", ops)
+    quantized = k.dtype == torch.uint8 or v.dtype == torch.uint8
+    if quantized and backend.__dict__.get("_q8_attention_failure"):
+        return reference()
+    try:
+        return kernel()
+    except Exception as exc:  # noqa: BLE001 -- first used eagerly (a graph's warm-up), so this is safe
+        if not quantized or torch.cuda.is_current_stream_capturing():
+            raise
+        backend.__dict__["_q8_attention_failure"] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"Q8_0 cache attention kernel unavailable, decoding the window instead: {exc}",
+                      RuntimeWarning, stacklevel=3)
+        return reference()
+
+
+def accepts_decode_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                             *, scale: float) -> bool:
+    return (triton_attention() is not None and _triton_takes(ops, q, k, v, position) and k.dim() == 3
+            and q.shape[2] % k.shape[1] == 0)
+
+
+def decode_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *,
+                     scale: float) -> torch.Tensor:
+    """As a one-node tree verification: the decode step and a speculative verify pass share one kernel and
+    one key partition, so a verified token gets the bits the decode step gives it. A Q8_0 window (uint8
+    rows) is decoded in registers."""
+    return _cache_attention(ops, lambda: triton_attention().decode_attention(q, k, v, position, scale=scale),
+                            lambda: TorchBackend.decode_attention(ops, q, k, v, position, scale=scale), k, v)
+
+
+def accepts_tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                           visible: torch.Tensor, *, scale: float) -> bool:
+    return (triton_attention() is not None and _triton_takes(ops, q, k, v, position, visible) and q.dim() == 4
+            and k.dim() == 3 and q.shape[2] % k.shape[1] == 0)
+
+
+def tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                   visible: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Each node over its own path, split over the rows in the decode step's fixed partition
+    (flash-decoding for N nodes); a Q8_0 window is decoded in registers."""
+    return _cache_attention(ops, lambda: triton_attention().tree_attention(q, k, v, position, visible, scale=scale),
+                            lambda: TorchBackend.tree_attention(ops, q, k, v, position, visible, scale=scale), k, v)
+
+
+def accepts_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                      causal_offset: int | None = None, mask: torch.Tensor | None = None) -> bool:
+    tensors = (q, k, v) + (() if mask is None else (mask,))
+    return (triton_attention() is not None and _triton_takes(ops, *tensors) and q.dim() == k.dim() == v.dim() == 4
+            and q.shape[2] % k.shape[2] == 0 and k.shape[1] > 0 and (causal_offset is None or causal_offset >= 0))
+
+
+def attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+              causal_offset: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A FlashAttention-2 forward in Triton (GQA, causal offset, bool mask): the reference materialises
+    every score (14 GB for a 4096-token chunk at depth 32K)."""
+    return triton_attention().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
+
+
+# -- the fused decode-step compositions (lucebox_cuda.triton_fused) ---------------------------------------
+
+
+def accepts_add_rms_norm(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    return _triton_takes(ops, x, residual, weight) and x.shape == residual.shape and _rows_indexable(x, residual)
+
+
+def add_rms_norm(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return triton_fused().add_rms_norm(x, residual, weight, eps)
+
+
+def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return (_triton_takes(ops, gate, up) and gate.shape == up.shape and gate.dtype == up.dtype
+            and _rows_indexable(gate, up))
+
+
+def silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return triton_fused().silu_mul(gate, up)
+
+
+def accepts_sigmoid_mul(ops: Any, x: torch.Tensor, gate: torch.Tensor) -> bool:
+    return _triton_takes(ops, x, gate) and x.shape == gate.shape and x.dtype == gate.dtype and _rows_indexable(x, gate)
+
+
+def sigmoid_mul(ops: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return triton_fused().sigmoid_mul(x, gate)
+
+
+def accepts_gated_rms_norm(ops: Any, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    return _triton_takes(ops, x, z, weight) and x.shape == z.shape and x.dtype == z.dtype and _rows_indexable(x, z)
+
+
+def gated_rms_norm(ops: Any, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return triton_fused().gated_rms_norm(x, z, weight, eps)
+
+
+def accepts_qk_norm_rope(ops: Any, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                         positions: torch.Tensor, rot_dim: int, theta: float, eps: float) -> bool:
+    return (_triton_takes(ops, query, key, q_norm, k_norm, positions) and query.shape[0] == 1
+            and query.stride(-1) == 1 and key.stride(-1) == 1)
+
+
+def qk_norm_rope(ops: Any, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                 positions: torch.Tensor, rot_dim: int, theta: float, eps: float):
+    return triton_fused().qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps,
+                                       inv_freq=ops.rope_inv_freq(rot_dim, theta))
+
+
+# -- the Qwen3.5 family's Gated DeltaNet and convolution ops (lucebox_qwen35.ops) ---------------------------
+
+
+def accepts_gated_delta_rule_recurrent(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                       beta: torch.Tensor, state: torch.Tensor | None, scale: float | None = None) -> bool:
+    tensors = (q, k, v, g, beta) + (() if state is None else (state,))
+    return q.shape[1] == 1 and v.shape[2] % k.shape[2] == 0 and _triton_takes(ops, *tensors)
+
+
+def gated_delta_rule_recurrent(ops: Any, q, k, v, g, beta, state, scale=None):
+    """One token (decode) as one Triton kernel; more tokens are not accepted and take the reference."""
+    return triton_ops().gated_delta_rule_step(q, k, v, g, beta, state, scale)
+
+
+def accepts_causal_conv1d_step(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> bool:
+    return _triton_takes(ops, x, weight, state)
+
+
+def causal_conv1d_step(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+    return triton_ops().causal_conv1d_step(x, weight, state)
+
+
+def accepts_conv_silu_update_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> bool:
+    return _triton_takes(ops, x, weight, state) and state.dtype == x.dtype
+
+
+def conv_silu_update_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    out, _ = triton_ops().causal_conv1d_step(x, weight, state, activation="silu", new_state=state)
+    return out
+
+
+def accepts_gated_delta_decode_(ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
+                                dt_bias: torch.Tensor, state: torch.Tensor, num_k_heads: int, head_k_dim: int) -> bool:
+    return (_triton_takes(ops, mixed, a, b, ssm_a, dt_bias, state) and state.is_contiguous()
+            and state.dtype == torch.float32 and all(t.stride(-1) == 1 for t in (mixed, a, b)))
+
+
+def gated_delta_decode_(ops: Any, mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim):
+    return triton_fused().gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
+
+
+def accepts_gated_delta_tree(ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
+                             dt_bias: torch.Tensor, state: torch.Tensor, parents: torch.Tensor, num_k_heads: int,
+                             head_k_dim: int) -> bool:
+    return (_triton_takes(ops, mixed, a, b, ssm_a, dt_bias, state, parents) and mixed.shape[0] == 1
+            and state.is_contiguous() and state.dtype == torch.float32
+            and all(t.stride(-1) == 1 for t in (mixed, a, b)))
+
+
+def gated_delta_tree(ops: Any, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim):
+    """One Triton kernel walking the nodes (parents read on the device)."""
+    return triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+
+
+def accepts_gated_delta_rule_chunked(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, state: torch.Tensor | None, chunk_size: int = 64,
+                                     scale: float | None = None) -> bool:
+    tensors = (q, k, v, g, beta) + (() if state is None else (state,))
+    gdn = triton_gdn()
+    return (gdn is not None and v.shape[2] % k.shape[2] == 0 and chunk_size in gdn.CHUNK_SIZES
+            and _triton_takes(ops, *tensors))
+
+
+def gated_delta_rule_chunked(ops: Any, q, k, v, g, beta, state, chunk_size=64, scale=None):
+    """Two Triton kernels (chunk inverses, then the chunk scan); short runs token by token."""
+    if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
+        return triton_gdn().gated_delta_rule_sequential(q, k, v, g, beta, state, scale)
+    return triton_gdn().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
+
+
+def accepts_gated_delta_rule_tree(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, state: torch.Tensor, parents: torch.Tensor,
+                                  scale: float | None = None) -> bool:
+    return (triton_gdn() is not None and q.shape[0] == 1 and v.shape[2] % k.shape[2] == 0
+            and _triton_takes(ops, q, k, v, g, beta, state, parents))
+
+
+def gated_delta_rule_tree(ops: Any, q, k, v, g, beta, state, parents, scale=None):
+    """One Triton launch walking the nodes (parents read on the device), so a verify pass can be recorded."""
+    return triton_gdn().gated_delta_rule_tree(q, k, v, g, beta, state, parents, scale)
+
+
+def accepts_causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> bool:
+    return triton_gdn() is not None and weight.shape[1] >= 2 and _triton_takes(ops, x, weight, state)
+
+
+def causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+    return triton_gdn().causal_conv1d(x, weight, state)
+
+
+def accepts_causal_conv1d_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                               parents: torch.Tensor) -> bool:
+    return (triton_gdn() is not None and weight.shape[1] >= 2 and x.shape[0] == 1
+            and _triton_takes(ops, x, weight, state, parents))
+
+
+def causal_conv1d_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor):
+    """Each node's ancestry walked on the device (sums in fp32, as the decode step's convolution kernel)."""
+    return triton_gdn().causal_conv1d_tree(x, weight, state, parents)
+
+
+def accepts_conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                           parents: torch.Tensor) -> bool:
+    return accepts_causal_conv1d_tree(ops, x, weight, state, parents) and state.dtype == x.dtype
+
+
+def conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor):
+    """The tree convolution with SiLU in the same kernel, reduced and activated as the decode step's
+    `conv_silu_update_` kernel: a verified node's Gated DeltaNet input is the decode step's to the bit."""
+    return triton_gdn().causal_conv1d_tree(x, weight, state, parents, activation="silu")
+

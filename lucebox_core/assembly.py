@@ -1,0 +1,137 @@
+"""The one place an engine is assembled: from options (model, backend, KV policy and types, drafter,
+verifier, budget, ubatch, context) to a loaded model and an `Engine` over it.
+
+`lucebox generate`, `lucebox bench` and `lucebox serve` all go through `build_engine`. Every choice is made
+through a hook: the model's family by the GGUF's `general.architecture`, the backend by name or priority,
+the KV policy by `--kv-policy NAME`, the drafter by the draft GGUF's architecture, the verifier by
+`--spec-type NAME`. `check_options` validates what can be validated before anything is loaded, so a typo
+in a flag fails in a second, not after a 27B upload.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from .errors import LuceboxError
+
+
+@attrs.frozen(kw_only=True)
+class EngineOptions:
+    """What an engine is made of. The defaults are the CLI's."""
+
+    model: str | None = None  # GGUF path; None: the default model a plugin provides
+    backend: str | None = None  # kernel backend name; None: the available one with the highest priority
+    device: str | None = None  # torch device for the backend
+    ctx_size: int = 4096  # positions per sequence (-c)
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward (-ub); None: the model's choice
+    parallel: int = 1  # sequences generated at once (-np): finished ones kept for reuse, up to this many
+    chat_template_file: str | None = None
+    kv_policy: str = "full"  # --kv-policy NAME
+    cache_type_k: str | None = None  # -ctk: as the KV policy stores it; None: the backend's dtype
+    cache_type_v: str | None = None  # -ctv
+    model_draft: str | None = None  # -md: a draft GGUF turns speculative decoding on
+    spec_type: str = "ddtree"  # --spec-type NAME: the verifier
+    tree_budget: int | str = 22  # --tree-budget N|auto
+    draft_block_size: int | None = None  # --draft-block-size; None: the drafter's
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
+        """The options an argparse namespace holds (flags a subcommand lacks keep their defaults)."""
+        names = {
+            "model": "model", "backend": "backend", "device": "device", "ctx_size": "ctx_size",
+            "prefill_chunk": "ubatch_size", "parallel": "parallel", "chat_template_file": "chat_template_file",
+            "kv_policy": "kv_policy", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
+            "model_draft": "model_draft", "spec_type": "spec_type", "tree_budget": "tree_budget",
+            "draft_block_size": "draft_block_size",
+        }
+        values = {field: getattr(args, flag) for field, flag in names.items()
+                  if getattr(args, flag, None) is not None}
+        return cls(**{**values, **overrides})
+
+
+@attrs.frozen
+class Choices:
+    """The plugin specs the options name, found before anything is loaded."""
+
+    kv_policy: Any  # KVPolicy
+    cache_type_k: str | None
+    cache_type_v: str | None
+    verifier: Any  # Verifier spec, or None without a drafter
+
+
+def check_options(options: EngineOptions) -> Choices:
+    """Validate the options that need no model (files exist, numbers in range, named plugins installed,
+    cache types the KV policy stores); a LuceboxError names the flag."""
+    from .plugins import registry
+
+    for flag, value in (("-c/--ctx-size", options.ctx_size), ("-np/--parallel", options.parallel),
+                        ("-ub/--ubatch-size", 1 if options.prefill_chunk is None else options.prefill_chunk)):
+        if value < 1:
+            raise LuceboxError(f"{flag} must be at least 1, got {value}")
+    for flag, path in (("-m/--model", options.model), ("-md/--model-draft", options.model_draft),
+                       ("--chat-template-file", options.chat_template_file)):
+        if path is not None and not os.path.isfile(path):
+            raise LuceboxError(f"{path}: no such file ({flag})")
+    policy = registry().kv_policy(options.kv_policy)
+    cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
+    verifier = None
+    if options.model_draft is not None:
+        verifier = registry().verifier(options.spec_type)
+        if options.tree_budget != "auto" and (not isinstance(options.tree_budget, int) or options.tree_budget < 1):
+            raise LuceboxError(f"--tree-budget must be a positive integer or 'auto', got {options.tree_budget!r}")
+    return Choices(policy, cache_type_k, cache_type_v, verifier)
+
+
+@attrs.frozen
+class AssembledEngine:
+    loaded: Any  # lucebox_core.loading.LoadedModel
+    engine: Any  # lucebox_core.engine.Engine
+    options: EngineOptions
+
+    @property
+    def speculative(self) -> Any:
+        return self.engine.speculative
+
+
+def load_drafter(path: str, target: Any, backend: Any = None) -> Any:
+    """The drafter for draft GGUF `path`, chosen by the file's architecture through the drafting hook."""
+    from .ggufio import GGUFFile
+    from .plugins import registry
+
+    draft_file = GGUFFile(path)
+    spec = registry().drafter_for(draft_file.architecture, path)
+    return spec.create(draft_file, target, backend=backend)
+
+
+def build_speculative(options: EngineOptions, loaded: Any) -> Any:
+    """The `SpeculativeDecoder` the options ask for (drafter from `-md`, verifier from `--spec-type`), or None."""
+    if options.model_draft is None:
+        return None
+    from .speculative import SpeculativeDecoder
+
+    drafter = load_drafter(options.model_draft, loaded.model, loaded.backend)
+    return SpeculativeDecoder(loaded.model, drafter, options.spec_type, budget=options.tree_budget,
+                              block_size=options.draft_block_size, backend=loaded.backend)
+
+
+def build_engine(options: EngineOptions, *, extra_context: int = 0) -> AssembledEngine:
+    """Load the model and make the engine the options describe. `extra_context`: positions allocated past
+    `ctx_size` (the benchmark's warm-up steps)."""
+    from .engine import Engine
+    from .loading import load_model
+
+    choices = check_options(options)
+    model_options: dict[str, Any] = {"kv_policy": choices.kv_policy}
+    if choices.cache_type_k is not None:
+        model_options["cache_type_k"] = choices.cache_type_k
+    if choices.cache_type_v is not None:
+        model_options["cache_type_v"] = choices.cache_type_v
+    loaded = load_model(options.model, backend=options.backend, device=options.device,
+                        chat_template_file=options.chat_template_file, **model_options)
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=options.ctx_size + extra_context,
+                    prefill_chunk=options.prefill_chunk, speculative=build_speculative(options, loaded),
+                    idle_sequences=options.parallel, backend=loaded.backend)
+    return AssembledEngine(loaded, engine, options)

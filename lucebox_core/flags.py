@@ -1,0 +1,84 @@
+"""The flags that make an engine, shared by `generate`, `bench` and `serve` (llama.cpp's names where the
+meaning matches). Every flag is defined once, here, with its help; `assembly.EngineOptions.from_args`
+reads them back."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def comma_ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def tree_budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the tree budget must be at least 1, got {value}")
+    return value
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = "context length to allocate") -> None:
+    """The model, where it runs and how its KV is kept: -m, -c, --backend, --device, --kv-policy, -ctk,
+    -ctv, -ub. Names (backend, KV policy, cache types) are checked against the installed plugins when the
+    engine is assembled, so a wrong one is an error that lists the choices, not an argparse usage dump."""
+    p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model, random weights)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help=f"{ctx_help} (default 4096)")
+    p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
+    p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
+    p.add_argument("--kv-policy", default="full", metavar="NAME",
+                   help="how attention K/V is stored and kept resident (default full: every position; "
+                        "`lucebox plugins` lists the installed policies)")
+    from .kv import KV_CACHE_TYPES
+
+    types = ", ".join(KV_CACHE_TYPES)
+    p.add_argument("-ctk", "--cache-type-k", metavar="TYPE",
+                   help=f"KV cache type of K: {types}, as the KV policy stores them (default: the backend's dtype)")
+    p.add_argument("-ctv", "--cache-type-v", metavar="TYPE",
+                   help=f"KV cache type of V: {types}, as the KV policy stores them (default: the backend's dtype)")
+    p.add_argument("-ub", "--ubatch-size", type=int, metavar="N",
+                   help="prompt tokens per prefill forward pass (default: the model's, 4096 on a GPU, 512 on "
+                        "the CPU); smaller takes less memory for activations and prefills more slowly")
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser, *, force: bool) -> None:
+    """The speculative-decoding flags: -md, --spec-type, --tree-budget, --draft-block-size (and, for
+    generate and bench, --force-accept)."""
+    p.add_argument("-md", "--model-draft", "--draft", dest="model_draft",
+                   help="draft GGUF (e.g. a DFlash drafter): enables speculative decoding; the file's "
+                        "architecture chooses the drafter")
+    p.add_argument("--spec-type", default="ddtree", metavar="NAME",
+                   help="the verifier: chain (one drafted block), ddtree (a best-first draft tree, the "
+                        "default), or any an installed plugin provides")
+    p.add_argument("--tree-budget", type=tree_budget, default=22,
+                   help="drafted nodes per ddtree verify (default 22), or 'auto': from the measured verify-cost "
+                        "curve and the drafter's confidence")
+    p.add_argument("--draft-block-size", type=int, help="positions per draft block (default: the draft's, 16)")
+    if force:
+        p.add_argument("--force-accept", type=float, metavar="K",
+                       help="benchmark aid: replace the first K drafts per step by the target's own greedy "
+                            "continuation (computed first) so exactly K are accepted; fractional K mixes "
+                            "floor and ceil. Output equals plain greedy. Never a real acceptance rate.")
+
+
+def check_force_accept(force: float | None, speculative: Any) -> None:
+    """`--force-accept` needs a drafter, and at most a block's drafts."""
+    from .errors import LuceboxError
+
+    if force is None:
+        return
+    if speculative is None:
+        raise LuceboxError("--force-accept needs a drafter (-md/--model-draft FILE)")
+    if not 0 <= force:
+        raise LuceboxError(f"--force-accept must be >= 0, got {force}")
+    if force > speculative.block_size - 1:
+        raise LuceboxError(f"--force-accept {force} exceeds the {speculative.block_size - 1} drafts of a block")

@@ -1,0 +1,171 @@
+"""Static steps: a step of fixed shapes over device buffers that stay put, recorded once as a graph and replayed.
+
+A decode step driven from Python launches hundreds of kernels, and each launch costs microseconds of host
+time: on a small model that, not the GPU, sets the speed. A step whose shapes and buffer addresses never
+change (its inputs read from fixed device tensors, its state updated in place, its outputs left in buffers
+of its own) can be recorded as a graph and replayed with one launch. A family describes such a step (the
+decode step, a verify pass of N nodes, a drafter's block) as a function of a `StaticInputs`; `StaticStep`
+owns the fixed input buffers, the graph memory pool, one recording per key, and the replay:
+
+    step = StaticStep(ops, "decode step")                     # one per sequence state
+    inputs = step.inputs(token=token, position=length)        # copied into the step's own buffers
+    inputs.set("embedded", ops.embedding(inputs.token, table)) # eager work on them, then stored too
+    logits = step.run(window, lambda i: forward(i), inputs, clone=True)
+
+A recording is keyed by the caller's key (what the step's host-side choices depend on, such as the KV
+window) and by the inputs' names and shapes, so a recording only ever replays over the buffers it read.
+Everything device-specific (streams, graphs, pools) goes through the backend.
+
+The one shape that must grow with a sequence is the window of the KV cache that attention reads:
+`kv_window` rounds the length up to one of a few sizes per octave (so at most a quarter of the window is
+masked-off padding), which keeps the number of recordings per sequence small.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+ENV_SWITCH = "LUCEBOX_CUDA_GRAPHS"  # "0" turns graph replay off (eager steps, for debugging and profiling)
+MIN_WINDOW = 256
+WINDOWS_PER_OCTAVE = 4
+
+
+def graphs_enabled(device: str | torch.device) -> bool:
+    """Whether static steps on `device` should be replayed as graphs: on CUDA devices, unless switched off."""
+    return torch.device(device).type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def kv_window(length: int, max_context: int, minimum: int = MIN_WINDOW) -> int:
+    """The KV window a step over `length` positions attends to: `length` rounded up to `minimum`, or above
+    it to a multiple of a quarter of its octave's lower bound (257 -> 320, 8193 -> 10240), capped at
+    `max_context`."""
+    if length <= minimum:
+        size = minimum
+    else:
+        step = 1 << max(0, (length - 1).bit_length() - 1 - (WINDOWS_PER_OCTAVE.bit_length() - 1))
+        size = -(-length // step) * step
+    return min(size, max_context)
+
+
+class StaticInputs:
+    """The fixed device buffers a static step reads, by name (attributes), as filled for one call."""
+
+    def __init__(self, step: StaticStep):
+        self._step = step
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def set(self, name: str, value: int | float | torch.Tensor) -> torch.Tensor:
+        """Store `value` in the step's buffer `name` of its shape and dtype (made on first use, then reused:
+        an int is a `[1]` long buffer, filled on the device without a copy) and return the buffer."""
+        buffer = self._step._buffer(name, value)
+        if isinstance(value, torch.Tensor):
+            buffer.copy_(value)
+        else:
+            buffer.fill_(value)
+        self._buffers[name] = buffer
+        return buffer
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        buffers = self.__dict__.get("_buffers", {})
+        if name not in buffers:
+            raise AttributeError(f"the static inputs hold {sorted(buffers)}, not {name!r}")
+        return buffers[name]
+
+    @property
+    def signature(self) -> tuple:
+        """The names, shapes and dtypes of the buffers: a recording made over them replays only over them."""
+        return tuple(sorted((name, tuple(b.shape), b.dtype) for name, b in self._buffers.items()))
+
+
+class StaticStep:
+    """One step function's fixed input buffers and recordings, for one owner (a sequence's state).
+
+    `backend`: the ops the step runs on (its device services record and replay). `graphs`: record and
+    replay (default: where the backend enables graphs); a call may override it. The graph memory pool is
+    this step's own: its recordings are made, replayed and freed together. (A pool shared across sequences
+    tripped PyTorch's allocator, a use_count assertion, once an earlier sequence's graphs were freed while a
+    later one was recording: H200 run 3.)
+    """
+
+    def __init__(self, backend: Any, label: str, *, graphs: bool | None = None):
+        self.backend = backend
+        self.label = label
+        self.device = torch.device(backend.device)
+        self.graphs = backend.graphs_enabled() if graphs is None else graphs
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._recorded: dict[Hashable, tuple[Any, Any]] = {}
+        self._pool: Any = None
+        self.failure: str | None = None  # why recording failed; the step then runs eagerly
+
+    def __len__(self) -> int:
+        """Recordings held."""
+        return len(self._recorded)
+
+    def recordings(self) -> list[Any]:
+        """The recorded graphs (each with `replay()`), oldest first: for profiling a bare replay."""
+        return [graph for graph, _ in self._recorded.values()]
+
+    def _buffer(self, name: str, value: int | float | torch.Tensor) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            shape, dtype = tuple(value.shape), value.dtype
+        else:
+            shape, dtype = (1,), torch.long if isinstance(value, int) else torch.float32
+        key = (name, shape, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return buffer
+
+    def inputs(self, **values: int | float | torch.Tensor) -> StaticInputs:
+        """Fill this step's buffers for one call (see `StaticInputs.set`); add more with `set`."""
+        inputs = StaticInputs(self)
+        for name, value in values.items():
+            inputs.set(name, value)
+        return inputs
+
+    def run(self, key: Hashable, step: Callable[[StaticInputs], Any], inputs: StaticInputs, *,
+            clone: bool = False, graphs: bool | None = None) -> Any:
+        """`step(inputs)`, recorded for `key` the first time and replayed after; returns its outputs (any
+        structure of tensors).
+
+        The first time, `step` runs eagerly on a side stream (the warm-up: kernels compile, weights upload,
+        library handles are made; its result is the real result) and is then recorded, which runs nothing.
+        `step` may read host values only to choose shapes that `key` (with the inputs' shapes) determines,
+        and must update its state in place. A replay leaves its outputs in the recording's buffers, which
+        the next replay overwrites: `clone` hands out copies. If recording fails, the step warns once and
+        runs eagerly from then on.
+        """
+        use_graphs = self.graphs if graphs is None else graphs
+        if not use_graphs or self.failure is not None:
+            return step(inputs)
+        full_key = (key, inputs.signature)
+        entry = self._recorded.get(full_key)
+        if entry is not None:
+            graph, outputs = entry
+            graph.replay()
+        else:
+            outputs = self.backend.on_side_stream(lambda: step(inputs))
+            if self._pool is None:
+                self._pool = self.backend.new_graph_pool()
+            try:
+                self._recorded[full_key] = self.backend.record_graph(lambda: step(inputs), self._pool)
+            except Exception as exc:  # recording runs nothing, so the state is as the warm-up left it
+                self.failure = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"graph capture of the {self.label} failed, running it eagerly: {self.failure}",
+                              RuntimeWarning, stacklevel=2)
+        return _cloned(outputs) if clone else outputs
+
+
+def _cloned(outputs: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_cloned(o) for o in outputs)
+    if isinstance(outputs, dict):
+        return {k: _cloned(v) for k, v in outputs.items()}
+    return outputs

@@ -1,0 +1,278 @@
+"""The Qwen3.5 family's own ops: the references of the Gated DeltaNet mixer's maths, in plain torch.
+
+They are named ops (`lucebox_core.ops`): the model calls them on `QWEN35_OPS.bind(backend)`, and a backend that
+registers a kernel under the same name (`lucebox_op_kernels`, e.g. lucebox-cuda's Triton scans) runs it
+wherever its check accepts the arguments; elsewhere these run. Each reference takes `ops` first (the bound
+backend), so its calls to generic ops (`l2norm`, `silu`...) and to the other ops here are routed too.
+
+Conventions (those of the core's `TorchBackend`): token-major `[B, T, H, D]`; the recurrent state is fp32
+`[B, H_v, D_k, D_v]`; functional except the ops ending in `_`, which update a state in place (the fused
+one-token ops of the decode step, which a CUDA graph replays over fixed buffers). When there are more value
+heads than key heads, value head `h` reads key head `h % H_k`: the tiled order llama.cpp's converter leaves
+in a GGUF, so the GGUF tensors are used as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lucebox_core.ops import OpSet
+
+QWEN35_OPS = OpSet("qwen35")
+
+
+# -- the fused one-token and tree forms of the mixer (what the decode step and a verify pass run) -------
+
+
+@QWEN35_OPS.reference
+def conv_silu_update_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token of the causal convolution, then SiLU: x `[B, C]` -> `[B, C]`; `state` `[B, K-1, C]`
+    is shifted in place."""
+    y, new_state = ops.causal_conv1d_step(x, weight, state)
+    state.copy_(new_state)
+    return ops.silu(y)
+
+
+@QWEN35_OPS.reference
+def gated_delta_decode_(
+    ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, num_k_heads: int, head_k_dim: int,
+) -> torch.Tensor:
+    """One Gated DeltaNet token from the convolved channels to the core output, the state updated in
+    place. `mixed` `[B, C]` (after SiLU: q, k, v channels), `a`, `b` `[B, H_v]` (the decay and write
+    projections), `ssm_a` (= -exp(A_log)) and `dt_bias` `[H_v]` fp32, `state` `[B, H_v, D_k, D_v]`
+    fp32. Returns o `[B, 1, H_v, D_v]`: q and k L2-normalised, `beta = sigmoid(b)`,
+    `g = ssm_a * softplus(a + dt_bias)`, then `gated_delta_rule_recurrent`."""
+    batch = mixed.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    value_heads = state.shape[1]
+    query, key, value = mixed[:, None].split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    query = ops.l2norm(query.reshape(batch, 1, num_k_heads, head_k_dim))
+    key = ops.l2norm(key.reshape(batch, 1, num_k_heads, head_k_dim))
+    value = value.reshape(batch, 1, value_heads, -1)
+    beta = ops.sigmoid(b)[:, None]
+    g = (ssm_a * ops.softplus(a.float() + dt_bias))[:, None]
+    out, new_state = ops.gated_delta_rule_recurrent(query, key, value, g, beta, state)
+    state.copy_(new_state)
+    return out
+
+
+@QWEN35_OPS.reference
+def gated_delta_tree(
+    ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_decode_` for the nodes of a candidate tree, each from its parent's state:
+    mixed `[1, N, C]` (after SiLU), a, b `[1, N, H_v]`, state `[1, H_v, D_k, D_v]` fp32 (not modified),
+    parents `[N]` -> (o `[1, N, H_v, D_v]`, the fp32 state after every node `[N, H_v, D_k, D_v]`)."""
+    nodes = mixed.shape[1]
+    key_dim = num_k_heads * head_k_dim
+    value_heads = state.shape[1]
+    query, key, value = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    query = ops.l2norm(query.reshape(1, nodes, num_k_heads, head_k_dim))
+    key = ops.l2norm(key.reshape(1, nodes, num_k_heads, head_k_dim))
+    value = value.reshape(1, nodes, value_heads, -1)
+    beta = ops.sigmoid(b)
+    g = ssm_a * ops.softplus(a.float() + dt_bias)
+    return ops.gated_delta_rule_tree(query, key, value, g, beta, state, parents)
+
+
+# -- short convolution -----------------------------------------------------------------------------
+
+
+@QWEN35_OPS.reference
+def causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over tokens, continuing from `state`. No bias, no activation.
+
+    x `[B, T, C]`, weight `[C, K]`, state `[B, K-1, C]` (the previous K-1 inputs, zeros at the start).
+    Returns y `[B, T, C]` with `y[t] = sum_j weight[:, j] * window[t + j]` over the window
+    `cat(state, x)`, so `weight[:, K-1]` multiplies the current token; and the new state, the last
+    K-1 inputs of that window.
+    """
+    kernel = weight.shape[1]
+    window = torch.cat([state.to(x.dtype), x], dim=1)  # [B, K-1+T, C]
+    tokens = x.shape[1]
+    w = weight.to(x.dtype)
+    y = sum(window[:, j : j + tokens] * w[:, j] for j in range(kernel))
+    return y, window[:, tokens:]
+
+
+@QWEN35_OPS.reference
+def causal_conv1d_step(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token `causal_conv1d` (the decode kernel): x `[B, C]` -> y `[B, C]`, new state `[B, K-1, C]`."""
+    window = torch.cat([state.to(x.dtype), x[:, None]], dim=1)  # [B, K, C]
+    y = (window * weight.to(x.dtype).t()).sum(dim=1)
+    return y, window[:, 1:]
+
+
+@QWEN35_OPS.reference
+def causal_conv1d_tree(
+    ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d_step` for the nodes of a candidate tree: x `[1, N, C]`, weight `[C, K]`, state
+    `[1, K-1, C]` (the committed inputs), parents `[N]` long (-1 for the root) -> (y `[1, N, C]`, each
+    node's conv state `[N, K-1, C]`). Node i's window, oldest first, is the last K rows of the
+    committed inputs followed by the inputs along the path root -> i; its state is the window's last
+    K-1 rows. The windows are found on the device (no host read of `parents`)."""
+    nodes, kernel = x.shape[1], weight.shape[1]
+    history = torch.cat([state[0].to(x.dtype), x[0]], dim=0)  # rows 0..K-2 committed, K-1+i node i
+    node = torch.arange(nodes, device=x.device)
+    state_row = torch.full_like(node, kernel - 2)
+    newest_first = []
+    for _ in range(kernel):  # walk up the ancestry; past the root, down the committed rows
+        in_tree = node >= 0
+        newest_first.append(torch.where(in_tree, kernel - 1 + node, state_row))
+        state_row = torch.where(in_tree, state_row, state_row - 1)
+        node = torch.where(in_tree, parents.to(node.device)[node.clamp(min=0)], node)
+    windows = history[torch.stack(newest_first[::-1], dim=1)]  # [N, K, C]
+    y = (windows * weight.to(x.dtype).t()).sum(dim=1)  # as causal_conv1d_step
+    return y[None], windows[:, 1:]
+
+
+@QWEN35_OPS.reference
+def conv_silu_tree(
+    ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, parents: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d_tree`, then SiLU on y: the tree form of `conv_silu_update_` (a backend fuses the
+    two as it fuses the decode step's, with the same arithmetic)."""
+    y, node_states = ops.causal_conv1d_tree(x, weight, state, parents)
+    return ops.silu(y), node_states
+
+
+# -- Gated DeltaNet --------------------------------------------------------------------------------
+
+
+def _gdn_inputs(q, k, v, g, beta, state, scale):
+    """Shared preparation of the rule's forms: broadcast key heads, move heads before tokens, fp32, scale q."""
+    batch, _, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[-2:]
+    if value_heads % key_heads:
+        raise ValueError(f"value heads ({value_heads}) must be a multiple of key heads ({key_heads})")
+    if value_heads != key_heads:
+        # Tiled: value head h reads key head h % H_k (the GGUF order; see `gated_delta_rule_recurrent`).
+        repeats = value_heads // key_heads
+        q, k = q.repeat(1, 1, repeats, 1), k.repeat(1, 1, repeats, 1)
+    scale = key_dim**-0.5 if scale is None else scale
+    q = q.transpose(1, 2).float() * scale
+    k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
+    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+    if state is None:
+        state = torch.zeros(batch, value_heads, key_dim, value_dim, device=v.device, dtype=torch.float32)
+    return q, k, v, g, beta, state.float()
+
+
+@QWEN35_OPS.reference
+def gated_delta_rule_recurrent(
+    ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one token at a time (decode; the definition the chunked form must match).
+
+    q, k `[B, T, H_k, D_k]` (already L2-normalised), v `[B, T, H_v, D_v]`, g (log decay, <= 0) and
+    beta `[B, T, H_v]`, state `[B, H_v, D_k, D_v]` fp32 or None for zeros. When H_v > H_k, value head
+    `h` uses key head `h % H_k` (tiled, the order a GGUF stores after llama.cpp's converter reorders V
+    heads). q is multiplied by `scale` (default `D_k**-0.5`). Per value head and token:
+
+        S <- exp(g) * S;   u = beta * (v - S^T k);   S <- S + k u^T;   o = S^T q
+
+    Returns o `[B, T, H_v, D_v]` in v's dtype and the new fp32 state.
+    """
+    input_dtype = v.dtype
+    q, k, v, g, beta, state = _gdn_inputs(q, k, v, g, beta, state, scale)
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        predicted = torch.einsum("bhk,bhkv->bhv", k[:, :, t], state)
+        update = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * update[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    out = torch.stack(outputs, dim=1) if outputs else v.transpose(1, 2).clone()
+    return out.to(input_dtype), state
+
+
+@QWEN35_OPS.reference
+def gated_delta_rule_tree(
+    ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over the nodes of a candidate tree, each node one step from its parent's
+    state (speculative verification): the recurrent form with the nodes as tokens, except that node
+    `i` starts from the state after node `parents[i]`, the root (parent -1) from `state`.
+
+    q, k `[1, N, H_k, D_k]`, v `[1, N, H_v, D_v]`, g, beta `[1, N, H_v]`, state `[1, H_v, D_k, D_v]`
+    fp32 (not modified), parents `[N]` long with `parents[i] < i`. Returns o `[1, N, H_v, D_v]` and
+    the fp32 state after every node, `[N, H_v, D_k, D_v]`, so a committed path can keep its last one.
+    """
+    input_dtype = v.dtype
+    q, k, v, g, beta, root_state = _gdn_inputs(q, k, v, g, beta, state, scale)
+    nodes = q.shape[2]
+    node_states = torch.empty(nodes, *root_state.shape[1:], device=v.device, dtype=torch.float32)
+    outputs = []
+    for i, parent in enumerate(parents.tolist()):
+        s = (root_state[0] if parent < 0 else node_states[parent]) * g[0, :, i, None, None].exp()
+        predicted = torch.einsum("hk,hkv->hv", k[0, :, i], s)
+        update = (v[0, :, i] - predicted) * beta[0, :, i, None]
+        s = s + k[0, :, i, :, None] * update[:, None, :]
+        node_states[i] = s
+        outputs.append(torch.einsum("hk,hkv->hv", q[0, :, i], s))
+    out = torch.stack(outputs, dim=0)[None] if outputs else v.transpose(1, 2).clone()
+    return out.to(input_dtype), node_states
+
+
+@QWEN35_OPS.reference
+def gated_delta_rule_chunked(
+    ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None, chunk_size: int = 64, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over chunks of tokens (prefill): same inputs and results as the recurrent form.
+
+    Within a chunk starting from state S0, let G_t be the cumulative log decay from the chunk start to
+    token t and D_ts = exp(G_t - G_s) for s <= t. Unrolling the recurrence gives, for the updates u,
+    a unit lower-triangular system (I + A) U = beta*V - beta*exp(G)*K S0 with
+    A_ts = beta_t D_ts (k_t . k_s) for s < t, solved once per chunk for both right-hand sides; then
+    outputs O = (exp(G)*Q) S0 + ((Q K^T) * D) U and the next state exp(G_last) S0 + (exp(G_last - G) K)^T U.
+    Only the short scan over chunks is sequential.
+    """
+    input_dtype = v.dtype
+    q, k, v, g, beta, state = _gdn_inputs(q, k, v, g, beta, state, scale)
+    batch, heads, tokens, _ = k.shape
+    value_dim = v.shape[-1]
+    # Pad to whole chunks with tokens that change nothing: beta = 0 writes nothing, g = 0 decays nothing.
+    pad = (-tokens) % chunk_size
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    chunks = (tokens + pad) // chunk_size
+    q, k, v = (x.reshape(batch, heads, chunks, chunk_size, -1) for x in (q, k, v))
+    g, beta = (x.reshape(batch, heads, chunks, chunk_size) for x in (g, beta))
+
+    log_decay = g.cumsum(-1)  # G_t, [B, H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    pair_log_decay = log_decay[..., :, None] - log_decay[..., None, :]
+    # Mask before exp: above the diagonal G_t - G_s > 0 could overflow.
+    pair_decay = pair_log_decay.masked_fill(~causal, float("-inf")).exp()  # D, [B, H, N, C, C]
+
+    key_affinity = (k @ k.transpose(-1, -2)) * pair_decay * beta[..., :, None]
+    system = key_affinity.tril(-1) + torch.eye(chunk_size, device=q.device)
+    updates_from_values = torch.linalg.solve_triangular(
+        system, v * beta[..., None], upper=False, unitriangular=True
+    )
+    updates_per_state = torch.linalg.solve_triangular(
+        system, k * (beta * log_decay.exp())[..., None], upper=False, unitriangular=True
+    )
+    intra_attention = (q @ k.transpose(-1, -2)) * pair_decay
+    decayed_q = q * log_decay.exp()[..., None]
+    chunk_log_decay = log_decay[..., -1]  # [B, H, N]
+    keys_to_end = k * (chunk_log_decay[..., None] - log_decay).exp()[..., None]
+
+    outputs = torch.empty(batch, heads, chunks, chunk_size, value_dim, device=q.device, dtype=torch.float32)
+    for n in range(chunks):
+        updates = updates_from_values[:, :, n] - updates_per_state[:, :, n] @ state
+        outputs[:, :, n] = decayed_q[:, :, n] @ state + intra_attention[:, :, n] @ updates
+        state = state * chunk_log_decay[:, :, n, None, None].exp() + keys_to_end[:, :, n].transpose(-1, -2) @ updates
+
+    out = outputs.reshape(batch, heads, chunks * chunk_size, value_dim)[:, :, :tokens]
+    return out.transpose(1, 2).to(input_dtype), state
