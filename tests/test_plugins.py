@@ -103,18 +103,47 @@ def test_lucebox_plugins_json_lists_every_plugin():
 # --------------------------------------------------------------------------- a third-party package
 
 TOY_PLUGIN = '''
-"""A third party's plugin: a kernel backend, a model family, a drafter and a verifier."""
-from lucebox_core import Drafter, KernelBackend, ModelFamily, Verifier, hookimpl
+\"\"\"A third party's plugin: a kernel backend with a kernel of its own, a model family, and a drafter, a
+verifier and a KV policy that generation runs through, none of them known to the core.\"\"\"
+import os
+
+import torch
+
+from lucebox_core import Drafter, KernelBackend, KVPolicy, ModelFamily, OpKernel, Verifier, hookimpl
+from lucebox_core.kv import K_FLAG, KV_CACHE_TYPES, V_FLAG, kv_bytes_per_token, kv_cache_type
+from lucebox_core.speculative import Verdict
 from lucebox_core.torch_backend import TorchBackend
 
 
+def log(line):
+    \"\"\"Components say they ran into $TOY_LOG, for the test to read.\"\"\"
+    if os.environ.get("TOY_LOG"):
+        with open(os.environ["TOY_LOG"], "a") as f:
+            f.write(line + "\\n")
+
+
 class ToyBackend(TorchBackend):
-    """The reference ops, counting rms_norm calls so the test can see the toy backend was used."""
+    \"\"\"The reference ops, counting rms_norm calls so the test can see the toy backend was used.\"\"\"
+    name = "toy"
     calls = 0
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, *, out=None):
         ToyBackend.calls += 1
-        return super().rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps, out=out)
+
+
+# A kernel for a family's op (the qwen35 family's one-token convolution), offered by this backend alone.
+conv_kernel_calls = []
+
+
+def conv_step_kernel(ops, x, weight, state):
+    conv_kernel_calls.append(tuple(x.shape))
+    window = torch.cat([state.to(x.dtype), x[:, None]], dim=1)
+    return (window * weight.to(x.dtype).t()).sum(dim=1), window[:, 1:]
+
+
+def conv_step_accepts(ops, x, weight, state):
+    return x.dtype == torch.float32
 
 
 class ToyModel:
@@ -128,9 +157,159 @@ def load(gguf_file, backend, **options):
     return ToyModel(gguf_file, backend)
 
 
+class LookupDrafter:
+    \"\"\"Prompt-lookup drafting: find the last `ngram` tokens earlier in the sequence and propose what
+    followed them there (one-hot rows; nothing found: the last token repeated).\"\"\"
+    name = "toy-lookup"
+
+    def __init__(self, gguf_file, target, backend=None, **options):
+        arch = gguf_file.architecture
+        self.block_size = gguf_file.get(arch + ".block_size", type=int)
+        self.ngram = gguf_file.get(arch + ".ngram", type=int)
+        self.target = target
+
+    def describe(self):
+        return {"kind": self.name, "block_size": self.block_size, "ngram": self.ngram}
+
+    def prepare_target(self, target, target_state, ctx_size):
+        pass
+
+    def new_state(self):
+        return LookupState()
+
+    def draft(self, target, target_state, draft_state, tokens, block_size):
+        tokens = list(tokens)
+        proposal = []
+        key = tokens[-self.ngram:]
+        for start in range(len(tokens) - self.ngram - 1, -1, -1):
+            if tokens[start:start + self.ngram] == key:
+                proposal = tokens[start + self.ngram:start + self.ngram + block_size - 1]
+                break
+        proposal = (proposal + [tokens[-1]] * block_size)[: block_size - 1]
+        logits = torch.full((block_size - 1, target.vocab_size), -30.0)
+        logits[torch.arange(block_size - 1), torch.tensor(proposal)] = 30.0
+        draft_state.drafts += 1
+        log(f"drafter drafted {len(proposal)}")
+        return logits
+
+
+class LookupState:
+    drafts = 0
+
+    def crop(self, length):
+        pass
+
+
+class GreedyChain:
+    \"\"\"Greedy chain verification written from the protocol alone: candidates are the drafted argmaxes, one
+    target pass, accept while the target's argmax agrees.\"\"\"
+    name = "toy-chain"
+
+    def __init__(self, target, **options):
+        self.target = target
+
+    def max_nodes(self, block_size):
+        return block_size
+
+    def describe(self):
+        return {"verifier": self.name}
+
+    def verify(self, target, state, root, draft_logits, sampler, history):
+        drafted = draft_logits.argmax(dim=-1).tolist()
+        tokens = [root] + drafted
+        verification = target.verify(state, tokens, list(range(-1, len(tokens) - 1)))
+        best = verification.logits.argmax(dim=-1).tolist()
+        path = [0]
+        while path[-1] + 1 < len(tokens) and tokens[path[-1] + 1] == best[path[-1]]:
+            path.append(path[-1] + 1)
+        log(f"verifier accepted {len(path) - 1}")
+        return Verdict([tokens[i] for i in path[1:]] + [best[path[-1]]], path, verification)
+
+
+class ReversedPagesKV:
+    \"\"\"A paged KV cache whose pages are handed out last first: position p's row sits in slot
+    table[p // 4] * 4 + p % 4, never at p, so only the interface (logical positions) can make it work.\"\"\"
+    PAGE = 4
+
+    def __init__(self, layers, max_context, *, dtype, device, k_type=None, v_type=None):
+        self.shapes, self.max_context, self.dtype, self.device = dict(layers), max_context, dtype, torch.device(device)
+        self.k_type = kv_cache_type(dtype if k_type is None else k_type, K_FLAG)
+        self.v_type = kv_cache_type(dtype if v_type is None else v_type, V_FLAG)
+        pages = -(-max_context // self.PAGE)
+        self.table = torch.arange(pages - 1, -1, -1, device=self.device)
+        k_dtype, v_dtype = KV_CACHE_TYPES[self.k_type], KV_CACHE_TYPES[self.v_type]
+        slots = pages * self.PAGE
+        self._k = {i: torch.zeros(slots, s.kv_heads, s.k_head_dim, dtype=k_dtype, device=self.device)
+                   for i, s in self.shapes.items()}
+        self._v = {i: torch.zeros(slots, s.kv_heads, s.v_head_dim, dtype=v_dtype, device=self.device)
+                   for i, s in self.shapes.items()}
+        self._lengths = {i: 0 for i in self.shapes}
+        log(f"kv policy made: position 0 in slot {int(self._slots(torch.tensor([0]))[0])}")
+
+    def _slots(self, positions):
+        positions = positions.to(self.device)
+        return self.table[positions // self.PAGE] * self.PAGE + positions % self.PAGE
+
+    @property
+    def length(self):
+        return max(self._lengths.values(), default=0)
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+
+    @property
+    def bytes_per_token(self):
+        return sum(kv_bytes_per_token(s, self.k_type, self.v_type) for s in self.shapes.values())
+
+    def ensure_room(self, new_tokens):
+        if self.length + new_tokens > self.max_context:
+            raise ValueError("context overflow")
+
+    def as_stored(self, k, v):
+        return k.to(KV_CACHE_TYPES[self.k_type]), v.to(KV_CACHE_TYPES[self.v_type])
+
+    def write(self, layer, positions, k, v):
+        slots = self._slots(positions)
+        self._k[layer].index_copy_(0, slots, k.to(self._k[layer].dtype))
+        self._v[layer].index_copy_(0, slots, v.to(self._v[layer].dtype))
+
+    def gather(self, layer, size):
+        slots = self._slots(torch.arange(size, device=self.device))
+        return self._k[layer].index_select(0, slots), self._v[layer].index_select(0, slots)
+
+    def append(self, layer, k, v):
+        start = self._lengths[layer]
+        self.write(layer, torch.arange(start, start + k.shape[0]), k, v)
+        self._lengths[layer] = start + k.shape[0]
+        return self.read(layer)
+
+    def read(self, layer):
+        return self.gather(layer, self._lengths[layer]) if self._lengths[layer] else (
+            self._k[layer][:0], self._v[layer][:0])
+
+    def move(self, source, destination):
+        for buffers in (self._k, self._v):
+            for buffer in buffers.values():
+                buffer.index_copy_(0, self._slots(destination), buffer.index_select(0, self._slots(source)))
+
+    def commit(self, length):
+        for layer in self._lengths:
+            self._lengths[layer] = max(self._lengths[layer], length)
+
+    def rollback(self, length):
+        for layer in self._lengths:
+            self._lengths[layer] = min(self._lengths[layer], length)
+
+
 @hookimpl
 def lucebox_kernel_backends():
     return [KernelBackend(name="toy", factory=ToyBackend, priority=100, description="test backend")]
+
+
+@hookimpl
+def lucebox_op_kernels():
+    return [OpKernel(op="causal_conv1d_step", backend="toy", kernel=conv_step_kernel, accepts=conv_step_accepts)]
 
 
 @hookimpl
@@ -140,12 +319,17 @@ def lucebox_model_families():
 
 @hookimpl
 def lucebox_drafters():
-    return [Drafter(name="toy-draft", factory=lambda: "toy drafter", architectures=["toy-draft"])]
+    return [Drafter(name="toy-lookup", factory=LookupDrafter, architectures=["toy-lookup-draft"])]
 
 
 @hookimpl
 def lucebox_verifiers():
-    return [Verifier(name="toy-verify", factory=lambda: "toy verifier")]
+    return [Verifier(name="toy-chain", factory=GreedyChain)]
+
+
+@hookimpl
+def lucebox_kv_policies():
+    return [KVPolicy(name="toy-paged", factory=ReversedPagesKV, cache_types=["f32", "f16", "bf16"])]
 '''
 
 USE_TOY = '''
@@ -153,18 +337,28 @@ import json, sys
 import torch
 from lucebox_core.ggufio import GGUFFile
 from lucebox_core.plugins import registry
+import lucebox_toy
 r = registry()
 backend_spec = r.kernel_backend()
 ops = backend_spec.create(device="cpu")
 ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
 model = r.family_for("toyarch").load(GGUFFile(sys.argv[1]), ops)
+# A real family on the toy backend: the family's convolution op runs the toy backend's kernel for it.
+qwen = r.family_for("qwen35").load(GGUFFile(sys.argv[2]), ops)
+state = qwen.new_state(16)
+qwen.forward(state, torch.tensor([3]))
 print(json.dumps({
     "backend": backend_spec.name,
-    "calls": type(ops).calls,
+    "calls": type(ops).calls > 0,
     "model": type(model).__name__,
     "width": model.width,
-    "drafter": r.named("lucebox_drafters", "toy-draft", "drafter").create(),
-    "verifier": r.named("lucebox_verifiers", "toy-verify", "verifier").create(),
+    "conv_kernel_calls": len(lucebox_toy.conv_kernel_calls),
+    "conv_choice": qwen.ops.causal_conv1d_step.choice(torch.zeros(1, 4), torch.zeros(4, 2), torch.zeros(1, 1, 4)),
+    "conv_choice_f16": qwen.ops.causal_conv1d_step.choice(torch.zeros(1, 4, dtype=torch.float16),
+                                                          torch.zeros(4, 2), torch.zeros(1, 1, 4)),
+    "drafter": r.drafter_for("toy-lookup-draft").name,
+    "verifier": r.verifier("toy-chain").name,
+    "kv_policy": r.kv_policy("toy-paged").name,
 }))
 '''
 
@@ -221,7 +415,8 @@ def test_third_party_plugin_is_discovered_and_broken_one_reported(toy_site):
     assert by_name["toy"]["distribution"] == "lucebox-toy"
     assert by_name["toy"]["version"] == "4.5.6"
     provided = {(i["kind"], i["name"]) for i in by_name["toy"]["provides"]}
-    assert provided == {("backend", "toy"), ("model", "toy"), ("drafter", "toy-draft"), ("verifier", "toy-verify")}
+    assert provided == {("backend", "toy"), ("model", "toy"), ("drafter", "toy-lookup"), ("verifier", "toy-chain"),
+                        ("kv_policy", "toy-paged"), ("kernel", "toy.causal_conv1d_step")}
     assert "toy plugin is broken on purpose" in by_name["broken"]["error"]
     assert "qwen35" in by_name, "a broken plugin must not hide the others"
 
@@ -232,32 +427,90 @@ def test_lucebox_plugins_env_restricts_entry_points(toy_site):
     assert names == ["builtin", "toy"]
 
 
-def test_third_party_backend_family_drafter_verifier_are_used(toy_site, tmp_path):
-    """lucebox_drafters and lucebox_verifiers have no built-in yet: the toy package provides them."""
+def _write_gguf(path: Path, architecture: str, keys: dict[str, int]) -> Path:
     import gguf
 
-    path = tmp_path / "toy.gguf"
-    writer = gguf.GGUFWriter(str(path), "toyarch")
-    writer.add_uint32("toyarch.width", 7)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in keys.items():
+        writer.add_uint32(key, value)
     writer.add_tensor("toy.weight", np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
 
+
+@pytest.fixture(scope="module")
+def qwen_target(tmp_path_factory) -> Path:
+    from lucebox_qwen35 import synth
+
+    return synth.write(tmp_path_factory.mktemp("target") / "target.gguf", size="tiny", type="f32", seed=12)
+
+
+def test_third_party_backend_kernel_family_and_plugins_are_found(toy_site, tmp_path, qwen_target):
+    """lucebox_op_kernels: a third party's backend offers a kernel for a family's op, and that family's
+    model runs it; its drafter, verifier and KV policy are found by the registry."""
+    path = _write_gguf(tmp_path / "toy.gguf", "toyarch", {"toyarch.width": 7})
     script = tmp_path / "use_toy.py"
     script.write_text(USE_TOY)
-    result = _run(toy_site, [str(script), str(path)])
+    result = _run(toy_site, [str(script), str(path), str(qwen_target)])
     assert result.returncode == 0, result.stderr
     used = json.loads(result.stdout.strip().splitlines()[-1])
     assert used == {
         "backend": "toy",  # priority 100 beats the torch reference
-        "calls": 1,
+        "calls": True,
         "model": "ToyModel",
         "width": 7,
-        "drafter": "toy drafter",
-        "verifier": "toy verifier",
+        "conv_kernel_calls": 6,  # one per Gated DeltaNet layer of the tiny model's one-token step
+        "conv_choice": "toy.causal_conv1d_step",
+        "conv_choice_f16": "reference",  # the kernel's own check declines: the reference runs
+        "drafter": "toy-lookup",
+        "verifier": "toy-chain",
+        "kv_policy": "toy-paged",
     }
     info = _run(toy_site, ["-m", "lucebox_core.cli", "info", str(path), "--json"])
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["handled_by"] == "toy"
+
+
+def test_generate_runs_through_a_third_party_drafter_verifier_and_kv_policy(toy_site, tmp_path, qwen_target):
+    """`lucebox generate` with the toy package's drafter (chosen by the draft file's architecture), verifier
+    (--spec-type) and KV policy (--kv-policy, pages out of position order): no core edit, and the greedy
+    output equals plain decoding on the built-in policy."""
+    draft = _write_gguf(tmp_path / "lookup.gguf", "toy-lookup-draft",
+                        {"toy-lookup-draft.block_size": 5, "toy-lookup-draft.ngram": 2})
+    prompt = ",".join(str(t) for t in [11, 12, 13, 14, 11, 12, 13, 14, 11, 12])
+    common = ["-m", "lucebox_core.cli", "generate", "-m", str(qwen_target), "--backend", "torch", "--temp", "0",
+              "--prompt-ids", prompt, "-n", "24", "--ignore-eos", "--json"]
+    log = tmp_path / "toy.log"
+    plain = _run(toy_site, common, TOY_LOG=str(log))
+    assert plain.returncode == 0, plain.stderr
+    assert not log.exists(), "no toy component runs without being asked for"
+    toy = _run(toy_site, [*common, "-md", str(draft), "--spec-type", "toy-chain", "--kv-policy", "toy-paged"],
+               TOY_LOG=str(log))
+    assert toy.returncode == 0, toy.stderr
+    plain_out, toy_out = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (plain, toy))
+    assert toy_out["token_ids"] == plain_out["token_ids"]
+    assert toy_out["speculative"]["kind"] == "toy-lookup" and toy_out["speculative"]["spec_type"] == "toy-chain"
+    assert toy_out["accepted_lengths"] and sum(toy_out["accepted_lengths"]) == 23  # the first is the prefill's
+    # With forced acceptance the verifier accepts 3 of every block's 4 drafts: the paged cache keeps (and
+    # rolls back) several positions a step, and the output is still plain greedy.
+    forced = _run(toy_site, [*common, "-md", str(draft), "--spec-type", "toy-chain", "--kv-policy", "toy-paged",
+                             "--force-accept", "3"], TOY_LOG=str(log))
+    assert forced.returncode == 0, forced.stderr
+    forced_out = json.loads(forced.stdout.strip().splitlines()[-1])
+    assert forced_out["token_ids"] == plain_out["token_ids"]
+    assert forced_out["accepted_lengths"][:-1] == [4] * (len(forced_out["accepted_lengths"]) - 1)
+    lines = log.read_text().splitlines()
+    made = [line for line in lines if line.startswith("kv policy made")]
+    assert made and all(not line.endswith("slot 0") for line in made)  # physical slot != logical position
+    assert any(line.startswith("drafter drafted") for line in lines)
+    assert any(line.startswith("verifier accepted") for line in lines)
+    # Its unknown names are clear errors naming the flag and the choices.
+    bad = _run(toy_site, [*common, "--kv-policy", "nope"])
+    assert bad.returncode == 2 and "--kv-policy" in bad.stderr and "toy-paged" in bad.stderr
+    bad = _run(toy_site, [*common, "-md", str(draft), "--spec-type", "nope"])
+    assert bad.returncode == 2 and "--spec-type" in bad.stderr and "toy-chain" in bad.stderr
+    bad = _run(toy_site, [*common, "--kv-policy", "toy-paged", "-ctk", "q8_0"])
+    assert bad.returncode == 2 and "toy-paged" in bad.stderr and "q8_0" in bad.stderr

@@ -616,6 +616,30 @@ def _tree_rows(device: torch.device, oracle: Any, reference: dict[torch.dtype, A
         print(f"{label:<34} {name:<9} {error:>9.2e} {ms:>8.3f} {kv_bytes / ms / 1e6:>8.0f} {torch_ms:>8.3f}")
 
 
+def _decode_rows(device: torch.device, oracle: Any, reference: dict, failures: list[str]) -> None:
+    """The decode step's attention (one node) at 27B heads, plain and Q8_0 windows, bf16."""
+    from lucebox_core.kv import quantize_q8_0
+
+    print(f"{'decode (27B heads, bf16)':<34} {'rel err':>9} {'ms':>8} {'torch ms':>8}")
+    scale = HEAD_DIM_27B**-0.5
+    for window, position, q8 in ((4096, 3000, False), (32768, 32767, False), (32768, 1000, False),
+                                 (32768, 30000, True)):
+        q = torch.randn(1, 1, Q_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
+        k = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
+        v = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
+        if q8:
+            k, v = quantize_q8_0(k), quantize_q8_0(v)
+        at = torch.tensor([position], device=device)
+        expected = oracle.decode_attention(q.float(), k if q8 else k.float(), v if q8 else v.float(), at, scale=scale)
+        out = torch.full_like(q, float("nan"))
+        label = f"window {window} position {position}" + (" Q8_0 K/V" if q8 else "")
+        error = _check(f"decode_attention {label}", torch.bfloat16,
+                       decode_attention(q, k, v, at, scale=scale, out=out), expected, failures)
+        ms = _median_ms(functools.partial(decode_attention, q, k, v, at, scale=scale, out=out))
+        torch_ms = _median_ms(functools.partial(reference[torch.bfloat16].decode_attention, q, k, v, at, scale=scale))
+        print(f"{label:<34} {error:>9.2e} {ms:>8.3f} {torch_ms:>8.3f}")
+
+
 def _check_tree_graph_replay(device: torch.device, oracle: Any, failures: list[str]) -> None:
     """Record tree_attention in a CUDA graph, move the device position, replay: the output must follow."""
     from lucebox_core.speculative.trees import TreeIndex
@@ -660,6 +684,7 @@ def main() -> int:
     failures: list[str] = []
     print(f"{torch.cuda.get_device_name(device)}, Triton {triton.__version__}, torch {torch.__version__}")
     _prefill_rows(device, oracle, failures)
+    _decode_rows(device, oracle, reference, failures)
     _tree_rows(device, oracle, reference, failures)
     _check_tree_graph_replay(device, oracle, failures)
     for failure in failures:
