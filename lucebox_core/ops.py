@@ -1,7 +1,7 @@
 """Named ops: the one way a backend offers a faster kernel for an op, whether the op is generic or a family's.
 
 Model code calls ops by name on the object it was built with (`ops.rms_norm(...)`,
-`ops.gated_delta_rule_chunked(...)`). Every op has a *reference*, written in plain torch for clarity:
+`ops.moe_route(...)`, a family's own). Every op has a *reference*, written in plain torch for clarity:
 
 - the generic ops (matmul on GGUF blocks, norms, RoPE, attention, ...) are the methods of the core's
   `TorchBackend`, which every backend extends;

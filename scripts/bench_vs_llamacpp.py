@@ -178,7 +178,7 @@ class DecodeSnapshot:
 
     def __init__(self, state: Any) -> None:
         self.length = state.length
-        self.supported = hasattr(getattr(state, "kv", None), "crop") and hasattr(state, "linear")
+        self.supported = hasattr(getattr(state, "kv", None), "rollback") and hasattr(state, "linear")
         self.linear = {}
         if self.supported:
             self.linear = {i: (s.conv.clone(), s.recurrent.clone()) for i, s in state.linear.items()}

@@ -27,12 +27,12 @@ import torch
 
 def clone_state(state):
     """A deep copy of a qwen35 sequence state, without its recordings (they hold the original's buffers)."""
-    decode, verify_graphs, verify_inputs = state.decode, state.verify_graphs, state.verify_inputs
-    state.decode, state.verify_graphs, state.verify_inputs = None, None, {}
+    decode, verify = state.decode, state.verify
+    state.decode, state.verify = None, None
     try:
         return copy.deepcopy(state)
     finally:
-        state.decode, state.verify_graphs, state.verify_inputs = decode, verify_graphs, verify_inputs
+        state.decode, state.verify = decode, verify
 
 
 def main(argv: list[str] | None = None) -> int:

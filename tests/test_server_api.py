@@ -189,6 +189,9 @@ def test_models_props_and_reasoning_fields(oai, url, service):
     props = httpx.get(f"{url}/props").json()
     assert props["model"]["arch"] == "qwen35"
     assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 2
+    runtime = props["runtime"]
+    assert runtime["kv_policy"] == "full" and runtime["cache_type_k"] == runtime["cache_type_v"] == "f32"
+    assert runtime["op_kernels"] == []  # the torch reference backend runs no kernels of its own
     # Reasoning given back under either name is accepted (and rendered into the prompt the same way).
     base = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
             {"role": "user", "content": "again"}]

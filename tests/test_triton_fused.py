@@ -16,7 +16,9 @@ import torch
 from lucebox_cuda import triton_fused, triton_ops
 from triton.runtime.interpreter import InterpretedFunction
 
-from lucebox_core.torch_backend import TorchBackend
+from lucebox_core import OpKernel
+from lucebox_core.ops import kernel_table
+from lucebox_core.torch_backend import TorchBackend, concat_rows
 from lucebox_qwen35.ops import QWEN35_OPS
 
 if not isinstance(triton_fused._gate_kernel, InterpretedFunction):
@@ -182,38 +184,26 @@ def test_tree_kernels_equal_decoding_each_path_bit_for_bit(dtype, parents):
         assert torch.equal(state[0], node_states[node]), f"delta state of node {node}"
 
 
-class FusedKernelsOnCpu(TorchBackend):
-    """The reference backend with the fused ops (and the decode kernels) swapped for the Triton kernels
-    under the interpreter: the model's calls, shapes and strides, exercised without a GPU."""
+# The Triton kernels of the fused ops (and of the decode step's family ops) under the interpreter, offered
+# to a CPU backend through the same mechanism lucebox-cuda uses (`lucebox_op_kernels` records): the model's
+# calls, shapes and strides, exercised without a GPU.
+FUSED_ON_CPU = [
+    OpKernel(op="add_rms_norm", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.add_rms_norm(*a)),
+    OpKernel(op="silu_mul", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.silu_mul(*a)),
+    OpKernel(op="sigmoid_mul", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.sigmoid_mul(*a)),
+    OpKernel(op="gated_rms_norm", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.gated_rms_norm(*a)),
+    OpKernel(op="qk_norm_rope", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.qk_norm_rope(*a)),
+    OpKernel(op="conv_silu_update_", backend="fused-cpu",
+             kernel=lambda ops, x, w, state: triton_ops.causal_conv1d_step(x, w, state, activation="silu",
+                                                                          new_state=state)[0]),
+    OpKernel(op="gated_delta_decode_", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.gated_delta_decode_(*a)),
+    OpKernel(op="gated_delta_tree", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.gated_delta_tree(*a)),
+    OpKernel(op="fuse_rows", backend="fused-cpu", kernel=lambda ops, weights: concat_rows(weights)),
+]
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        return triton_fused.add_rms_norm(x, residual, weight, eps)
 
-    def silu_mul(self, gate, up):
-        return triton_fused.silu_mul(gate, up)
-
-    def sigmoid_mul(self, x, gate):
-        return triton_fused.sigmoid_mul(x, gate)
-
-    def gated_rms_norm(self, x, z, weight, eps):
-        return triton_fused.gated_rms_norm(x, z, weight, eps)
-
-    def qk_norm_rope(self, query, key, q_norm, k_norm, positions, rot_dim, theta, eps):
-        return triton_fused.qk_norm_rope(query, key, q_norm, k_norm, positions, rot_dim, theta, eps)
-
-    def conv_silu_update_(self, x, weight, state):
-        return triton_ops.causal_conv1d_step(x, weight, state, activation="silu", new_state=state)[0]
-
-    def gated_delta_decode_(self, mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim):
-        return triton_fused.gated_delta_decode_(mixed, a, b, ssm_a, dt_bias, state, num_k_heads, head_k_dim)
-
-    def gated_delta_tree(self, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim):
-        return triton_fused.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
-
-    def fuse_rows(self, weights):
-        from lucebox_core.torch_backend import concat_rows
-
-        return concat_rows(weights)
+def fused_kernels_on_cpu() -> TorchBackend:
+    return TorchBackend(kernel_table_for=kernel_table("fused-cpu", FUSED_ON_CPU))
 
 
 def test_tiny_model_decodes_through_the_kernels(tmp_path):
@@ -223,7 +213,8 @@ def test_tiny_model_decodes_through_the_kernels(tmp_path):
     path = tmp_path / "tiny.gguf"
     synth.write(path, size="tiny", type="q8_0", seed=8)
     reference = qwen_model.load(path, TorchBackend())
-    fused = qwen_model.load(path, FusedKernelsOnCpu())
+    fused = qwen_model.load(path, fused_kernels_on_cpu())
+    assert fused.ops.gated_delta_decode_.kernels  # the family op is routed through the registered kernel
     prompt = torch.randint(0, reference.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
     a, b = reference.new_state(), fused.new_state()
     close(fused.forward(b, prompt)[-1:], reference.forward(a, prompt)[-1:], torch.float32)

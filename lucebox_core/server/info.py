@@ -70,7 +70,7 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
     drafter = service.drafter_info
     if drafter is not None:
         body["speculative"] = {"enabled": True, "ddtree_budget": drafter.get("tree_budget"), **drafter}
-        body["speculative_mode"] = "dflash"
+        body["speculative_mode"] = drafter.get("kind", "on")  # the drafter's kind: dflash, ...
     from ..sampling import SamplingParams
 
     metadata = loaded.gguf.metadata
@@ -90,7 +90,11 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
         "reasoning": {"supported": True, "default": "on" if config.thinking_default else "off",
                       "supported_efforts": EFFORTS, "think_max_tokens": config.think_max_tokens},
         "runtime": {"backend": loaded.backend_name, "target_device": config.device or "default",
-                    "parallel": config.parallel, "chunk": service.engine.prefill_chunk},
+                    "parallel": config.parallel, "chunk": service.engine.prefill_chunk,
+                    "kv_policy": config.kv_policy, "cache_type_k": getattr(loaded.model, "cache_type_k", None),
+                    "cache_type_v": getattr(loaded.model, "cache_type_v", None),
+                    # The ops this backend runs as kernels (where their checks accept the arguments).
+                    "op_kernels": sorted(getattr(loaded.backend, "op_kernels", {}) or {})},
         "sampling": {"capabilities": {f"supports_{name}": True for name in (
             "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
             "seed", "stop", "logprobs", "response_format", "tools")}},

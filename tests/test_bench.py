@@ -1,0 +1,104 @@
+"""`lucebox bench` measures as llama-bench does: a fresh random id per decode token, the host waiting for the
+device after each, warm-ups at each row's own shape, and speculative rows (forced ones labelled so)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lucebox_core.assembly import EngineOptions, build_engine
+from lucebox_core.bench import DECODE_WARMUP_STEPS, run_bench
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from lucebox_qwen35 import draft_synth, synth
+
+    folder = tmp_path_factory.mktemp("bench")
+    target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=41)
+    draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=42, target=target)
+    return target, draft
+
+
+class Recorder:
+    """Wraps the model's forward and the backend's synchronize: what was fed, and when the host waited."""
+
+    def __init__(self, assembled, monkeypatch):
+        self.events: list[tuple] = []
+        model, backend = assembled.loaded.model, assembled.engine.backend
+        forward, synchronize = model.forward, backend.synchronize
+
+        def recording_forward(state, token_ids, *args, **kwargs):
+            ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+            self.events.append(("forward", tuple(ids)))
+            return forward(state, token_ids, *args, **kwargs)
+
+        def recording_synchronize():
+            self.events.append(("sync",))
+            synchronize()
+
+        monkeypatch.setattr(model, "forward", recording_forward)
+        monkeypatch.setattr(backend, "synchronize", recording_synchronize)
+
+
+def test_decode_feeds_fresh_random_ids_and_waits_for_each(files, monkeypatch):
+    n_gen, reps = 6, 2
+    assembled = build_engine(EngineOptions(model=str(files[0]), ctx_size=64))
+    recorder = Recorder(assembled, monkeypatch)
+    rows = run_bench(assembled, prompts=[], n_gen=n_gen, depths=[0], reps=reps)
+    assert [r["test"] for r in rows] == [f"tg{n_gen}"]
+    events = recorder.events
+    one_token = [i for i, e in enumerate(events) if e[0] == "forward" and len(e[1]) == 1]
+    # The warm-up run at this depth, then each repetition: warm-up steps, then n_gen timed tokens.
+    assert len(one_token) == (1 + reps) * (DECODE_WARMUP_STEPS + n_gen)
+    for run in range(1 + reps):
+        timed = one_token[run * (DECODE_WARMUP_STEPS + n_gen) + DECODE_WARMUP_STEPS:][:n_gen]
+        ids = [events[i][1][0] for i in timed]
+        assert len(set(ids)) > 1  # fresh ids, not one token fed again and again
+        for index in timed:
+            assert events[index + 1] == ("sync",), "the host waits for every token"
+
+
+def test_speculative_and_forced_rows_warm_up_at_their_shapes(files, monkeypatch):
+    target, draft = files
+    assembled = build_engine(EngineOptions(model=str(target), model_draft=str(draft), ctx_size=96,
+                                           spec_type="chain"))
+    block = assembled.speculative.block_size
+    recorder = Recorder(assembled, monkeypatch)
+    verify_calls = []
+    model = assembled.loaded.model
+    verify = model.verify
+    monkeypatch.setattr(model, "verify", lambda *a, **k: verify_calls.append(len(a[1])) or verify(*a, **k))
+    rows = run_bench(assembled, prompts=[8], n_gen=12, depths=[0], reps=2, force_accept=3)
+    tests = [r["test"] for r in rows]
+    assert tests == ["pp8", "tg12", "tg12 spec chain FORCED accept 3", f"draft step (block {block})",
+                     "verify 1 nodes", f"verify {block} nodes", "verify 23 nodes"]
+    spec = rows[2]
+    assert spec["forced_accept"] == 3 and spec["mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
+    assert all(r["tokens_per_s"] > 0 and r["seconds"] > 0 for r in rows)
+    # Three speculative generations (the untimed one at the row's shapes, then two timed), each the same
+    # sequence of verify shapes, then the cost rows (warm-up + 2 calls per node count).
+    assert verify_calls[-9:] == [1, 1, 1, block, block, block, 23, 23, 23]
+    per_run = verify_calls[:-9]
+    assert len(per_run) % 3 == 0 and per_run[: len(per_run) // 3] * 3 == per_run
+    # The cost rows' clocks start after a synchronisation, and stop after one.
+    last = [e for e in recorder.events][-3:]
+    assert last[-1] == ("sync",)
+
+
+def test_bench_cli_spec_rows_json(files):
+    target, draft = files
+    result = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "bench", "-m", str(target), "-md", str(draft),
+                             "--force-accept", "2", "-p", "0", "-n", "6", "-r", "1", "--json"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    spec = next(r for r in rows if " spec " in r["test"])
+    assert spec["test"].endswith("FORCED accept 2") and spec["mean_accepted_length"] == pytest.approx(3.0, abs=0.5)
+    bad = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "bench", "-m", str(target), "--force-accept", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "needs a drafter" in bad.stderr

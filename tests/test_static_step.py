@@ -1,0 +1,174 @@
+"""The static-step runner: fixed input buffers, one recording per key and input shapes, replay.
+
+On the CPU there are no CUDA graphs, so a stand-in backend emulates their contract: recording runs nothing
+and returns output buffers shaped like the warm-up's; a replay re-runs the recorded function, which may
+read only the static buffers and the values its key fixed, and writes its results into those output
+buffers. A step that read a host value its key does not cover, or a fresh buffer instead of a static one,
+would replay stale data here as it would on a GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lucebox_core.engine import Engine, GenerationRequest
+from lucebox_core.sampling import SamplingParams
+from lucebox_core.static_step import StaticStep
+from lucebox_core.torch_backend import TorchBackend
+
+
+def _zeros_like(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return torch.zeros_like(outputs)
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_zeros_like(o) for o in outputs)
+    if isinstance(outputs, dict):
+        return {k: _zeros_like(v) for k, v in outputs.items()}
+    return outputs
+
+
+def _copy_into(target, source):
+    if isinstance(target, torch.Tensor):
+        target.copy_(source)
+    elif isinstance(target, (tuple, list)):
+        for t, s in zip(target, source):
+            _copy_into(t, s)
+    elif isinstance(target, dict):
+        for key in target:
+            _copy_into(target[key], source[key])
+
+
+class _Graph:
+    def __init__(self, function, outputs):
+        self.function, self.outputs, self.replays = function, outputs, 0
+
+    def replay(self):
+        self.replays += 1
+        _copy_into(self.outputs, self.function())
+
+
+class GraphStandIn(TorchBackend):
+    """Torch ops whose static steps are "recorded" as the graph contract says (see the module docstring)."""
+
+    fail_recording = False
+
+    def graphs_enabled(self) -> bool:
+        return True
+
+    def new_graph_pool(self):
+        return object()
+
+    def on_side_stream(self, function):
+        self._last = function()
+        return self._last
+
+    def record_graph(self, function, pool):
+        if self.fail_recording:
+            raise RuntimeError("capture is not supported here")
+        outputs = _zeros_like(self._last)  # recording runs nothing: buffers shaped like the warm-up's
+        return _Graph(function, outputs), outputs
+
+
+def test_inputs_are_copied_into_buffers_that_replays_read():
+    backend = GraphStandIn(kernel_table_for={})
+    step = StaticStep(backend, "test step")
+    results = []
+    for value in (3, 5, 7):
+        inputs = step.inputs(position=value, rows=torch.full((2,), float(value)))
+        results.append(step.run("key", lambda i: i.rows * i.position, inputs, clone=True))
+    assert [r.tolist() for r in results] == [[9.0, 9.0], [25.0, 25.0], [49.0, 49.0]]
+    assert len(step) == 1 and step.recordings()[0].replays == 2
+    # Other input shapes are another recording, over buffers of their own.
+    inputs = step.inputs(position=2, rows=torch.ones(3))
+    assert step.run("key", lambda i: i.rows * i.position, inputs).tolist() == [2.0, 2.0, 2.0]
+    assert len(step) == 2
+    with pytest.raises(AttributeError, match="not 'missing'"):
+        _ = inputs.missing
+
+
+def test_outputs_are_the_recordings_unless_cloned():
+    step = StaticStep(GraphStandIn(kernel_table_for={}), "test step")
+
+    def run(value, clone):
+        return step.run(0, lambda i: i.x + 1, step.inputs(x=torch.tensor([float(value)])), clone=clone)
+
+    run(0, False)  # warm-up and recording
+    shared, kept = run(1, False), run(2, True)
+    run(3, False)
+    assert shared.item() == 4.0 and kept.item() == 3.0  # the next replay overwrote the shared buffer
+
+
+def test_a_failed_recording_warns_once_and_runs_eagerly_after():
+    backend = GraphStandIn(kernel_table_for={})
+    backend.fail_recording = True
+    step = StaticStep(backend, "test step")
+    with pytest.warns(RuntimeWarning, match="graph capture of the test step failed"):
+        first = step.run(0, lambda i: i.x * 2, step.inputs(x=torch.tensor([1.0])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = step.run(0, lambda i: i.x * 2, step.inputs(x=torch.tensor([4.0])))
+    assert first.item() == 2.0 and second.item() == 8.0 and len(step) == 0 and step.failure
+
+
+def test_graphs_off_runs_eagerly():
+    step = StaticStep(GraphStandIn(kernel_table_for={}), "test step", graphs=False)
+    assert step.run(0, lambda i: i.x * 3, step.inputs(x=torch.tensor([2.0]))).item() == 6.0
+    assert len(step) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from lucebox_qwen35 import draft_synth, synth
+
+    folder = tmp_path_factory.mktemp("static")
+    target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=31)
+    draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=32, target=target)
+    return target, draft
+
+
+def _generate(target, draft, backend, *, force: float | None = None) -> tuple[list[int], list[int]]:
+    from lucebox_core.assembly import load_drafter
+    from lucebox_core.speculative import SpeculativeDecoder
+    from lucebox_core.tokenizer import Tokenizer
+    from lucebox_qwen35.loader import load
+
+    model = load(target, backend)
+    model.decode_min_window = 8  # windows change during the run: several recordings per step
+    tokenizer = Tokenizer.from_gguf(target)
+    speculative = None
+    if draft is not None:
+        speculative = SpeculativeDecoder(model, load_drafter(str(draft), model, backend), "ddtree", budget=6)
+    engine = Engine(model, tokenizer, ctx_size=96, speculative=speculative)
+    request = GenerationRequest(prompt_ids=[7, 8, 9, 10, 11], max_tokens=40, sampling=SamplingParams(temperature=0),
+                                ignore_eos=True)
+    if force is not None:
+        import attrs
+
+        plain = Engine(model, tokenizer, ctx_size=96)
+        reference = plain.generate(attrs.evolve(request, max_tokens=40 + speculative.block_size)).token_ids
+        request = attrs.evolve(request, force_accept=force, force_reference=reference)
+    result = engine.generate(request)
+    second = engine.generate(request)  # on the released sequence: its recordings are replayed
+    assert second.token_ids == result.token_ids
+    if isinstance(backend, GraphStandIn):
+        (kept,) = engine._idle
+        if speculative is None:
+            assert len(kept.state.decode) >= 2  # several KV windows, each recorded once
+        else:  # every token comes out of a verify pass
+            assert len(kept.state.verify) >= 2 and len(kept.draft.step) == 1
+    return result.token_ids, result.timings.accepted_lengths
+
+
+def test_qwen35_decode_verify_and_draft_replayed_as_recorded_equal_eager(tiny_pair):
+    """The family's three static steps (decode, verify of N nodes, the drafter's block) through the runner
+    with the graph contract emulated: the tokens are those of eager decoding, plain and speculative."""
+    target, draft = tiny_pair
+    eager = TorchBackend(kernel_table_for={})
+    emulated = GraphStandIn(kernel_table_for={})
+    plain_tokens, _ = _generate(target, None, eager)
+    assert _generate(target, None, emulated)[0] == plain_tokens
+    tokens, lengths = _generate(target, draft, emulated, force=3)
+    assert tokens == plain_tokens and set(lengths[:-1]) == {4}
