@@ -13,6 +13,15 @@
 #                                        #   SKIP=llama-08b-depth DEADLINE=540).     carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh spec     # ~7 min: spec_bench.py on 27b Q4_K_M + llama.cpp's plain tg128.
 #                                        #                                          carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh core     # ~6 min: after a change to the core's mechanisms (op dispatch, static
+#                                        #   steps, KV interface): the CUDA-only tests, cuda_check (kernels and
+#                                        #   whole models against torch), the attention module's check,
+#                                        #   determinism on 0.8b.                     carry: .whl
+#   bash scripts/gpu_session.sh same-call  # ~8 min: before/after in one call: same_call_bench.py on 27b
+#                                        #   Q4_K_M (pp512, pp4096, tg128, forced DDTree 8.3 at -n 256 -r 3) for
+#                                        #   the tree in .baseline (an older commit, `git archive`), then this
+#                                        #   one, then the baseline again (the spread); determinism on 27b.
+#                                        #                                          carry: .whl .baseline
 # Env: COMMIT (recorded in every result: the device's copy has no .git), SKIP (step names to leave out, e.g.
 # "profile-27b"; for bench-*: see bench_vs_llamacpp.sh; for spec: "llama" skips the build and llama-bench),
 # SPEC_ARGS (extra spec_bench.py options), CHECK_FIRST (spec: attention kernel check and verify_determinism
@@ -21,7 +30,7 @@
 # Everything comes back in at most 5 files under $OUT: log_MODE.txt (all output, also when killed),
 # the mode's JSON and markdown, and MODE.tgz with every raw file.
 set -o pipefail
-MODE=${1:?usage: gpu_session.sh check|bench-a|bench-b|spec}
+MODE=${1:?usage: gpu_session.sh check|bench-a|bench-b|bench-all|spec|core|same-call}
 export OUT=${OUT:-$PWD/out} PYTHONUNBUFFERED=1 LUCEBOX_HOME=${LUCEBOX_HOME:-/tmp/lh} WORK=${WORK:-/tmp/w}
 export COMMIT=${COMMIT:-${LUCEBOX_COMMIT:-unknown}}
 export RES=/tmp/gpu_session_$MODE
@@ -119,6 +128,37 @@ spec() {
   cp "$RES/spec_bench.json" "$OUT/" 2>/dev/null
 }
 
+core() {
+  step cuda-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+    tests/test_quants.py tests/test_cuda_plugin.py tests/test_ops.py tests/test_static_step.py -x
+  step cuda_check 240 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" --skip-timing
+  cp "$RES/cuda_check.json" "$OUT/" 2>/dev/null
+  step attention-check 90 python3 -m lucebox_cuda.triton_attention
+  step synth-08b 30 synth 0.8b
+  step determinism-08b 90 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
+  step bench-08b 60 python3 -m lucebox_core.cli bench -m "$(model 0.8b)" -p 512 -n 64 -r 2 --json
+}
+
+same_call() {
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/old \
+    .baseline .baseline/plugins/qwen35 .baseline/backends/cuda || { echo "baseline install failed"; return 1; }
+  step synth-27b 90 synth 27b
+  step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$WORK/draft-27b.gguf" "$(model 27b)"
+  local args="$(model 27b) $WORK/draft-27b.gguf --reps 3 --spec-n 256 --force 8.3"
+  step before 150 env PYTHONPATH=/tmp/old:/tmp/site python3 scripts/same_call_bench.py $args --label before \
+    --out "$RES/before.json"
+  step after 150 python3 scripts/same_call_bench.py $args --label after --out "$RES/after.json"
+  step determinism-27b 150 python3 scripts/verify_determinism.py "$(model 27b)" --json "$RES/determinism_27b.json"
+  step before-again 150 env PYTHONPATH=/tmp/old:/tmp/site python3 scripts/same_call_bench.py $args \
+    --label before-again --out "$RES/before_again.json"
+  python3 scripts/same_call_bench.py table "$RES/before.json" "$RES/after.json" | tee "$OUT/same_call.md"
+  [ -f "$RES/before_again.json" ] && python3 scripts/same_call_bench.py table "$RES/before.json" \
+    "$RES/before_again.json" | tee -a "$OUT/same_call.md"
+  cp "$RES"/before*.json "$RES"/after.json "$RES"/determinism_27b.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -130,7 +170,9 @@ session() {
     bench-b) PART=B bash scripts/bench_vs_llamacpp.sh ;;
     bench-all) PART=all bash scripts/bench_vs_llamacpp.sh ;;  # A and B, one build: trim REPS/tests to fit
     spec) spec ;;
-    *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all or spec"; return 2 ;;
+    core) core ;;
+    same-call) same_call ;;
+    *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
   echo "[$SECONDS s] gpu_session $MODE done"
