@@ -424,10 +424,10 @@ def candidate_run(model: Any, tokenizer: Any, prompt: list[int], steps: int) -> 
             tokens.append(step.token_id)
             logprobs.append(step.logprob)
     seconds = time.perf_counter() - start
-    graphs = getattr(getattr(sequence.state, "decode", None), "graphs", None)
+    step = getattr(sequence.state, "decode", None)  # the decode step's StaticStep (its recordings)
     return {"prefill": prefill, "tokens": tokens, "logprobs": logprobs, "seconds": seconds,
-            "graph_windows": len(graphs) if graphs is not None else 0,
-            "graph_failure": graphs.failure if graphs is not None else None}
+            "graph_windows": len(step) if step is not None else 0,
+            "graph_failure": step.failure if step is not None else None}
 
 
 def compare_greedy(reference: ReferenceRun, tokens: list[int], logprobs: list[float | None],

@@ -152,6 +152,9 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   step determinism-27b 150 python3 scripts/verify_determinism.py "$(model 27b)" --json "$RES/determinism_27b.json"
   step before-again 150 env PYTHONPATH=/tmp/old:/tmp/site python3 scripts/same_call_bench.py $args \
     --label before-again --out "$RES/before_again.json"
+  # The whole-model check of cuda_check (tiny F32 and 0.8B Q4_K_M through the CUDA backend against torch f32).
+  step model-check 120 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" \
+    --skip-timing --skip-correctness --skip-triton
   python3 scripts/same_call_bench.py table "$RES/before.json" "$RES/after.json" | tee "$OUT/same_call.md"
   [ -f "$RES/before_again.json" ] && python3 scripts/same_call_bench.py table "$RES/before.json" \
     "$RES/before_again.json" | tee -a "$OUT/same_call.md"
