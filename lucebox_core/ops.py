@@ -52,9 +52,11 @@ class Op:
         self.owner = owner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Called for every op of a forward pass (a thousand at 27B): kept to the bare loop.
         owner = self.owner
         for candidate in self.kernels:
-            if candidate.accepts is None or candidate.accepts(owner, *args, **kwargs):
+            accepts = candidate.accepts
+            if accepts is None or accepts(owner, *args, **kwargs):
                 return candidate.kernel(owner, *args, **kwargs)
         return self.reference(*args, **kwargs)
 
@@ -134,6 +136,14 @@ class BoundOps:
     def __init__(self, backend: Any, opset: OpSet):
         object.__setattr__(self, "backend", backend)
         object.__setattr__(self, "opset", opset)
+        # The backend's ops and its device, held here too: read a thousand times a forward pass, they should
+        # not go through `__getattr__` each time. Everything else reads through.
+        for name in dir(type(backend)):
+            if not name.startswith("_") and callable(getattr(type(backend), name, None)):
+                object.__setattr__(self, name, getattr(backend, name))
+        for name in ("device", "dtype"):
+            if hasattr(backend, name):
+                object.__setattr__(self, name, getattr(backend, name))
         table = getattr(backend, "op_kernels", {}) or {}
         for name, reference in opset.references.items():
             if hasattr(type(backend), name):

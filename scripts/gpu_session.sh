@@ -162,6 +162,23 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   return 0
 }
 
+same_call_prefill() {  # the prefill and decode rows only, before and after interleaved, more repetitions
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/old \
+    .baseline .baseline/plugins/qwen35 .baseline/backends/cuda || { echo "baseline install failed"; return 1; }
+  step synth-27b 90 synth 27b
+  local args="$(model 27b) --reps ${REPS:-9} --skip-spec"
+  for round in 1 2; do
+    step before-$round 100 env PYTHONPATH=/tmp/old:/tmp/site python3 scripts/same_call_bench.py $args \
+      --label before-$round --out "$RES/before_$round.json"
+    step after-$round 100 python3 scripts/same_call_bench.py $args --label after-$round --out "$RES/after_$round.json"
+  done
+  python3 scripts/same_call_bench.py table "$RES"/before_1.json "$RES"/after_1.json | tee "$OUT/same_call_prefill.md"
+  python3 scripts/same_call_bench.py table "$RES"/before_2.json "$RES"/after_2.json | tee -a "$OUT/same_call_prefill.md"
+  python3 scripts/same_call_bench.py table "$RES"/before_1.json "$RES"/before_2.json | tee -a "$OUT/same_call_prefill.md"
+  cp "$RES"/before_*.json "$RES"/after_*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -175,6 +192,7 @@ session() {
     spec) spec ;;
     core) core ;;
     same-call) same_call ;;
+    same-call-prefill) same_call_prefill ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

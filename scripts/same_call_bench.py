@@ -83,6 +83,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         seconds = statistics.median(samples[1:])
         rows.append({"test": f"pp{n}", "tokens_per_s": n / seconds, "samples_s": samples[1:]})
         print(f"[{args.label}] pp{n}: {n / seconds:.1f} tok/s", flush=True)
+        # How long the host takes to queue one prefill pass (a pass whose GPU work is shorter than this is
+        # host-bound): the forward call alone, before the device is waited for.
+        issue = []
+        for rep in range(args.reps + 1):
+            sequence = plain.new_sequence()
+            ids = torch.tensor(random_ids(n, vocab, 50 + rep))
+            sync()
+            t0 = time.perf_counter()
+            model.forward(sequence.state, ids, last_only=True)
+            issue.append(time.perf_counter() - t0)
+            sync()
+            plain.release(sequence)
+        host_ms = statistics.median(issue[1:]) * 1e3
+        rows.append({"test": f"pp{n} host issue (ms, lower is better)", "tokens_per_s": host_ms, "samples_s": issue[1:]})
+        print(f"[{args.label}] pp{n} host issue: {host_ms:.2f} ms", flush=True)
 
     samples = []
     for rep in range(args.reps + 1):  # the first is the warm-up: records the windows the run crosses
@@ -101,7 +116,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows.append({"test": f"tg{args.n_gen}", "tokens_per_s": args.n_gen / seconds, "samples_s": samples[1:]})
     print(f"[{args.label}] tg{args.n_gen}: {args.n_gen / seconds:.1f} tok/s", flush=True)
 
-    if args.draft:
+    if args.draft and not args.skip_spec:
         speculative = make_speculative(model, args.draft, args.budget)
         engine = Engine(model, loaded.tokenizer, ctx_size=ctx, speculative=speculative)
         greedy = SamplingParams(temperature=0)
@@ -151,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", type=float, default=8.3)
     parser.add_argument("--budget", type=int, default=22)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--skip-spec", action="store_true", help="no speculative row (the prefill and decode rows only)")
     args = parser.parse_args(argv)
     result = measure(args)
     if args.out:
