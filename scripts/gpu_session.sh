@@ -179,6 +179,16 @@ same_call_prefill() {  # the prefill and decode rows only, before and after inte
   return 0
 }
 
+bench_cli() {  # `lucebox bench` itself on 27b Q4_K_M with a drafter: every row kind, forced acceptance FORCED
+  step synth-27b 90 synth 27b
+  step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$WORK/draft-27b.gguf" "$(model 27b)"
+  step bench-27b 300 sh -c "python3 -m lucebox_core.cli bench -m $(model 27b) -md $WORK/draft-27b.gguf -p 512,4096 \
+    -n 256 -r 3 --force-accept 8.3 ${BENCH_ARGS:-} > $OUT/bench_27b.txt; cat $OUT/bench_27b.txt"
+  step bench-27b-json 200 sh -c "python3 -m lucebox_core.cli bench -m $(model 27b) -p 0 -n 128 -d 0,8192 -r 3 --json \
+    > $OUT/bench_27b_depth.json; cat $OUT/bench_27b_depth.json"
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -193,6 +203,7 @@ session() {
     core) core ;;
     same-call) same_call ;;
     same-call-prefill) same_call_prefill ;;
+    bench-cli) bench_cli ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
