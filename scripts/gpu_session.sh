@@ -189,6 +189,24 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
     > $OUT/bench_27b_depth.json; cat $OUT/bench_27b_depth.json"
 }
 
+spec_rows() { python3 -c "import json,sys
+for r in json.loads(sys.stdin.read().splitlines()[-1]): print('$1', r['test'], round(r['tokens_per_s'], 1))"; }
+export -f spec_rows
+
+bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
+  step synth-27b 90 synth 27b
+  step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$WORK/draft-27b.gguf" "$(model 27b)"
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  for i in 1 2; do
+    step bench-c4096-$i 100 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 3 --force-accept 8.3 \
+      --json | spec_rows c4096"
+    step bench-c300-$i 100 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -c 300 -p 0 -n 256 -r 3 \
+      --force-accept 8.3 --json | spec_rows c300"
+    step same-call-$i 100 python3 scripts/same_call_bench.py $m $d --label same-call-$i --prompts 16 --n-gen 8 --reps 3
+  done
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -204,6 +222,7 @@ session() {
     same-call) same_call ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
+    bench-probe) bench_probe ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
