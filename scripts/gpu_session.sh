@@ -199,9 +199,9 @@ bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) 
 draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$WORK/draft-27b.gguf" "$(model 27b)"
   local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
   for i in 1 2; do
-    step bench-c4096-$i 100 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 3 --force-accept 8.3 \
+    step bench-c4096-$i 100 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 3 --force-accept 8.3 \
       --json | spec_rows c4096"
-    step bench-c300-$i 100 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -c 300 -p 0 -n 256 -r 3 \
+    step bench-c300-$i 100 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -c 300 -p 0 -n 256 -r 3 \
       --force-accept 8.3 --json | spec_rows c300"
     step same-call-$i 100 python3 scripts/same_call_bench.py $m $d --label same-call-$i --prompts 16 --n-gen 8 --reps 3
   done
