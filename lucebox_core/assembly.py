@@ -60,6 +60,7 @@ class Choices:
     cache_type_k: str | None
     cache_type_v: str | None
     verifier: Any  # Verifier spec, or None without a drafter
+    drafter: Any  # Drafter spec (by the draft file's architecture), or None
 
 
 def check_options(options: EngineOptions) -> Choices:
@@ -77,12 +78,28 @@ def check_options(options: EngineOptions) -> Choices:
             raise LuceboxError(f"{path}: no such file ({flag})")
     policy = registry().kv_policy(options.kv_policy)
     cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
-    verifier = None
+    verifier = drafter = None
     if options.model_draft is not None:
         verifier = registry().verifier(options.spec_type)
         if options.tree_budget != "auto" and (not isinstance(options.tree_budget, int) or options.tree_budget < 1):
             raise LuceboxError(f"--tree-budget must be a positive integer or 'auto', got {options.tree_budget!r}")
-    return Choices(policy, cache_type_k, cache_type_v, verifier)
+        if options.draft_block_size is not None and not 2 <= options.draft_block_size <= 64:
+            raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {options.draft_block_size}")
+        drafter = _drafter_spec(options.model_draft)
+    return Choices(policy, cache_type_k, cache_type_v, verifier, drafter)
+
+
+def _drafter_spec(path: str) -> Any:
+    """The drafter the draft file's architecture chooses (only its header is read)."""
+    from .errors import PluginError
+    from .ggufio import GGUFFile
+    from .plugins import registry
+
+    draft_file = GGUFFile(path)
+    try:
+        return registry().drafter_for(draft_file.architecture, path)
+    except PluginError as exc:
+        raise PluginError(f"-md/--model-draft {exc}") from None
 
 
 @attrs.frozen
@@ -99,27 +116,27 @@ class AssembledEngine:
 def load_drafter(path: str, target: Any, backend: Any = None) -> Any:
     """The drafter for draft GGUF `path`, chosen by the file's architecture through the drafting hook."""
     from .ggufio import GGUFFile
-    from .plugins import registry
 
-    draft_file = GGUFFile(path)
-    spec = registry().drafter_for(draft_file.architecture, path)
-    return spec.create(draft_file, target, backend=backend)
+    return _drafter_spec(path).create(GGUFFile(path), target, backend=backend)
 
 
-def build_speculative(options: EngineOptions, loaded: Any) -> Any:
+def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | None = None) -> Any:
     """The `SpeculativeDecoder` the options ask for (drafter from `-md`, verifier from `--spec-type`), or None."""
     if options.model_draft is None:
         return None
-    from .speculative import SpeculativeDecoder
+    from .ggufio import GGUFFile
+    from .speculative import SpeculativeDecoder, trees
 
-    drafter = load_drafter(options.model_draft, loaded.model, loaded.backend)
-    return SpeculativeDecoder(loaded.model, drafter, options.spec_type, budget=options.tree_budget,
-                              block_size=options.draft_block_size, backend=loaded.backend)
+    choices = choices if choices is not None else check_options(options)
+    drafter = choices.drafter.create(GGUFFile(options.model_draft), loaded.model, backend=loaded.backend)
+    verifier = choices.verifier.create(loaded.model, budget=options.tree_budget, top_k=trees.DEFAULT_TOP_K,
+                                      backend=loaded.backend)
+    return SpeculativeDecoder(loaded.model, drafter, verifier, block_size=options.draft_block_size,
+                              backend=loaded.backend)
 
 
-def build_engine(options: EngineOptions, *, extra_context: int = 0) -> AssembledEngine:
-    """Load the model and make the engine the options describe. `extra_context`: positions allocated past
-    `ctx_size` (the benchmark's warm-up steps)."""
+def build_engine(options: EngineOptions) -> AssembledEngine:
+    """Load the model and make the engine the options describe."""
     from .engine import Engine
     from .loading import load_model
 
@@ -131,7 +148,7 @@ def build_engine(options: EngineOptions, *, extra_context: int = 0) -> Assembled
         model_options["cache_type_v"] = choices.cache_type_v
     loaded = load_model(options.model, backend=options.backend, device=options.device,
                         chat_template_file=options.chat_template_file, **model_options)
-    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=options.ctx_size + extra_context,
-                    prefill_chunk=options.prefill_chunk, speculative=build_speculative(options, loaded),
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=options.ctx_size,
+                    prefill_chunk=options.prefill_chunk, speculative=build_speculative(options, loaded, choices),
                     idle_sequences=options.parallel, backend=loaded.backend)
     return AssembledEngine(loaded, engine, options)

@@ -158,8 +158,7 @@ def _speculative_rows(plain: Engine, engine: Engine, *, n_gen: int, reps: int,
     draft_seconds = per_call(lambda: speculative.drafter.draft(model, state, sequence.draft, tokens, block))
     rows.append({"test": f"draft step (block {block})", "tokens": block - 1, "seconds": draft_seconds,
                  "tokens_per_s": (block - 1) / draft_seconds})
-    budget = speculative.budget if isinstance(speculative.budget, int) else 22
-    for nodes in sorted({1, block, budget + 1}):
+    for nodes in sorted({1, block, speculative.max_nodes}):  # one node, a block, the verifier's largest pass
         parents = list(range(-1, nodes - 1))
         seconds = per_call(lambda: model.verify(state, [root] * nodes, parents))
         rows.append({"test": f"verify {nodes} nodes", "tokens": nodes, "seconds": seconds,

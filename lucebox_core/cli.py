@@ -157,7 +157,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     candidates = sorted(registry().converters(), key=lambda c: not c.hf_architectures)
     converters = [c for c in candidates if c.accepts(config)]
     if not converters:
-        raise PluginError(f"{hf_dir}: no installed plugin converts model_type {model_type!r}{install_hint(model_type)}")
+        hint = install_hint(model_type, registry().loaded_distributions)
+        raise PluginError(f"{hf_dir}: no installed plugin converts model_type {model_type!r}{hint}")
     converter = converters[0]
     if args.type not in converter.types:
         raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(converter.types)} for {converter.name}")
@@ -203,8 +204,11 @@ def _assemble(args: argparse.Namespace, **overrides: Any) -> Any:
     from .assembly import EngineOptions, build_engine
 
     options = EngineOptions.from_args(args, **overrides)
-    if getattr(args, "force_accept", None) is not None and options.model_draft is None:
+    force = getattr(args, "force_accept", None)
+    if force is not None and options.model_draft is None:
         raise LuceboxError("--force-accept needs a drafter (-md/--model-draft FILE)")
+    if force is not None and force < 0:
+        raise LuceboxError(f"--force-accept must be >= 0, got {force}")
     return build_engine(options)
 
 

@@ -154,6 +154,15 @@ class KVCache(Protocol):
       attention reads `gather(layer, size)` (the first `size` positions, in position order, as stored), and
       afterwards the host declares them held with `commit(length)`.
     Speculative decoding: `move` copies accepted rows to their final positions, `rollback` forgets the rest.
+
+    Two rules a policy must keep, because static steps are recorded once and replayed:
+    - `write`, `gather` and `move` depend only on their arguments and on device tensors the policy updates
+      in place (a page table, a slot map), never on host state read at call time (`length`, a Python
+      list of pages): a replay repeats the recorded work on whatever those device tensors hold then;
+    - a static verify pass writes its N candidate rows at scratch positions `length .. length + N - 1`
+      (insertion order, not their tree positions) before anything is committed, then `move`s the
+      accepted ones into place and `commit`s: a policy keeps those positions writable (within
+      `max_context`) and treats rows past `length` as uncommitted.
     """
 
     max_context: int  # the most positions the sequence may hold

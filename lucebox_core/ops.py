@@ -19,6 +19,7 @@ kernel still runs the kernels of its parts.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -76,8 +77,7 @@ def kernel_table(backend_name: str, specs: list[Any] | None = None) -> dict[str,
     """Op name -> the kernels offered for backend `backend_name`, highest priority first, imported now.
 
     `specs`: `OpKernel` records (default: every one the installed plugins register). A kernel whose module
-    does not import is a PluginError naming it: a backend that silently lost its kernels would run the
-    references and look merely slow."""
+    does not import is left out with a warning naming it."""
     from .specs import resolve
 
     if specs is None:
@@ -92,7 +92,11 @@ def kernel_table(backend_name: str, specs: list[Any] | None = None) -> dict[str,
             resolved = ResolvedKernel(spec.name, resolve(spec.kernel),
                                       resolve(spec.accepts) if spec.accepts is not None else None)
         except (ImportError, AttributeError) as exc:
-            raise PluginError(f"kernel {spec.name}: cannot import {spec.kernel!r}: {exc}") from exc
+            # One broken plugin must not take the backend down: the op keeps its other kernels, or the
+            # reference, and the warning says which kernel is lost (it would otherwise only look slow).
+            warnings.warn(f"kernel {spec.name} is left out: cannot import {spec.kernel!r}: {exc}", RuntimeWarning,
+                          stacklevel=2)
+            continue
         table.setdefault(spec.op, []).append((spec.priority, resolved))
     return {op: [k for _, k in sorted(entries, key=lambda e: -e[0])] for op, entries in table.items()}
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import traceback
 from importlib import metadata
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import attrs
 import pluggy
@@ -36,10 +36,24 @@ INSTALL_HINTS = {
 }
 
 
-def install_hint(name: str) -> str:
+def install_hint(name: str, loaded: Iterable[str] = ()) -> str:
+    """Where to look for what handles `name`. `loaded`: the distributions whose plugins are loaded (one of
+    those not handling `name` is no reason to suggest it again)."""
     name = str(name).lower()
     package = next((p for prefix, p in INSTALL_HINTS.items() if name.startswith(prefix)), None)
-    return f"; install {package} (pip install {package})" if package else "; is the plugin for it installed?"
+    if package is not None and not _installed(package):
+        return f"; install {package} (pip install {package})"
+    if package is not None and package not in set(loaded):
+        return f"; {package} is installed but not loaded (left out by LUCEBOX_PLUGINS?)"
+    return "; is a plugin for it installed? (`lucebox plugins` lists what is)"
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @attrs.define
@@ -59,6 +73,11 @@ class Registry:
 
     manager: pluggy.PluginManager
     plugins: list[PluginInfo]
+
+    @property
+    def loaded_distributions(self) -> set[str]:
+        """The distributions whose plugins loaded."""
+        return {info.distribution for info in self.plugins if info.error is None}
 
     def provided(self, hook: str) -> Iterator[tuple[Any, PluginInfo]]:
         """Each spec returned by `hook`, with the plugin that returned it (built-ins first)."""
@@ -109,7 +128,7 @@ class Registry:
         known = sorted({a for f in self.model_families() for a in f.architectures})
         raise PluginError(
             f"{where}no installed plugin handles architecture {architecture!r} "
-            f"(handled: {', '.join(known) or 'none'}){install_hint(str(architecture))}"
+            f"(handled: {', '.join(known) or 'none'}){install_hint(str(architecture), self.loaded_distributions)}"
         )
 
     def drafter_for(self, architecture: str | None, path: Any = None) -> Any:
@@ -122,7 +141,7 @@ class Registry:
         known = sorted({a for d in self.drafters() for a in d.architectures})
         raise PluginError(
             f"{where}no installed drafter loads architecture {architecture!r} "
-            f"(drafters load: {', '.join(known) or 'none'}){install_hint(str(architecture))}"
+            f"(drafters load: {', '.join(known) or 'none'}){install_hint(str(architecture), self.loaded_distributions)}"
         )
 
     def verifier(self, name: str) -> Any:
@@ -138,7 +157,8 @@ class Registry:
             if spec.name == name:
                 return spec
         names = ", ".join(sorted(spec.name for spec in self._specs(hook))) or "none"
-        raise PluginError(f"no installed plugin provides the {what} {name!r} (available: {names}){install_hint(name)}")
+        raise PluginError(f"no installed plugin provides the {what} {name!r} (available: {names})"
+                          f"{install_hint(name, self.loaded_distributions)}")
 
     def kernel_backend(self, name: str | None = None) -> KernelBackend:
         """The named backend, or the available one with the highest priority."""

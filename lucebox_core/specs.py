@@ -156,8 +156,9 @@ class Drafter:
 class Verifier:
     """A verifier: turns proposals into a candidate set, runs one target pass, accepts a prefix.
 
-    Chosen by name (`--spec-type NAME`); `factory(target, *, budget, top_k)` returns one (see
-    `lucebox_core.speculative.loop.TreeVerifier`).
+    Chosen by name (`--spec-type NAME`); `factory(target, *, budget, top_k, backend, **options)` returns one
+    (`budget`: `--tree-budget`; `backend`: the target's ops, for timings that wait on its device; a verifier
+    ignores what it has no use for; see `lucebox_core.speculative.loop.TreeVerifier`).
     """
 
     name: str

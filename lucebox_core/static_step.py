@@ -137,17 +137,19 @@ class StaticStep:
         library handles are made; its result is the real result) and is then recorded, which runs nothing.
         `step` may read host values only to choose shapes that `key` (with the inputs' shapes) determines,
         and must update its state in place. A replay leaves its outputs in the recording's buffers, which
-        the next replay overwrites: `clone` hands out copies. If recording fails, the step warns once and
-        runs eagerly from then on.
+        the next replay overwrites: `clone` hands out copies. If recording fails, the step warns once; from
+        then on keys without a recording run eagerly, and those recorded before still replay.
         """
         use_graphs = self.graphs if graphs is None else graphs
-        if not use_graphs or self.failure is not None:
+        if not use_graphs:
             return step(inputs)
         full_key = (key, inputs.signature)
         entry = self._recorded.get(full_key)
         if entry is not None:
             graph, outputs = entry
             graph.replay()
+        elif self.failure is not None:  # recording failed once: new keys run eagerly, recorded ones replay
+            return step(inputs)
         else:
             outputs = self.backend.on_side_stream(lambda: step(inputs))
             if self._pool is None:

@@ -76,14 +76,14 @@ def test_speculative_and_forced_rows_warm_up_at_their_shapes(files, monkeypatch)
     rows = run_bench(assembled, prompts=[8], n_gen=12, depths=[0], reps=2, force_accept=3)
     tests = [r["test"] for r in rows]
     assert tests == ["pp8", "tg12", "tg12 spec chain FORCED accept 3", f"draft step (block {block})",
-                     "verify 1 nodes", f"verify {block} nodes", "verify 23 nodes"]
+                     "verify 1 nodes", f"verify {block} nodes"]  # chain's largest pass is a block
     spec = rows[2]
     assert spec["forced_accept"] == 3 and spec["mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
     assert all(r["tokens_per_s"] > 0 and r["seconds"] > 0 for r in rows)
     # Three speculative generations (the untimed one at the row's shapes, then two timed), each the same
     # sequence of verify shapes, then the cost rows (warm-up + 2 calls per node count).
-    assert verify_calls[-9:] == [1, 1, 1, block, block, block, 23, 23, 23]
-    per_run = verify_calls[:-9]
+    assert verify_calls[-6:] == [1, 1, 1, block, block, block]
+    per_run = verify_calls[:-6]
     assert len(per_run) % 3 == 0 and per_run[: len(per_run) // 3] * 3 == per_run
     # The cost rows' clocks start after a synchronisation, and stop after one.
     last = [e for e in recorder.events][-3:]

@@ -66,8 +66,12 @@ def test_lucebox_model_families_qwen35_and_install_hints():
     assert family.name == "qwen35"
     with pytest.raises(PluginError, match=r"'gemma4'.*install lucebox-gemma4"):
         registry.family_for("gemma4", "model.gguf")
-    with pytest.raises(PluginError, match="'qwen35'.*install lucebox-qwen"):
+    with pytest.raises(PluginError, match="'qwen35'.*lucebox-qwen is installed but not loaded"):
         discover(allowed="").family_for("qwen35")
+    # A plugin that is loaded but does not handle an architecture is not suggested again for it.
+    with pytest.raises(PluginError, match="'qwen3'") as raised:
+        registry.family_for("qwen3")
+    assert "install lucebox-qwen" not in str(raised.value) and "lucebox plugins" in str(raised.value)
 
 
 def test_family_tools_come_from_hooks():
@@ -472,6 +476,41 @@ def test_third_party_backend_kernel_family_and_plugins_are_found(toy_site, tmp_p
     info = _run(toy_site, ["-m", "lucebox_core.cli", "info", str(path), "--json"])
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["handled_by"] == "toy"
+
+
+USE_TOY_KV = '''
+import json, sys
+import torch
+from lucebox_core.plugins import registry
+from lucebox_qwen35.loader import load
+r = registry()
+models = {name: load(sys.argv[1], kv_policy=r.kv_policy(name)) for name in ("full", "toy-paged")}
+logits = {}
+for name, model in models.items():
+    state = model.new_state(40)
+    out = [model.forward(state, torch.arange(5) + 7)[-1:]]
+    for token in (3, 4, 5):  # the static decode step: `write` at a device position, `gather` a window
+        out.append(model.decode_step(state, token, graphs=False))
+    verification = model.verify(state, [6, 7, 8, 9, 10], [-1, 0, 0, 1, 3], static=True, graphs=False)
+    out.append(verification.logits)
+    model.commit(state, verification, [0, 1, 3])  # `move` the accepted rows from their scratch positions
+    out.append(model.decode_step(state, 11, graphs=False))
+    logits[name] = (torch.cat(out), type(state.kv).__name__, state.length)
+(full, full_kind, full_length), (paged, paged_kind, paged_length) = logits["full"], logits["toy-paged"]
+print(json.dumps({"kinds": [full_kind, paged_kind], "lengths": [full_length, paged_length],
+                  "max_diff": float((full - paged).abs().max())}))
+'''
+
+
+def test_the_static_paths_run_through_a_third_party_kv_policy(toy_site, tmp_path, qwen_target):
+    """The static decode step, a static verify pass and its commit on the paged policy (slots out of
+    position order) give the logits they give on the built-in one, bit for bit."""
+    script = tmp_path / "use_toy_kv.py"
+    script.write_text(USE_TOY_KV)
+    result = _run(toy_site, [str(script), str(qwen_target)])
+    assert result.returncode == 0, result.stderr
+    used = json.loads(result.stdout.strip().splitlines()[-1])
+    assert used == {"kinds": ["FullKVCache", "ReversedPagesKV"], "lengths": [12, 12], "max_diff": 0.0}
 
 
 def test_generate_runs_through_a_third_party_drafter_verifier_and_kv_policy(toy_site, tmp_path, qwen_target):

@@ -101,16 +101,19 @@ def test_outputs_are_the_recordings_unless_cloned():
     assert shared.item() == 4.0 and kept.item() == 3.0  # the next replay overwrote the shared buffer
 
 
-def test_a_failed_recording_warns_once_and_runs_eagerly_after():
+def test_a_failed_recording_warns_once_and_runs_new_keys_eagerly_after():
     backend = GraphStandIn(kernel_table_for={})
-    backend.fail_recording = True
     step = StaticStep(backend, "test step")
+    step.run("recorded", lambda i: i.x * 2, step.inputs(x=torch.tensor([1.0])))
+    backend.fail_recording = True
     with pytest.warns(RuntimeWarning, match="graph capture of the test step failed"):
-        first = step.run(0, lambda i: i.x * 2, step.inputs(x=torch.tensor([1.0])))
+        first = step.run("new", lambda i: i.x * 2, step.inputs(x=torch.tensor([3.0])))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        second = step.run(0, lambda i: i.x * 2, step.inputs(x=torch.tensor([4.0])))
-    assert first.item() == 2.0 and second.item() == 8.0 and len(step) == 0 and step.failure
+        second = step.run("new", lambda i: i.x * 2, step.inputs(x=torch.tensor([4.0])))
+        replayed = step.run("recorded", lambda i: i.x * 2, step.inputs(x=torch.tensor([5.0])))
+    assert (first.item(), second.item(), replayed.item()) == (6.0, 8.0, 10.0)
+    assert step.failure and len(step) == 1 and step.recordings()[0].replays == 1  # the recorded key still replays
 
 
 def test_graphs_off_runs_eagerly():

@@ -122,6 +122,8 @@ class SpeculativeDecoder:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {block}")
         backend = backend if backend is not None else getattr(target, "ops", None)
         if spec_type is not None:  # the flag's name for it
+            if not isinstance(verifier, str):
+                raise TypeError("give the verifier as an object or by name (spec_type), not both")
             verifier = spec_type
         if isinstance(verifier, str):
             from ..plugins import registry
