@@ -121,28 +121,21 @@ class Registry:
 
     def family_for(self, architecture: str | None, path: Any = None) -> Any:
         """The model family that loads GGUF architecture `architecture`, or a PluginError saying what to install."""
-        for family in self.model_families():
-            if architecture in family.architectures:
-                return family
-        where = f"{path}: " if path is not None else ""
-        known = sorted({a for f in self.model_families() for a in f.architectures})
-        raise PluginError(
-            f"{where}no installed plugin handles architecture {architecture!r} "
-            f"(handled: {', '.join(known) or 'none'}){install_hint(str(architecture), self.loaded_distributions)}"
-        )
+        return self._by_architecture(self.model_families(), architecture, path, "plugin handles", "handled")
 
     def drafter_for(self, architecture: str | None, path: Any = None) -> Any:
         """The drafter that loads draft-GGUF architecture `architecture`, or a PluginError saying what is
         handled (the draft file chooses its drafter as a model file chooses its family)."""
-        for drafter in self.drafters():
-            if architecture in drafter.architectures:
-                return drafter
+        return self._by_architecture(self.drafters(), architecture, path, "drafter loads", "drafters load")
+
+    def _by_architecture(self, specs: list[Any], architecture: str | None, path: Any, verb: str, known_as: str) -> Any:
+        for spec in specs:
+            if architecture in spec.architectures:
+                return spec
         where = f"{path}: " if path is not None else ""
-        known = sorted({a for d in self.drafters() for a in d.architectures})
-        raise PluginError(
-            f"{where}no installed drafter loads architecture {architecture!r} "
-            f"(drafters load: {', '.join(known) or 'none'}){install_hint(str(architecture), self.loaded_distributions)}"
-        )
+        known = ", ".join(sorted({a for spec in specs for a in spec.architectures})) or "none"
+        raise PluginError(f"{where}no installed {verb} architecture {architecture!r} ({known_as}: {known})"
+                          f"{install_hint(str(architecture), self.loaded_distributions)}")
 
     def verifier(self, name: str) -> Any:
         """The verifier `--spec-type NAME` names."""
