@@ -10,16 +10,6 @@ from lucebox_core.assembly import EngineOptions, build_engine, check_options
 from lucebox_core.errors import LuceboxError
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    from lucebox_qwen35 import draft_synth, synth
-
-    folder = tmp_path_factory.mktemp("assembly")
-    target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=51)
-    draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=52, target=target)
-    return target, draft
-
-
 @pytest.fixture
 def built(monkeypatch):
     """Every EngineOptions that build_engine is called with."""
@@ -34,8 +24,8 @@ def built(monkeypatch):
     return seen
 
 
-def test_generate_bench_and_serve_assemble_through_one_function(files, built, capsys):
-    target, draft = files
+def test_generate_bench_and_serve_assemble_through_one_function(tiny_target_and_draft, built, capsys):
+    target, draft = tiny_target_and_draft
     assert cli.main(["generate", "-m", str(target), "--prompt-ids", "1,2,3", "-n", "3", "--temp", "0", "--json",
                      "-md", str(draft), "--spec-type", "chain", "-ub", "2"]) == 0
     assert cli.main(["bench", "-m", str(target), "-p", "4", "-n", "2", "-r", "1", "--json", "-ctk", "f16"]) == 0
@@ -52,8 +42,8 @@ def test_generate_bench_and_serve_assemble_through_one_function(files, built, ca
     assert service.engine.idle_sequences == 2 and service.engine.ctx_size == 64
 
 
-def test_options_are_checked_before_loading(files, monkeypatch, tmp_path):
-    target, draft = files
+def test_options_are_checked_before_loading(tiny_target_and_draft, monkeypatch, tmp_path):
+    target, draft = tiny_target_and_draft
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
@@ -76,11 +66,11 @@ def test_options_are_checked_before_loading(files, monkeypatch, tmp_path):
     assert (choices.kv_policy.name, choices.cache_type_k, choices.verifier.name) == ("full", "q8_0", "ddtree")
 
 
-def test_the_drafter_is_chosen_by_the_draft_files_architecture(files, tmp_path):
+def test_the_drafter_is_chosen_by_the_draft_files_architecture(tiny_target_and_draft, tmp_path):
     import gguf
     import numpy as np
 
-    target, draft = files
+    target, draft = tiny_target_and_draft
     assembled = build_engine(EngineOptions(model=str(target), model_draft=str(draft), ctx_size=64))
     assert type(assembled.speculative.drafter).__name__ == "DFlashDrafter"
     foreign = tmp_path / "foreign.gguf"

@@ -14,16 +14,6 @@ from lucebox_core.assembly import EngineOptions, build_engine
 from lucebox_core.bench import DECODE_WARMUP_STEPS, run_bench
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    from lucebox_qwen35 import draft_synth, synth
-
-    folder = tmp_path_factory.mktemp("bench")
-    target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=41)
-    draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=42, target=target)
-    return target, draft
-
-
 class Recorder:
     """Wraps the model's forward and the backend's synchronize: what was fed, and when the host waited."""
 
@@ -45,9 +35,9 @@ class Recorder:
         monkeypatch.setattr(backend, "synchronize", recording_synchronize)
 
 
-def test_decode_feeds_fresh_random_ids_and_waits_for_each(files, monkeypatch):
+def test_decode_feeds_fresh_random_ids_and_waits_for_each(tiny_target_and_draft, monkeypatch):
     n_gen, reps = 6, 2
-    assembled = build_engine(EngineOptions(model=str(files[0]), ctx_size=64))
+    assembled = build_engine(EngineOptions(model=str(tiny_target_and_draft[0]), ctx_size=64))
     recorder = Recorder(assembled, monkeypatch)
     rows = run_bench(assembled, prompts=[], n_gen=n_gen, depths=[0], reps=reps)
     assert [r["test"] for r in rows] == [f"tg{n_gen}"]
@@ -63,8 +53,8 @@ def test_decode_feeds_fresh_random_ids_and_waits_for_each(files, monkeypatch):
             assert events[index + 1] == ("sync",), "the host waits for every token"
 
 
-def test_speculative_and_forced_rows_warm_up_at_their_shapes(files, monkeypatch):
-    target, draft = files
+def test_speculative_and_forced_rows_warm_up_at_their_shapes(tiny_target_and_draft, monkeypatch):
+    target, draft = tiny_target_and_draft
     assembled = build_engine(EngineOptions(model=str(target), model_draft=str(draft), ctx_size=96,
                                            spec_type="chain"))
     block = assembled.speculative.block_size
@@ -90,8 +80,8 @@ def test_speculative_and_forced_rows_warm_up_at_their_shapes(files, monkeypatch)
     assert last[-1] == ("sync",)
 
 
-def test_bench_cli_spec_rows_json(files):
-    target, draft = files
+def test_bench_cli_spec_rows_json(tiny_target_and_draft):
+    target, draft = tiny_target_and_draft
     result = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "bench", "-m", str(target), "-md", str(draft),
                              "--force-accept", "2", "-p", "0", "-n", "6", "-r", "1", "--json"],
                             capture_output=True, text=True, timeout=600)

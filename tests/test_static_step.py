@@ -122,16 +122,6 @@ def test_graphs_off_runs_eagerly():
     assert len(step) == 0
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    from lucebox_qwen35 import draft_synth, synth
-
-    folder = tmp_path_factory.mktemp("static")
-    target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=31)
-    draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=32, target=target)
-    return target, draft
-
-
 def _generate(target, draft, backend, *, force: float | None = None) -> tuple[list[int], list[int]]:
     from lucebox_core.assembly import load_drafter
     from lucebox_core.speculative import SpeculativeDecoder
@@ -165,10 +155,10 @@ def _generate(target, draft, backend, *, force: float | None = None) -> tuple[li
     return result.token_ids, result.timings.accepted_lengths
 
 
-def test_qwen35_decode_verify_and_draft_replayed_as_recorded_equal_eager(tiny_pair):
+def test_qwen35_decode_verify_and_draft_replayed_as_recorded_equal_eager(tiny_target_and_draft):
     """The family's three static steps (decode, verify of N nodes, the drafter's block) through the runner
     with the graph contract emulated: the tokens are those of eager decoding, plain and speculative."""
-    target, draft = tiny_pair
+    target, draft = tiny_target_and_draft
     eager = TorchBackend(kernel_table_for={})
     emulated = GraphStandIn(kernel_table_for={})
     plain_tokens, _ = _generate(target, None, eager)
