@@ -19,6 +19,7 @@ import struct
 import sys
 import warnings
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -566,3 +567,25 @@ def _human_count(n: int) -> str:
         scaled = f"{n / 1e9:.2f} B" if n >= 1_000_000_000 else f"{n / 1e6:.2f} M"
         return f"{scaled} ({n:,})"
     return f"{n:,}"
+
+
+class MetadataView(Mapping[str, Any]):
+    """GGUF metadata decoded key by key on access: `GGUFFile.metadata` would decode the whole
+    248k-entry vocabulary, which takes seconds and is not needed to build the model."""
+
+    def __init__(self, gguf_file: Any):
+        self.gguf = gguf_file
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.gguf:
+            raise KeyError(key)
+        return self.gguf.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.gguf
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.gguf.keys())
+
+    def __len__(self) -> int:
+        return len(self.gguf.keys())

@@ -130,11 +130,21 @@ class _Codec:
 
 @attrs.frozen
 class KVLayerShape:
-    """What one attention layer stores per position."""
+    """What one attention layer stores per position, and how far back its queries look.
+
+    `window`: a sliding-window layer's queries see only the last `window` positions (theirs included), so
+    a policy may keep only those (0: every position is seen)."""
 
     kv_heads: int
     k_head_dim: int
     v_head_dim: int
+    window: int = 0
+
+
+def window_start(shape: KVLayerShape, past: int) -> int:
+    """The first position whose rows `append` returns for a layer holding `past` positions: 0, or for a
+    sliding-window layer the oldest position the next query still sees."""
+    return max(0, past - shape.window + 1) if shape.window else 0
 
 
 def kv_bytes_per_token(shape: KVLayerShape, k_type: str, v_type: str) -> int:
@@ -154,6 +164,12 @@ class KVCache(Protocol):
       attention reads `gather(layer, size)` (the first `size` positions, in position order, as stored), and
       afterwards the host declares them held with `commit(length)`.
     Speculative decoding: `move` copies accepted rows to their final positions, `rollback` forgets the rest.
+
+    Sliding-window layers (`KVLayerShape.window`): `append` returns the rows from `window_start(shape, past)`
+    on, not from 0; `read` likewise. A policy may keep such a layer in a ring of `window` slots (position p
+    in slot p % window): then `gather(layer, size)` returns at most `window` rows in slot order, which a
+    query at position p reads with the plain mask "slot <= p" (once p >= window every slot holds one of
+    the last `window` positions), and `rollback` can go back at most one position (or to 0).
 
     Two rules a policy must keep, because static steps are recorded once and replayed:
     - `write`, `gather` and `move` depend only on their arguments and on device tensors the policy updates
@@ -198,6 +214,10 @@ class FullKVCache:
     `k_type` / `v_type` are the storage types of K and V (a name of `KV_CACHE_TYPES` or a torch dtype;
     default `dtype`). `dtype` is also what a quantized type decodes to; plain types read back in their own
     dtype.
+
+    A sliding-window layer (`KVLayerShape.window`) is kept in a ring of `window` slots, position p in slot
+    p % window: what makes long contexts of sliding-window models fit (Gemma-4: 1024 rows a sliding
+    layer, whatever the context).
     """
 
     def __init__(
@@ -227,13 +247,15 @@ class FullKVCache:
                         f"{flag} {codec.cache_type}: quantizes blocks of {Q8_0_BLOCK} along the head dim, but "
                         f"layer {layer}'s {role} head dim is {dim}; choose f16, bf16 or f32"
                     )
+        # Rows per layer: every position, or a sliding layer's ring.
+        self._rows = {layer: min(max_context, s.window) if s.window else max_context for layer, s in self.shapes.items()}
         self._keys = {
-            layer: torch.zeros(max_context, s.kv_heads, self._k_codec.stored_width(s.k_head_dim),
+            layer: torch.zeros(self._rows[layer], s.kv_heads, self._k_codec.stored_width(s.k_head_dim),
                                dtype=self._k_codec.storage_dtype, device=self.device)
             for layer, s in self.shapes.items()
         }
         self._values = {
-            layer: torch.zeros(max_context, s.kv_heads, self._v_codec.stored_width(s.v_head_dim),
+            layer: torch.zeros(self._rows[layer], s.kv_heads, self._v_codec.stored_width(s.v_head_dim),
                                dtype=self._v_codec.storage_dtype, device=self.device)
             for layer, s in self.shapes.items()
         }
@@ -255,8 +277,8 @@ class FullKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one position takes over all layers (K and V)."""
-        return sum(kv_bytes_per_token(s, self.k_type, self.v_type) for s in self.shapes.values())
+        """Bytes one more position takes over all layers (K and V): sliding layers' rings do not grow."""
+        return sum(kv_bytes_per_token(s, self.k_type, self.v_type) for s in self.shapes.values() if not s.window)
 
     def ensure_room(self, new_tokens: int) -> None:
         """Raise a LuceboxError, before anything is written, if `new_tokens` more positions do not fit."""
@@ -266,8 +288,16 @@ class FullKVCache:
                 f"in the context size {self.max_context}; raise -c/--ctx-size or shorten the conversation"
             )
 
-    def _decoded(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k_codec.decode(self._keys[layer][:end]), self._v_codec.decode(self._values[layer][:end])
+    def _slots(self, layer: int, start: int, end: int) -> torch.Tensor | slice:
+        """Where positions `start .. end-1` of `layer` sit: a slice, or ring slots in position order."""
+        rows = self._rows[layer]
+        if not self.shapes[layer].window or end <= rows:
+            return slice(start, end)
+        return torch.arange(start, end, device=self.device) % rows
+
+    def _decoded(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self._slots(layer, start, end)
+        return self._k_codec.decode(self._keys[layer][slots]), self._v_codec.decode(self._values[layer][slots])
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `k` `[T, kv_heads, k_head_dim]` and `v` `[T, kv_heads, v_head_dim]` at the positions after
@@ -288,10 +318,27 @@ class FullKVCache:
                 f"layer {layer}: K {tuple(k.shape)} / V {tuple(v.shape)} do not match {expected_k} / {expected_v}"
             )
         end = start + tokens
+        if shape.window:
+            return self._append_ring(layer, start, k, v)
         self._keys[layer][start:end] = self._k_codec.encode(k)
         self._values[layer][start:end] = self._v_codec.encode(v)
         self._lengths[layer] = end
-        return self._decoded(layer, end)
+        return self._decoded(layer, 0, end)
+
+    def _append_ring(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        # The rows the new queries see are read before the ring is written over: a chunk longer than the
+        # ring still attends to the positions it evicts.
+        first = window_start(self.shapes[layer], start)
+        held_k, held_v = self._decoded(layer, first, start)  # views of the ring for plain types
+        new_k, new_v = self._k_codec.encode(k), self._v_codec.encode(v)
+        visible = (torch.cat([held_k, self._k_codec.decode(new_k)]), torch.cat([held_v, self._v_codec.decode(new_v)]))
+        rows, end = self._rows[layer], start + k.shape[0]
+        kept = slice(max(0, k.shape[0] - rows), None)  # what the ring keeps of this chunk: its last rows
+        slots = torch.arange(max(start, end - rows), end, device=self.device) % rows
+        self._keys[layer][slots] = new_k[kept]
+        self._values[layer][slots] = new_v[kept]
+        self._lengths[layer] = end
+        return visible
 
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What reading `k` and `v` back would give once stored, without storing them (speculative verify:
@@ -306,17 +353,21 @@ class FullKVCache:
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store `k` `[N, kv_heads, k_head_dim]` and `v` at the logical positions named by the device long
-        tensor `positions` `[N]` (here the slot is the position); the fill pointer does not move."""
-        self._keys[layer].index_copy_(0, positions, self._k_codec.encode(k))
-        self._values[layer].index_copy_(0, positions, self._v_codec.encode(v))
+        tensor `positions` `[N]` (the slot is the position, or for a ring position % window); the fill
+        pointer does not move."""
+        slots = positions % self._rows[layer] if self.shapes[layer].window else positions
+        self._keys[layer].index_copy_(0, slots, self._k_codec.encode(k))
+        self._values[layer].index_copy_(0, slots, self._v_codec.encode(v))
 
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy the rows of positions `source` to positions `destination` (device long tensors) in every
         layer, all reads before any write: a verified tree's accepted nodes, from the positions they were
         written at (insertion order) to their places on the accepted path."""
         for layer in self._keys:
+            rows, ring = self._rows[layer], bool(self.shapes[layer].window)
+            src, dst = (source % rows, destination % rows) if ring else (source, destination)
             for buffer in (self._keys[layer], self._values[layer]):
-                buffer.index_copy_(0, destination, buffer.index_select(0, source))
+                buffer.index_copy_(0, dst, buffer.index_select(0, src))
 
     def _check_window(self, size: int) -> None:
         if not 0 < size <= self.max_context:
@@ -325,8 +376,10 @@ class FullKVCache:
     def gather(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions `0 .. size - 1` as stored, whatever they hold (the caller masks those past
         its own): a plain dtype `[size, heads, dim]`, or uint8 Q8_0 blocks `[size, heads, dim / 32 * 34]`
-        for kernels that decode Q8_0 themselves. Here views of the buffers, no copy."""
+        for kernels that decode Q8_0 themselves. Here views of the buffers, no copy. A ring gives at most
+        its `window` slots (see `KVCache`)."""
         self._check_window(size)
+        size = min(size, self._rows[layer])
         return self._keys[layer][:size], self._values[layer][:size]
 
     def commit(self, length: int) -> None:
@@ -337,12 +390,21 @@ class FullKVCache:
             self._lengths[layer] = max(self._lengths[layer], length)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V `layer` holds now, in position order, as floats."""
-        return self._decoded(layer, self._lengths[layer])
+        """The K and V `layer` holds now, in position order, as floats (a sliding layer: from the oldest
+        position the next query sees)."""
+        held = self._lengths[layer]
+        return self._decoded(layer, window_start(self.shapes[layer], held), held)
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on: a pointer move, nothing is cleared."""
         if length < 0:
             raise ValueError(f"cannot crop to a negative length ({length})")
+        for layer, held in self._lengths.items():
+            # A ring has written over what a query at `length` would need if it goes back further.
+            if self.shapes[layer].window and 0 < length < held - 1 and held > self._rows[layer]:
+                raise LuceboxError(
+                    f"cannot roll layer {layer} back from {held} to {length} positions: it keeps a ring of the last "
+                    f"{self._rows[layer]} (sliding window), which no longer holds what position {length} sees"
+                )
         for layer, held in self._lengths.items():
             self._lengths[layer] = min(held, length)

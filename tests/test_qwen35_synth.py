@@ -14,9 +14,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, quants
 from lucebox_qwen35 import default, layout, synth
-from lucebox_qwen35.filetypes import stays_f32, tensor_type, use_more_bits
+from lucebox_core.filetypes import stays_f32, tensor_type, use_more_bits
 from lucebox_core.ggufio import GGUFFile
-from lucebox_qwen35.gguf_out import TensorPlan
+from lucebox_core.gguf_out import TensorPlan
 from lucebox_qwen35.vocab import CHAT_CONTROL_TOKENS, packaged_chat_template, packaged_vocab_path
 
 from lucebox_core.errors import LuceboxError
@@ -237,7 +237,7 @@ def test_float_files_read_back(tmp_path, type_name):
 
 def test_pooled_weights_for_large_files_are_well_scaled_and_not_repeated():
     # The 27b path: chunks copied from random offsets of one pool of blocks per type.
-    weights = synth._Weights(seed=3, independent=False)
+    weights = synth.RandomWeights(3, False, synth._small_tensor)
     for ggml_type in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
         plan = TensorPlan("blk.0.ffn_up.weight", (8192, 512), ggml_type)
         data = np.concatenate([np.frombuffer(c, dtype=np.uint8) for c in weights(plan)])

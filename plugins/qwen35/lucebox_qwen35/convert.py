@@ -19,86 +19,33 @@ are skipped. Tensors are read, transformed and written one at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
 
+from lucebox_core.checkpoint import Checkpoint, TensorSource, Transform, check_sources, encode_tensor, identity
 from lucebox_core.errors import LuceboxError
 
 from . import layout
 from . import vocab as vocab_source
-from .filetypes import file_type, tensor_type
-from .gguf_out import TensorPlan, write_gguf
+from lucebox_core.filetypes import file_type, tensor_type
+from lucebox_core.gguf_out import TensorPlan, write_gguf
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
-T = GGMLQuantizationType
-Transform = Callable[[torch.Tensor], torch.Tensor]
-
-
-class _Checkpoint:
-    """The safetensors files of a folder (single file, sharded with an index, or a plain set)."""
-
-    def __init__(self, hf_dir: Path) -> None:
-        from safetensors import safe_open
-
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({hf_dir / f for f in weight_map.values()})
-        else:
-            files = sorted(hf_dir.glob("*.safetensors"))
-        if not files:
-            raise LuceboxError(f"{hf_dir}: no *.safetensors weights found")
-        self.location: dict[str, Path] = {}
-        self.handles: dict[Path, Any] = {}
-        for file in files:
-            if not file.is_file():
-                raise LuceboxError(f"{index}: names shard {file.name}, which is missing")
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types
-                raise LuceboxError(f"{file}: cannot open as safetensors: {exc}") from None
-            self.handles[file] = handle
-            for key in handle.keys():  # a safetensors handle, not a dict
-                self.location[key] = file
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.location
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.handles[self.location[key]].get_slice(key).get_shape())
-
-    def tensor(self, key: str) -> torch.Tensor:
-        return self.handles[self.location[key]].get_tensor(key)
-
-
-@attrs.frozen
-class _Source:
-    """Where a GGUF tensor comes from: an HF key, its expected on-disk shape and the transform."""
-
-    key: str
-    hf_shape: tuple[int, ...]
-    transform: Transform
 
 
 def _plus_one(w: torch.Tensor) -> torch.Tensor:
     return w + 1.0
 
 
-def _identity(w: torch.Tensor) -> torch.Tensor:
-    return w
-
-
-def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, _Source]:
+def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, TensorSource]:
     """The HF source of every GGUF tensor of `cfg`, with llama.cpp's transforms."""
     k_heads, v_heads, d = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.ssm_d_state
 
@@ -119,10 +66,10 @@ def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, _Source]:
         return layout.reorder_v_heads(w, 1, k_heads, v_heads, d)
 
     shapes = layout.tensor_shapes(cfg)
-    sources: dict[str, _Source] = {}
+    sources: dict[str, TensorSource] = {}
 
-    def add(name: str, key: str, transform: Transform = _identity, hf_shape: tuple[int, ...] | None = None) -> None:
-        sources[name] = _Source(key, hf_shape or shapes[name], transform)
+    def add(name: str, key: str, transform: Transform = identity, hf_shape: tuple[int, ...] | None = None) -> None:
+        sources[name] = TensorSource(key, hf_shape or shapes[name], transform)
 
     add("token_embd.weight", prefix + "embed_tokens.weight")
     for il in range(cfg.n_layer):
@@ -157,14 +104,6 @@ def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, _Source]:
     return sources
 
 
-def _encode(x: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
-    if ggml_type == T.F32:
-        return np.ascontiguousarray(x, dtype=np.float32)
-    if ggml_type == T.F16:
-        return np.ascontiguousarray(x, dtype=np.float16)
-    return quants.quantize(np.ascontiguousarray(x, dtype=np.float32), ggml_type)
-
-
 def _read_config(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
@@ -196,7 +135,7 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
     config, text = _read_config(hf_dir)
-    checkpoint = _Checkpoint(hf_dir)
+    checkpoint = Checkpoint(hf_dir)
     prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in checkpoint), None)
     if prefix is None:
         raise LuceboxError(
@@ -214,7 +153,7 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
         raise LuceboxError(f"{vocab or hf_dir / 'tokenizer.json'}: {exc} (vocab_size {cfg.vocab})") from None
 
     sources = _sources(cfg, prefix)
-    _check(checkpoint, sources, prefix, hf_dir)
+    check_sources(checkpoint, sources, prefix, hf_dir, family="qwen35", skipped=_SKIPPED_PREFIXES)
     plans = [
         TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
         for name, shape in layout.tensor_shapes(cfg).items()
@@ -223,7 +162,7 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
     def data(plan: TensorPlan) -> Iterator[np.ndarray]:
         source = sources[plan.name]
         weight = source.transform(checkpoint.tensor(source.key).to(torch.float32))
-        yield _encode(weight.numpy(), plan.ggml_type).reshape(-1).view(np.uint8)
+        yield encode_tensor(weight.numpy(), plan.ggml_type).reshape(-1).view(np.uint8)
 
     def add_metadata(writer: Any) -> None:
         writer.add_name(str(config.get("_name_or_path") or hf_dir.resolve().name))
@@ -247,24 +186,3 @@ def _vocabulary(hf_dir: Path, vocab: str | Path | None) -> vocab_source.Vocab:
             f"{hf_dir}: no tokenizer.json; pass a vocabulary GGUF (--vocab FILE) to copy the tokenizer from"
         )
     return found
-
-
-def _check(checkpoint: _Checkpoint, sources: dict[str, _Source], prefix: str, hf_dir: Path) -> None:
-    """Fail before writing anything if a tensor is missing, mis-shaped or unexpected."""
-    for name, source in sources.items():
-        if source.key not in checkpoint:
-            raise LuceboxError(f"{hf_dir}: missing tensor {source.key} (for {name})")
-        shape = checkpoint.shape(source.key)
-        if shape != source.hf_shape:
-            raise LuceboxError(
-                f"{checkpoint.location[source.key]}: tensor {source.key} has shape {list(shape)}, "
-                f"expected {list(source.hf_shape)} from config.json"
-            )
-    used = {s.key for s in sources.values()} | {"lm_head.weight"}
-    unexpected = [
-        key for key in checkpoint.location
-        if key not in used and not key.startswith(_SKIPPED_PREFIXES) and key.startswith(prefix)
-    ]
-    if unexpected:
-        shown = ", ".join(sorted(unexpected)[:5])
-        raise LuceboxError(f"{hf_dir}: tensors that the qwen35 layout has no place for: {shown}")

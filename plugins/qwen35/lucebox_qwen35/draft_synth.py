@@ -9,30 +9,18 @@ type (`kquants`), norms F32 near 1, like the target synthesizer's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
-from lucebox_core.ggufio import GGUFFile
 from lucebox_core.errors import LuceboxError
-from lucebox_core.speculative.dflash import (
-    DraftConfig,
-    add_metadata,
-    default_target_layers,
-)
+from lucebox_core.ggufio import GGUFFile
+from lucebox_core.speculative.dflash import DraftConfig, default_target_layers
+from lucebox_core.speculative.draft_writer import TYPES, write_random_draft  # noqa: F401 (TYPES: the plugin's list)
 
 from . import layout
-from .filetypes import file_type, stays_f32, tensor_type
-from .gguf_out import TensorPlan, write_gguf
-from .kquants import random_blocks
 from .model import QWEN35_MASK_TOKEN_ID
 
 ARCH = "qwen35-dflash-draft"
 SIZES = ("tiny", "full")
-TYPES = ("f32", "f16", "q8_0", "q4_k_m")
-WEIGHT_STD = 0.02
-CHUNK_WEIGHTS = 1 << 20  # a multiple of every block size
 
 
 def draft_config(target: layout.Qwen35Config, size: str) -> DraftConfig:
@@ -72,28 +60,6 @@ def write(path: str | Path, *, size: str = "tiny", type: str = "f32", seed: int 
     """Write a random DFlash drafter for the qwen35 GGUF `target` to `path`."""
     if target is None:
         raise LuceboxError(f"--arch {ARCH} needs --target FILE: the qwen35 GGUF the drafter is for")
-    try:
-        ftype = file_type(type, TYPES)
-    except ValueError as exc:
-        raise LuceboxError(str(exc)) from None
     cfg = draft_config(_target_config(target), size)
-    plans = [
-        TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=False))
-        for name, shape in cfg.tensor_shapes().items()
-    ]
-
-    def data(plan: TensorPlan) -> Iterator[np.ndarray]:
-        rng = np.random.default_rng([seed, plans.index(plan)])
-        n = int(np.prod(plan.shape))
-        if stays_f32(plan.name, plan.shape):
-            yield rng.uniform(0.9, 1.1, n).astype(np.float32)
-            return
-        for start in range(0, n, CHUNK_WEIGHTS):
-            yield random_blocks(plan.ggml_type, min(CHUNK_WEIGHTS, n - start), WEIGHT_STD, rng)
-
-    def add(writer) -> None:
-        writer.add_name(f"DFlash draft {size} RANDOM WEIGHTS (synthetic, seed {seed}) for {Path(target).name}")
-        writer.add_file_type(int(ftype))
-        add_metadata(writer, cfg)
-
-    return write_gguf(path, arch=ARCH, add_metadata=add, tensors=plans, data=data, description=f"{ARCH} {size} {type}")
+    return write_random_draft(path, cfg, type=type, seed=seed, size=size,
+                              name=f"DFlash draft {size} RANDOM WEIGHTS (synthetic, seed {seed}) for {Path(target).name}")

@@ -29,6 +29,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from lucebox_core.errors import GGUFError
+from lucebox_core.filetypes import layer_of  # noqa: F401 (re-exported: part of the layout's vocabulary)
 
 ARCH = "qwen35"
 
@@ -357,13 +358,6 @@ def tensor_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
     if not cfg.tied_output:
         shapes["output.weight"] = (cfg.vocab, cfg.hidden)
     return shapes
-
-
-def layer_of(name: str) -> int | None:
-    """The block index of a `blk.N.*` tensor name, else None."""
-    if not name.startswith("blk."):
-        return None
-    return int(name.split(".", 2)[1])
 
 
 def reorder_v_heads(x: Any, dim: int, n_k_heads: int, n_v_heads: int, head_dim: int) -> Any:

@@ -4,12 +4,12 @@ types, the projections that share an input stacked where the backend gains from 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from lucebox_core.errors import GGUFError, LuceboxError
+from lucebox_core.ggufio import MetadataView
 from lucebox_core.kv import K_FLAG, V_FLAG, kv_cache_type
 
 from .layout import Qwen35Config, tensor_shapes
@@ -36,28 +36,6 @@ class _TensorSource:
     def vector(self, hf_name: str, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A small tensor (norm, conv kernel, per-head scalars), dequantized once."""
         return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)
-
-
-class _MetadataView(Mapping[str, Any]):
-    """GGUF metadata decoded key by key on access: `GGUFFile.metadata` would decode the whole
-    248k-entry vocabulary, which takes seconds and is not needed to build the model."""
-
-    def __init__(self, gguf_file: Any):
-        self.gguf = gguf_file
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.gguf:
-            raise KeyError(key)
-        return self.gguf.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.gguf
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.gguf.keys())
-
-    def __len__(self) -> int:
-        return len(self.gguf.keys())
 
 
 _OPTIONS = {"kv_policy", "kv_dtype", "cache_type_k", "cache_type_v", "gdn_chunk_size"}
@@ -91,7 +69,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     if gguf_file.architecture != ARCHITECTURE:
         raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {ARCHITECTURE!r}")
     config = Qwen35Config.from_gguf_metadata(
-        _MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
+        MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
     )
     ops = QWEN35_OPS.bind(backend)  # the backend's ops and the family's own, each on a kernel where one takes it
     src = _TensorSource(gguf_file, config, ops)

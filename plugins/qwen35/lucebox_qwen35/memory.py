@@ -74,7 +74,7 @@ def estimate_memory(
 def layout_weight_bytes(config: Qwen35Config, file_type: str) -> int:
     """Bytes of every tensor of a `file_type` GGUF (`f16`, `q8_0`, `q4_k_m`...) of `config`, from the
     layout and llama.cpp's type choices alone: no file needed."""
-    from .filetypes import nbytes, tensor_type
+    from lucebox_core.filetypes import nbytes, tensor_type
 
     return sum(
         nbytes(tensor_type(name, shape, file_type, n_layer=config.n_layer, tied_output=config.tied_output), shape)

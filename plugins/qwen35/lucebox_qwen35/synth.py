@@ -13,25 +13,19 @@ generation, and memory stays at a few pools plus one chunk.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from lucebox_core.errors import LuceboxError
+from lucebox_core.filetypes import file_type, tensor_type
+from lucebox_core.gguf_out import TensorPlan, write_gguf
+from lucebox_core.synthetic import INDEPENDENT_LIMIT, WEIGHT_STD, RandomWeights  # noqa: F401 (WEIGHT_STD: the scale)
 
 from . import layout
 from . import vocab as vocab_source
-from .filetypes import file_type, stays_f32, tensor_type
-from .gguf_out import TensorPlan, write_gguf
-from .kquants import random_blocks
 
 TYPES = ("f32", "f16", "q8_0", "q4_k_m")
-WEIGHT_STD = 0.02
-INDEPENDENT_LIMIT = 1 << 30  # total weights up to which every tensor gets its own random data
-POOL_WEIGHTS = 1 << 24  # weights per pool (per ggml type) for larger files
-CHUNK_WEIGHTS = 1 << 20  # weights produced / copied per write
 
 
 def tensor_plans(cfg: layout.Qwen35Config, type: str) -> list[TensorPlan]:
@@ -56,46 +50,6 @@ def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
     if name.endswith(".ssm_conv1d.weight"):
         return rng.uniform(-0.5, 0.5, n)
     raise ValueError(f"no synthetic rule for small tensor {name}")
-
-
-class _Weights:
-    """Streams the bytes of each planned tensor."""
-
-    def __init__(self, seed: int, independent: bool) -> None:
-        self.seed = seed
-        self.independent = independent
-        self.pools: dict[GGMLQuantizationType, np.ndarray] = {}
-        self.index = 0
-
-    def __call__(self, plan: TensorPlan) -> Iterator[np.ndarray]:
-        # One generator per tensor, seeded by (seed, position): the file is a function of the seed.
-        rng = np.random.default_rng([self.seed, self.index])
-        self.index += 1
-        if stays_f32(plan.name, plan.shape):
-            yield _small_tensor(plan.name, plan.shape, rng).astype(np.float32)
-            return
-        n = int(np.prod(plan.shape))
-        if self.independent:
-            for start in range(0, n, CHUNK_WEIGHTS):
-                yield random_blocks(plan.ggml_type, min(CHUNK_WEIGHTS, n - start), WEIGHT_STD, rng)
-            return
-        # Each chunk gathers randomly chosen blocks of the pool: a row repeats another only if all
-        # its blocks were drawn the same (about pool_blocks ** -blocks_per_row).
-        pool = self._pool(plan.ggml_type)
-        weights_per_block = GGML_QUANT_SIZES[plan.ggml_type][0]
-        chunk_blocks = CHUNK_WEIGHTS // weights_per_block
-        remaining = n // weights_per_block
-        while remaining:
-            take = min(chunk_blocks, remaining)
-            yield np.take(pool, rng.integers(0, len(pool), take), axis=0)
-            remaining -= take
-
-    def _pool(self, ggml_type: GGMLQuantizationType) -> np.ndarray:
-        if ggml_type not in self.pools:
-            rng = np.random.default_rng([self.seed, 1 << 31, int(ggml_type)])
-            blocks = random_blocks(ggml_type, POOL_WEIGHTS, WEIGHT_STD, rng)
-            self.pools[ggml_type] = blocks.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])  # one row per block
-        return self.pools[ggml_type]
 
 
 def write(
@@ -131,6 +85,6 @@ def write(
         arch=layout.ARCH,
         add_metadata=add_metadata,
         tensors=tensors,
-        data=_Weights(seed, independent=total <= INDEPENDENT_LIMIT),
+        data=RandomWeights(seed, total <= INDEPENDENT_LIMIT, _small_tensor),
         description=f"qwen35 {size} {type}",
     )

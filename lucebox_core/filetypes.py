@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from .layout import layer_of
 
 T = GGMLQuantizationType
 
@@ -30,6 +29,13 @@ FILE_TYPES: dict[str, LlamaFileType] = {
 }
 
 _PLAIN_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}
+
+
+def layer_of(name: str) -> int | None:
+    """The block index of a `blk.N.*` tensor name, else None."""
+    if not name.startswith("blk."):
+        return None
+    return int(name.split(".", 2)[1])
 
 
 def file_type(name: str, allowed: tuple[str, ...] | None = None) -> LlamaFileType:
@@ -45,6 +51,7 @@ def stays_f32(name: str, shape: tuple[int, ...]) -> bool:
         len(shape) <= 1
         or name.endswith("_norm.weight")
         or "ssm_conv1d" in name
+        or name.endswith("ffn_gate_inp.weight")  # MoE routers: the converter and quantizer keep them F32
         or not name.endswith(".weight")
     )
 

@@ -1,0 +1,371 @@
+"""Gemma-4 (GGUF architecture `gemma4`): the forward pass of the 31B (dense) and 26B-A4B (MoE) layouts,
+written against backend ops.
+
+    h = embed_tokens(ids) * sqrt(hidden)
+    for each decoder layer:
+        h = h + post_attention_layernorm(self_attn(input_layernorm(h)))
+        m = mlp(pre_feedforward_layernorm(h))                        # GeGLU (tanh GELU)
+        if MoE:  m = post_feedforward_layernorm_1(m)
+                   + post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(h), router(h)))
+        h = (h + post_feedforward_layernorm(m)) * layer_scalar
+    logits = softcap(lm_head(norm(h)), 30)
+
+Attention: q, k and v each RMS-normed per head (v without a weight), scale 1.0; sliding layers (window
+1024, 256-dim heads) NeoX RoPE with base 1e4, full layers (512-dim heads, their own KV head count) RoPE
+base 1e6 on their first pairs only (`rope_freqs`); on full layers without `attn_v` V is the raw K
+projection (before k_norm and RoPE). The router reads the residual `h` (not the normed input). Names follow
+transformers' `modeling_gemma4.py`; GGUF names are in `GGUF_NAMES`. Norms are plain `x_normed * w` (Gemma-4
+has no `1 + w`; llama.cpp stores them unshifted). The embedding scale is `sqrt(hidden)` in fp32, as llama.cpp
+applies it (transformers rounds it to the weights' dtype first: 73.5 for the 31B in bf16).
+
+Sliding layers' K/V live in a ring of `window` rows (`KVLayerShape.window`), full layers' in full.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+import torch
+
+from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
+from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, kv_window
+
+from .layout import Gemma4Config
+from .verify import Gemma4SpeculativeTarget
+
+ARCHITECTURE = "gemma4"
+GEMMA4_MASK_TOKEN_ID = 4  # `<mask>`: what DFlash drafters for Gemma-4 fill a block with
+
+GGUF_NAMES: dict[str, str] = {
+    "embed_tokens": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",  # absent when tied to embed_tokens
+    "rope_freqs": "rope_freqs.weight",  # per-pair frequency divisors of the full layers
+    "layers.{i}.input_layernorm": "blk.{i}.attn_norm.weight",
+    "layers.{i}.self_attn.q_proj": "blk.{i}.attn_q.weight",
+    "layers.{i}.self_attn.k_proj": "blk.{i}.attn_k.weight",
+    "layers.{i}.self_attn.v_proj": "blk.{i}.attn_v.weight",  # sliding layers only (k_eq_v)
+    "layers.{i}.self_attn.o_proj": "blk.{i}.attn_output.weight",
+    "layers.{i}.self_attn.q_norm": "blk.{i}.attn_q_norm.weight",
+    "layers.{i}.self_attn.k_norm": "blk.{i}.attn_k_norm.weight",
+    "layers.{i}.post_attention_layernorm": "blk.{i}.post_attention_norm.weight",
+    "layers.{i}.pre_feedforward_layernorm": "blk.{i}.ffn_norm.weight",
+    "layers.{i}.mlp.gate_proj": "blk.{i}.ffn_gate.weight",
+    "layers.{i}.mlp.up_proj": "blk.{i}.ffn_up.weight",
+    "layers.{i}.mlp.down_proj": "blk.{i}.ffn_down.weight",
+    "layers.{i}.post_feedforward_layernorm": "blk.{i}.post_ffw_norm.weight",
+    "layers.{i}.layer_scalar": "blk.{i}.layer_output_scale.weight",
+    # the MoE block (26B-A4B)
+    "layers.{i}.router.proj": "blk.{i}.ffn_gate_inp.weight",
+    "layers.{i}.router.scale": "blk.{i}.ffn_gate_inp.scale",
+    "layers.{i}.router.per_expert_scale": "blk.{i}.ffn_down_exps.scale",
+    "layers.{i}.experts.gate_up_proj": "blk.{i}.ffn_gate_up_exps.weight",
+    "layers.{i}.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+    "layers.{i}.pre_feedforward_layernorm_2": "blk.{i}.pre_ffw_norm_2.weight",
+    "layers.{i}.post_feedforward_layernorm_1": "blk.{i}.post_ffw_norm_1.weight",
+    "layers.{i}.post_feedforward_layernorm_2": "blk.{i}.post_ffw_norm_2.weight",
+}
+
+Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tensor
+
+
+@attrs.define
+class Gemma4Attention:
+    """transformers' `Gemma4TextAttention` for one layer (sliding or full)."""
+
+    ops: Any
+    layer_index: int
+    q_proj: Weight
+    k_proj: Weight
+    v_proj: Weight | None  # None: V is the raw K projection
+    o_proj: Weight
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    v_norm: torch.Tensor  # ones: v_norm has no weight
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inv_freq: torch.Tensor  # [head_dim / 2] fp32
+    sliding_window: int  # 0 for full layers
+    eps: float
+
+    @property
+    def kv_shape(self) -> KVLayerShape:
+        return KVLayerShape(self.num_kv_heads, self.head_dim, self.head_dim, window=self.sliding_window)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[B, T, H, D]`, k and v `[B, T, Hkv, D]` of `x` `[B, T, hidden]` at `positions` `[T]`."""
+        ops = self.ops
+        batch, tokens, _ = x.shape
+        query = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, self.head_dim)
+        raw_key = ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        value = raw_key if self.v_proj is None else ops.linear(x, self.v_proj).reshape(raw_key.shape)
+        query = ops.rope_inv_freq(ops.rms_norm(query, self.q_norm, self.eps), positions, self.inv_freq)
+        key = ops.rope_inv_freq(ops.rms_norm(raw_key, self.k_norm, self.eps), positions, self.inv_freq)
+        return query, key, ops.rms_norm(value, self.v_norm, self.eps)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        batch, tokens = out.shape[:2]
+        return self.ops.linear(out.reshape(batch, tokens, -1), self.o_proj)
+
+    def visibility(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """bool `[Tq, Tk]`: causal, and within the window on a sliding layer (key seen iff q - k < window)."""
+        age = query_positions[:, None] - key_positions[None, :]
+        visible = age >= 0
+        if self.sliding_window:
+            visible &= age < self.sliding_window
+        return visible
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
+        """Eager: `x` at positions `past ..`; K/V appended to the cache, attention over what each query sees."""
+        query, key, value = self.project(x, positions)
+        first = window_start(self.kv_shape, past)
+        keys, values = kv.append(self.layer_index, key[0], value[0])
+        key_positions = torch.arange(first, first + keys.shape[0], device=x.device)
+        out = self.ops.attention(query, keys[None].to(query.dtype), values[None].to(query.dtype), scale=1.0,
+                                 mask=self.visibility(positions, key_positions))
+        return self.output(out)
+
+    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:
+        """One token at the device position `position` `[1]`: K/V written there, attention over a fixed window
+        of the cache (a sliding layer's ring: every slot at most `window` old, masked "slot <= position")."""
+        query, key, value = self.project(x, position)
+        kv.write(self.layer_index, position, key[0], value[0])
+        keys, values = kv.gather(self.layer_index, window)
+        return self.output(self.ops.decode_attention(query, keys, values, position, scale=1.0))
+
+
+@attrs.define
+class Gemma4MLP:
+    """The dense GeGLU block every layer has."""
+
+    ops: Any
+    gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
+    gate_up_proj: Weight | None = None  # rows [gate | up] fused by the backend
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = self.ops.fuse_rows([self.gate_proj, self.up_proj])
+
+    def unused_weights(self) -> tuple[str, ...]:
+        return ("gate_proj", "up_proj") if self.gate_up_proj is not None else ()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        if self.gate_up_proj is not None:
+            gate, up = ops.linear(x, self.gate_up_proj).split([self.gate_proj.shape[0], self.up_proj.shape[0]], -1)
+        else:
+            gate, up = ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)
+        return ops.linear(ops.gelu_tanh_mul(gate, up), self.down_proj)
+
+
+@attrs.define
+class Gemma4MoE:
+    """The 26B-A4B's experts beside the dense MLP: router on the residual, top-k GeGLU experts."""
+
+    ops: Any
+    proj: Weight  # router [E, hidden]
+    scale: torch.Tensor  # [hidden]
+    per_expert_scale: torch.Tensor  # [E]
+    gate_up_proj: Weight  # [E, 2I, hidden]
+    down_proj: Weight  # [E, hidden, I]
+    pre_feedforward_layernorm_2: torch.Tensor
+    post_feedforward_layernorm_1: torch.Tensor
+    post_feedforward_layernorm_2: torch.Tensor
+    top_k: int
+    eps: float
+
+    def __call__(self, residual: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        ops, eps = self.ops, self.eps
+        flat = residual.reshape(-1, residual.shape[-1])
+        weights, ids = ops.moe_route(flat, self.proj, self.scale, self.per_expert_scale, self.top_k, eps)
+        experts = ops.moe_experts(ops.rms_norm(flat, self.pre_feedforward_layernorm_2, eps), self.gate_up_proj,
+                                  self.down_proj, weights, ids).reshape(residual.shape)
+        return (ops.rms_norm(mlp_out, self.post_feedforward_layernorm_1, eps)
+                + ops.rms_norm(experts, self.post_feedforward_layernorm_2, eps))
+
+
+@attrs.define
+class Gemma4DecoderLayer:
+    index: int
+    self_attn: Gemma4Attention
+    mlp: Gemma4MLP
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    pre_feedforward_layernorm: torch.Tensor
+    post_feedforward_layernorm: torch.Tensor
+    layer_scalar: torch.Tensor  # [1]
+    moe: Gemma4MoE | None = None
+
+
+@attrs.define
+class Gemma4State:
+    """Everything one sequence carries between forward calls: its K/V (sliding layers in rings), its length,
+    the drafter's feature ring when speculative decoding is on, and its static decode step."""
+
+    kv: KVCache
+    length: int = 0
+    captured: dict[int, torch.Tensor] = attrs.Factory(dict)
+    capture_layers: tuple[int, ...] = ()
+    features: torch.Tensor | None = None
+    decode: StaticStep | None = None
+
+
+class Gemma4Model(Gemma4SpeculativeTarget):
+    def __init__(self, config: Gemma4Config, ops: Any, embed_tokens: Weight, layers: list[Gemma4DecoderLayer],
+                 norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
+                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
+                 source: str = "") -> None:
+        """`ops`: the backend with the family's ops bound (`GEMMA4_OPS.bind(backend)`)."""
+        self.config = config
+        self.ops = ops
+        self.kv_policy = kv_policy
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.tied_embeddings = lm_head is embed_tokens
+        self.embed_scale = math.sqrt(config.hidden)
+        self.kv_dtype = kv_dtype or ops.dtype
+        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
+        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
+        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
+        self.vocab_size = int(embed_tokens.shape[0])
+        self.context_length = int(config.context_length)
+        self.source = source
+        self.decode_graphs = ops.graphs_enabled()
+        self.decode_min_window = MIN_WINDOW
+        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
+
+    def __repr__(self) -> str:
+        sliding = sum(self.config.sliding)
+        kind = f"MoE {self.config.n_expert} experts top-{self.config.n_expert_used}" if self.config.is_moe else "dense"
+        return (f"Gemma4Model({self.source or 'in memory'}: {len(self.layers)} layers ({sliding} sliding, "
+                f"{len(self.layers) - sliding} full), {kind}, vocab {self.vocab_size})")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden
+
+    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
+        return {layer.index: layer.self_attn.kv_shape for layer in self.layers}
+
+    def new_state(self, max_tokens: int | None = None) -> Gemma4State:
+        max_tokens = self.context_length if max_tokens is None else max_tokens
+        return Gemma4State(kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=self.ops.dtype,
+                                                    device=self.ops.device, k_type=self.cache_type_k,
+                                                    v_type=self.cache_type_v))
+
+    def reset_state(self, state: Gemma4State) -> None:
+        """Empty `state` for a new sequence, keeping its buffers and recordings."""
+        state.kv.rollback(0)
+        state.length = 0
+        state.captured = {}
+        if state.features is not None:
+            state.features.zero_()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings `[T, hidden]` (transformers' `Gemma4TextScaledWordEmbedding`; drafters
+        share them)."""
+        ids = token_ids.reshape(-1).to(self.ops.device)
+        return self.ops.embedding(ids, self.embed_tokens) * self.embed_scale
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head with its soft-cap, `[..., hidden] -> [..., vocab]` (no final norm)."""
+        logits = self.ops.linear(hidden, self.lm_head)
+        cap = self.config.final_logit_softcap
+        return self.ops.softcap(logits, cap) if cap else logits
+
+    @property
+    def draft_mask_token_id(self) -> int:
+        return GEMMA4_MASK_TOKEN_ID
+
+    def forward(self, state: Gemma4State, token_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
+                capture: Collection[int] = (), last_only: bool = False) -> torch.Tensor:
+        """Run `token_ids` `[T]` after what `state` holds; return logits `[T, vocab]` (`[1, vocab]` with
+        `last_only`) and advance the state. `capture`: layers whose outputs go to `state.captured`."""
+        ops = self.ops
+        token_ids = token_ids.reshape(-1)
+        if self.decode_graphs and token_ids.shape[0] == 1 and positions is None and not capture:
+            return self.decode_step(state, token_ids)
+        tokens = token_ids.shape[0]
+        if positions is None:
+            positions = torch.arange(state.length, state.length + tokens, device=ops.device)
+        state.kv.ensure_room(tokens)
+        past = state.kv.length
+        state.captured = {}
+        taps: list[torch.Tensor] = []
+
+        def tap(layer: Gemma4DecoderLayer, output: torch.Tensor) -> None:
+            if layer.index in capture:
+                state.captured[layer.index] = output[0]
+            if layer.index in state.capture_layers:
+                taps.append(output[0])
+
+        hidden = self._run_layers(self.embed(token_ids)[None],
+                                  lambda layer, x: layer.self_attn(x, positions, state.kv, past),
+                                  tap, set(capture) | set(state.capture_layers), last_only=last_only)
+        if state.features is not None:
+            self._store_features(state, state.length, self._concat_taps(state, taps))
+        state.length += tokens
+        return self.output_logits(hidden)[0]
+
+    __call__ = forward
+
+    def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, tapped: Collection[int] = (), *,
+                    last_only: bool = False) -> torch.Tensor:
+        """The decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states; `attend(layer,
+        x)` runs a layer's attention (forward, decode and verify passes differ only there)."""
+        ops, eps = self.ops, self.config.eps
+        for layer in self.layers:
+            attended = attend(layer, ops.rms_norm(hidden, layer.input_layernorm, eps))
+            hidden = hidden + ops.rms_norm(attended, layer.post_attention_layernorm, eps)
+            mlp_out = layer.mlp(ops.rms_norm(hidden, layer.pre_feedforward_layernorm, eps))
+            if layer.moe is not None:
+                mlp_out = layer.moe(hidden, mlp_out)
+            hidden = (hidden + ops.rms_norm(mlp_out, layer.post_feedforward_layernorm, eps)) * layer.layer_scalar
+            if layer.index in tapped:
+                tap(layer, hidden)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return ops.rms_norm(hidden, self.norm, eps)
+
+    # -- the static decode step ------------------------------------------------------------------------
+
+    def decode_step(self, state: Gemma4State, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+        """One token at position `state.length` through the static-shape step (recorded as a graph per KV
+        window where the backend records); the same logits and state as `forward` for one token."""
+        ops = self.ops
+        length = state.length
+        state.kv.ensure_room(1)
+        if state.decode is None:
+            state.decode = StaticStep(ops, "decode step", graphs=self.decode_graphs)
+        if isinstance(token, torch.Tensor) and token.device != torch.device(ops.device):
+            token = int(token.reshape(-1)[0])
+        inputs = state.decode.inputs(token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),
+                                     position=length)
+        # Gathered eagerly: the GGUF dequantizers build small host constants a graph cannot record.
+        inputs.set("embedded", self.embed(inputs.token).reshape(1, 1, -1))
+        window = kv_window(length + 1, state.kv.max_context, self.decode_min_window)
+        key = window if state.features is None else (window, state.features.data_ptr())
+        logits = state.decode.run(key, lambda step_inputs: self._static_step(state, step_inputs, window), inputs,
+                                  clone=True, graphs=graphs)
+        state.kv.commit(length + 1)
+        state.length = length + 1
+        state.captured = {}
+        return logits
+
+    def _static_step(self, state: Gemma4State, inputs: StaticInputs, window: int) -> torch.Tensor:
+        taps: list[torch.Tensor] = []
+        tapped = state.capture_layers if state.features is not None else ()
+        hidden = self._run_layers(inputs.embedded,
+                                  lambda layer, x: layer.self_attn.decode_static(x, inputs.position, state.kv, window),
+                                  lambda layer, output: taps.append(output[0]), tapped)
+        if state.features is not None:
+            slot = inputs.position % state.features.shape[0]
+            state.features.index_copy_(0, slot, self._concat_taps(state, taps).to(state.features.dtype))
+        return self.output_logits(hidden)[0]

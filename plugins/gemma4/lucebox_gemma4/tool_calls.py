@@ -1,0 +1,796 @@
+"""Gemma 4 responses: thought channels, content and tool calls, read as they stream; calls forced by grammar.
+
+The chat templates (google-gemma-4-*.jinja) teach this format, and print it back the same way:
+
+    <|channel>thought
+    …the reasoning…<channel|>Let me look.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>
+
+Arguments are Gemma's own object syntax: keys bare (`<|"|>key<|"|>` is read too), strings between
+`<|"|>` tokens (so they may hold commas, braces, colons and newlines), numbers, `true`/`false`, `null`
+(the templates print Python's `None`, so that is null too), `{…}` and `[…]`. Several calls follow one
+another with nothing between them; the model then stops on `<|tool_response>` (an end-of-generation id).
+
+Thinking is switched on by `<|think|>` in the system turn. The generation prompt is `<|turn>model\\n`,
+followed, when thinking is off, by an empty `<|channel>thought\\n<channel|>`: with thinking on the model
+writes the channel itself, so the output opens with it. A channel is read as reasoning wherever it
+appears (the templates strip every one from an assistant's content), and never reaches the content.
+`thinking=True` means the output starts inside a channel (a prompt that ended with its opening).
+
+Arguments stream as JSON fragments (`{"city": "Paris", "days": 3}`, Python's json spacing, as the Qwen
+parser writes them): a string's text as it arrives, other values once they end, typed by the tool's
+JSON schema where it declares a type. A call cut off at the end of the output is still a call once its
+name is known (at its `{`): open strings and containers are closed where the text stops, a half-written
+key is dropped. Before that, the text is given back as content.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from lucebox_core.errors import LuceboxError
+from lucebox_core.parsing import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    partial_suffix,
+)
+
+if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
+    from lucebox_core.constraints import GrammarConstraint
+
+__all__ = ["GemmaResponseParser", "coerce_value", "create_parser", "forced_prefix", "parse_arguments",
+           "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip
+
+CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
+CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
+QUOTE = '<|"|>'
+CALL_PREFIX = "call:"
+THOUGHT = "thought"  # the channel's name, on the line after `<|channel>`
+_NAME_LIMIT = 256  # a "name" or key longer than this is not one after all
+_NAME_STOP = set(" \t\r\n<>{}[],:\"'")
+
+
+def create_parser(
+    *,
+    tools: Iterable[Mapping[str, Any]] | None = None,
+    thinking: bool = False,
+    call_id: Callable[[int], str] | None = None,
+) -> GemmaResponseParser:
+    """The response parser for one Gemma 4 response (the `ResponseParser` factory).
+
+    Without tools (none given, or `tool_choice: "none"`) nothing is read as a call: `<|tool_call>`
+    markup is content. Thought channels are reasoning either way.
+    """
+    return GemmaResponseParser(tools, thinking=thinking, call_id=call_id)
+
+
+# --- schemas and values -------------------------------------------------------------------------------
+
+
+def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Function name -> JSON schema of its parameters, from OpenAI (`function.parameters`), flat
+    (Responses API `parameters`) or Anthropic (`input_schema`) tool definitions."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        spec = tool.get("function", tool)
+        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+            schema = spec.get("parameters") or spec.get("input_schema") or {}
+            found[spec["name"]] = dict(schema) if isinstance(schema, Mapping) else {}
+    return found
+
+
+def _types(schema: Any) -> set[str]:
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def _wants_string(schema: Any) -> bool:
+    """Whether a `<|"|>` string stays a string under `schema` (else it is read as the declared type)."""
+    if not isinstance(schema, Mapping):
+        return True
+    types = _types(schema)
+    if types:
+        return "string" in types
+    enum = schema.get("enum")
+    return not isinstance(enum, list) or all(isinstance(v, str) for v in enum)
+
+
+def _scalar(text: str) -> Any:
+    """A bare (unquoted) value by its syntax: JSON number, true/false/null (and Python's spellings)."""
+    stripped = text.strip()
+    words = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None, "none": None}
+    if stripped in words:
+        return words[stripped]
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        return stripped  # a bare word: the model meant a string
+    return value if isinstance(value, (int, float)) else stripped
+
+
+def coerce_value(text: str, schema: Mapping[str, Any] | None, *, quoted: bool = False) -> Any:
+    """A scalar's text as the value its schema asks for; `quoted` when it was a `<|"|>` string.
+
+    Without a declared type the syntax decides (a quoted value is a string, a bare one is read as a
+    number, boolean or null, else it is a bare word: a string). A declared type wins where the text
+    parses as it (`<|"|>3<|"|>` for an integer is 3, a bare 007 for a string is "007"); text that
+    does not parse as the declared type stays as it was written.
+    """
+    types = _types(schema)
+    stripped = text.strip()
+    if quoted:
+        if _wants_string(schema):
+            return text
+        value = _scalar(stripped)
+        if isinstance(value, str):
+            value = text
+            if types & {"object", "array"}:  # JSON, or a Python literal ({'a': 1}), in quotes
+                try:
+                    value = json.loads(stripped)
+                except ValueError:
+                    try:
+                        value = ast.literal_eval(stripped)
+                    except (ValueError, SyntaxError, MemoryError, RecursionError):
+                        value = text
+    else:
+        value = _scalar(text)
+        if isinstance(schema, Mapping) and _wants_string(schema) and not (types - {"string"}):
+            return stripped  # a string parameter written bare: its text, whatever it looks like
+    if "integer" in types and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value
+
+
+def _child_schema(schema: Any, key: str | None) -> Any:
+    """The schema of a member (`key`) or of an item (`key` None) of a value under `schema`."""
+    if not isinstance(schema, Mapping):
+        return None
+    if key is None:
+        items = schema.get("items")
+        return items if isinstance(items, Mapping) else None
+    properties = schema.get("properties")
+    if isinstance(properties, Mapping) and isinstance(properties.get(key), Mapping):
+        return properties[key]
+    extra = schema.get("additionalProperties")
+    return extra if isinstance(extra, Mapping) else None
+
+
+# --- the streaming parser -------------------------------------------------------------------------------
+
+
+class _Frame:
+    """An object or array being read inside a call's arguments."""
+
+    def __init__(self, kind: str, schema: Any) -> None:
+        self.kind = kind  # "object" or "array"
+        self.schema = schema
+        self.members = 0  # members (items) written to the JSON so far
+        self.key: str | None = None  # the key whose value comes next (objects)
+
+
+class _Call:
+    """One tool call being read."""
+
+    def __init__(self, index: int, *, space_before: str) -> None:
+        self.index = index
+        self.space_before = space_before
+        self.raw = [CALL_OPEN]
+        self.name = ""
+        self.fragments: list[str] = []
+        self.stack: list[_Frame] = []
+        self.value: list[str] = []  # the scalar (or buffered string) being read
+        self.value_schema: Any = None
+        self.streams_string = False
+
+
+class GemmaResponseParser:
+    """Reasoning, content and tool calls of a Gemma 4 response (see the module docstring).
+
+    A state machine over a buffer: each step consumes what it can decide, and waits (returns False)
+    while the text at the end might still become a tag, so the events, coalesced, do not depend on
+    how the text was chunked.
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Mapping[str, Any]] | None = None,
+        *,
+        thinking: bool = False,
+        call_id: Callable[[int], str] | None = None,
+    ) -> None:
+        self.schemas = tool_parameters(tools)
+        self.tools_enabled = bool(tools)
+        self.thinking = thinking
+        self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
+        self._buffer = ""
+        self._state = "thinking_start" if thinking else "content"
+        self._held_space = ""  # content's trailing whitespace: dropped if a tool call follows
+        self._strip_content = ""  # characters stripped from the start of the content that comes next
+        self._held_newlines = ""  # at the end of the reasoning so far: dropped if the channel closes
+        self._channel_begun = False  # this channel has written reasoning
+        self._reasoned = False  # some channel has
+        self._calls = 0
+        self._call: _Call | None = None
+
+    # --- the response parser protocol (what the server calls) ---
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        events: list[Event] = []
+        while self._step(events, final=False):
+            pass
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        while self._step(events, final=True):
+            pass
+        if self._call is not None:
+            if self._call.name:  # cut off inside the call: it ends where the text does
+                self._end_call(events, cut_off=True)
+            else:  # never got as far as a name: it was text
+                self._abandon_call(events)
+        if self._state in ("channel", "channel_head", "thinking_start"):
+            self._reason(self._buffer, events, closing=True)
+            self._buffer, self._state = "", "content"
+        if self._buffer:
+            self._content(self._buffer, events)
+            self._buffer = ""
+        self._held_space = ""
+        return events
+
+    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool | None = None) -> GrammarConstraint | None:
+        """A constraint making the output tool calls when `tool_choice` is "required" or names a function."""
+        in_thought = self.thinking if thinking is None else thinking
+        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=in_thought)
+
+    # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
+
+    def _step(self, events: list[Event], final: bool) -> bool:
+        return getattr(self, f"_in_{self._state}")(events, final)
+
+    def _in_content(self, events: list[Event], final: bool) -> bool:
+        if self._strip_content:  # after a channel or a call, as the templates trim them
+            self._buffer = self._buffer.lstrip(self._strip_content)
+            if not self._buffer:
+                return False
+            self._strip_content = ""
+        tags = (CHANNEL_OPEN, CHANNEL_CLOSE, CALL_OPEN) if self.tools_enabled else (CHANNEL_OPEN, CHANNEL_CLOSE)
+        starts = [(i, tag) for tag in tags if (i := self._buffer.find(tag)) >= 0]
+        if not starts:
+            keep = 0 if final else partial_suffix(self._buffer, tags)
+            self._content(self._buffer[: len(self._buffer) - keep], events)
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            return False
+        at, tag = min(starts)
+        self._content(self._buffer[:at], events)
+        self._buffer = self._buffer[at + len(tag) :]
+        if tag == CHANNEL_OPEN:
+            self._held_space = ""  # whitespace before a thought is not content either
+            self._state = "channel_head"
+        elif tag == CHANNEL_CLOSE:  # a close without an open: dropped, as the templates' strip_thinking does
+            pass
+        else:
+            self._call = _Call(self._calls, space_before=self._held_space)
+            self._held_space = ""  # whitespace before a call is dropped (given back if it is no call)
+            self._state = "call_head"
+        return True
+
+    def _in_thinking_start(self, events: list[Event], final: bool) -> bool:
+        rest = self._buffer.lstrip()
+        if rest.startswith(CHANNEL_OPEN):  # the model opened the channel itself after all
+            self._buffer = rest[len(CHANNEL_OPEN) :]
+        elif CHANNEL_OPEN.startswith(rest) and not final:
+            return False
+        self._state = "channel_head"
+        return True
+
+    def _in_channel_head(self, events: list[Event], final: bool) -> bool:
+        if self._buffer.startswith(THOUGHT) or (final and THOUGHT.startswith(self._buffer)):
+            self._buffer = self._buffer[len(THOUGHT) :]
+        elif THOUGHT.startswith(self._buffer):
+            return False
+        self._state, self._channel_begun = "channel", False
+        return True
+
+    def _in_channel(self, events: list[Event], final: bool) -> bool:
+        ends = [(i, tag) for tag in (CHANNEL_CLOSE, CHANNEL_OPEN) if (i := self._buffer.find(tag)) >= 0]
+        if not ends:
+            keep = 0 if final else partial_suffix(self._buffer, [CHANNEL_CLOSE, CHANNEL_OPEN])
+            cut = len(self._buffer) - keep
+            self._reason(self._buffer[:cut], events, closing=False)
+            self._buffer = self._buffer[cut:]
+            return False
+        end, tag = min(ends)
+        self._reason(self._buffer[:end], events, closing=True)
+        self._buffer = self._buffer[end + len(tag) :]
+        if tag == CHANNEL_OPEN:  # a channel opened inside one: a new thought (the templates strip the tag)
+            self._state = "channel_head"
+        else:
+            self._state, self._strip_content = "content", "\n"
+        return True
+
+    def _in_call_head(self, events: list[Event], final: bool) -> bool:
+        """`call:NAME{` after `<|tool_call>`; the call is known (ToolCallStart) at its `{`."""
+        rest = self._buffer.lstrip()
+        if not rest.startswith(CALL_PREFIX):
+            if CALL_PREFIX.startswith(rest) and not final:
+                return False
+            self._abandon_call(events)
+            return True
+        head = rest[len(CALL_PREFIX) :]
+        size = next((i for i, c in enumerate(head) if c in _NAME_STOP), len(head))
+        name, after = head[:size], head[size:].lstrip()
+        if not after:  # the name may go on, or the `{` is still to come
+            if not final and size <= _NAME_LIMIT:
+                return False
+            self._abandon_call(events)
+            return True
+        no_arguments = after.startswith(CALL_CLOSE)
+        if not name or size > _NAME_LIMIT or not (after.startswith("{") or no_arguments):
+            if no_arguments or not CALL_CLOSE.startswith(after) or final:
+                self._abandon_call(events)
+                return True
+            return False  # `call:NAME<tool_ca…`: wait for the rest of the tag
+        call = self._call
+        assert call is not None
+        call.name = name
+        self._take(len(self._buffer) - len(after) + (0 if no_arguments else 1))  # `after` ends the buffer
+        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+        self._arguments(events, "{}" if no_arguments else "{")
+        self._state = "call_close" if no_arguments else "key"
+        if not no_arguments:
+            call.stack.append(_Frame("object", self.schemas.get(name, {})))
+        return True
+
+    def _in_key(self, events: list[Event], final: bool) -> bool:
+        """Inside an object, before a key (or its closing brace)."""
+        call = self._call
+        assert call is not None
+        rest = self._skip(" \t\r\n,")
+        if not rest:
+            return False
+        if rest[0] in "}]":
+            self._take(1)
+            self._close_container(events)
+            return True
+        if rest.startswith("<"):
+            if self._undecided(rest, final):
+                return False
+            if self._at_call_close(events):
+                return True
+            end = rest.find(QUOTE, len(QUOTE)) if rest.startswith(QUOTE) else -1  # a quoted key
+            colon = rest.find(":", end + len(QUOTE)) if end >= 0 else -1
+            if rest.startswith(QUOTE) and (colon < 0 or rest[end + len(QUOTE) : colon].strip()):
+                if not final and colon < 0:
+                    return False
+                self._take(len(rest) if end < 0 else end + len(QUOTE))  # not a key after all: skipped
+                return True
+            if colon >= 0:
+                call.stack[-1].key, self._state = rest[len(QUOTE) : end], "value"
+                self._take(colon + 1)
+                return True
+        stops = [i for c in ":{}[],<" if (i := rest.find(c, 1 if c == "<" else 0)) >= 0]
+        if not stops:
+            if not final and len(rest) <= _NAME_LIMIT:
+                return False
+            self._take(len(rest))  # no key after all: skipped (kept in raw_text)
+            return True
+        at = min(stops)
+        if rest[at] == ":" and rest[:at].strip():
+            call.stack[-1].key = rest[:at].strip()
+            self._take(at + 1)
+            self._state = "value"
+        else:  # stray text where a key belongs: skipped
+            self._take(max(at, 1))
+        return True
+
+    def _in_value(self, events: list[Event], final: bool) -> bool:
+        """Before a value: a member's (after `key:`) or an array item's (after `[` or `,`)."""
+        call = self._call
+        assert call is not None
+        frame = call.stack[-1]
+        rest = self._skip()
+        if not rest:
+            return False
+        first = rest[0]
+        if first in "}]":  # a key without a value, or `[]` / a trailing comma: the container closes
+            frame.key, self._state = None, "after"
+            return True
+        if first == ",":  # a key without a value (dropped), or an empty array item
+            self._take(1)
+            frame.key, self._state = None, "key" if frame.kind == "object" else "value"
+            return True
+        if first == "<":
+            if self._undecided(rest, final):
+                return False
+            if self._at_call_close(events):
+                return True
+            if rest.startswith(QUOTE):
+                self._take(len(QUOTE))
+                self._open_value(events)
+                call.value_schema, call.value, self._state = self._member_schema(), [], "string"
+                call.streams_string = _wants_string(call.value_schema)
+                self._arguments(events, '"' if call.streams_string else "")
+                return True
+        if first in "{[":
+            schema = self._member_schema()
+            self._take(1)
+            self._open_value(events)
+            self._arguments(events, first)
+            call.stack.append(_Frame("object" if first == "{" else "array", schema))
+            self._state = "key" if first == "{" else "value"
+            return True
+        call.value_schema, call.value = self._member_schema(), []
+        self._state = "bare"
+        return True
+
+    def _in_string(self, events: list[Event], final: bool) -> bool:
+        end = self._buffer.find(QUOTE)
+        if end < 0:
+            # Hold back what may begin the closing quote; when cut off, the string ends where the text
+            # does, less a half-written quote.
+            keep = partial_suffix(self._buffer, [QUOTE])
+            self._string_text(events, self._buffer[: len(self._buffer) - keep])
+            return False
+        self._string_text(events, self._buffer[:end])
+        self._take(len(QUOTE))
+        self._close_scalar(events)
+        return True
+
+    def _in_bare(self, events: list[Event], final: bool) -> bool:
+        stops = [i for c in ",}]<" if (i := self._buffer.find(c, 1 if c == "<" else 0)) >= 0]
+        if not stops and not final:
+            return False
+        at = min(stops) if stops else len(self._buffer)
+        call = self._call
+        assert call is not None
+        call.value.append(self._buffer[:at])
+        self._take(at)
+        self._close_scalar(events)
+        return True
+
+    def _in_after(self, events: list[Event], final: bool) -> bool:
+        """After a value inside an object or array: a comma, the closing bracket, or the call's end."""
+        call = self._call
+        assert call is not None
+        rest = self._skip()
+        if not rest:
+            return False
+        frame = call.stack[-1]
+        if rest[0] == ",":
+            self._take(1)
+            self._state = "key" if frame.kind == "object" else "value"
+        elif rest[0] in "}]":
+            self._take(1)
+            self._close_container(events)
+        elif rest[0] == "<" and self._undecided(rest, final):
+            return False
+        elif not (rest[0] == "<" and self._at_call_close(events)):
+            self._state = "key" if frame.kind == "object" else "value"  # a missing comma: read on
+        return True
+
+    def _in_call_close(self, events: list[Event], final: bool) -> bool:
+        rest = self._buffer.lstrip()
+        if rest.startswith(CALL_CLOSE):
+            self._take(len(self._buffer) - len(rest) + len(CALL_CLOSE))
+        elif not rest or CALL_CLOSE.startswith(rest):
+            if not final:
+                return False
+            self._take(len(self._buffer))  # cut off in the closing tag: it is still the call's
+        self._end_call(events)
+        return True
+
+    # --- helpers ---
+
+    def _skip(self, chars: str | None = None) -> str:
+        """Move leading whitespace (or `chars`) into the call's raw text; what is left of the buffer."""
+        rest = self._buffer.lstrip(chars)
+        self._take(len(self._buffer) - len(rest))
+        return rest
+
+    @staticmethod
+    def _undecided(rest: str, final: bool) -> bool:
+        """Whether `rest` may still grow into a string quote or the call's closing tag."""
+        return not final and (QUOTE.startswith(rest) or CALL_CLOSE.startswith(rest))
+
+    def _at_call_close(self, events: list[Event]) -> bool:
+        """At `<tool_call|>` while containers are open (a malformed call): they close, the call ends."""
+        rest = self._buffer.lstrip()
+        if not rest.startswith(CALL_CLOSE):
+            return False
+        self._take(len(self._buffer) - len(rest) + len(CALL_CLOSE))
+        self._end_call(events)
+        return True
+
+    def _member_schema(self) -> Any:
+        call = self._call
+        assert call is not None
+        frame = call.stack[-1]
+        return _child_schema(frame.schema, frame.key if frame.kind == "object" else None)
+
+    def _open_value(self, events: list[Event]) -> None:
+        """The JSON before a value: a separator, and for an object member its key."""
+        call = self._call
+        assert call is not None
+        frame = call.stack[-1]
+        head = ", " if frame.members else ""
+        if frame.kind == "object":
+            head += json.dumps(frame.key or "", ensure_ascii=False) + ": "
+        frame.members += 1
+        self._arguments(events, head)
+
+    def _string_text(self, events: list[Event], text: str) -> None:
+        call = self._call
+        assert call is not None
+        if not text:
+            return
+        call.value.append(text)
+        self._take(len(text))
+        if call.streams_string:
+            self._arguments(events, json.dumps(text, ensure_ascii=False)[1:-1])
+
+    def _close_scalar(self, events: list[Event]) -> None:
+        """The end of a string (`string` state) or bare value (`bare` state): its JSON is written."""
+        call = self._call
+        assert call is not None
+        if self._state == "string":
+            value = None if call.streams_string else coerce_value("".join(call.value), call.value_schema, quoted=True)
+            self._arguments(events, '"' if call.streams_string else json.dumps(value, ensure_ascii=False))
+        else:
+            text = "".join(call.value)
+            if text.strip():
+                self._open_value(events)
+                value = coerce_value(text, call.value_schema)
+                self._arguments(events, json.dumps(value, ensure_ascii=False))
+        call.value, call.stack[-1].key = [], None
+        self._state = "after"
+
+    def _close_container(self, events: list[Event]) -> None:
+        call = self._call
+        assert call is not None
+        frame = call.stack.pop()
+        self._arguments(events, "}" if frame.kind == "object" else "]")
+        self._state = "after" if call.stack else "call_close"
+
+    def _end_call(self, events: list[Event], *, cut_off: bool = False) -> None:
+        """The call's end: what is still open closes, innermost first (a cut-off or malformed call)."""
+        call = self._call
+        assert call is not None
+        if cut_off:
+            if self._state == "string":  # the string ends where the text does, less a half-written quote
+                keep = partial_suffix(self._buffer, [QUOTE])
+                self._string_text(events, self._buffer[: len(self._buffer) - keep])
+            elif self._state == "bare":
+                call.value.append(self._buffer)
+            self._take(len(self._buffer))
+        if self._state in ("string", "bare"):
+            self._close_scalar(events)
+        while call.stack:
+            self._close_container(events)
+        events.append(ToolCallEnd(call.index, "".join(call.fragments), "".join(call.raw)))
+        self._calls += 1
+        self._call, self._state, self._strip_content = None, "content", " \t\r\n"
+
+    def _abandon_call(self, events: list[Event]) -> None:
+        """What looked like a call is not one: its opening goes out as content, the rest is read again."""
+        call = self._call
+        assert call is not None
+        self._call, self._state = None, "content"
+        self._held_space = call.space_before
+        self._content("".join(call.raw), events)
+
+    def _take(self, size: int) -> None:
+        """Move `size` characters from the buffer into the current call's raw text."""
+        assert self._call is not None
+        self._call.raw.append(self._buffer[:size])
+        self._buffer = self._buffer[size:]
+
+    def _arguments(self, events: list[Event], fragment: str) -> None:
+        assert self._call is not None
+        if fragment:
+            self._call.fragments.append(fragment)
+            events.append(ToolCallArgsDelta(self._call.index, fragment))
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body) :]
+        if body:
+            events.append(ContentDelta(body))
+
+    def _reason(self, text: str, events: list[Event], *, closing: bool) -> None:
+        # Newlines the templates put around a thought are not part of it (`thought\n…\n<channel|>`).
+        text = self._held_newlines + text
+        if not self._channel_begun:
+            text = text.lstrip("\n")
+        body = text.rstrip("\n")
+        self._held_newlines = "" if closing else text[len(body) :]
+        if body:
+            if not self._channel_begun and self._reasoned:
+                body = "\n\n" + body  # a second thought in one response: kept apart from the first
+            self._channel_begun = self._reasoned = True
+            events.append(ReasoningDelta(body))
+
+
+def parse_arguments(text: str, schema: Mapping[str, Any] | None = None) -> Any:
+    """Gemma's argument syntax (`{city:<|"|>Paris<|"|>,days:3}`) as a Python value, typed by `schema`."""
+    parser = GemmaResponseParser([{"name": "f", "parameters": dict(schema or {})}], call_id=lambda i: "")
+    events = parser.feed(f"{CALL_OPEN}{CALL_PREFIX}f{text}{CALL_CLOSE}") + parser.finish()
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    if not ends:
+        raise LuceboxError(f"not Gemma tool-call arguments: {text[:80]!r}")
+    return json.loads(ends[0].arguments_json)
+
+
+# --- tool_choice ------------------------------------------------------------------------------------
+
+
+def forced_prefix(tool_choice: Any) -> str:
+    """Text to put at the start of the answer so the model can only go on with a call ("" if none).
+
+    For a named function the prefix includes the call's head up to its `{`; the parser must then be
+    fed the prefix first (it is part of the answer), and the prompt must end with it.
+    """
+    name = _chosen_name(tool_choice)
+    if name is not None:
+        return f"{CALL_OPEN}{CALL_PREFIX}{name}{{"
+    return f"{CALL_OPEN}{CALL_PREFIX}" if tool_choice == "required" else ""
+
+
+def _chosen_name(tool_choice: Any) -> str | None:
+    if isinstance(tool_choice, Mapping):
+        function = tool_choice.get("function", tool_choice)  # OpenAI {"type":"function","function":{...}}
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise LuceboxError(f"tool_choice names no function: {json.dumps(tool_choice)}")
+        return name
+    return None
+
+
+def tool_choice_constraint(
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False
+) -> GrammarConstraint | None:
+    """A grammar that admits only tool calls (after a thought channel, if any), or None.
+
+    "required" allows any declared function, one or more calls; a named choice allows exactly one
+    call of that function. Keys must be declared parameters (any order; whether every required one is
+    present is left to the model) and values follow their schema's type, enum and nesting, not finer
+    rules (minimum, pattern, ...). `thinking`: the output starts inside a thought channel.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    name = _chosen_name(tool_choice)
+    if name is None and tool_choice != "required":
+        raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
+    names = [name] if name is not None else list(schemas)
+    if not names:
+        raise LuceboxError("tool_choice asks for a tool call but no tools were given")
+    unknown = [n for n in names if n not in schemas]
+    if unknown:
+        raise LuceboxError(f"tool_choice names {unknown[0]!r}, which is not among the tools given")
+    from lucebox_core.constraints import lark_constraint
+
+    chosen = {n: schemas[n] for n in names}
+    return lark_constraint(tokenizer, tool_call_grammar(tokenizer, chosen, thinking=thinking, single=name is not None))
+
+
+_GENERIC_RULES = r"""
+g_value: g_string | NUMBER | "true" | "false" | "null" | g_object | g_array
+g_object: "{" (g_pair ("," g_pair)*)? "}"
+g_pair: KEY ":" g_value
+g_array: "[" (g_value ("," g_value)*)? "]"
+KEY: /[A-Za-z_][A-Za-z0-9_.\-]{0,63}/
+INTEGER: /-?(0|[1-9][0-9]{0,17})/
+NUMBER: /-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/
+GAP: /\n{0,2}/
+"""
+
+
+class _Grammar:
+    """Lark rules for Gemma-syntax values of JSON schemas (one rule per schema met, made on demand)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from lucebox_core.constraints import lark_literal
+
+        quote = lark_literal(tokenizer, QUOTE)
+        if quote.startswith("<["):  # a control token: the text runs until it (text cannot spell it)
+            self.rules = [f"g_string: {quote} STRING_TEXT {quote}", "STRING_TEXT: /(?s:.*)/"]
+        else:
+            self.rules = [f"g_string: {quote} string_text", 'string_text[lazy]: /(?s:.*)<\\|"\\|>/']
+        self.quote = quote
+        self._count = 0
+
+    def value(self, schema: Any, depth: int = 0) -> str:
+        """The Lark expression for one value under `schema`."""
+        if not isinstance(schema, Mapping) or depth > 6 or "$ref" in schema:
+            return "g_value"
+        choices = schema.get("enum") if isinstance(schema.get("enum"), list) else None
+        if "const" in schema:
+            choices = [schema["const"]]
+        if choices is not None:
+            return "(" + " | ".join(self._literal(v) for v in choices) + ")" if choices else "g_value"
+        options = schema.get("anyOf") or schema.get("oneOf")
+        if isinstance(options, list) and options:
+            return "(" + " | ".join(self.value(o, depth + 1) for o in options) + ")"
+        types = sorted(_types(schema))
+        if not types:
+            return "g_value"
+        if schema.get("nullable") is True and "null" not in types:
+            types = [*types, "null"]
+        parts = [self._typed(t, schema, depth) for t in types]
+        return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
+
+    def object_rule(self, schema: Any, depth: int) -> str:
+        """An object whose keys are the declared properties (any order); without any, a function takes
+        no arguments, and a nested object takes any."""
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        if not isinstance(properties, Mapping) or not properties:
+            return '"{" "}"' if depth == 0 else "g_object"
+        members = [f"{json.dumps(str(k) + ':')} {self.value(v, depth + 1)}" for k, v in properties.items()]
+        member = self._rule(" | ".join(members))
+        return self._rule(f'"{{" ({member} ("," {member})*)? "}}"')
+
+    def _typed(self, kind: str, schema: Mapping[str, Any], depth: int) -> str:
+        if kind == "object":
+            return self.object_rule(schema, depth)
+        if kind == "array":
+            item = self.value(schema.get("items"), depth + 1) if isinstance(schema.get("items"), Mapping) else "g_value"
+            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
+        return {"string": "g_string", "integer": "INTEGER", "number": "NUMBER", "boolean": '("true" | "false")',
+                "null": '"null"'}.get(kind, "g_value")  # fmt: skip
+
+    def _literal(self, value: Any) -> str:
+        if isinstance(value, str):
+            text = json.dumps(value)
+            return f"{self.quote} {text} {self.quote}" if self.quote.startswith("<[") else json.dumps(QUOTE + value + QUOTE)
+        if isinstance(value, bool) or value is None:
+            return json.dumps({True: "true", False: "false", None: "null"}[value])
+        if isinstance(value, (int, float)):
+            return json.dumps(json.dumps(value))
+        return "g_value"  # an object or array among the choices: any value
+
+    def _rule(self, body: str) -> str:
+        self._count += 1
+        self.rules.append(f"r_{self._count}: {body}")
+        return f"r_{self._count}"
+
+
+def tool_call_grammar(
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], *, thinking: bool = False, single: bool = False
+) -> str:
+    """The Lark grammar (llguidance dialect) of one or more Gemma calls to the functions in `schemas`.
+
+    A thought channel may come first (the model writes one when thinking is on); with `thinking` the
+    output is inside one from its start.
+    """
+    from lucebox_core.constraints import lark_literal
+
+    grammar = _Grammar(tokenizer)
+    open_call, close_call = lark_literal(tokenizer, CALL_OPEN), lark_literal(tokenizer, CALL_CLOSE)
+    open_channel, close_channel = lark_literal(tokenizer, CHANNEL_OPEN), lark_literal(tokenizer, CHANNEL_CLOSE)
+    if close_channel.startswith("<["):
+        thought_rules = [f"thought_end: THOUGHT_TEXT {close_channel} GAP", "THOUGHT_TEXT: /(?s:.*)/"]
+    else:
+        thought_rules = ["thought_end: thought_text GAP", "thought_text[lazy]: /(?s:.*)<channel\\|>/"]
+    lead = "thought_end " if thinking else f"({open_channel} thought_end)? "
+    functions = []
+    for i, (function, schema) in enumerate(schemas.items()):
+        arguments = grammar.object_rule(schema, 0)
+        grammar.rules.append(f"function_{i}: {json.dumps(CALL_PREFIX + function)} {arguments}")
+        functions.append(f"function_{i}")
+    lines = [
+        f"start: {lead}{'call' if single else 'call+'}",
+        f"call: {open_call} ({' | '.join(functions)}) {close_call}",
+        *thought_rules,
+        *grammar.rules,
+        _GENERIC_RULES,
+    ]
+    return "\n".join(lines)
