@@ -42,9 +42,9 @@ DEADLINE=${DEADLINE:-570}  # seconds: no step runs past this (the device call's 
 install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site \
-      . plugins/qwen35 backends/cuda || return 1
+      . plugins/qwen35 plugins/gemma4 backends/cuda || return 1
   export PYTHONPATH=/tmp/site
-  python3 -c 'import gguf, lucebox_core, lucebox_qwen35, lucebox_cuda, torch, triton
+  python3 -c 'import gguf, lucebox_core, lucebox_qwen35, lucebox_gemma4, lucebox_cuda, torch, triton
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)'
 }
 
@@ -193,6 +193,59 @@ spec_rows() { python3 -c "import json,sys
 for r in json.loads(sys.stdin.read().splitlines()[-1]): print('$1', r['test'], round(r['tokens_per_s'], 1))"; }
 export -f spec_rows
 
+g4model() { echo "$WORK/gemma4-$1-q4_k_m.gguf"; }
+g4synth() { [ -s "$(g4model "$1")" ] || python3 -m lucebox_core.cli synth --arch gemma4 --size "$1" --type q4_k_m \
+  -o "$(g4model "$1")"; }
+llama_build_bg() {  # the llama.cpp build in the background (~270 s on 16 cores), unless SKIP names "llama"
+  case "$SKIP" in *" llama "*) return 0 ;; esac
+  echo "[$SECONDS s] llama.cpp build in the background"
+  (bash .llamacpp/build.sh > "$RES/llamacpp_build.log" 2>&1; echo "build rc $? at $SECONDS s" >> "$RES/llamacpp_build.log") &
+}
+llama_wait() { case "$SKIP" in *" llama "*) return 1 ;; esac; echo "[$SECONDS s] waiting for the llama.cpp build"; wait
+  tail -2 "$RES/llamacpp_build.log"; [ -x /tmp/llamacpp/build/bin/llama-bench ]; }
+LB=/tmp/llamacpp/build/bin/llama-bench
+
+gemma4_a() {  # ~9 min: GPU checks of Gemma-4's kernels and tiny models, then 26B-A4B and 31B Q4_K_M pp512 / pp4096
+  #             / tg128, both engines, same files (the llama.cpp build runs meanwhile).   carry: .whl .llamacpp
+  llama_build_bg
+  step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
+  step synth-26b 120 g4synth 26b-a4b
+  step lucebox-26b 120 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 26b-a4b) -p 512,4096 -n 128 -r 3 --json \
+    > $RES/lucebox_26b.json; cat $RES/lucebox_26b.json"
+  step synth-31b 150 g4synth 31b
+  step lucebox-31b 120 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -p 512,4096 -n 128 -r 3 --json \
+    > $RES/lucebox_31b.json; cat $RES/lucebox_31b.json"
+  if llama_wait; then
+    for m in 26b-a4b 31b; do
+      step llama-$m 90 sh -c "$LB -m $(g4model $m) -ngl 99 -fa 1 -p 512,4096 -n 128 -r 3 -o json > $RES/llama_$m.json; \
+        cat $RES/llama_$m.json | python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
+    done
+  fi
+}
+
+gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 32K context, forced DDTree 8.3 on the
+  #             31B with a full-size random drafter (files reused from gemma4_a on a warm machine).  carry: .whl .llamacpp
+  llama_build_bg
+  step synth-26b 120 g4synth 26b-a4b
+  step synth-31b 150 g4synth 31b
+  step synth-draft 60 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \
+    --target "$(g4model 31b)" -o "$WORK/gemma4-31b-draft-q8_0.gguf"
+  step lucebox-31b-spec 150 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -md $WORK/gemma4-31b-draft-q8_0.gguf \
+    -p 0 -n 256 -r 3 --force-accept 8.3 --json > $RES/lucebox_31b_spec.json; cat $RES/lucebox_31b_spec.json"
+  for m in 26b-a4b 31b; do
+    step lucebox-$m-depth 150 sh -c "python3 -m lucebox_core.cli bench -m $(g4model $m) -p 0 -n 128 -d 32768 -r 2 --json \
+      > $RES/lucebox_${m}_depth.json; cat $RES/lucebox_${m}_depth.json"
+  done
+  step memory-26b 120 python3 scripts/bench_vs_llamacpp.py memory "$(g4model 26b-a4b)" --ctx 32768 --cache-types f16 \
+    --decode 16 --json "$RES/memory_26b.json"
+  if llama_wait; then
+    for m in 26b-a4b 31b; do
+      step llama-$m-depth 120 sh -c "$LB -m $(g4model $m) -ngl 99 -fa 1 -p 0 -n 128 -d 32768 -r 2 -o json > $RES/llama_${m}_depth.json; \
+        cat $RES/llama_${m}_depth.json | python3 -c 'import json,sys; [print(r[\"n_depth\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
+    done
+  fi
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -223,11 +276,13 @@ session() {
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
     bench-probe) bench_probe ;;
+    gemma4-a) gemma4_a ;;
+    gemma4-b) gemma4_b ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
   echo "[$SECONDS s] gpu_session $MODE done"
 }
 
-export -f synth model install
+export -f synth model install g4synth g4model
 session 2>&1 | tee "$OUT/log_$MODE.txt"

@@ -88,7 +88,7 @@ def test_tokenize_bad_utf8_file(tmp_path):
 
 
 def test_synth_unknown_arch_names_what_to_install(tmp_path):
-    assert_one_line_error(lucebox("synth", "--arch", "gemma4", "-o", str(tmp_path / "x.gguf")), "gemma4", "lucebox-gemma4")
+    assert_one_line_error(lucebox("synth", "--arch", "laguna", "-o", str(tmp_path / "x.gguf")), "laguna", "lucebox-laguna")
 
 
 def test_synth_bad_size_and_type(tmp_path):

@@ -64,8 +64,11 @@ def test_lucebox_model_families_qwen35_and_install_hints():
     registry = discover()
     family = registry.family_for("qwen35")
     assert family.name == "qwen35"
-    with pytest.raises(PluginError, match=r"'gemma4'.*install lucebox-gemma4"):
-        registry.family_for("gemma4", "model.gguf")
+    assert registry.family_for("gemma4").name == "gemma4"
+    with pytest.raises(PluginError, match=r"'laguna'.*install lucebox-laguna"):
+        registry.family_for("laguna", "model.gguf")
+    with pytest.raises(PluginError, match="'gemma4'.*lucebox-gemma4 is installed but not loaded"):
+        discover(allowed="qwen35").family_for("gemma4")
     with pytest.raises(PluginError, match="'qwen35'.*lucebox-qwen is installed but not loaded"):
         discover(allowed="").family_for("qwen35")
     # A plugin that is loaded but does not handle an architecture is not suggested again for it.

@@ -27,7 +27,7 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight
 
 from . import catalogue
-from .nvrtc import CudaModule, Float, Int, KernelProgram, Pointer, compile_program, ensure_context, launch
+from .nvrtc import CudaModule, Float, Int, Int64, KernelProgram, Pointer, compile_program, ensure_context, launch
 
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
@@ -209,6 +209,30 @@ class CudaBackend(TorchBackend):
                 partials, counters = scratch.data_ptr(), arrivals.data_ptr()
         launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
+        return out
+
+    def expert_matvec(self, x: torch.Tensor, experts: QuantTensor, ids: torch.Tensor, x_group: int) -> torch.Tensor:
+        """Mixture-of-experts products for few tokens: for each routed pair `s` (flat `ids` `[S]`, long, on the
+        device), `x[s // x_group] @ experts[ids[s]].T`, from a stack `experts` `[E, rows, cols]` in its GGUF
+        format, reading only the chosen experts' blocks. x `[S / x_group, cols]` -> `[S, rows]`.
+        Graph-capturable: no host value depends on the ids."""
+        weight_format = catalogue.WEIGHT_FORMATS[experts.ggml_type]
+        n_experts, rows, cols = experts.shape
+        x = x.contiguous()
+        if not _aligned(x):
+            x = x.clone()
+        ids = ids.reshape(-1).to(torch.long).contiguous()
+        pairs = ids.numel()
+        out = torch.empty(pairs, rows, dtype=x.dtype, device=self.device)
+        if pairs == 0:
+            return out
+        data = self.device_weight(experts).data
+        program, name = catalogue.moe_matvec(weight_format, catalogue.ACTIVATIONS[x.dtype])
+        ensure_context(self.device.index)
+        launch(self.kernel(program, name), (-(-rows // 4), pairs, 1), 128,
+               [Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
+                Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group)],
+               stream=torch.cuda.current_stream(self.device).cuda_stream)
         return out
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,

@@ -432,6 +432,11 @@ def dequant(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
     return KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({weight_format}, {activation})"]), name
 
 
+def moe_matvec(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
+    name = f"moe_matvec_{weight_format}_{activation}"
+    return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({weight_format}, {activation})"]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -454,5 +459,6 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),
+        "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({f}, {a})" for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
     }

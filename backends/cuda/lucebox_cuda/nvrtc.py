@@ -228,6 +228,7 @@ class CudaModule:
 # ctypes type for each Python argument kind a kernel takes.
 Pointer = ctypes.c_void_p
 Int = ctypes.c_int
+Int64 = ctypes.c_longlong
 Float = ctypes.c_float
 
 

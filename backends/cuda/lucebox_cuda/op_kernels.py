@@ -347,3 +347,62 @@ def conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch
     `conv_silu_update_` kernel: a verified node's Gated DeltaNet input is the decode step's to the bit."""
     return triton_gdn().causal_conv1d_tree(x, weight, state, parents, activation="silu")
 
+
+
+# -- mixture-of-experts products (the names of a family's ops: Gemma-4's `moe_experts`) -------------------
+
+# Routed (token, expert) pairs up to which the experts run on the pair kernel (each pair reads its expert's
+# blocks: decode and speculative verify); beyond, each hit expert once over its tokens (prefill).
+EXPERT_PAIR_LIMIT = 8 * VERIFY_ROWS
+
+
+def _expert_stack(ops: Any, weight: Any) -> bool:
+    return (isinstance(weight, QuantTensor) and len(weight.shape) == 3
+            and weight.ggml_type in catalogue.WEIGHT_FORMATS)
+
+
+def accepts_moe_experts(ops: Any, x: torch.Tensor, gate_up_exps: Any, down_exps: Any, weights: torch.Tensor,
+                        ids: torch.Tensor) -> bool:
+    return (x.device == ops.device and x.dtype in catalogue.ACTIVATIONS and ids.device == ops.device
+            and _expert_stack(ops, gate_up_exps) and _expert_stack(ops, down_exps))
+
+
+def moe_experts(ops: Any, x: torch.Tensor, gate_up_exps: QuantTensor, down_exps: QuantTensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """`sum_k weights[t, k] * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t))`, `e = ids[t, k]`, reading only the chosen
+    experts' GGUF blocks. Few pairs (decode, verify): one kernel per product over every pair, ids read on the
+    device (no host sync: the decode step stays one graph). Many (prefill): each expert any token chose once,
+    on its tokens, through the tiled product."""
+    tokens, top_k = ids.shape
+    hidden, inter = down_exps.shape[1], down_exps.shape[2]
+    if tokens * top_k > EXPERT_PAIR_LIMIT:
+        return _moe_by_expert(ops, x, gate_up_exps, down_exps, weights, ids)
+    flat = ids.reshape(-1)
+    gate_up = ops.expert_matvec(x, gate_up_exps, flat, top_k)  # [T * k, 2I]
+    act = ops.gelu_tanh_mul(gate_up[:, :inter], gate_up[:, inter:])
+    down = ops.expert_matvec(act, down_exps, flat, 1)  # [T * k, hidden]
+    return (down.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
+
+
+def _expert_view(ops: Any, stack: QuantTensor, expert: int) -> QuantTensor:
+    """Expert `expert` of a stack as its own 2-D weight: a view of the stack's device bytes, made once."""
+    views = ops.__dict__.setdefault("_expert_views", {})
+    key = (id(stack), expert)
+    if key not in views:
+        data = ops.device_weight(stack).data
+        size = data.numel() // stack.shape[0]
+        views[key] = (stack, QuantTensor(f"{stack.name}[{expert}]", stack.ggml_type, stack.shape[1:],
+                                         data[expert * size : (expert + 1) * size]))
+    return views[key][1]
+
+
+def _moe_by_expert(ops: Any, x, gate_up_exps, down_exps, weights, ids) -> torch.Tensor:
+    inter = down_exps.shape[2]
+    out = torch.zeros(x.shape[0], down_exps.shape[1], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(ids).tolist():  # a host sync: prefill is not recorded
+        token, slot = torch.where(ids == expert)
+        gate_up = ops.linear(x[token], _expert_view(ops, gate_up_exps, expert))
+        act = ops.gelu_tanh_mul(gate_up[:, :inter], gate_up[:, inter:])
+        y = ops.linear(act, _expert_view(ops, down_exps, expert))
+        out.index_add_(0, token, y.float() * weights[token, slot, None])
+    return out.to(x.dtype)

@@ -124,9 +124,11 @@ class Gemma4Attention:
         query, key, value = self.project(x, positions)
         first = window_start(self.kv_shape, past)
         keys, values = kv.append(self.layer_index, key[0], value[0])
-        key_positions = torch.arange(first, first + keys.shape[0], device=x.device)
-        out = self.ops.attention(query, keys[None].to(query.dtype), values[None].to(query.dtype), scale=1.0,
-                                 mask=self.visibility(positions, key_positions))
+        keys, values = keys[None].to(query.dtype), values[None].to(query.dtype)
+        if not self.sliding_window:  # every earlier position: the causal rule alone, no mask to read
+            return self.output(self.ops.attention(query, keys, values, scale=1.0, causal_offset=past))
+        key_positions = torch.arange(first, first + keys.shape[1], device=x.device)
+        out = self.ops.attention(query, keys, values, scale=1.0, mask=self.visibility(positions, key_positions))
         return self.output(out)
 
     def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:

@@ -1,0 +1,24 @@
+// Mixture-of-experts products for few tokens: for each routed (token, expert) pair `s`,
+//     y[s, n] = sum_k x[s / x_group, k] * W[ids[s], n, k]
+// over a stack of expert weights W [experts, rows, cols] in one GGUF format. Only the chosen experts' blocks
+// are read; the expert ids are read on the device, so routing, top-k and these products need no host round
+// trip (a decode step with them records as one CUDA graph).
+//
+// `x_group`: how many consecutive pairs share an activation row: the top-k of one token for the gate/up
+// product (x_group = k), one row each for the down product (x_group = 1).
+//
+// One warp per output row, as matvec.cu (whose body, matvec_body.cuh, this reuses); blockIdx.y is the pair. Instantiate with
+// LUCEBOX_MOE_MATVEC(format, activation), defining `moe_matvec_<format>_<activation>`. Launch with 128
+// threads per block, (ceil(rows / 4), pairs) blocks.
+#include "matvec_body.cuh"
+
+#define LUCEBOX_MOE_MATVEC(FORMAT, ACT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * LUCEBOX_MATVEC_WARPS)                                \
+        moe_matvec_##FORMAT##_##ACT(const u8* __restrict__ weight, const ACT* __restrict__ x,                \
+                                    ACT* __restrict__ y, const long long* __restrict__ ids,                  \
+                                    long long expert_bytes, int rows, int cols, int x_group) {               \
+        const int pair = blockIdx.y;                                                                         \
+        const u8* expert = weight + ids[pair] * expert_bytes;                                                \
+        matvec_body<W_##FORMAT, ACT, 1>(expert, x + static_cast<i64>(pair / x_group) * cols,               \
+                                        y + static_cast<i64>(pair) * rows, rows, cols, 1);                   \
+    }

@@ -1,0 +1,153 @@
+"""Gemma-4 on the GPU: the CUDA kernels Gemma-4 runs, at the real models' shapes, against their references, and
+whole tiny models on lucebox-cuda against the torch reference on the CPU.
+
+usage: python scripts/gemma4_gpu_check.py [--workdir DIR] [--json OUT.json]
+
+1. `moe_experts` (the routed-expert products reading only the chosen experts' GGUF blocks, ids on the device)
+   with the 26B-A4B's stacks (128 experts, gate|up 1408 x 2816 Q4_K, down 2816 x 704 Q5_0) at 1, 4 and 600
+   tokens, against the family's reference; its decode time per layer.
+2. `decode_attention` at Gemma-4's head dims (512 with 4 KV heads over a full cache, 256 with 16 over a
+   1024-row ring), against the reference.
+3. Tiny dense and MoE files (f32 and q8_0): logits of a 48-token prompt and 24 greedy tokens (the static decode
+   step, recorded as a CUDA graph) on lucebox-cuda in f32, against the CPU reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lucebox_core.kquants import random_blocks
+from lucebox_core.quants import QuantTensor
+from lucebox_core.torch_backend import TorchBackend
+from lucebox_cuda.backend import CudaBackend
+from lucebox_gemma4 import synth
+from lucebox_gemma4.loader import load
+from lucebox_gemma4.ops import GEMMA4_OPS
+
+
+def _stack(name: str, ggml_type: str, shape: tuple[int, ...], seed: int) -> QuantTensor:
+    from gguf import GGMLQuantizationType
+
+    t = GGMLQuantizationType[ggml_type]
+    blocks = random_blocks(t, int(np.prod(shape)), 0.02, np.random.default_rng(seed))
+    return QuantTensor(name, t, shape, torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1).view(np.uint8).copy()))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def check_moe(results: dict) -> None:
+    ops = GEMMA4_OPS.bind(CudaBackend(dtype=torch.bfloat16))
+    gate_up = _stack("ffn_gate_up_exps", "Q4_K", (128, 1408, 2816), 1)
+    down = _stack("ffn_down_exps", "Q5_0", (128, 2816, 704), 2)
+    reference = GEMMA4_OPS.references["moe_experts"]
+    for tokens in (1, 4, 600):
+        g = torch.Generator(device="cuda").manual_seed(tokens)
+        x = torch.randn(tokens, 2816, device="cuda", generator=g).to(torch.bfloat16)
+        scores = torch.randn(tokens, 128, device="cuda", generator=g)
+        weights, ids = torch.topk(torch.softmax(scores, -1), 8, dim=-1)
+        got = ops.moe_experts(x, gate_up, down, weights, ids)
+        expected = reference(ops, x, gate_up, down, weights, ids)
+        results[f"moe_experts T={tokens} rel err"] = _rel(got, expected)
+        print(f"moe_experts T={tokens}: {ops.moe_experts.choice(x, gate_up, down, weights, ids)}, "
+              f"rel err {results[f'moe_experts T={tokens} rel err']:.2e}")
+    x = torch.randn(1, 2816, device="cuda").to(torch.bfloat16)
+    for _ in range(5):
+        ops.moe_experts(x, gate_up, down, weights[:1], ids[:1])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        ops.moe_experts(x, gate_up, down, weights[:1], ids[:1])
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 200
+    read = 8 * (gate_up.nbytes + down.nbytes) / 128
+    results["moe_experts decode us"] = seconds * 1e6
+    results["moe_experts decode GB/s"] = read / seconds / 1e9
+    print(f"moe_experts one token, top-8 of 128: {seconds * 1e6:.1f} us, {read / seconds / 1e9:.0f} GB/s of expert blocks")
+
+
+def check_attention(results: dict) -> None:
+    ops = GEMMA4_OPS.bind(CudaBackend(dtype=torch.bfloat16))
+    for name, heads, kv_heads, dim, rows, position in (("full 512", 32, 4, 512, 4096, 3000),
+                                                       ("sliding 256 ring", 32, 16, 256, 1024, 5000)):
+        g = torch.Generator(device="cuda").manual_seed(dim)
+        q = torch.randn(1, 1, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        k = torch.randn(rows, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        v = torch.randn(rows, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        pos = torch.tensor([position], device="cuda")
+        got = ops.decode_attention(q, k, v, pos, scale=1.0 / 16)
+        expected = TorchBackend.decode_attention(ops, q.float(), k.float(), v.float(), pos, scale=1.0 / 16)
+        results[f"decode_attention {name} rel err"] = _rel(got, expected)
+        print(f"decode_attention {name}: {ops.decode_attention.choice(q, k, v, pos, scale=1.0 / 16)}, "
+              f"rel err {results[f'decode_attention {name} rel err']:.2e}")
+    # Prefill at the full layers' 512-dim heads (causal) and the sliding layers' 256 (a window mask).
+    for name, heads, kv_heads, dim, window in (("full 512", 32, 4, 512, 0), ("sliding 256", 32, 16, 256, 1024)):
+        g = torch.Generator(device="cuda").manual_seed(dim + 1)
+        tokens = 2048
+        q = torch.randn(1, tokens, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        k = torch.randn(1, tokens, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        v = torch.randn(1, tokens, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        age = torch.arange(tokens, device="cuda")[:, None] - torch.arange(tokens, device="cuda")[None, :]
+        mask = (age >= 0) & (age < window) if window else None
+        kwargs = dict(scale=1.0 / 16, mask=mask) if window else dict(scale=1.0 / 16, causal_offset=0)
+        got = ops.attention(q, k, v, **kwargs)
+        expected = TorchBackend.attention(ops, q[:, -256:].float(), k.float(), v.float(), scale=1.0 / 16,
+                                          **({"mask": mask[-256:]} if window else {"causal_offset": tokens - 256}))
+        results[f"attention prefill {name} rel err"] = _rel(got[:, -256:], expected)
+        print(f"attention prefill {name}: {ops.attention.choice(q, k, v, **kwargs)}, "
+              f"rel err {results[f'attention prefill {name} rel err']:.2e}")
+
+
+def check_models(results: dict, workdir: Path) -> None:
+    for size, kind in (("tiny", "f32"), ("tiny-moe", "f32"), ("tiny", "q8_0"), ("tiny-moe", "q8_0")):
+        path = workdir / f"gemma4-{size}-{kind}.gguf"
+        if not path.exists():
+            synth.write(path, size=size, type=kind, seed=5)
+        cpu = load(path)
+        gpu = load(path, backend=CudaBackend(dtype=torch.float32))
+        prompt = torch.arange(1000, 1048)
+        a, b = cpu.forward(cpu.new_state(128), prompt), gpu.forward(gpu.new_state(128), prompt).cpu()
+        tokens = {}
+        for label, model in (("cpu", cpu), ("cuda", gpu)):
+            state = model.new_state(128)
+            logits, out = model.forward(state, prompt, last_only=True), []
+            for _ in range(24):
+                out.append(int(logits[-1].argmax()))
+                logits = model.forward(state, torch.tensor([out[-1]]))  # the static step (graphs on CUDA)
+            tokens[label] = out
+        key = f"{size} {kind}"
+        results[f"{key} logits rel err"] = _rel(b, a)
+        results[f"{key} greedy equal"] = tokens["cpu"] == tokens["cuda"]
+        print(f"{key}: prefill logits rel err {_rel(b, a):.2e}; 24 greedy tokens equal: {tokens['cpu'] == tokens['cuda']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default="/tmp/w")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    failures = []
+    for check in (check_moe, check_attention, lambda r: check_models(r, workdir)):
+        try:
+            check(results)
+        except Exception as exc:  # report every check, then fail
+            failures.append(repr(exc))
+            print(f"FAILED: {exc!r}")
+    results["failures"] = failures
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
