@@ -290,3 +290,11 @@ def test_cli_synth_writes_both_architectures(tmp_path, tiny_files):
     provided = json.dumps(json.loads(listed.stdout))
     for name in ("lucebox-gemma4", "gemma4-dflash-draft", "gelu_tanh_mul") if False else ("gemma4-dflash-draft",):
         assert name in provided
+
+
+def test_family_ops_do_not_collide_with_any_backends_own():
+    from lucebox_cuda.backend import CudaBackend
+    from lucebox_gemma4.ops import GEMMA4_OPS
+
+    for backend in (CudaBackend, __import__("lucebox_core.torch_backend", fromlist=["_"]).TorchBackend):
+        assert not [name for name in GEMMA4_OPS.references if hasattr(backend, name)], backend

@@ -103,8 +103,8 @@ class Gemma4Attention:
         query = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, self.head_dim)
         raw_key = ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
         value = raw_key if self.v_proj is None else ops.linear(x, self.v_proj).reshape(raw_key.shape)
-        query = ops.rope_inv_freq(ops.rms_norm(query, self.q_norm, self.eps), positions, self.inv_freq)
-        key = ops.rope_inv_freq(ops.rms_norm(raw_key, self.k_norm, self.eps), positions, self.inv_freq)
+        query = ops.rope_neox_freqs(ops.rms_norm(query, self.q_norm, self.eps), positions, self.inv_freq)
+        key = ops.rope_neox_freqs(ops.rms_norm(raw_key, self.k_norm, self.eps), positions, self.inv_freq)
         return query, key, ops.rms_norm(value, self.v_norm, self.eps)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ def gelu_tanh_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tenso
 
 
 @GEMMA4_OPS.reference
-def rope_inv_freq(ops: Any, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope_neox_freqs(ops: Any, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """NeoX RoPE over the whole head with explicit frequencies: x `[B, T, H, D]`, positions `[T]`,
     inv_freq `[D / 2]` fp32 (pair j = dims (j, j + D/2) turns by `position * inv_freq[j]`; a zero or
     vanishing frequency leaves its pair as it is: Gemma-4's full layers rotate only their first pairs)."""
