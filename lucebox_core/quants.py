@@ -73,6 +73,16 @@ def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     return d * q
 
 
+def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    # fp16 d, 4 bytes of fifth bits (bit j for value j), 16 bytes of nibbles (value j low, value 16 + j high).
+    d = _fp16_at(blocks, 0)
+    high = blocks[:, 2:6].to(torch.int64)
+    bits = (high[:, :, None] >> torch.arange(8, device=blocks.device)) & 1  # [n, 4, 8]: bit j of the word
+    fifth = bits.reshape(blocks.shape[0], 32)
+    low = _nibbles(blocks[:, 6:]).reshape(blocks.shape[0], 32).to(torch.int64)
+    return d * ((low | (fifth << 4)).to(torch.float32) - 16.0)
+
+
 def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack the 12 bytes of eight 6-bit scales and eight 6-bit mins shared by Q4_K and Q5_K.
 
@@ -132,6 +142,7 @@ def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 _BLOCK_DECODERS = {
     T.Q8_0: _dequant_q8_0,
     T.Q4_0: _dequant_q4_0,
+    T.Q5_0: _dequant_q5_0,
     T.Q4_K: _dequant_q4_k,
     T.Q5_K: _dequant_q5_k,
     T.Q6_K: _dequant_q6_k,

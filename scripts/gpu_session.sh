@@ -246,6 +246,11 @@ gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 
   fi
 }
 
+gemma4_all() {  # gemma4_a's Lucebox side, then gemma4_b (llama.cpp's depth rows last, as the deadline allows)
+  SKIP="$SKIP llama " gemma4_a
+  gemma4_b
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -278,6 +283,7 @@ session() {
     bench-probe) bench_probe ;;
     gemma4-a) gemma4_a ;;
     gemma4-b) gemma4_b ;;
+    gemma4-all) gemma4_all ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -28,11 +28,12 @@ WEIGHT_FORMATS: dict[T, str] = {
     T.Q5_K: "q5_k",
     T.Q6_K: "q6_k",
     T.Q8_0: "q8_0",
+    T.Q5_0: "q5_0",
     T.F16: "f16",
     T.BF16: "bf16",
     T.F32: "f32",
 }
-ROW_MULTIPLE: dict[str, int] = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "f16": 8, "bf16": 8, "f32": 8}
+ROW_MULTIPLE: dict[str, int] = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q5_0": 32, "f16": 8, "bf16": 8, "f32": 8}
 
 # Activation dtypes the kernels read and write (they compute in fp32 whatever the storage).
 ACTIVATIONS: dict[torch.dtype, str] = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}

@@ -61,10 +61,14 @@ def prefill_config(head_dim: int, value_dim: int, dtype: torch.dtype) -> BlockCo
       (224 KiB) leave no room. 128 x 32 also fits (128 KiB, 254 registers): `main` times both.
     - fp32 (a correctness path, not a fast one): fp32 products run on CUDA cores with the operands in
       registers, so only 16 query rows; 8 warps and one stage at 256 dims.
+    - 16-bit, dims of 512 (Gemma-4's full layers): 32 query rows, 32 keys, 8 warps, 2 stages: Q (32 KiB) and
+      two stages of K and V (4 x 32 KiB) is 160 KiB (64 x 64 would need 320 KiB).
     """
     wide = max(head_dim, value_dim) > 128
     if dtype == torch.float32:
         return BlockConfig(16, 32, 8, 1) if wide else BlockConfig(16, 32, 4, 2)
+    if max(head_dim, value_dim) > 256:
+        return BlockConfig(32, 32, 8, 2)
     return BlockConfig(64, 64, 8, 2) if wide else BlockConfig(128, 64, 8, 3)
 
 

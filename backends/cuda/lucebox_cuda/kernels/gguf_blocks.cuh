@@ -160,6 +160,34 @@ struct W_q8_0 {
     }
 };
 
+// Q5_0: 22 bytes for 32 values: fp16 d, 4 bytes of high bits (bit j: the fifth bit of value j), 16 bytes of
+// nibbles (byte j: value j low, value 16 + j high); value = d * (q - 16). Blocks are only 2-byte aligned,
+// so every load is made of 16-bit ones. Piece i: 8 nibbles of half i / 2 (low or high) from bytes
+// 8 * (i % 2) .. + 7 -> values 16 * (i / 2) + 8 * (i % 2) .. + 7. (llama.cpp's fallback for Q4_K rows that
+// are not a multiple of 256, e.g. Gemma-4-26B-A4B's 704-wide expert down products.)
+struct W_q5_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 22, PIECES = 4, RUNS = 1, RUN = 8;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void decode(const u8* block, int piece, Piece<RUNS, RUN>& out) {
+        const int half = piece >> 1, part = piece & 1;
+        const u32 high = load_u32_from_u16s(block + 2) >> (16 * half + 8 * part);
+        const u8* qs = block + 6 + 8 * part;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const u32 word = load_u32_from_u16s(qs + 4 * k);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const u32 nibble = (word >> (8 * b + 4 * half)) & 0x0F;
+                const u32 fifth = (high >> (4 * k + b)) & 1;
+                out.q[4 * k + b] = small_uint_to_float<16>(nibble | (fifth << 4));
+            }
+        }
+        out.scale[0] = half_bits_to_float(load_u16(block));
+        out.min[0] = 0.0f;
+        out.col[0] = 16 * half + 8 * part;
+    }
+};
+
 // Plain float weights: a "block" of 8 values, one 16- or 32-byte load.
 template <typename T> struct FloatWeights {
     static constexpr int BLOCK_VALUES = 8, BLOCK_BYTES = 8 * sizeof(T), PIECES = 1, RUNS = 1, RUN = 8;
