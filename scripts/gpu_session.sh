@@ -246,9 +246,19 @@ gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 
   fi
 }
 
-gemma4_all() {  # gemma4_a's Lucebox side, then gemma4_b (llama.cpp's depth rows last, as the deadline allows)
-  SKIP="$SKIP llama " gemma4_a
+gemma4_all() {  # gemma4_a's and gemma4_b's Lucebox rows, the llama.cpp build meanwhile, its depth rows last
+  llama_build_bg
+  local skip=$SKIP
+  SKIP="$skip llama "
+  gemma4_a
   gemma4_b
+  SKIP=$skip
+  if llama_wait; then
+    for m in 26b-a4b 31b; do
+      step llama-$m-depth 120 sh -c "$LB -m $(g4model $m) -ngl 99 -fa 1 -p 0 -n 128 -d 32768 -r 2 -o json > $RES/llama_${m}_depth.json; \
+        cat $RES/llama_${m}_depth.json | python3 -c 'import json,sys; [print(r[\"n_depth\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
+    done
+  fi
 }
 
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
