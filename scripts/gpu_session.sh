@@ -261,6 +261,16 @@ gemma4_all() {  # gemma4_a's and gemma4_b's Lucebox rows, the llama.cpp build me
   fi
 }
 
+gemma4_profile() {  # ~4 min: where a decode step's GPU time goes (torch.profiler over graph replays), 26B-A4B and
+  #                   31B Q4_K_M; then the 26B-A4B's peak memory at a 32K context.   carry: .whl
+  for m in 26b-a4b 31b; do
+    step synth-$m 120 g4synth $m
+    step profile-$m 100 python3 scripts/bench_vs_llamacpp.py profile "$(g4model $m)" --out "$RES"
+  done
+  step memory-26b 120 python3 scripts/bench_vs_llamacpp.py memory "$(g4model 26b-a4b)" --ctx 32768 --cache-types f16 \
+    --decode 16 --json "$RES/memory_26b.json"
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -294,6 +304,7 @@ session() {
     gemma4-a) gemma4_a ;;
     gemma4-b) gemma4_b ;;
     gemma4-all) gemma4_all ;;
+    gemma4-profile) gemma4_profile ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
