@@ -139,9 +139,9 @@ def lark_constraint(tokenizer: Any, lark: str) -> GrammarConstraint:
 
 
 def json_schema_constraint(
-    tokenizer: Any, schema: Mapping[str, Any], *, after_reasoning: bool = False
+    tokenizer: Any, schema: Mapping[str, Any], *, after_reasoning: bool = False, reasoning_close: str = "</think>"
 ) -> GrammarConstraint:
-    """Output must be JSON valid under `schema`; with `after_reasoning`, only after `</think>`."""
+    """Output must be JSON valid under `schema`; with `after_reasoning`, only after `reasoning_close`."""
     if not isinstance(schema, Mapping):
         raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
     if "x-guidance" not in schema:
@@ -152,7 +152,7 @@ def json_schema_constraint(
         raise ConstraintError(f"the JSON schema cannot be serialised: {exc}") from exc
     if not after_reasoning:
         return GrammarConstraint(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(body))
-    lark = f"start: {reasoning_rule(tokenizer)} answer\nanswer: %json {body}\n{REASONING_RULES}"
+    lark = f"start: {reasoning_rule(tokenizer, reasoning_close)} answer\nanswer: %json {body}\n" + reasoning_rules(reasoning_close)
     return lark_constraint(tokenizer, lark)
 
 
@@ -193,13 +193,18 @@ def lark_literal(tokenizer: Any, text: str) -> str:
     return json.dumps(text)
 
 
-# Free text up to the end of the reasoning, for prompts that leave the model inside `<think>`.
-REASONING_RULES = 'REASONING_TEXT: /(?s:.*)/\nreasoning_text_lazy[lazy]: /(?s:.*)<\\/think>/\nGAP: /[ \\t\\r\\n]{0,8}/'
+def reasoning_rules(close: str = "</think>") -> str:
+    """Free text up to the end of the reasoning (`close`), for prompts that leave the model inside a thought."""
+    escaped = re.escape(close).replace("/", "\\/")
+    return f'REASONING_TEXT: /(?s:.*)/\nreasoning_text_lazy[lazy]: /(?s:.*){escaped}/\nGAP: /[ \\t\\r\\n]{{0,8}}/'
 
 
-def reasoning_rule(tokenizer: Any) -> str:
-    """A Lark expression for `…</think>` plus blank lines, whether `</think>` is a control token or text."""
-    close = lark_literal(tokenizer, "</think>")
+REASONING_RULES = reasoning_rules()
+
+
+def reasoning_rule(tokenizer: Any, close: str = "</think>") -> str:
+    """A Lark expression for `…close` plus blank lines, whether `close` is a control token or text."""
+    close = lark_literal(tokenizer, close)
     if close.startswith("<["):
         return f"REASONING_TEXT {close} GAP"
     return "reasoning_text_lazy GAP"

@@ -2,15 +2,16 @@
 
 Two sources of truth are mirrored:
 
-- `convert_hf_to_gguf.py` (f32 / f16 / bf16 / q8_0): 1-D tensors, `*_norm.weight`, `ssm_conv1d`
-  and names not ending in `.weight` (`ssm_a`, `ssm_dt.bias`) stay F32; every other matrix gets the
+- `convert_hf_to_gguf.py` (f32 / f16 / bf16 / q8_0): 1-D tensors, `*_norm.weight`, the kinds a family
+  registers with `keep_f32` (recurrent layers' convolution kernels), MoE routers (`ffn_gate_inp`) and
+  names not ending in `.weight` (per-head scalars, biases) stay F32; every other matrix gets the
   requested type (q8_0 falls back to F16 when a row is not a multiple of 32).
 - `llama-quant.cpp` `llama_tensor_get_type` for Q4_K_M: matrices are Q4_K except
   `output.weight` (and `token_embd.weight` when the output is tied to it) -> Q6_K, and the
-  "attn_v-like" tensors (`attn_v` in full layers, `attn_qkv` in GDN layers: one per layer) and
+  "attn_v-like" tensors (`attn_v`, or `attn_qkv` where a layer has no `attn_v`: one per layer) and
   `ffn_down` on the `use_more_bits` layers -> Q6_K. Rows that are not a multiple of 256 fall back:
   Q4_K -> Q5_0, Q6_K -> Q8_0 (output/tied embedding directly to Q8_0), then F16 below 32.
-  `ssm_conv1d` and norms are never quantized.
+  Those kinds, routers and norms are never quantized.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 
 T = GGMLQuantizationType
+# Tensor kinds (a part of the name) that llama.cpp keeps F32 whatever the file type besides 1-D tensors,
+# norms and routers: a family registers its own (`keep_f32`), e.g. a recurrent family's convolution kernels.
+_KEPT_F32: set[str] = set()
+
+
+def keep_f32(*kinds: str) -> None:
+    """Name parts of tensors that stay F32 in every file type (llama.cpp's converter keeps them so)."""
+    _KEPT_F32.update(kinds)
 
 FILE_TYPES: dict[str, LlamaFileType] = {
     "f32": LlamaFileType.ALL_F32,
@@ -50,7 +59,7 @@ def stays_f32(name: str, shape: tuple[int, ...]) -> bool:
     return (
         len(shape) <= 1
         or name.endswith("_norm.weight")
-        or "ssm_conv1d" in name
+        or any(kind in name for kind in _KEPT_F32)
         or name.endswith("ffn_gate_inp.weight")  # MoE routers: the converter and quantizer keep them F32
         or not name.endswith(".weight")
     )

@@ -255,6 +255,9 @@ class ResponseParser:
     factory: Target
     architectures: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     description: str = ""
+    # The markup that opens and closes the family's reasoning, as the model writes it: the server detects a
+    # prompt left inside a thought, ends a thought at a token budget and keeps structured output after it.
+    reasoning_tags: tuple[str, str] = attrs.field(default=("<think>", "</think>"), converter=tuple)
     kind = "response_parser"
 
     def is_available(self) -> tuple[bool, str]:

@@ -298,3 +298,22 @@ def test_family_ops_do_not_collide_with_any_backends_own():
 
     for backend in (CudaBackend, __import__("lucebox_core.torch_backend", fromlist=["_"]).TorchBackend):
         assert not [name for name in GEMMA4_OPS.references if hasattr(backend, name)], backend
+
+
+def test_the_thinking_budget_closes_gemmas_thought_channel(tiny_files):
+    from lucebox_core.plugins import registry
+    from lucebox_core.server.generation import ThinkBudget
+
+    tokenizer = load_model(tiny_files[0]).tokenizer
+    tags = registry().named("lucebox_response_parsers", "gemma4", "response parser").reasoning_tags
+    budget = ThinkBudget.wrap(None, tokenizer, 3, False, tags=tags)
+    channel_open, channel_close = tokenizer.token_to_id("<|channel>"), tokenizer.token_to_id("<channel|>")
+    assert isinstance(budget, ThinkBudget) and (budget.open_id, budget.close_id) == (channel_open, channel_close)
+    assert budget.allowed(tokenizer.vocab_size) is None  # not thinking yet: anything goes
+    for token in [channel_open, 1000, 1001, 1002]:  # the channel opens, then three tokens of thought
+        assert budget.allowed(tokenizer.vocab_size) is None
+        budget.accept(token)
+    forced = budget.allowed(tokenizer.vocab_size)
+    assert forced.sum() == 1 and forced[channel_close]
+    budget.accept(channel_close)
+    assert budget.allowed(tokenizer.vocab_size) is None

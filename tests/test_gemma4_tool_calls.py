@@ -455,10 +455,11 @@ def test_required_tool_choice_forces_a_parsable_call(tokenizer, thinking):
     assert finished >= 3
 
 
-def test_the_grammar_allows_a_thought_or_a_call_first_and_nothing_else(tokenizer):
+def test_the_grammar_allows_a_call_first_and_nothing_else(tokenizer):
     constraint = tool_choice_constraint(tokenizer, tool_parameters(TOOLS), "required")
     allowed = constraint.allowed(tokenizer.vocab_size)
-    assert allowed[tokenizer.token_to_id("<|tool_call>")] and allowed[tokenizer.token_to_id("<|channel>")]
+    # Not thinking: the forced call is the answer, no thought first.
+    assert allowed[tokenizer.token_to_id("<|tool_call>")] and not allowed[tokenizer.token_to_id("<|channel>")]
     assert not allowed[tokenizer.encode("Hello", add_bos=False)[0]]
     assert not allowed[tokenizer.token_to_id("<turn|>")]  # the turn cannot end before a call
 

@@ -158,7 +158,8 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
     except LuceboxError as exc:
         raise invalid(f"the conversation cannot be rendered: {exc}", param="messages") from None
     ids = loaded.tokenizer.encode(text, add_bos=False, parse_special=True)
-    return Prompt(ids, text, in_reasoning=text.rstrip().endswith("<think>"))
+    opening = service.parser_spec.reasoning_tags[0] if service.parser_spec is not None else "<think>"
+    return Prompt(ids, text, in_reasoning=text.rstrip().endswith(opening.rstrip()))
 
 
 def tokenize_prompt(service: ModelService, prompt: Any, param: str = "prompt") -> Prompt:
@@ -210,7 +211,8 @@ def generation_request(service: ModelService, prompt: Prompt, options: Options, 
         constraint = structured_output_constraint(service, options, prompt)
     budgets = [b for b in (service.config.think_max_tokens, options.think_budget) if b is not None]
     if budgets:
-        constraint = ThinkBudget.wrap(constraint, service.loaded.tokenizer, min(budgets), prompt.in_reasoning)
+        constraint = ThinkBudget.wrap(constraint, service.loaded.tokenizer, min(budgets), prompt.in_reasoning,
+                                      tags=_reasoning_tags(service))
     return GenerationRequest(
         prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling, stop=options.stop,
         logprobs=options.logprobs, constraint=constraint,
@@ -229,13 +231,19 @@ def structured_output_constraint(service: ModelService, options: Options, prompt
     # forever (until max_tokens) without ever closing the object. A schema may say otherwise.
     schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
     try:
-        return json_schema_constraint(service.loaded.tokenizer, schema, after_reasoning=prompt.in_reasoning)
+        return json_schema_constraint(service.loaded.tokenizer, schema, after_reasoning=prompt.in_reasoning,
+                                      reasoning_close=_reasoning_tags(service)[1])
     except LuceboxError as exc:
         raise invalid(f"the JSON schema cannot be enforced: {exc}", param="response_format") from None
 
 
+def _reasoning_tags(service: ModelService) -> tuple[str, str]:
+    return service.parser_spec.reasoning_tags if service.parser_spec is not None else ("<think>", "</think>")
+
+
 class ThinkBudget:
-    """A constraint that ends a thought after `budget` tokens by allowing only `</think>` next.
+    """A constraint that ends a thought after `budget` tokens by allowing only its closing tag next (the
+    family's: Qwen's `</think>`, Gemma-4's `<channel|>`).
 
     It wraps the request's other constraint (a JSON grammar that leaves the reasoning free, say), which
     still sees every token; the model then goes on to answer as if it had closed the thought itself.
@@ -247,11 +255,12 @@ class ThinkBudget:
         self.spent = 0
 
     @classmethod
-    def wrap(cls, inner: Any, tokenizer: Any, budget: int, thinking: bool) -> Any:
-        close_id = tokenizer.token_to_id("</think>")
+    def wrap(cls, inner: Any, tokenizer: Any, budget: int, thinking: bool,
+             tags: tuple[str, str] = ("<think>", "</think>")) -> Any:
+        close_id = tokenizer.token_to_id(tags[1])
         if close_id is None:  # a model without a single-token close tag has no thought to cut
             return inner
-        return cls(inner, tokenizer.token_to_id("<think>"), close_id, max(0, budget), thinking)
+        return cls(inner, tokenizer.token_to_id(tags[0].strip()), close_id, max(0, budget), thinking)
 
     def allowed(self, vocab_size: int) -> torch.Tensor | None:
         if self.thinking and self.spent >= self.budget:
@@ -407,7 +416,8 @@ class Generation:
         if call_ids and finish == "stop":
             finish = "tool_calls"
         if call_ids:
-            raw = content_after_reasoning("".join(self.raw_text), self.prompt.in_reasoning)
+            raw = content_after_reasoning("".join(self.raw_text), self.prompt.in_reasoning,
+                                          close=_reasoning_tags(self.service)[1])
             service.tool_replay.remember(call_ids, raw)
         reasoning_tokens = 0
         if reasoning_chars:

@@ -72,8 +72,9 @@ class ToolCallReplay:
         return restored
 
 
-def content_after_reasoning(raw_text: str, started_in_reasoning: bool) -> str:
-    """What a response said after its thought: the part a template renders as the assistant's content."""
-    if "</think>" in raw_text:
-        return raw_text.rsplit("</think>", 1)[1].lstrip("\n")
+def content_after_reasoning(raw_text: str, started_in_reasoning: bool, close: str = "</think>") -> str:
+    """What a response said after its thought (closed by `close`): the part a template renders as the
+    assistant's content."""
+    if close in raw_text:
+        return raw_text.rsplit(close, 1)[1].lstrip("\n")
     return "" if started_in_reasoning else raw_text

@@ -27,7 +27,7 @@ class TreeVerification:
     logits: torch.Tensor  # [N, vocab]
     features: torch.Tensor | None  # [N, n_capture * hidden]
     kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> K, V rows of every node
-    # A family's per-node recurrent state (Qwen3.5's Gated DeltaNet layers); empty for attention-only models.
+    # A family's per-node recurrent state (a linear-attention layer's); empty for attention-only models.
     conv: dict[int, torch.Tensor] = attrs.Factory(dict)  # layer -> [N, K-1, C], conv state after each node
     recurrent: dict[int, torch.Tensor] = attrs.Factory(dict)  # layer -> [N, H_v, D_k, D_v], after each node
     # The static pass wrote every node's K/V into the cache at `committed + i` (insertion order) instead

@@ -70,6 +70,7 @@ def lucebox_response_parsers():
             name="gemma4",
             factory="lucebox_gemma4.tool_calls:create_parser",
             architectures=["gemma4"],
+            reasoning_tags=("<|channel>", "<channel|>"),
             description="Gemma-4 thought channel and tool calls (<|tool_call>call:NAME{...}<tool_call|>)",
         )
     ]

@@ -32,15 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lucebox_core.errors import LuceboxError
-from lucebox_core.parsing import (
-    ContentDelta,
-    Event,
-    ReasoningDelta,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-    partial_suffix,
-)
+from lucebox_core.parsing import (ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
+                                  partial_suffix)
 
 if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
     from lucebox_core.constraints import GrammarConstraint
@@ -729,13 +722,19 @@ class _Grammar:
         return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
 
     def object_rule(self, schema: Any, depth: int) -> str:
-        """An object whose keys are the declared properties (any order); without any, a function takes
-        no arguments, and a nested object takes any."""
+        """An object whose keys are the declared properties (any order; the required ones first, in order,
+        when the schema names some); without any, a function takes no arguments, a nested object any."""
         properties = schema.get("properties") if isinstance(schema, Mapping) else None
         if not isinstance(properties, Mapping) or not properties:
             return '"{" "}"' if depth == 0 else "g_object"
-        members = [f"{json.dumps(str(k) + ':')} {self.value(v, depth + 1)}" for k, v in properties.items()]
-        member = self._rule(" | ".join(members))
+        members = {k: f"{json.dumps(str(k) + ':')} {self.value(v, depth + 1)}" for k, v in properties.items()}
+        required = [k for k in (schema.get("required") or []) if k in members]
+        if required:
+            # The required keys first, in the schema's order, then each optional one at most once: a forced
+            # call always carries what the function needs.
+            optional = "".join(f' ("," {members[k]})?' for k in members if k not in required)
+            return self._rule('"{" ' + ' "," '.join(members[k] for k in required) + optional + ' "}"')
+        member = self._rule(" | ".join(members.values()))
         return self._rule(f'"{{" ({member} ("," {member})*)? "}}"')
 
     def _typed(self, kind: str, schema: Mapping[str, Any], depth: int) -> str:
@@ -768,19 +767,20 @@ def tool_call_grammar(
 ) -> str:
     """The Lark grammar (llguidance dialect) of one or more Gemma calls to the functions in `schemas`.
 
-    A thought channel may come first (the model writes one when thinking is on); with `thinking` the
-    output is inside one from its start.
+    With `thinking` the output is inside a thought channel from its start, which the grammar lets run to its
+    close; otherwise the calls come first (a forced call is the answer: an optional thought before it let a
+    weak model wander in the thought until the token limit, with no call at all).
     """
     from lucebox_core.constraints import lark_literal
 
     grammar = _Grammar(tokenizer)
     open_call, close_call = lark_literal(tokenizer, CALL_OPEN), lark_literal(tokenizer, CALL_CLOSE)
-    open_channel, close_channel = lark_literal(tokenizer, CHANNEL_OPEN), lark_literal(tokenizer, CHANNEL_CLOSE)
+    close_channel = lark_literal(tokenizer, CHANNEL_CLOSE)
     if close_channel.startswith("<["):
         thought_rules = [f"thought_end: THOUGHT_TEXT {close_channel} GAP", "THOUGHT_TEXT: /(?s:.*)/"]
     else:
         thought_rules = ["thought_end: thought_text GAP", "thought_text[lazy]: /(?s:.*)<channel\\|>/"]
-    lead = "thought_end " if thinking else f"({open_channel} thought_end)? "
+    lead = "thought_end " if thinking else ""
     functions = []
     for i, (function, schema) in enumerate(schemas.items()):
         arguments = grammar.object_rule(schema, 0)

@@ -29,9 +29,11 @@ import numpy as np
 from gguf import GGUFValueType
 
 from lucebox_core.errors import GGUFError
-from lucebox_core.filetypes import layer_of  # noqa: F401 (re-exported: part of the layout's vocabulary)
+from lucebox_core.filetypes import keep_f32, layer_of  # noqa: F401 (layer_of: part of the layout's vocabulary)
 
 ARCH = "qwen35"
+# llama.cpp's converter keeps the Gated DeltaNet convolution kernels F32 in every file type.
+keep_f32("ssm_conv1d")
 
 
 def _default_recurrent(self: Qwen35Config) -> tuple[bool, ...]:
