@@ -317,3 +317,16 @@ def test_the_thinking_budget_closes_gemmas_thought_channel(tiny_files):
     assert forced.sum() == 1 and forced[channel_close]
     budget.accept(channel_close)
     assert budget.allowed(tokenizer.vocab_size) is None
+
+
+def test_q5_0_weights_decode_like_gguf():
+    # Q5_0 is llama.cpp's Q4_K fallback for rows not a multiple of 256 (the 26B-A4B's expert down products).
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    from lucebox_core.quants import dequantize
+
+    x = np.random.default_rng(5).normal(size=(16, 704)).astype(np.float32)
+    blocks = quants.quantize(x, Q.Q5_0)
+    ours = dequantize(torch.from_numpy(blocks.reshape(-1).view(np.uint8).copy()), Q.Q5_0, (16, 704))
+    np.testing.assert_array_equal(ours.numpy(), quants.dequantize(blocks, Q.Q5_0))
