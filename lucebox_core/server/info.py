@@ -115,7 +115,8 @@ async def metrics(service: NamedDependency[ModelService]) -> str:
 async def tokenize(data: JSONBody[TokenizeRequest], service: NamedDependency[ModelService]) -> dict[str, Any]:
     service.require_ready()
     tokenizer = service.loaded.tokenizer
-    ids = tokenizer.encode(data.content, add_bos=data.add_special, parse_special=data.parse_special)
+    # add_special: the special tokens the model adds itself (its BOS where it has add_bos), as llama-server does.
+    ids = tokenizer.encode(data.content, add_bos=None if data.add_special else False, parse_special=data.parse_special)
     if data.with_pieces:
         return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
     return {"tokens": ids}
