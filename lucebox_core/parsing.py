@@ -11,11 +11,13 @@ tool-call parser, or `PlainContent`), and the lookup of a family's parser in the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import attrs
 
+from .errors import LuceboxError
 from .specs import ResponseParser
 
 __all__ = [
@@ -206,3 +208,36 @@ def response_parser_for(architecture: str | None, registry: Any = None) -> Respo
         if architecture in spec.architectures:
             return spec
     return PLAIN_PARSER
+
+
+# -- tool definitions and tool_choice, as every family's parser reads them ---------------------------
+
+
+def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Function name -> JSON schema of its parameters, from OpenAI (`function.parameters`), flat
+    (Responses API `parameters`) or Anthropic (`input_schema`) tool definitions."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        spec = tool.get("function", tool)
+        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+            schema = spec.get("parameters") or spec.get("input_schema") or {}
+            found[spec["name"]] = dict(schema) if isinstance(schema, Mapping) else {}
+    return found
+
+
+def schema_types(schema: Any) -> set[str]:
+    """The JSON types a schema's `type` names (a string or a list), else none."""
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def chosen_tool_name(tool_choice: Any) -> str | None:
+    """The function a `tool_choice` object names (OpenAI `{"type": "function", "function": {...}}` or flat),
+    None for the string choices; a LuceboxError for an object that names none."""
+    if isinstance(tool_choice, Mapping):
+        function = tool_choice.get("function", tool_choice)
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise LuceboxError(f"tool_choice names no function: {json.dumps(tool_choice)}")
+        return name
+    return None

@@ -171,3 +171,37 @@ def _cloned(outputs: Any) -> Any:
     if isinstance(outputs, dict):
         return {k: _cloned(v) for k, v in outputs.items()}
     return outputs
+
+
+def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, StaticInputs, int], Any], *,
+                    graphs: bool | None = None) -> Any:
+    """One token at position `state.length` through a family's static decode step: what every family's
+    `decode_step` does around its own `step(state, inputs, window)` (the layers, as a function of the
+    fixed inputs and the KV window alone). Returns logits `[1, vocab]` and advances the state as a
+    one-token forward does.
+
+    The model gives `ops`, `embed(ids)`, `decode_graphs` and `decode_min_window`; the state `kv`, `length`,
+    `features` (the drafter's feature ring or None), `captured` and `decode` (this runner, made on first
+    use). The token and its position sit in fixed device buffers; the embedding is gathered eagerly,
+    outside the recording (the GGUF dequantizers build small host constants a graph cannot record).
+    Recordings with a feature ring are keyed on the ring too: a recording writes into the buffer it was
+    made with.
+    """
+    ops = model.ops
+    length = state.length
+    state.kv.ensure_room(1)
+    if state.decode is None:
+        state.decode = StaticStep(ops, "decode step", graphs=model.decode_graphs)
+    if isinstance(token, torch.Tensor) and token.device != torch.device(ops.device):
+        token = int(token.reshape(-1)[0])  # a host value: filled on the device, no copy to wait for
+    inputs = state.decode.inputs(token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),
+                                 position=length)
+    inputs.set("embedded", model.embed(inputs.token).reshape(1, 1, -1))
+    window = kv_window(length + 1, state.kv.max_context, model.decode_min_window)
+    key = window if state.features is None else (window, state.features.data_ptr())
+    logits = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
+                              graphs=graphs)
+    state.kv.commit(length + 1)
+    state.length = length + 1
+    state.captured = {}
+    return logits

@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
-from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, kv_window
+from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
 from .layout import Gemma4Config
 from .verify import Gemma4SpeculativeTarget
@@ -341,25 +341,7 @@ class Gemma4Model(Gemma4SpeculativeTarget):
     def decode_step(self, state: Gemma4State, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
         """One token at position `state.length` through the static-shape step (recorded as a graph per KV
         window where the backend records); the same logits and state as `forward` for one token."""
-        ops = self.ops
-        length = state.length
-        state.kv.ensure_room(1)
-        if state.decode is None:
-            state.decode = StaticStep(ops, "decode step", graphs=self.decode_graphs)
-        if isinstance(token, torch.Tensor) and token.device != torch.device(ops.device):
-            token = int(token.reshape(-1)[0])
-        inputs = state.decode.inputs(token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),
-                                     position=length)
-        # Gathered eagerly: the GGUF dequantizers build small host constants a graph cannot record.
-        inputs.set("embedded", self.embed(inputs.token).reshape(1, 1, -1))
-        window = kv_window(length + 1, state.kv.max_context, self.decode_min_window)
-        key = window if state.features is None else (window, state.features.data_ptr())
-        logits = state.decode.run(key, lambda step_inputs: self._static_step(state, step_inputs, window), inputs,
-                                  clone=True, graphs=graphs)
-        state.kv.commit(length + 1)
-        state.length = length + 1
-        state.captured = {}
-        return logits
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
 
     def _static_step(self, state: Gemma4State, inputs: StaticInputs, window: int) -> torch.Tensor:
         taps: list[torch.Tensor] = []

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lucebox_core.errors import LuceboxError
+from lucebox_core.parsing import chosen_tool_name, schema_types, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
                                   partial_suffix)
 
@@ -67,28 +68,15 @@ def create_parser(
 # --- schemas and values -------------------------------------------------------------------------------
 
 
-def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """Function name -> JSON schema of its parameters, from OpenAI (`function.parameters`), flat
-    (Responses API `parameters`) or Anthropic (`input_schema`) tool definitions."""
-    found: dict[str, dict[str, Any]] = {}
-    for tool in tools or ():
-        spec = tool.get("function", tool)
-        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
-            schema = spec.get("parameters") or spec.get("input_schema") or {}
-            found[spec["name"]] = dict(schema) if isinstance(schema, Mapping) else {}
-    return found
 
 
-def _types(schema: Any) -> set[str]:
-    kind = schema.get("type") if isinstance(schema, Mapping) else None
-    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
 
 
 def _wants_string(schema: Any) -> bool:
     """Whether a `<|"|>` string stays a string under `schema` (else it is read as the declared type)."""
     if not isinstance(schema, Mapping):
         return True
-    types = _types(schema)
+    types = schema_types(schema)
     if types:
         return "string" in types
     enum = schema.get("enum")
@@ -116,7 +104,7 @@ def coerce_value(text: str, schema: Mapping[str, Any] | None, *, quoted: bool = 
     parses as it (`<|"|>3<|"|>` for an integer is 3, a bare 007 for a string is "007"); text that
     does not parse as the declared type stays as it was written.
     """
-    types = _types(schema)
+    types = schema_types(schema)
     stripped = text.strip()
     if quoted:
         if _wants_string(schema):
@@ -632,20 +620,12 @@ def forced_prefix(tool_choice: Any) -> str:
     For a named function the prefix includes the call's head up to its `{`; the parser must then be
     fed the prefix first (it is part of the answer), and the prompt must end with it.
     """
-    name = _chosen_name(tool_choice)
+    name = chosen_tool_name(tool_choice)
     if name is not None:
         return f"{CALL_OPEN}{CALL_PREFIX}{name}{{"
     return f"{CALL_OPEN}{CALL_PREFIX}" if tool_choice == "required" else ""
 
 
-def _chosen_name(tool_choice: Any) -> str | None:
-    if isinstance(tool_choice, Mapping):
-        function = tool_choice.get("function", tool_choice)  # OpenAI {"type":"function","function":{...}}
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if not isinstance(name, str):
-            raise LuceboxError(f"tool_choice names no function: {json.dumps(tool_choice)}")
-        return name
-    return None
 
 
 def tool_choice_constraint(
@@ -654,13 +634,13 @@ def tool_choice_constraint(
     """A grammar that admits only tool calls (after a thought channel, if any), or None.
 
     "required" allows any declared function, one or more calls; a named choice allows exactly one
-    call of that function. Keys must be declared parameters (any order; whether every required one is
-    present is left to the model) and values follow their schema's type, enum and nesting, not finer
+    call of that function. Keys must be declared parameters (the required ones first, in order, then the
+    others at most once each) and values follow their schema's type, enum and nesting, not finer
     rules (minimum, pattern, ...). `thinking`: the output starts inside a thought channel.
     """
     if tool_choice in (None, "auto", "none"):
         return None
-    name = _chosen_name(tool_choice)
+    name = chosen_tool_name(tool_choice)
     if name is None and tool_choice != "required":
         raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
     names = [name] if name is not None else list(schemas)
@@ -713,7 +693,7 @@ class _Grammar:
         options = schema.get("anyOf") or schema.get("oneOf")
         if isinstance(options, list) and options:
             return "(" + " | ".join(self.value(o, depth + 1) for o in options) + ")"
-        types = sorted(_types(schema))
+        types = sorted(schema_types(schema))
         if not types:
             return "g_value"
         if schema.get("nullable") is True and "null" not in types:

@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type
-from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, kv_window
+from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
 from .layout import Qwen35Config
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
@@ -565,28 +565,7 @@ class Qwen35Model(SpeculativeTarget):
         state in place and leaves the logits in a buffer of its own, so with `graphs` (default: where the
         backend records graphs) each window size is recorded once per sequence and then replayed.
         """
-        ops = self.ops
-        length = state.length
-        state.kv.ensure_room(1)
-        if state.decode is None:
-            state.decode = StaticStep(ops, "decode step", graphs=self.decode_graphs)
-        if isinstance(token, torch.Tensor) and token.device != torch.device(ops.device):
-            token = int(token.reshape(-1)[0])  # a host value: filled on the device, no copy to wait for
-        inputs = state.decode.inputs(token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),
-                                     position=length)
-        # The embedding is gathered eagerly, outside the recording: the GGUF dequantizers in
-        # lucebox_core.quants build small host constants, a host-to-device copy that a graph cannot record.
-        inputs.set("embedded", ops.embedding(inputs.token, self.embed_tokens).reshape(1, 1, -1))
-        window = kv_window(length + 1, state.kv.max_context, self.decode_min_window)
-        # Recordings with the drafter's feature capture write the feature ring too: keyed on the ring itself,
-        # since a recording writes into the buffer it was made with.
-        key = window if state.features is None else (window, state.features.data_ptr())
-        logits = state.decode.run(key, lambda step_inputs: self._static_step(state, step_inputs, window), inputs,
-                                  clone=True, graphs=graphs)
-        state.kv.commit(length + 1)
-        state.length = length + 1
-        state.captured = {}
-        return logits
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
 
     def _static_step(self, state: Qwen35State, inputs: StaticInputs, window: int) -> torch.Tensor:
         """The decode step as a function of its static inputs and `window` alone (what a graph records)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lucebox_core.errors import LuceboxError
+from lucebox_core.parsing import chosen_tool_name, schema_types, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (
     ContentDelta,
     Event,
@@ -62,26 +63,13 @@ def create_parser(
     return ReasoningParser(content, thinking=thinking)
 
 
-def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """Function name -> JSON schema of its parameters, from OpenAI (`function.parameters`), flat
-    (Responses API `parameters`) or Anthropic (`input_schema`) tool definitions."""
-    found: dict[str, dict[str, Any]] = {}
-    for tool in tools or ():
-        spec = tool.get("function", tool)
-        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
-            schema = spec.get("parameters") or spec.get("input_schema") or {}
-            found[spec["name"]] = dict(schema) if isinstance(schema, Mapping) else {}
-    return found
 
 
-def _types(schema: Mapping[str, Any] | None) -> set[str]:
-    kind = (schema or {}).get("type")
-    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
 
 
 def coerce_value(text: str, schema: Mapping[str, Any] | None) -> Any:
     """A parameter's text as the value its schema asks for; text that does not parse stays a string."""
-    types = _types(schema)
+    types = schema_types(schema)
     if schema is None or types == {"string"}:
         return text
     stripped = text.strip()
@@ -240,7 +228,7 @@ class QwenToolCallParser:
         properties = self.schemas.get(call.name, {}).get("properties") or {}
         call.parameter_schema = properties.get(name)
         # Parameters the schema does not declare are read as text, as the template wrote them.
-        call.streams_string = call.parameter_schema is None or _types(call.parameter_schema) == {"string"}
+        call.streams_string = call.parameter_schema is None or schema_types(call.parameter_schema) == {"string"}
         call.value = []
         opening = ("{" if not call.fragments else ", ") + json.dumps(name, ensure_ascii=False) + ": "
         self._arguments(events, opening + ('"' if call.streams_string else ""))
@@ -389,20 +377,12 @@ def forced_prefix(tool_choice: Any) -> str:
     For a named function the prefix includes the function header; the parser must then be fed the
     prefix first (it is part of the answer), and the prompt must end with it.
     """
-    name = _chosen_name(tool_choice)
+    name = chosen_tool_name(tool_choice)
     if name is not None:
         return f"{CALL_OPEN}\n{FUNCTION_OPEN}{name}>\n"
     return f"{CALL_OPEN}\n" if tool_choice == "required" else ""
 
 
-def _chosen_name(tool_choice: Any) -> str | None:
-    if isinstance(tool_choice, Mapping):
-        function = tool_choice.get("function", tool_choice)  # OpenAI {"type":"function","function":{...}}
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if not isinstance(name, str):
-            raise LuceboxError(f"tool_choice names no function: {json.dumps(tool_choice)}")
-        return name
-    return None
 
 
 def tool_choice_constraint(
@@ -416,7 +396,7 @@ def tool_choice_constraint(
     """
     if tool_choice in (None, "auto", "none"):
         return None
-    name = _chosen_name(tool_choice)
+    name = chosen_tool_name(tool_choice)
     if name is None and tool_choice != "required":
         raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
     names = [name] if name is not None else list(schemas)
@@ -453,7 +433,7 @@ def tool_call_grammar(
         lines.append(f"function_{i}: {head}" + (f" ({parameters})*" if parameters else ""))
         for j, (parameter, parameter_schema) in enumerate(properties.items()):
             head = json.dumps(f"<parameter={parameter}>\n")
-            if _types(parameter_schema) == {"string"} or not isinstance(parameter_schema, Mapping):
+            if schema_types(parameter_schema) == {"string"} or not isinstance(parameter_schema, Mapping):
                 lines.append(f"parameter_{i}_{j}: {head} text_value")
             else:
                 body = json.dumps(dict(parameter_schema))
