@@ -330,3 +330,27 @@ def test_q5_0_weights_decode_like_gguf():
     blocks = quants.quantize(x, Q.Q5_0)
     ours = dequantize(torch.from_numpy(blocks.reshape(-1).view(np.uint8).copy()), Q.Q5_0, (16, 704))
     np.testing.assert_array_equal(ours.numpy(), quants.dequantize(blocks, Q.Q5_0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 5, 200])  # the pair kernel, and the per-expert path past its limit
+def test_routed_expert_kernel_matches_the_reference(tokens):
+    from gguf import GGMLQuantizationType as Q
+
+    from lucebox_core.kquants import random_blocks
+    from lucebox_core.quants import QuantTensor
+    from lucebox_cuda.backend import CudaBackend
+    from lucebox_gemma4.ops import GEMMA4_OPS
+
+    def stack(ggml_type, shape, seed):
+        blocks = random_blocks(ggml_type, int(np.prod(shape)), 0.02, np.random.default_rng(seed))
+        return QuantTensor("experts", ggml_type, shape, torch.from_numpy(blocks.reshape(-1).view(np.uint8).copy()))
+
+    ops = GEMMA4_OPS.bind(CudaBackend(dtype=torch.float32))
+    gate_up, down = stack(Q.Q4_K, (16, 512, 512), 1), stack(Q.Q5_0, (16, 512, 256), 2)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 512, device="cuda", generator=g)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, 16, device="cuda", generator=g), -1), 4, dim=-1)
+    assert ops.moe_experts.choice(x, gate_up, down, weights, ids) == "cuda.moe_experts"
+    expected = GEMMA4_OPS.references["moe_experts"](ops, x, gate_up, down, weights, ids)
+    torch.testing.assert_close(ops.moe_experts(x, gate_up, down, weights, ids), expected, atol=1e-4, rtol=1e-3)
