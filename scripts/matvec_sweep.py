@@ -1,7 +1,7 @@
 """GPU sweep of the matrix-vector kernel variants: correctness of every variant, then timings on the 27B
 decode shapes, and the best variant per shape (ready to paste into `catalogue.MATVEC_TUNED`).
 
-    python3 scripts/matvec_sweep.py --out DIR [--budget-s 170] [--skip-correctness]
+    python3 scripts/matvec_sweep.py --out DIR [--budget-s 170] [--skip-correctness] [--model gemma4]
 
 1. Compiles every program the run needs, in parallel worker processes (forked before any CUDA call).
 2. Correctness: each streamed configuration (catalogue.PIPE_SWEEP_CONFIGS, with 1 and 3 K-slices) and the
@@ -83,6 +83,31 @@ SMALL_BATCH_CASES += [("q6_k", "ffn_down"), ("q6_k", "gdn_qkv"), ("q6_k", "head"
 TIMING_CASES = [(fmt, name, 1) for fmt, name in BATCH1_CASES]
 TIMING_CASES += [(fmt, name, batch) for batch in SMALL_BATCHES for fmt, name in SMALL_BATCH_CASES]
 
+# Gemma-4's decode products (31B hidden 5376, 26B-A4B hidden 2816), named by model: sliding layers fuse
+# [q | k | v] (or [q | k] beside a Q6_K v), full layers [q | k] (V is the raw K); Q6_K: the tied head and the
+# `use_more_bits` layers' ffn_down and attn_v. (The 26B's ffn_down, 2112 columns, is not a K-quant.)
+SHAPES_GEMMA4: dict[str, tuple[int, int]] = {
+    "31b_qkv_swa": (16384, 5376), "31b_qk_swa": (12288, 5376), "31b_v_swa": (4096, 5376),
+    "31b_qk_full": (18432, 5376), "31b_o_swa": (5376, 8192), "31b_o_full": (5376, 16384),
+    "31b_gate_up": (43008, 5376), "31b_down": (5376, 21504), "31b_head": (262144, 5376),
+    "26b_qkv_swa": (8192, 2816), "26b_qk_swa": (6144, 2816), "26b_v_swa": (2048, 2816),
+    "26b_qk_full": (9216, 2816), "26b_o_swa": (2816, 4096), "26b_o_full": (2816, 8192),
+    "26b_gate_up": (4224, 2816), "26b_head": (262144, 2816),
+}
+GEMMA4_Q6K = ("31b_v_swa", "31b_down", "31b_head", "26b_v_swa", "26b_head")
+GEMMA4_TIMING_CASES = [("q4_k", name, 1) for name in SHAPES_GEMMA4 if not name.endswith("head") and
+                       name not in ("31b_v_swa", "26b_v_swa")]
+GEMMA4_TIMING_CASES += [("q6_k", name, 1) for name in GEMMA4_Q6K]
+# The verify batch the table's class choice weighs (VERIFY_BATCH), on the products that carry the time.
+GEMMA4_TIMING_CASES += [(fmt, name, 23) for fmt, name in (
+    ("q4_k", "31b_gate_up"), ("q4_k", "31b_down"), ("q4_k", "31b_qkv_swa"), ("q4_k", "31b_qk_swa"),
+    ("q4_k", "31b_o_swa"), ("q4_k", "31b_qk_full"), ("q4_k", "31b_o_full"), ("q6_k", "31b_down"),
+    ("q6_k", "31b_head"), ("q6_k", "31b_v_swa"), ("q4_k", "26b_qkv_swa"), ("q4_k", "26b_qk_swa"),
+    ("q4_k", "26b_o_swa"), ("q4_k", "26b_gate_up"), ("q4_k", "26b_qk_full"), ("q4_k", "26b_o_full"),
+    ("q6_k", "26b_head"), ("q6_k", "26b_v_swa"))]
+MODELS = {"qwen35-27b": (SHAPES_27B, TIMING_CASES), "gemma4": (SHAPES_GEMMA4, GEMMA4_TIMING_CASES)}
+SHAPES = SHAPES_27B  # the --model's table (set by main)
+
 RESULTS: dict = {"correctness": [], "timing": [], "best": []}
 
 
@@ -134,7 +159,7 @@ def precompile(arch: str, max_shared: int, correctness: bool) -> None:
         for fmt, act, batch in check_cases():
             wanted |= {(fmt, act, batch, v, 16) for v in check_variants(fmt, act, batch)}
     for fmt, name, batch in TIMING_CASES:
-        rows = SHAPES_27B[name][0]
+        rows = SHAPES[name][0]
         wanted |= {(fmt, "bf16", batch, v, rows) for v in time_variants(fmt, batch, rows)}
     programs = set()
     for fmt, act, batch, variant, rows in wanted:
@@ -224,7 +249,7 @@ def time_all(backend: CudaBackend, gen: torch.Generator, copy_gbs: float, deadli
     device = backend.device
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     for fmt, name, batch in TIMING_CASES:
-        rows, cols = SHAPES_27B[name]
+        rows, cols = SHAPES[name]
         if time.perf_counter() > deadline:
             log(f"skipped {fmt} {name} batch {batch}: time budget spent")
             continue
@@ -356,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--table-from", type=Path, metavar="JSON",
                         help="only print MATVEC_TUNED from an earlier run's matvec_sweep.json (no GPU needed)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen35-27b",
+                        help="whose decode shapes to time (default: the Qwen3.5-27B's)")
     args = parser.parse_args(argv)
+    global SHAPES, TIMING_CASES
+    SHAPES, TIMING_CASES = MODELS[args.model]
     if args.table_from:
         table = tuned_table(json.loads(args.table_from.read_text())["timing"])
         print("MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {")

@@ -22,6 +22,8 @@ FAMILY_KERNEL_OPS = (
     "conv_silu_tree",
     "moe_experts",  # Gemma-4's (and any family's of that name and signature) routed experts
 )
+# A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
+NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route")
 
 
 def _installed(module: str) -> bool:
@@ -75,4 +77,8 @@ def lucebox_op_kernels():
                  description="NVRTC matrix-vector and dequant kernels" if op in ("linear", "embedding", "fuse_rows",
                                                                                   "rms_norm") else "Triton")
         for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
+    ] + [
+        OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.norm_kernels:{op}",
+                 accepts=f"lucebox_cuda.norm_kernels:accepts_{op}", description="Triton")
+        for op in NORM_KERNEL_OPS
     ]

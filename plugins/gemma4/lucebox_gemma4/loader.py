@@ -89,6 +89,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Gemma4Model:
             inv_freq=inv_freq_swa if sliding else inv_freq_full, sliding_window=config.sliding_window if sliding else 0,
             eps=config.eps,
         )
+        attention.fuse_projections()
         mlp = Gemma4MLP(ops, gate_proj=src.weight("layers.{i}.mlp.gate_proj", i),
                         up_proj=src.weight("layers.{i}.mlp.up_proj", i),
                         down_proj=src.weight("layers.{i}.mlp.down_proj", i))

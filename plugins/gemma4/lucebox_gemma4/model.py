@@ -91,6 +91,34 @@ class Gemma4Attention:
     inv_freq: torch.Tensor  # [head_dim / 2] fp32
     sliding_window: int  # 0 for full layers
     eps: float
+    # The projections fused by the backend (`ops.fuse_rows`): rows [q | k | v], [q | k] (full layers, or v
+    # of another GGUF type); None: apart.
+    in_proj: Weight | None = None
+    in_proj_parts: int = 0
+
+    def fuse_projections(self) -> None:
+        """Let the backend merge the projections of the one input into one product."""
+        parts = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
+        for count in range(len(parts), 1, -1):
+            fused = self.ops.fuse_rows(parts[:count])
+            if fused is not None:
+                self.in_proj, self.in_proj_parts = fused, count
+                return
+
+    def unused_weights(self) -> tuple[str, ...]:
+        return ("q_proj", "k_proj", "v_proj")[: self.in_proj_parts] if self.in_proj is not None else ()
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The q, k and v products of `x` (v None where V is the raw K), fused where the backend fused them."""
+        ops = self.ops
+        if self.in_proj is None:
+            return (ops.linear(x, self.q_proj), ops.linear(x, self.k_proj),
+                    None if self.v_proj is None else ops.linear(x, self.v_proj))
+        weights = [self.q_proj, self.k_proj, self.v_proj]
+        outputs = list(ops.linear(x, self.in_proj).split([w.shape[0] for w in weights[: self.in_proj_parts]], -1))
+        if self.in_proj_parts == 2:
+            outputs.append(None if self.v_proj is None else ops.linear(x, self.v_proj))
+        return outputs[0], outputs[1], outputs[2]
 
     @property
     def kv_shape(self) -> KVLayerShape:
@@ -100,12 +128,12 @@ class Gemma4Attention:
         """q `[B, T, H, D]`, k and v `[B, T, Hkv, D]` of `x` `[B, T, hidden]` at `positions` `[T]`."""
         ops = self.ops
         batch, tokens, _ = x.shape
-        query = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, self.head_dim)
-        raw_key = ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
-        value = raw_key if self.v_proj is None else ops.linear(x, self.v_proj).reshape(raw_key.shape)
-        query = ops.rope_neox_freqs(ops.rms_norm(query, self.q_norm, self.eps), positions, self.inv_freq)
-        key = ops.rope_neox_freqs(ops.rms_norm(raw_key, self.k_norm, self.eps), positions, self.inv_freq)
-        return query, key, ops.rms_norm(value, self.v_norm, self.eps)
+        query, raw_key, value = self._projections(x)
+        query = query.reshape(batch, tokens, self.num_heads, self.head_dim)
+        raw_key = raw_key.reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        value = raw_key if value is None else value.reshape(raw_key.shape)
+        return ops.qkv_norm_rope(query, raw_key, value, self.q_norm, self.k_norm, self.v_norm, positions,
+                                 self.inv_freq, self.eps)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         batch, tokens = out.shape[:2]
@@ -187,8 +215,7 @@ class Gemma4MoE:
         weights, ids = ops.moe_route(flat, self.proj, self.scale, self.per_expert_scale, self.top_k, eps)
         experts = ops.moe_experts(ops.rms_norm(flat, self.pre_feedforward_layernorm_2, eps), self.gate_up_proj,
                                   self.down_proj, weights, ids).reshape(residual.shape)
-        return (ops.rms_norm(mlp_out, self.post_feedforward_layernorm_1, eps)
-                + ops.rms_norm(experts, self.post_feedforward_layernorm_2, eps))
+        return ops.norm_sum(mlp_out, self.post_feedforward_layernorm_1, experts, self.post_feedforward_layernorm_2, eps)
 
 
 @attrs.define
@@ -323,18 +350,22 @@ class Gemma4Model(Gemma4SpeculativeTarget):
         """The decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states; `attend(layer,
         x)` runs a layer's attention (forward, decode and verify passes differ only there)."""
         ops, eps = self.ops, self.config.eps
-        for layer in self.layers:
-            attended = attend(layer, ops.rms_norm(hidden, layer.input_layernorm, eps))
-            hidden = hidden + ops.rms_norm(attended, layer.post_attention_layernorm, eps)
-            mlp_out = layer.mlp(ops.rms_norm(hidden, layer.pre_feedforward_layernorm, eps))
+        # Each residual step also norms its result for what reads it next (`post_norm_residual`): the MLP's
+        # input after attention, the next layer's input (or the final norm) after the MLP.
+        normed = ops.rms_norm(hidden, self.layers[0].input_layernorm, eps)
+        for i, layer in enumerate(self.layers):
+            attended = attend(layer, normed)
+            hidden, mlp_in = ops.post_norm_residual(attended, hidden, layer.post_attention_layernorm, eps,
+                                                    None, layer.pre_feedforward_layernorm)
+            mlp_out = layer.mlp(mlp_in)
             if layer.moe is not None:
                 mlp_out = layer.moe(hidden, mlp_out)
-            hidden = (hidden + ops.rms_norm(mlp_out, layer.post_feedforward_layernorm, eps)) * layer.layer_scalar
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, normed = ops.post_norm_residual(mlp_out, hidden, layer.post_feedforward_layernorm, eps,
+                                                    layer.layer_scalar, next_norm)
             if layer.index in tapped:
                 tap(layer, hidden)
-        if last_only:
-            hidden = hidden[:, -1:]
-        return ops.rms_norm(hidden, self.norm, eps)
+        return normed[:, -1:] if last_only else normed
 
     # -- the static decode step ------------------------------------------------------------------------
 

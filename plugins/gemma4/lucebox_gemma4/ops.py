@@ -41,6 +41,39 @@ def rope_neox_freqs(ops: Any, x: torch.Tensor, positions: torch.Tensor, inv_freq
 
 
 @GEMMA4_OPS.reference
+def qkv_norm_rope(
+    ops: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+    v_norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention inputs of a layer: q and k RMS-normed per head then rotated (`rope_neox_freqs`), v
+    RMS-normed per head (`v_norm`: ones, v's norm has no weight). query `[B, T, H, D]`, key and value
+    `[B, T, Hkv, D]` (value may be key itself: full layers without `attn_v`)."""
+    query = ops.rope_neox_freqs(ops.rms_norm(query, q_norm, eps), positions, inv_freq)
+    rotated_key = ops.rope_neox_freqs(ops.rms_norm(key, k_norm, eps), positions, inv_freq)
+    return query, rotated_key, ops.rms_norm(value, v_norm, eps)
+
+
+@GEMMA4_OPS.reference
+def post_norm_residual(
+    ops: Any, x: torch.Tensor, residual: torch.Tensor, post_norm: torch.Tensor, eps: float,
+    scalar: torch.Tensor | None = None, next_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gemma's sandwich-norm residual step: `hidden = (residual + rms_norm(x, post_norm)) * scalar` (no
+    scalar: times 1), and the norm that reads it next, `rms_norm(hidden, next_norm)` (None without one)."""
+    hidden = residual + ops.rms_norm(x, post_norm, eps)
+    if scalar is not None:
+        hidden = hidden * scalar
+    return hidden, None if next_norm is None else ops.rms_norm(hidden, next_norm, eps)
+
+
+@GEMMA4_OPS.reference
+def norm_sum(ops: Any, a: torch.Tensor, a_norm: torch.Tensor, b: torch.Tensor, b_norm: torch.Tensor,
+             eps: float) -> torch.Tensor:
+    """`rms_norm(a, a_norm) + rms_norm(b, b_norm)`: the MoE block's dense and routed outputs, each post-normed."""
+    return ops.rms_norm(a, a_norm, eps) + ops.rms_norm(b, b_norm, eps)
+
+
+@GEMMA4_OPS.reference
 def softcap(ops: Any, x: torch.Tensor, cap: float) -> torch.Tensor:
     """`tanh(x / cap) * cap` in fp32 (Gemma's final logit soft-capping), back in x's dtype."""
     return (torch.tanh(x.float() / cap) * cap).to(x.dtype)

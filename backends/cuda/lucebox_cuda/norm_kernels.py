@@ -1,0 +1,90 @@
+"""The sandwich-norm decoder's ops `lucebox-cuda` runs as Triton kernels (`triton_norms`), each with its check.
+
+These are op names a family defines (Gemma-4's `lucebox_gemma4.ops`: `qkv_norm_rope`, `post_norm_residual`,
+`norm_sum`, `gelu_tanh_mul`, `softcap`, `moe_route`); the backend knows only the names and the reference's
+signature, registered like every other kernel (`plugin.py`). Each `accepts_<op>` says whether the kernel
+takes these arguments; where it does not, the family's reference runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .op_kernels import _optional, _rows_indexable, _triton_takes
+
+triton_norms = functools.cache(lambda: _optional("triton_norms"))
+
+# The router kernel keeps a token's expert scores in registers: up to this many experts.
+MAX_ROUTED_EXPERTS = 1024
+
+
+def _available(ops: Any, *tensors: torch.Tensor) -> bool:
+    return triton_norms() is not None and _triton_takes(ops, *tensors)
+
+
+def accepts_qkv_norm_rope(ops: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm: torch.Tensor,
+                          k_norm: torch.Tensor, v_norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          eps: float) -> bool:
+    return (_available(ops, query, key, value, q_norm, k_norm, v_norm, positions, inv_freq) and query.dim() == 4
+            and query.shape[0] == 1 and key.shape == value.shape and key.shape[:2] == query.shape[:2]
+            and key.shape[3] == query.shape[3] and inv_freq.numel() * 2 == query.shape[3]
+            and all(t.stride(-1) == 1 for t in (query, key, value)))
+
+
+def qkv_norm_rope(ops: Any, query, key, value, q_norm, k_norm, v_norm, positions, inv_freq, eps):
+    return triton_norms().qkv_norm_rope(query, key, value, q_norm, k_norm, v_norm, positions, inv_freq, eps)
+
+
+def accepts_post_norm_residual(ops: Any, x: torch.Tensor, residual: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                               scalar: torch.Tensor | None = None, next_norm: torch.Tensor | None = None) -> bool:
+    extra = tuple(t for t in (scalar, next_norm) if t is not None)
+    return (_available(ops, x, residual, post_norm, *extra) and x.shape == residual.shape and x.dtype == residual.dtype
+            and (scalar is None or scalar.numel() == 1) and _rows_indexable(x, residual))
+
+
+def post_norm_residual(ops: Any, x, residual, post_norm, eps, scalar=None, next_norm=None):
+    return triton_norms().post_norm_residual(x, residual, post_norm, eps, scalar, next_norm)
+
+
+def accepts_norm_sum(ops: Any, a: torch.Tensor, a_norm: torch.Tensor, b: torch.Tensor, b_norm: torch.Tensor,
+                     eps: float) -> bool:
+    return (_available(ops, a, a_norm, b, b_norm) and a.shape == b.shape and a.dtype == b.dtype
+            and _rows_indexable(a, b))
+
+
+def norm_sum(ops: Any, a, a_norm, b, b_norm, eps):
+    return triton_norms().norm_sum(a, a_norm, b, b_norm, eps)
+
+
+def accepts_gelu_tanh_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return _available(ops, gate, up) and gate.shape == up.shape and gate.dtype == up.dtype and _rows_indexable(gate, up)
+
+
+def gelu_tanh_mul(ops: Any, gate, up):
+    return triton_norms().gelu_tanh_mul(gate, up)
+
+
+def accepts_softcap(ops: Any, x: torch.Tensor, cap: float) -> bool:
+    return _available(ops, x) and cap > 0
+
+
+def softcap(ops: Any, x, cap):
+    return triton_norms().softcap(x, cap)
+
+
+def accepts_moe_route(ops: Any, h: torch.Tensor, proj: Any, scale: torch.Tensor, per_expert_scale: torch.Tensor,
+                      top_k: int, eps: float) -> bool:
+    experts = per_expert_scale.numel()
+    return (_available(ops, h, scale, per_expert_scale) and h.dim() == 2 and per_expert_scale.dtype == torch.float32
+            and experts <= MAX_ROUTED_EXPERTS and 0 < top_k <= experts and top_k & (top_k - 1) == 0)
+
+
+def moe_route(ops: Any, h, proj, scale, per_expert_scale, top_k, eps):
+    """Three launches: the router's input norm, its product (the backend's `linear`), then softmax, top-k,
+    renormalisation and per-expert scale in one kernel (torch's softmax and topk are a dozen)."""
+    norms = triton_norms()
+    logits = ops.linear(norms.router_norm(h, scale, eps), proj)
+    return norms.softmax_topk(logits, per_expert_scale, top_k)
