@@ -8,7 +8,8 @@ usage: python scripts/gemma4_gpu_check.py [--workdir DIR] [--json OUT.json]
    tokens, against the family's reference; its decode time per layer.
 2. `decode_attention` at Gemma-4's head dims (512 with 4 KV heads over a full cache, 256 with 16 over a
    1024-row ring), against the reference.
-3. Tiny dense and MoE files (f32 and q8_0): logits of a 48-token prompt and 24 greedy tokens (the static decode
+3. The norm-chain kernels (post-norm residual, norm sum, GeGLU, soft-cap, q/k/v norm + RoPE, router) in bf16.
+4. Tiny dense and MoE files (f32 and q8_0): logits of a 48-token prompt and 24 greedy tokens (the static decode
    step, recorded as a CUDA graph) on lucebox-cuda in f32, against the CPU reference.
 """
 
@@ -105,6 +106,56 @@ def check_attention(results: dict) -> None:
               f"rel err {results[f'attention prefill {name} rel err']:.2e}")
 
 
+def check_fused(results: dict) -> None:
+    """The norm-chain kernels (`lucebox_cuda.triton_norms`) in bf16 at the 31B's shapes against the family's
+    references on the GPU: the share of outputs equal to the bit (the kernels round where the references do)
+    and the largest relative difference."""
+    kernels = GEMMA4_OPS.bind(CudaBackend(dtype=torch.bfloat16))
+    reference = GEMMA4_OPS.bind(TorchBackend("cuda", torch.bfloat16, kernel_table_for={}))
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    def norm_weight(n):
+        return (torch.rand(n, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+
+    hidden = 5376
+    stacked = rand(1, 1, 2 * hidden, scale=3)
+    q = rand(1, 1, 32 * 512).reshape(1, 1, 32, 512)
+    k = rand(1, 1, 4 * 512).reshape(1, 1, 4, 512)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 512, 2, device="cuda", dtype=torch.float32) / 512))
+    inv_freq[64:] /= 1e30
+    positions = torch.tensor([30000], device="cuda")
+    cases = {
+        "post_norm_residual": ("post_norm_residual", (stacked[..., :hidden], rand(1, 1, hidden), norm_weight(hidden),
+                                                      1e-6, rand(1), norm_weight(hidden))),
+        "norm_sum": ("norm_sum", (stacked[..., :hidden], norm_weight(hidden), stacked[..., hidden:],
+                                  norm_weight(hidden), 1e-6)),
+        "gelu_tanh_mul": ("gelu_tanh_mul", (stacked[..., :hidden], stacked[..., hidden:])),
+        "softcap": ("softcap", (rand(1, 262144, scale=40), 30.0)),
+        "qkv_norm_rope full": ("qkv_norm_rope", (q, k, k, norm_weight(512), norm_weight(512),
+                                                 torch.ones(512, device="cuda", dtype=torch.bfloat16), positions,
+                                                 inv_freq, 1e-6)),
+    }
+    for label, (op, args) in cases.items():
+        got, want = getattr(kernels, op)(*args), getattr(reference, op)(*args)
+        got = [t for t in (got if isinstance(got, tuple) else (got,)) if t is not None]
+        want = [t for t in (want if isinstance(want, tuple) else (want,)) if t is not None]
+        equal = sum(int((a == b).sum()) for a, b in zip(got, want)) / sum(b.numel() for b in want)
+        error = max(_rel(a, b) for a, b in zip(got, want))
+        results[f"{label} bit-equal share"], results[f"{label} rel err"] = equal, error
+        print(f"{label}: {getattr(kernels, op).choice(*args)}, {100 * equal:.2f}% bit-equal, rel err {error:.2e}")
+    h, scale = rand(3, 2816, scale=4), norm_weight(2816)
+    proj = rand(128, 2816, scale=0.05)
+    per_expert = torch.rand(128, device="cuda", generator=g) + 0.5
+    (w1, i1), (w2, i2) = (ops.moe_route(h, proj, scale, per_expert, 8, 1e-6) for ops in (kernels, reference))
+    results["moe_route ids equal"] = bool(torch.equal(i1, i2))
+    results["moe_route weights rel err"] = _rel(w1, w2)
+    print(f"moe_route: {kernels.moe_route.choice(h, proj, scale, per_expert, 8, 1e-6)}, ids equal {torch.equal(i1, i2)}, "
+          f"weights rel err {_rel(w1, w2):.2e}")
+
+
 def check_models(results: dict, workdir: Path) -> None:
     for size, kind in (("tiny", "f32"), ("tiny-moe", "f32"), ("tiny", "q8_0"), ("tiny-moe", "q8_0")):
         path = workdir / f"gemma4-{size}-{kind}.gguf"
@@ -137,7 +188,7 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     failures = []
-    for check in (check_moe, check_attention, lambda r: check_models(r, workdir)):
+    for check in (check_fused, check_moe, check_attention, lambda r: check_models(r, workdir)):
         try:
             check(results)
         except Exception as exc:  # report every check, then fail

@@ -271,6 +271,21 @@ gemma4_profile() {  # ~4 min: where a decode step's GPU time goes (torch.profile
     --decode 16 --json "$RES/memory_26b.json"
 }
 
+gemma4_dev() {  # ~9 min: Gemma-4's kernel checks, the matvec sweep on its shapes, both Q4_K_M files, Lucebox's rows
+  #               and a decode profile of each (no llama.cpp).                        carry: .whl
+  step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
+  step matvec-sweep-gemma4 200 python3 scripts/matvec_sweep.py --out "$RES" --model gemma4 --skip-correctness \
+    --budget-s "${SWEEP_BUDGET:-120}"
+  for m in 26b-a4b 31b; do
+    step synth-$m 150 g4synth $m
+    step lucebox-$m 90 sh -c "python3 -m lucebox_core.cli bench -m $(g4model $m) -p 512,4096 -n 128 -r 2 --json \
+      > $RES/lucebox_$m.json; cat $RES/lucebox_$m.json"
+  done
+  for m in 26b-a4b 31b; do
+    step profile-$m 60 python3 scripts/bench_vs_llamacpp.py profile "$(g4model $m)" --out "$RES"
+  done
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -305,6 +320,7 @@ session() {
     gemma4-b) gemma4_b ;;
     gemma4-all) gemma4_all ;;
     gemma4-profile) gemma4_profile ;;
+    gemma4-dev) gemma4_dev ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
