@@ -257,6 +257,26 @@ class CudaBackend(TorchBackend):
                      Pointer(rows_data.data_ptr()), Pointer(tile.data_ptr()), Int(count), Int(in_features))
         return tile
 
+    def dequantize_experts(self, experts: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+        """A whole expert stack `[E, rows, cols]` decoded on the GPU into a dense tensor of `dtype` (the grouped
+        prefill product's weights), as the `[E * rows, cols]` matrix it is in memory. The result is a view of
+        one scratch buffer kept here and grown when needed (a 26B-A4B layer's stacks are ~1.5 GB in bf16):
+        it holds until the next call, and a call on the same stream is ordered after the work queued on it."""
+        n_experts, rows, cols = experts.shape
+        weight_format = catalogue.WEIGHT_FORMATS[experts.ggml_type]
+        count = n_experts * rows * cols
+        need = count * torch.empty(0, dtype=dtype).element_size()
+        scratch = self.__dict__.get("_expert_scratch")
+        if scratch is None or scratch.numel() < need:
+            self.__dict__["_expert_scratch"] = None  # freed before the larger one is taken
+            scratch = self.__dict__["_expert_scratch"] = torch.empty(need, dtype=torch.uint8, device=self.device)
+        dense = scratch[:need].view(dtype).view(n_experts, rows, cols)
+        data = self.device_weight(experts).data
+        grid = min(-(-count // 8 // 256), 65535)  # a piece is 8 or more values; the kernel loops over the rest
+        self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[dtype]), grid, 256,
+                     Pointer(data.data_ptr()), Pointer(dense.data_ptr()), Int(n_experts * rows), Int(cols))
+        return dense
+
     def tiled_linear(self, x: torch.Tensor, weight: QuantTensor, weight_format: str) -> torch.Tensor:
         """`x @ weight.T` for many rows (prefill): bounded tiles of weight rows dequantized on the GPU into
         a scratch buffer, each multiplied with cuBLAS."""

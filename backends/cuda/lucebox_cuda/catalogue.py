@@ -13,8 +13,12 @@ one (`default_variant`: a measured table, else a rule) and says how to launch it
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import warnings
+from pathlib import Path
 
 import attrs
 import torch
@@ -233,6 +237,29 @@ MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q6_k', 64, 10240, 5120): 'mma',
     ('q6_k', 64, 248320, 5120): 'mma_r2',
 }
+
+
+# A sweep's own table (`scripts/matvec_sweep.py` writes `tuned_table` into its matvec_sweep.json) laid over
+# the measured defaults when this names that file: for timing a GPU or shapes the table has not measured
+# yet, before the winners are pasted above.
+TUNED_TABLE_ENV = "LUCEBOX_MATVEC_TUNED"
+
+
+def _load_tuned_override() -> None:
+    path = os.environ.get(TUNED_TABLE_ENV)
+    if not path:
+        return
+    try:
+        entries = json.loads(Path(path).read_text())["tuned_table"]
+        table = {(str(fmt), int(batch), int(out), int(inn)): str(variant) for fmt, batch, out, inn, variant in entries}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"{TUNED_TABLE_ENV}={path}: not a matvec sweep result ({exc}); the built-in table stays",
+                      RuntimeWarning, stacklevel=2)
+        return
+    MATVEC_TUNED.update(table)
+
+
+_load_tuned_override()
 
 
 def arithmetic_class(variant: str) -> tuple:

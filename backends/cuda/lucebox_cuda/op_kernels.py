@@ -47,6 +47,7 @@ triton_ops = functools.cache(lambda: _optional("triton_ops"))
 triton_attention = functools.cache(lambda: _optional("triton_attention"))
 triton_gdn = functools.cache(lambda: _optional("triton_gdn"))
 triton_fused = functools.cache(lambda: _optional("triton_fused"))
+triton_moe = functools.cache(lambda: _optional("triton_moe"))
 
 
 def _triton_takes(ops: Any, *tensors: torch.Tensor) -> bool:
@@ -352,7 +353,9 @@ def conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch
 # -- mixture-of-experts products (the names of a family's ops: Gemma-4's `moe_experts`) -------------------
 
 # Routed (token, expert) pairs up to which the experts run on the pair kernel (each pair reads its expert's
-# blocks: decode and speculative verify); beyond, each hit expert once over its tokens (prefill).
+# blocks: decode and speculative verify, which must share the decode step's kernel to get its bits); beyond
+# (prefill), the grouped GEMM over every pair at once (`lucebox_cuda.triton_moe`), or without Triton each hit
+# expert once over its tokens.
 EXPERT_PAIR_LIMIT = 8 * VERIFY_ROWS
 
 
@@ -369,13 +372,16 @@ def accepts_moe_experts(ops: Any, x: torch.Tensor, gate_up_exps: Any, down_exps:
 
 def moe_experts(ops: Any, x: torch.Tensor, gate_up_exps: QuantTensor, down_exps: QuantTensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
-    """`sum_k weights[t, k] * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t))`, `e = ids[t, k]`, reading only the chosen
-    experts' GGUF blocks. Few pairs (decode, verify): one kernel per product over every pair, ids read on the
-    device (no host sync: the decode step stays one graph). Many (prefill): each expert any token chose once,
-    on its tokens, through the tiled product."""
+    """`sum_k weights[t, k] * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t))`, `e = ids[t, k]`. Few pairs (decode,
+    verify): one kernel per product over every pair, reading only the chosen experts' GGUF blocks, ids read on
+    the device (no host sync: the decode step stays one graph). Many (prefill): each stack decoded once into
+    the backend's scratch buffer and a grouped GEMM over the pairs sorted by expert (`_moe_grouped`), still
+    without a host sync; without Triton, each expert any token chose once, on its tokens (`_moe_by_expert`)."""
     tokens, top_k = ids.shape
     hidden, inter = down_exps.shape[1], down_exps.shape[2]
     if tokens * top_k > EXPERT_PAIR_LIMIT:
+        if triton_moe() is not None and _dense_decodable(gate_up_exps) and _dense_decodable(down_exps):
+            return _moe_grouped(ops, x, gate_up_exps, down_exps, weights, ids)
         return _moe_by_expert(ops, x, gate_up_exps, down_exps, weights, ids)
     flat = ids.reshape(-1)
     gate_up = ops.expert_matvec(x, gate_up_exps, flat, top_k)  # [T * k, 2I]
@@ -406,3 +412,18 @@ def _moe_by_expert(ops: Any, x, gate_up_exps, down_exps, weights, ids) -> torch.
         y = ops.linear(act, _expert_view(ops, down_exps, expert))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
+
+
+def _dense_decodable(stack: QuantTensor) -> bool:
+    """Whether the dequant kernel decodes the stack's rows whole (its pieces are 8 or more values)."""
+    return stack.shape[2] % catalogue.ROW_MULTIPLE[catalogue.WEIGHT_FORMATS[stack.ggml_type]] == 0
+
+
+def _moe_grouped(ops: Any, x, gate_up_exps, down_exps, weights, ids) -> torch.Tensor:
+    """The prefill path: each stack decoded whole into the backend's one scratch buffer in x's dtype right
+    before its grouped product; the down stack overwrites the gate_up stack only after the gate_up product
+    (both queued on one stream) has read it. Four launches and a few small sorts, no host sync."""
+    grouped = triton_moe()
+    schedule = grouped.Schedule.build(ids, gate_up_exps.shape[0])
+    act = grouped.gate_up_geglu(x, ops.dequantize_experts(gate_up_exps, x.dtype), ids.shape[1], schedule)
+    return grouped.down_weighted_sum(act, ops.dequantize_experts(down_exps, x.dtype), weights, schedule)

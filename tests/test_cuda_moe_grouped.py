@@ -1,0 +1,171 @@
+"""The grouped-GEMM prefill path of the routed experts (lucebox_cuda.triton_moe, and `moe_experts` of
+`lucebox_cuda.op_kernels` past its pair limit) against Gemma-4's torch reference `moe_experts`, run on the
+CPU by Triton's interpreter: random GGUF expert stacks (Q4_K gate_up, Q8_0 / Q5_0 down), uneven routing
+with an expert no token picks; and the block schedule on its own."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module is first imported
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from lucebox_cuda import op_kernels, triton_moe
+from triton.runtime.interpreter import InterpretedFunction
+
+from lucebox_core.kquants import random_blocks
+from lucebox_core.quants import QuantTensor
+from lucebox_core.torch_backend import TorchBackend
+from lucebox_gemma4.ops import GEMMA4_OPS
+
+if not isinstance(triton_moe._down_kernel, InterpretedFunction):
+    pytest.skip("lucebox_cuda.triton_moe was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+
+EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 8, 256, 128, 40, 2
+UNPICKED = 5  # the expert no token routes to
+# Relative L2 error against the fp32 reference. fp32: summation order only. bf16 (and f16): x, gate, up, GELU,
+# GeGLU and the down product are each rounded (and Triton's interpreter casts fp32 to bf16 by truncation,
+# where the GPU rounds to nearest: up to 2^-7 relative a rounding, biased).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def reference_moe(x, gate_up, down, weights, ids, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The family's reference on the CPU, in fp32 unless told (a QuantTensor is dequantized by `ops.dense`)."""
+    ops = GEMMA4_OPS.bind(TorchBackend("cpu", dtype, kernel_table_for={}))
+    return GEMMA4_OPS.references["moe_experts"](ops, x.to(dtype), gate_up, down, weights, ids)
+
+
+def relative_error(result: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(result).all()
+    return ((result.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def expert_stack(ggml_type, shape, seed: int) -> QuantTensor:
+    blocks = random_blocks(ggml_type, int(np.prod(shape)), 0.1, np.random.default_rng(seed))
+    return QuantTensor("experts", ggml_type, shape, torch.from_numpy(blocks.reshape(-1).view(np.uint8).copy()))
+
+
+def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator, unpicked: int | None = UNPICKED):
+    """Top-k routing with uneven groups: expert 0 favoured (more than one 16-slot block of pairs), expert
+    `unpicked` never chosen; weights renormalised as the router's are, in fp32."""
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 0] += 1.5
+    if unpicked is not None:
+        logits[:, unpicked] = -float("inf")
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def grouped_inputs(dtype: torch.dtype, down_type=Q.Q8_0, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = expert_stack(Q.Q4_K, (EXPERTS, 2 * INTER, HIDDEN), seed + 1)
+    down = expert_stack(down_type, (EXPERTS, HIDDEN, INTER), seed + 2)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dtype)
+    weights, ids = routing(TOKENS, EXPERTS, TOP_K, gen)
+    return x, gate_up, down, weights, ids
+
+
+@pytest.mark.parametrize(("dtype", "down_type", "block_m"),
+                         [(torch.float32, Q.Q8_0, 64), (torch.bfloat16, Q.Q8_0, 16), (torch.bfloat16, Q.Q5_0, 64),
+                          (torch.float16, Q.Q5_0, 16)])
+def test_grouped_moe_matches_the_reference(dtype, down_type, block_m):
+    x, gate_up, down, weights, ids = grouped_inputs(dtype, down_type)
+    counts = torch.bincount(ids.reshape(-1), minlength=EXPERTS)
+    assert counts[UNPICKED] == 0 and counts[0] > 16 and len(set(counts.tolist())) > 2  # uneven, one unpicked
+    out = triton_moe.moe_grouped(x, gate_up.dequantize(dtype), down.dequantize(dtype), weights, ids, block_m=block_m)
+    assert out.dtype == dtype and out.shape == (TOKENS, HIDDEN)
+    error = relative_error(out, reference_moe(x, gate_up, down, weights, ids))
+    assert error < TOLERANCE[dtype], error
+    if dtype == torch.float16:
+        # The interpreter rounds f16 to nearest, as the GPU does: against the reference run in f16, the
+        # roundings must sit where the reference's are (the f16 reference itself is 6e-4 off fp32).
+        error = relative_error(out, reference_moe(x, gate_up, down, weights, ids, dtype))
+        assert error < 1e-4, error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_moe_ragged_tiles(dtype):
+    """Dims that fill no whole tile (the masked K steps and column tails) and a single token."""
+    gen = torch.Generator().manual_seed(7)
+    experts, hidden, inter = 4, 96, 40
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    for tokens in (1, 9):
+        x = torch.randn(tokens, hidden, generator=gen)
+        weights, ids = routing(tokens, experts, 3, gen, unpicked=None)
+        expected = reference_moe(x, gate_up, down, weights, ids)
+        out = triton_moe.moe_grouped(x.to(dtype), gate_up.to(dtype), down.to(dtype), weights, ids, block_m=16)
+        error = relative_error(out, expected)
+        assert error < TOLERANCE[dtype], (tokens, error)
+
+
+class _DequantizingOps:
+    """The two services `op_kernels.moe_experts`' grouped path takes from the backend, on the CPU: decoding
+    into one reused buffer as the backend's scratch does, so a gate_up read after the down stack was
+    decoded would show."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.scratch = torch.empty(0)
+
+    def dequantize_experts(self, experts: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+        dense = experts.dequantize(dtype)
+        if self.scratch.numel() < dense.numel() or self.scratch.dtype != dtype:
+            self.scratch = torch.empty(dense.numel(), dtype=dtype)
+        view = self.scratch[: dense.numel()].view(dense.shape)
+        view.copy_(dense)
+        return view
+
+
+def test_op_routes_prefill_to_the_grouped_product(monkeypatch):
+    """Past the pair limit the op runs the grouped product, decoding both stacks into one scratch buffer."""
+    monkeypatch.setattr(op_kernels, "EXPERT_PAIR_LIMIT", TOKENS * TOP_K - 1)
+    calls = []
+    monkeypatch.setattr(op_kernels, "_moe_by_expert", lambda *args: calls.append(args))
+    x, gate_up, down, weights, ids = grouped_inputs(torch.bfloat16, Q.Q5_0, seed=3)
+    out = op_kernels.moe_experts(_DequantizingOps(), x, gate_up, down, weights, ids)
+    assert not calls
+    error = relative_error(out, reference_moe(x, gate_up, down, weights, ids))
+    assert error < TOLERANCE[torch.bfloat16], error
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
+                         [(40, 8, 2, 16), (40, 8, 2, 64), (1, 8, 2, 16), (300, 128, 8, 64), (7, 4, 3, 4)])
+def test_block_schedule(tokens, experts, top_k, block_m):
+    gen = torch.Generator().manual_seed(tokens + experts)
+    _, ids = routing(tokens, experts, top_k, gen, unpicked=experts - 1)
+    slot_pair, block_expert = triton_moe.block_schedule(ids, experts, block_m)
+    blocks = triton_moe.max_blocks(tokens * top_k, experts, block_m)
+    assert slot_pair.dtype == block_expert.dtype == torch.int32
+    assert slot_pair.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
+    flat = ids.reshape(-1)
+    # Every pair exactly once.
+    placed = slot_pair[slot_pair >= 0].long()
+    assert torch.equal(placed.sort().values, torch.arange(tokens * top_k))
+    slots = slot_pair.view(blocks, block_m).long()
+    filled = int((block_expert >= 0).sum())
+    # Filled blocks first, then only empty ones (their programs exit); each filled block one expert's.
+    assert (block_expert[:filled] >= 0).all() and (slots[filled:] < 0).all()
+    for block in range(filled):
+        pairs = slots[block][slots[block] >= 0]
+        assert pairs.numel() > 0 and (flat[pairs] == block_expert[block]).all()
+        # Padding only at a block's end; pairs in expert order, and stable (ascending) within an expert.
+        assert (slots[block][: pairs.numel()] >= 0).all()
+        assert (pairs.diff() > 0).all()
+    # Each expert's pairs in ceil(count / block_m) consecutive blocks, experts in ascending order.
+    counts = torch.bincount(flat, minlength=experts)
+    expected_experts = torch.repeat_interleave(torch.arange(experts), (counts + block_m - 1) // block_m)
+    assert torch.equal(block_expert[:filled].long(), expected_experts)
+    assert (block_expert[filled:] == -1).all()
+
+
+def test_block_schedule_without_pairs():
+    slot_pair, block_expert = triton_moe.block_schedule(torch.empty(0, 2, dtype=torch.long), 8)
+    assert slot_pair.numel() == block_expert.numel() == 0
