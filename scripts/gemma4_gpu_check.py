@@ -174,6 +174,15 @@ def check_models(results: dict, workdir: Path) -> None:
                 logits = model.forward(state, torch.tensor([out[-1]]))  # the static step (graphs on CUDA)
             tokens[label] = out
         key = f"{size} {kind}"
+        # The static verify pass (recorded as a graph) against the eager one, on a branching tree past the
+        # rings' wrap: the same logits, as plain decoding of each node would give them.
+        state = gpu.new_state(128)
+        gpu.forward(state, prompt)
+        tree_tokens, parents = [7, 8, 9, 10, 11, 12, 13], [-1, 0, 0, 1, 1, 2, 5]
+        eager = gpu.verify(state, tree_tokens, parents, static=False).logits.clone()
+        recorded = [gpu.verify(state, tree_tokens, parents, static=True, graphs=True).logits.clone() for _ in range(2)]
+        results[f"{key} static verify rel err"] = max(_rel(r, eager) for r in recorded)
+        print(f"{key}: static verify (graph, replayed) vs eager rel err {results[f'{key} static verify rel err']:.2e}")
         results[f"{key} logits rel err"] = _rel(b, a)
         results[f"{key} greedy equal"] = tokens["cpu"] == tokens["cuda"]
         print(f"{key}: prefill logits rel err {_rel(b, a):.2e}; 24 greedy tokens equal: {tokens['cpu'] == tokens['cuda']}")

@@ -242,6 +242,7 @@ class Gemma4State:
     capture_layers: tuple[int, ...] = ()
     features: torch.Tensor | None = None
     decode: StaticStep | None = None
+    verify: StaticStep | None = None  # the static verify pass (speculative decoding)
 
 
 class Gemma4Model(Gemma4SpeculativeTarget):

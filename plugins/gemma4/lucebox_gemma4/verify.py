@@ -6,6 +6,10 @@ node attends to what the cache holds (a sliding layer: its ring, within the wind
 position) and to its ancestors in the tree, and nothing is written; `commit` appends the accepted nodes'
 rows in path order. Because nothing is written before the commit, a sliding layer's ring of exactly
 `window` rows is enough (no scratch rows past the committed ones).
+
+The pass runs eagerly (the rows each node sees, read and masked by host-known positions) or as a static-shape
+pass (a fixed window of the cache, masked on the device from the committed length held in a device buffer)
+that a CUDA graph records once per (KV window, node count, features on/off) and replays.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from typing import Any
 import torch
 
 from lucebox_core.errors import LuceboxError
-from lucebox_core.kv import window_start
+from lucebox_core.kv import dequantize_q8_0, window_start
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
+from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
 
 
 class Gemma4SpeculativeTarget(FeatureCapture):
@@ -30,7 +35,12 @@ class Gemma4SpeculativeTarget(FeatureCapture):
         """Run a candidate tree in one pass without committing anything. `tokens[0]` is the root (the pending
         token, at position `state.length`); node `i` has parent `parents[i]` (-1 for the root; parents before
         children) and sits at `state.length + depth(i)`; it sees the committed prefix and its ancestors.
-        (`static`, `graphs`: accepted for the verifier's interface; Gemma-4's pass is always the eager one.)"""
+
+        `static` (default: on where decode steps are graphed) runs the static-shape pass, which `graphs`
+        (default likewise) records once per (KV window, node count, features on/off) and replays; its
+        tensors are then the recording's buffers, valid until this state's next verify pass (the walk reads
+        the logits and `commit` the rows and features before that). Both passes see the same rows: their
+        logits differ only by the order of float sums (the static pass reads masked rows too, in slot order)."""
         ops = self.ops
         tree = TreeIndex.build(parents, device=ops.device)
         token_ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(ops.device)
@@ -38,6 +48,8 @@ class Gemma4SpeculativeTarget(FeatureCapture):
         if committed + tree.max_depth + 1 > state.kv.max_context:
             raise LuceboxError(f"context overflow: verifying {tree.size} nodes at position {committed} needs "
                                f"positions up to {committed + tree.max_depth}; the context holds {state.kv.max_context}")
+        if self.decode_graphs if static is None else static:
+            return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
         ancestry = tree.visibility().to(ops.device)  # [N, N]: node n sees node i
         kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -62,9 +74,57 @@ class Gemma4SpeculativeTarget(FeatureCapture):
         features = self._concat_taps(state, taps) if state.features is not None else None
         return TreeVerification(tree, committed, self.output_logits(hidden)[0], features, kv_rows)
 
+    # -- the static verify pass ------------------------------------------------------------------------
+
+    def _verify_static(self, state: Any, tree: TreeIndex, token_ids: torch.Tensor,
+                       use_graphs: bool) -> TreeVerification:
+        ops = self.ops
+        committed = state.length
+        if state.verify is None:
+            state.verify = StaticStep(ops, "verify pass", graphs=self.decode_graphs)
+        # The tree's tokens, shape and the committed length (the root's position) in fixed device buffers.
+        inputs = state.verify.inputs(tokens=token_ids, depths=tree.depths, visible=tree.visibility(),
+                                     start=committed)
+        inputs.set("embedded", self.embed(inputs.tokens)[None])  # eagerly: dequantizers build host constants
+        # The held rows are positions < committed: a full layer reads the first `window` rows (which cover
+        # them), a sliding layer its whole ring (or as much of it as the window covers before it first wraps).
+        window = kv_window(committed, state.kv.max_context, self.decode_min_window)
+        # Keyed on whether features are captured too: a recording without them would return none.
+        key = (window, tree.size, state.features is not None)
+        logits, features, kv_rows = state.verify.run(
+            key, lambda step_inputs: self._static_verify_pass(state, step_inputs, window), inputs, graphs=use_graphs)
+        return TreeVerification(tree, committed, logits, features, kv_rows)
+
+    def _static_verify_pass(self, state: Any, inputs: StaticInputs, window: int):
+        """The verify pass as a function of its static inputs, `window` and the node count alone (what a graph
+        records): every position, mask and row count comes from the device buffer `inputs.start` or a shape.
+        Returns the logits, the features (or None) and each layer's node K/V rows for `commit`."""
+        positions = inputs.start + inputs.depths
+        kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        taps: list[torch.Tensor] = []
+        masks: dict[tuple[int, int], torch.Tensor] = {}  # (sliding window, held rows) -> [N, held + N]
+
+        def attend(layer: Any, x: torch.Tensor) -> torch.Tensor:
+            attn = layer.self_attn
+            query, key, value = attn.project(x, positions)
+            kv_rows[layer.index] = (key[0], value[0])
+            node_keys, node_values = state.kv.as_stored(key[0], value[0])  # as plain decoding will read them
+            held_keys, held_values = (_as_floats(rows, state.kv.dtype) for rows in state.kv.gather(layer.index, window))
+            shape = (attn.sliding_window, held_keys.shape[0])
+            if shape not in masks:  # the layers of one kind share their mask
+                masks[shape] = _static_mask(attn, positions, inputs.start, held_keys.shape[0], inputs.visible)
+            keys = torch.cat([held_keys.to(query.dtype), node_keys.to(query.dtype)])[None]
+            values = torch.cat([held_values.to(query.dtype), node_values.to(query.dtype)])[None]
+            return attn.output(self.ops.attention(query, keys, values, scale=1.0, mask=masks[shape]))
+
+        tapped = state.capture_layers if state.features is not None else ()
+        hidden = self._run_layers(inputs.embedded, attend, lambda layer, output: taps.append(output[0]), tapped)
+        features = self._concat_taps(state, taps) if state.features is not None else None
+        return self.output_logits(hidden)[0], features, kv_rows
+
     def commit(self, state: Any, verification: TreeVerification, path: Seq[int]) -> None:
         """Keep the accepted `path` (node indices from the root, each the parent of the next): their K/V
-        appended at positions `committed ..`, their features stored."""
+        appended at positions `committed ..`, their features stored (the same for both passes)."""
         path = list(path)
         parents = verification.tree.parent_list
         if not path or path[0] != 0 or any(parents[b] != a for a, b in itertools.pairwise(path)):
@@ -77,3 +137,39 @@ class Gemma4SpeculativeTarget(FeatureCapture):
         if state.features is not None and verification.features is not None:
             self._store_features(state, committed, verification.features[index])
         state.length = committed + len(path)
+
+
+def _as_floats(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as floats: Q8_0 blocks (uint8) decoded to the cache's `dtype`, as `read` decodes
+    them for the eager pass; plain rows as they are."""
+    return dequantize_q8_0(rows, dtype) if rows.dtype == torch.uint8 else rows
+
+
+def _held_positions(rows: int, start: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """The position each of the first `rows` slots of a layer's cache holds when `start` (`[1]`, on the
+    device) positions are committed: slot s itself on a full layer; on a sliding layer's ring (position p in
+    slot p % window) the latest p < start in slot s, `start - 1 - ((start - 1 - s) mod window)`. Negative
+    (or, on a full layer, >= start): the slot holds nothing committed."""
+    slots = torch.arange(rows, device=start.device)
+    if not sliding_window:
+        return slots
+    # Where the ring has fewer rows than the window (a context shorter than it) it never wraps, and the
+    # formula gives s for s < start and s - window < 0 past it, as it should.
+    return start - 1 - torch.remainder(start - 1 - slots, sliding_window)
+
+
+def _static_mask(attn: Any, positions: torch.Tensor, start: torch.Tensor, rows: int,
+                 ancestry: torch.Tensor) -> torch.Tensor:
+    """bool `[N, rows + N]`, built on the device without a host sync: which of a layer's `rows` held slots
+    and which tree nodes each node (at `positions`) sees.
+
+    A held slot is seen iff it holds a committed position p (`0 <= p < start`) within the node's window
+    (`q - p < window` on a sliding layer). A full layer's slots past `start` hold rows of rolled-back or
+    earlier sequences: masked by `p < start`. A ring after a rollback of one position (the most it allows)
+    keeps the rolled-back position `start`'s row in slot `start % window`, which the formula takes for
+    position `start - window`: no node (all at q >= start) sees that one either, so the stale row is never
+    read. Tree nodes: a node's ancestors (and itself), within the window on a sliding layer."""
+    held = _held_positions(rows, start, attn.sliding_window)
+    committed = (held >= 0) & (held < start)
+    return torch.cat([committed[None, :] & attn.visibility(positions, held),
+                      ancestry & attn.visibility(positions, positions)], dim=1)
