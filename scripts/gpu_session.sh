@@ -205,22 +205,27 @@ llama_wait() { case "$SKIP" in *" llama "*) return 1 ;; esac; echo "[$SECONDS s]
   tail -2 "$RES/llamacpp_build.log"; [ -x /tmp/llamacpp/build/bin/llama-bench ]; }
 LB=/tmp/llamacpp/build/bin/llama-bench
 
-gemma4_a() {  # ~9 min: GPU checks of Gemma-4's kernels and tiny models, then 26B-A4B and 31B Q4_K_M pp512 / pp4096
-  #             / tg128, both engines, same files (the llama.cpp build runs meanwhile).   carry: .whl .llamacpp
+gemma4_a() {  # ~6-9 min: GPU checks of Gemma-4's kernels and tiny models, 26B-A4B and 31B Q4_K_M pp512 / pp4096
+  #             / tg128, both engines, same files (the llama.cpp build meanwhile), then forced DDTree 8.3 on the
+  #             31B with a full-size random drafter (REPS: repetitions, default 3).   carry: .whl .llamacpp
   llama_build_bg
   step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
   step synth-26b 120 g4synth 26b-a4b
-  step lucebox-26b 120 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 26b-a4b) -p 512,4096 -n 128 -r 3 --json \
+  step lucebox-26b 120 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 26b-a4b) -p 512,4096 -n 128 -r ${REPS:-3} --json \
     > $RES/lucebox_26b.json; cat $RES/lucebox_26b.json"
   step synth-31b 150 g4synth 31b
-  step lucebox-31b 120 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -p 512,4096 -n 128 -r 3 --json \
+  step lucebox-31b 120 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -p 512,4096 -n 128 -r ${REPS:-3} --json \
     > $RES/lucebox_31b.json; cat $RES/lucebox_31b.json"
   if llama_wait; then
     for m in 26b-a4b 31b; do
-      step llama-$m 90 sh -c "$LB -m $(g4model $m) -ngl 99 -fa 1 -p 512,4096 -n 128 -r 3 -o json > $RES/llama_$m.json; \
+      step llama-$m 90 sh -c "$LB -m $(g4model $m) -ngl 99 -fa 1 -p 512,4096 -n 128 -r ${REPS:-3} -o json > $RES/llama_$m.json; \
         cat $RES/llama_$m.json | python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
     done
   fi
+  step synth-draft 60 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \
+    --target "$(g4model 31b)" -o "$WORK/gemma4-31b-draft-q8_0.gguf"
+  step lucebox-31b-spec 150 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -md $WORK/gemma4-31b-draft-q8_0.gguf \
+    -p 0 -n 256 -r ${REPS:-3} --force-accept 8.3 --json > $RES/lucebox_31b_spec.json; cat $RES/lucebox_31b_spec.json"
 }
 
 gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 32K context, forced DDTree 8.3 on the
@@ -228,10 +233,6 @@ gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 
   llama_build_bg
   step synth-26b 120 g4synth 26b-a4b
   step synth-31b 150 g4synth 31b
-  step synth-draft 60 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \
-    --target "$(g4model 31b)" -o "$WORK/gemma4-31b-draft-q8_0.gguf"
-  step lucebox-31b-spec 150 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -md $WORK/gemma4-31b-draft-q8_0.gguf \
-    -p 0 -n 256 -r 3 --force-accept 8.3 --json > $RES/lucebox_31b_spec.json; cat $RES/lucebox_31b_spec.json"
   for m in 26b-a4b 31b; do
     step lucebox-$m-depth 150 sh -c "python3 -m lucebox_core.cli bench -m $(g4model $m) -p 0 -n 128 -d 32768 -r 2 --json \
       > $RES/lucebox_${m}_depth.json; cat $RES/lucebox_${m}_depth.json"
@@ -271,19 +272,17 @@ gemma4_profile() {  # ~4 min: where a decode step's GPU time goes (torch.profile
     --decode 16 --json "$RES/memory_26b.json"
 }
 
-gemma4_dev() {  # ~9 min: Gemma-4's kernel checks, the matvec sweep on its shapes, both Q4_K_M files, Lucebox's rows
-  #               and a decode profile of each (no llama.cpp).                        carry: .whl
+gemma4_dev() {  # ~9 min: the first of three chained calls (each started within the machine's idle release, so
+  #               /tmp/w and the llama.cpp build stay): Gemma-4's kernel checks, the matvec sweep on its shapes
+  #               (its table left in $WORK/matvec_sweep.json for LUCEBOX_MATVEC_TUNED), both Q4_K_M files, the
+  #               llama.cpp build meanwhile. Then gemma4-a and gemma4-b with SKIP=gemma4-check.   carry: .whl .llamacpp
+  llama_build_bg
   step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
   step matvec-sweep-gemma4 200 python3 scripts/matvec_sweep.py --out "$RES" --model gemma4 --skip-correctness \
-    --budget-s "${SWEEP_BUDGET:-120}"
-  for m in 26b-a4b 31b; do
-    step synth-$m 150 g4synth $m
-    step lucebox-$m 90 sh -c "python3 -m lucebox_core.cli bench -m $(g4model $m) -p 512,4096 -n 128 -r 2 --json \
-      > $RES/lucebox_$m.json; cat $RES/lucebox_$m.json"
-  done
-  for m in 26b-a4b 31b; do
-    step profile-$m 60 python3 scripts/bench_vs_llamacpp.py profile "$(g4model $m)" --out "$RES"
-  done
+    --budget-s "${SWEEP_BUDGET:-100}"
+  cp "$RES/matvec_sweep.json" "$WORK/matvec_sweep.json" 2>/dev/null
+  for m in 26b-a4b 31b; do step synth-$m 150 g4synth $m; done
+  llama_wait
 }
 
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
