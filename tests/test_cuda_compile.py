@@ -196,3 +196,26 @@ def test_matvec_kernel_refuses_a_missing_variant():
         catalogue.matvec_kernel("q8_0", "bf16", 1, 64, variant="pipe_w4_d4_m1_k1")
     assert catalogue.matvec_kernel("q4_k", "bf16", 1, 64, variant="simt").name == "matvec_q4_k_bf16_1"
 
+
+
+def test_a_sweep_table_named_by_the_environment_is_laid_over_the_built_in_one(tmp_path):
+    """LUCEBOX_MATVEC_TUNED: a sweep's matvec_sweep.json adds (and overrides) entries; a file that is not one
+    leaves the built-in table, with a warning naming the variable."""
+    import json
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "matvec_sweep.json"
+    sweep.write_text(json.dumps({"tuned_table": [["q4_k", 1, 43008, 5376, "pipe_w8_d3_m1_k4"],
+                                                 ["q4_k", 1, 5120, 6144, "pipe_w4_d3_m1_k1"]]}))
+    probe = ("import warnings; warnings.simplefilter('always')\n"
+             "from lucebox_cuda import catalogue as c\n"
+             "print(c.MATVEC_TUNED.get(('q4_k', 1, 43008, 5376)), c.MATVEC_TUNED[('q4_k', 1, 5120, 6144)])")
+    run = lambda path: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                      env={**__import__("os").environ, "LUCEBOX_MATVEC_TUNED": str(path)})
+    assert run(sweep).stdout.split() == ["pipe_w8_d3_m1_k4", "pipe_w4_d3_m1_k1"]
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = run(broken)
+    assert result.stdout.split() == ["None", "mma"]  # the built-in entry of the 27B's shape
+    assert "LUCEBOX_MATVEC_TUNED" in result.stderr and "not a matvec sweep result" in result.stderr
