@@ -245,6 +245,9 @@ gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 
         cat $RES/llama_${m}_depth.json | python3 -c 'import json,sys; [print(r[\"n_depth\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
     done
   fi
+  for m in 31b 26b-a4b; do  # last: cut first when the call's deadline is near
+    step profile-$m 60 python3 scripts/bench_vs_llamacpp.py profile "$(g4model $m)" --out "$RES"
+  done
 }
 
 gemma4_all() {  # gemma4_a's and gemma4_b's Lucebox rows, the llama.cpp build meanwhile, its depth rows last
