@@ -15,17 +15,25 @@ from lucebox_core.server.testing import ServerThread
 ASK = [{"role": "user", "content": "Count to five."}]
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen35", "gemma4"])
+def services(request, tmp_path_factory):
+    """A plain and a drafted server of one family: qwen35's default model, or a tiny gemma4 (its sliding
+    layers' rings wrap within the test's tokens) with a drafter written for it."""
     patch = pytest.MonkeyPatch()
     home = tmp_path_factory.mktemp("lucebox-home")
     patch.setenv("LUCEBOX_HOME", str(home))
-    target = default_model_path(announce=False)
+    synthesizer = registry().named
+    if request.param == "qwen35":
+        target = default_model_path(announce=False)
+    else:
+        target = home / "gemma4-tiny.gguf"
+        synthesizer("lucebox_synthesizers", "gemma4", "synth").write(target, size="tiny", type="f32", seed=3)
     draft = home / "draft.gguf"
-    registry().named("lucebox_synthesizers", "qwen35-dflash-draft", "synth").write(draft, size="tiny", type="f32",
-                                                                                   seed=1, target=target)
-    plain = ModelService(ServeConfig(ctx_size=256))
-    speculative = ModelService(ServeConfig(ctx_size=256, model_draft=str(draft), spec_type="ddtree", tree_budget=8))
+    synthesizer("lucebox_synthesizers", f"{request.param}-dflash-draft", "synth").write(
+        draft, size="tiny", type="f32", seed=1, target=target)
+    plain = ModelService(ServeConfig(model=str(target), ctx_size=256))
+    speculative = ModelService(ServeConfig(model=str(target), ctx_size=256, model_draft=str(draft),
+                                           spec_type="ddtree", tree_budget=8))
     for service in (plain, speculative):
         service.load()
         assert service.status == "ok", service.error
