@@ -169,3 +169,16 @@ def test_block_schedule(tokens, experts, top_k, block_m):
 def test_block_schedule_without_pairs():
     slot_pair, block_expert = triton_moe.block_schedule(torch.empty(0, 2, dtype=torch.long), 8)
     assert slot_pair.numel() == block_expert.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_pairs_weights_and_sums_each_tokens_rows(dtype):
+    """The few-pair path's combine: the reference's `(rows * weights).sum(k)` in fp32, in one launch."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, top_k, hidden = 3, 8, 1500  # more than one column block
+    rows = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    want = (rows.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(dtype)
+    got = triton_moe.combine_pairs(rows, weights)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 3e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2)

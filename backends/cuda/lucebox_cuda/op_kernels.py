@@ -387,6 +387,8 @@ def moe_experts(ops: Any, x: torch.Tensor, gate_up_exps: QuantTensor, down_exps:
     gate_up = ops.expert_matvec(x, gate_up_exps, flat, top_k)  # [T * k, 2I]
     act = ops.gelu_tanh_mul(gate_up[:, :inter], gate_up[:, inter:])
     down = ops.expert_matvec(act, down_exps, flat, 1)  # [T * k, hidden]
+    if triton_moe() is not None:
+        return triton_moe().combine_pairs(down, weights)
     return (down.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
 
 

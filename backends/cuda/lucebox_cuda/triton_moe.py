@@ -349,3 +349,34 @@ def moe_grouped(
     schedule = Schedule.build(ids, gate_up.shape[0], block_m)
     act = gate_up_geglu(x, gate_up, ids.shape[1], schedule, gate_up_config)
     return down_weighted_sum(act, down, weights, schedule, down_config)
+
+
+# -- the few-pair path's combine (decode, verify) -----------------------------------------------------------
+
+
+@triton.jit
+def _combine_pairs_kernel(rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):  # in slot order, as the reference's sum over k
+        row = tl.load(rows_ptr + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        total += row * tl.load(weights_ptr + token * TOP_K + k)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine_pairs(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`sum_k weights[t, k] * rows[t * k_count + k]` in fp32, in rows' dtype: the experts' down outputs of each
+    token (`rows` `[T * k, hidden]`, pair-major as the pair kernel writes them) weighted and summed in one
+    launch instead of four."""
+    tokens, top_k = weights.shape
+    hidden = rows.shape[-1]
+    rows = rows.contiguous()
+    out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        with _device_scope(rows):
+            _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](
+                rows, weights.to(torch.float32).contiguous(), out, hidden, TOP_K=top_k, BLOCK=block)
+    return out
