@@ -250,6 +250,28 @@ gemma4_b() {  # ~9 min: decode at depth 32768 both engines, 26B-A4B memory at a 
   done
 }
 
+gemma4_final() {  # ~9.5 min, right after gemma4-dev on the warm machine (its files, build and sweep table): every
+  #                 benchmark row of both engines on the same files in this one call, short repetitions, then the
+  #                 26B-A4B's memory at 32K and the profiles while the deadline allows.  carry: .whl .llamacpp
+  [ -s "$WORK/matvec_sweep.json" ] && export LUCEBOX_MATVEC_TUNED=$WORK/matvec_sweep.json
+  echo "LUCEBOX_MATVEC_TUNED=${LUCEBOX_MATVEC_TUNED:-}"
+  local skip=$SKIP
+  SKIP="$skip gemma4-check "
+  REPS=${REPS:-2} gemma4_a
+  for m in 26b-a4b 31b; do
+    step lucebox-$m-depth 100 sh -c "python3 -m lucebox_core.cli bench -m $(g4model $m) -p 0 -n 128 -d 32768 -r 1 --json \
+      > $RES/lucebox_${m}_depth.json; cat $RES/lucebox_${m}_depth.json"
+    step llama-$m-depth 100 sh -c "$LB -m $(g4model $m) -ngl 99 -fa 1 -p 0 -n 128 -d 32768 -r 1 -o json > $RES/llama_${m}_depth.json; \
+      cat $RES/llama_${m}_depth.json | python3 -c 'import json,sys; [print(r[\"n_depth\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
+  done
+  SKIP=$skip
+  step memory-26b 90 python3 scripts/bench_vs_llamacpp.py memory "$(g4model 26b-a4b)" --ctx 32768 --cache-types f16 \
+    --decode 16 --json "$RES/memory_26b.json"
+  for m in 31b 26b-a4b; do
+    step profile-$m 60 python3 scripts/bench_vs_llamacpp.py profile "$(g4model $m)" --out "$RES"
+  done
+}
+
 gemma4_all() {  # gemma4_a's and gemma4_b's Lucebox rows, the llama.cpp build meanwhile, its depth rows last
   llama_build_bg
   local skip=$SKIP
@@ -323,6 +345,7 @@ session() {
     gemma4-all) gemma4_all ;;
     gemma4-profile) gemma4_profile ;;
     gemma4-dev) gemma4_dev ;;
+    gemma4-final) gemma4_final ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
