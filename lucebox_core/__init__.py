@@ -7,13 +7,28 @@ Plugins import what they need from here:
     @hookimpl
     def lucebox_model_families():
         return [ModelFamily(name="mine", architectures=["mine"], loader="my_pkg.model:load")]
+
+A hook that only lists specs can be written `lucebox_model_families = provides(ModelFamily(...))`.
 """
+
+from typing import Any, Callable
 
 import pluggy
 
 __version__ = "0.1.0"
 
 hookimpl = pluggy.HookimplMarker("lucebox")
+
+
+def provides(*specs: Any) -> Callable[[], list[Any]]:
+    """A hook implementation that returns `specs`: most hooks only list what a plugin provides, and this
+    spares each of them the decorator, the function and the list around its specs."""
+
+    def hook() -> list[Any]:
+        return list(specs)
+
+    return hookimpl(hook)
+
 
 from .errors import GGUFError, LuceboxError, PluginError, TemplateError  # noqa: E402
 from .specs import (  # noqa: E402
@@ -32,6 +47,7 @@ from .specs import (  # noqa: E402
 __all__ = [
     "__version__",
     "hookimpl",
+    "provides",
     "LuceboxError",
     "GGUFError",
     "PluginError",

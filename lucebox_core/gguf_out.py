@@ -13,18 +13,18 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 # gguf's writer logs every file it writes at INFO; our own progress bar and messages say enough.
 logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
-from .filetypes import nbytes
+from .filetypes import file_type, nbytes, tensor_type
 
 Chunk = Any  # bytes-like: a contiguous numpy array, bytes or memoryview
 
@@ -40,6 +40,31 @@ class TensorPlan:
     @property
     def nbytes(self) -> int:
         return nbytes(self.ggml_type, self.shape)
+
+
+def tensor_plans(shapes: Mapping[str, tuple[int, ...]], type: str, *, n_layer: int,
+                 tied_output: bool) -> list[TensorPlan]:
+    """The tensors of a `type` file with these numpy-order `shapes`, in file order, each with the ggml type
+    llama.cpp gives it in that file type."""
+    return [TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=n_layer, tied_output=tied_output))
+            for name, shape in shapes.items()]
+
+
+def add_file_type(writer: GGUFWriter, type: str) -> None:
+    """`general.file_type` of a `type` file and, when it holds quantized blocks, the quantization version
+    (GGML_QNT_VERSION) that llama.cpp's quantizer writes beside it."""
+    writer.add_file_type(int(file_type(type)))
+    if type not in ("f32", "f16", "bf16"):
+        writer.add_quantization_version(2)
+
+
+def add_arch_metadata(writer: GGUFWriter, arch: str, metadata: Mapping[str, Any],
+                      value_types: Mapping[str, tuple[GGUFValueType, GGUFValueType | None]]) -> None:
+    """Write a family's `ARCH.*` keys with llama.cpp's value types: `value_types` by key without the `ARCH.`
+    prefix, as (type, array item type); a key it does not name is a UINT32."""
+    for key, value in metadata.items():
+        vtype, sub = value_types.get(key.removeprefix(f"{arch}."), (GGUFValueType.UINT32, None))
+        writer.add_key_value(key, value, vtype, sub)
 
 
 def _progress(total: int, description: str) -> Any:

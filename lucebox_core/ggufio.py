@@ -589,3 +589,41 @@ class MetadataView(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.gguf.keys())
+
+
+class ArchMetadata:
+    """The `ARCH.*` keys of GGUF metadata (key -> plain Python value), as a family's config reads them.
+
+    Checks `general.architecture` first; a key asked for without a default that is missing, a GGUFError
+    naming `source` (the file) and the full key."""
+
+    def __init__(self, metadata: Mapping[str, Any], arch: str, source: str = "GGUF metadata"):
+        found = metadata.get("general.architecture", arch)
+        if found != arch:
+            raise GGUFError(f"{source}: general.architecture is {found!r}, expected {arch!r}")
+        self.metadata, self.prefix, self.source = metadata, f"{arch}.", source
+
+    def __contains__(self, key: str) -> bool:
+        return self.prefix + key in self.metadata
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The value of `ARCH.key`, else `default`."""
+        if self.prefix + key in self.metadata:
+            return self.metadata[self.prefix + key]
+        if default is _MISSING:
+            raise GGUFError(f"{self.source}: missing metadata key {self.prefix + key}")
+        return default
+
+    def vocab_size(self) -> int:
+        """`ARCH.vocab_size`, else the length of the tokenizer's table (llama.cpp's converters write either)."""
+        if "vocab_size" in self:
+            return int(self.get("vocab_size"))
+        if "tokenizer.ggml.tokens" in self.metadata:
+            return len(self.metadata["tokenizer.ggml.tokens"])
+        raise GGUFError(f"{self.source}: missing metadata key {self.prefix}vocab_size (and no tokenizer.ggml.tokens)")
+
+
+def float32_decimal(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-6, not 9.99999997e-07): the
+    value the config was written from."""
+    return float(str(np.float32(value)))

@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .errors import PluginError
+from .errors import GGUFError, LuceboxError, PluginError
+
+if TYPE_CHECKING:  # torch is imported by what loads a model, not by what only finds one
+    import torch
+
+# What every family loader takes (see `ModelFamily`); a family adds its own (a kernel's chunk size, ...).
+KV_OPTIONS = frozenset({"kv_policy", "kv_dtype", "cache_type_k", "cache_type_v"})
 
 
 def lucebox_home() -> Path:
@@ -77,3 +83,70 @@ def load_model(
     else:
         template = ChatTemplate.from_metadata(gguf_file.metadata)
     return LoadedModel(path, gguf_file, family, ops, backend_spec.name, model, tokenizer, template)
+
+
+# -- what every family's loader does before it reads a weight -------------------------------------------
+
+
+@attrs.frozen
+class FamilyLoad:
+    """A family loader's checked inputs: the open GGUF, the backend and the KV settings to hand the model."""
+
+    gguf: Any  # GGUFFile
+    backend: Any
+    kv: dict[str, Any]  # kv_policy, kv_dtype, cache_type_k, cache_type_v: keyword arguments of the model
+
+
+def start_family_load(gguf_file: Any, backend: Any, options: dict[str, Any], *, family: str, architecture: str,
+                      known_options: frozenset[str] = KV_OPTIONS) -> FamilyLoad:
+    """Check a family loader's `options` and open `gguf_file` (a `GGUFFile` or a path) for it, on `backend`
+    (default: torch on the CPU). An unknown option or a cache type the KV policy (default the built-in `full`)
+    does not store fails before the file is opened, a file of another architecture before any weight is read."""
+    from .ggufio import GGUFFile
+    from .kv import K_FLAG, V_FLAG, kv_cache_type
+    from .plugins import registry
+    from .torch_backend import TorchBackend
+
+    unknown = set(options) - known_options
+    if unknown:
+        raise LuceboxError(f"unknown {family} model option(s): {', '.join(sorted(unknown))} "
+                           f"(known: {', '.join(sorted(known_options))})")
+    kv_policy = options.get("kv_policy") or registry().kv_policy("full")
+    for option, flag in (("cache_type_k", K_FLAG), ("cache_type_v", V_FLAG)):
+        if options.get(option) is not None:
+            kv_cache_type(options[option], flag)
+    kv_policy.check_types(options.get("cache_type_k"), options.get("cache_type_v"))
+    if isinstance(gguf_file, (str, os.PathLike)):
+        gguf_file = GGUFFile(gguf_file)
+    backend = backend if backend is not None else TorchBackend()
+    if gguf_file.architecture != architecture:
+        raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {architecture!r}")
+    kv = {"kv_policy": kv_policy, **{key: options.get(key) for key in ("kv_dtype", "cache_type_k", "cache_type_v")}}
+    return FamilyLoad(gguf_file, backend, kv)
+
+
+class LayoutTensors:
+    """Tensors of one GGUF by transformers name, each checked against the shape the family's layout expects
+    (a missing or mis-shaped tensor raises a GGUFError naming the file and the tensor)."""
+
+    def __init__(self, gguf_file: Any, shapes: dict[str, tuple[int, ...]], gguf_names: dict[str, str], ops: Any, *,
+                 family: str):
+        self.gguf = gguf_file
+        self.shapes = shapes
+        self.gguf_names = gguf_names  # transformers name -> GGUF name, `{i}` standing for the layer
+        self.ops = ops
+        self.family = family
+
+    def _tensor(self, hf_name: str, layer: int | None) -> Any:
+        name = self.gguf_names[hf_name].format(i=layer)
+        if name not in self.shapes:
+            raise GGUFError(f"{self.gguf.path}: the {self.family} layout has no tensor {name}")
+        return self.gguf.tensor(name, self.shapes[name])
+
+    def weight(self, hf_name: str, layer: int | None = None) -> Any:
+        """A matrix (or an expert stack), kept in its GGUF type."""
+        return self._tensor(hf_name, layer)
+
+    def vector(self, hf_name: str, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A small tensor (norm, scale, conv kernel, per-head scalars), dequantized once."""
+        return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)

@@ -6,19 +6,25 @@ until it is known; so coalescing adjacent deltas of one kind gives the same even
 
 This module has the family-independent parts: the event records, the `<think>…</think>` splitter
 (`ReasoningParser`) that hands everything outside the reasoning to a content parser (a family's
-tool-call parser, or `PlainContent`), and the lookup of a family's parser in the plugin registry.
+tool-call parser, or `PlainContent`), the machinery every family's tool-call parser runs on
+(`StreamingToolCallParser`), the tool_choice checks and the lookup of a family's parser in the plugin
+registry.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from .errors import LuceboxError
 from .specs import ResponseParser
+
+if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
+    from .constraints import GrammarConstraint
 
 __all__ = [
     "PLAIN_PARSER",
@@ -28,10 +34,13 @@ __all__ = [
     "PlainContent",
     "ReasoningDelta",
     "ReasoningParser",
+    "StreamedCall",
+    "StreamingToolCallParser",
     "ToolCallArgsDelta",
     "ToolCallEnd",
     "ToolCallStart",
     "create_plain_parser",
+    "forced_tool_call_constraint",
     "partial_suffix",
     "response_parser_for",
 ]
@@ -241,3 +250,134 @@ def chosen_tool_name(tool_choice: Any) -> str | None:
             raise LuceboxError(f"tool_choice names no function: {json.dumps(tool_choice)}")
         return name
     return None
+
+
+def forced_tool_call_constraint(
+    tokenizer: Any,
+    schemas: Mapping[str, Mapping[str, Any]],
+    tool_choice: Any,
+    grammar: Callable[..., str],
+    *,
+    thinking: bool = False,
+) -> GrammarConstraint | None:
+    """A constraint that admits only tool calls when `tool_choice` is "required" or names a function, else None.
+
+    `grammar(tokenizer, schemas, thinking=, single=)` is the family's Lark grammar of calls to the chosen
+    functions: every declared one for "required" (one or more calls), the named one (`single`) otherwise.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    name = chosen_tool_name(tool_choice)
+    if name is None and tool_choice != "required":
+        raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
+    names = [name] if name is not None else list(schemas)
+    if not names:
+        raise LuceboxError("tool_choice asks for a tool call but no tools were given")
+    unknown = [n for n in names if n not in schemas]
+    if unknown:
+        raise LuceboxError(f"tool_choice names {unknown[0]!r}, which is not among the tools given")
+    from .constraints import lark_constraint
+
+    chosen = {n: schemas[n] for n in names}
+    return lark_constraint(tokenizer, grammar(tokenizer, chosen, thinking=thinking, single=name is not None))
+
+
+# -- the machinery of a family's streaming tool-call parser -----------------------------------------
+
+
+class StreamedCall:
+    """One tool call being read: its text as generated, its name once known, the JSON sent so far."""
+
+    def __init__(self, index: int, opening: str, *, space_before: str) -> None:
+        self.index = index
+        self.space_before = space_before  # the content's whitespace before the call: given back if it is none
+        self.raw = [opening]
+        self.name = ""
+        self.fragments: list[str] = []
+        self.value: list[str] = []  # the text of the value being read
+        self.streams_string = False  # whether that text goes out as a JSON string while it arrives
+
+
+class StreamingToolCallParser:
+    """A state machine over a buffer, which a family's tool-call parser fills with its states.
+
+    Each step (`_in_STATE(events, final)`) consumes what it can decide and returns whether it made
+    progress; it waits (returns False) while the text at the end might still become a tag, so the events,
+    coalesced, do not depend on how the text was chunked. A call's text is moved into its `raw` as it is
+    read (`_take`); what turns out to be no call goes out as content (`_abandon_call`).
+    """
+
+    _state = "content"
+
+    def __init__(
+        self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None
+    ) -> None:
+        self.schemas = tool_parameters(tools)
+        self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
+        self._buffer = ""
+        self._held_space = ""  # content's trailing whitespace: dropped if a tool call follows
+        self._calls = 0
+        self._call: StreamedCall | None = None
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def _drain(self, *, final: bool) -> list[Event]:
+        events: list[Event] = []
+        while getattr(self, f"_in_{self._state}")(events, final):
+            pass
+        return events
+
+    def _take(self, size: int) -> None:
+        """Move `size` characters from the buffer into the current call's raw text."""
+        assert self._call is not None
+        self._call.raw.append(self._buffer[:size])
+        self._buffer = self._buffer[size:]
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body) :]
+        if body:
+            events.append(ContentDelta(body))
+
+    def _name_call(self, events: list[Event], name: str) -> None:
+        """The current call's name is known: the call starts."""
+        call = self._call
+        assert call is not None
+        call.name = name
+        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+
+    def _arguments(self, events: list[Event], fragment: str) -> None:
+        assert self._call is not None
+        if fragment:
+            self._call.fragments.append(fragment)
+            events.append(ToolCallArgsDelta(self._call.index, fragment))
+
+    def _value_text(self, events: list[Event], text: str) -> None:
+        """Text of the value being read, taken from the buffer (and streamed, if it is a string)."""
+        call = self._call
+        assert call is not None
+        if not text:
+            return
+        call.value.append(text)
+        self._take(len(text))
+        if call.streams_string:
+            self._arguments(events, json.dumps(text, ensure_ascii=False)[1:-1])
+
+    def _close_call(self, events: list[Event]) -> None:
+        """The current call's arguments are complete: it ends, and content follows."""
+        call = self._call
+        assert call is not None
+        events.append(ToolCallEnd(call.index, "".join(call.fragments), "".join(call.raw)))
+        self._calls += 1
+        self._call, self._state = None, "content"
+
+    def _abandon_call(self, events: list[Event]) -> None:
+        """What looked like a call is not one: its text so far goes out as content."""
+        call = self._call
+        assert call is not None
+        self._call, self._state = None, "content"
+        self._held_space = call.space_before
+        self._content("".join(call.raw), events)

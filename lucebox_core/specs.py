@@ -291,6 +291,29 @@ class OpKernel:
         return target_available(self.kernel)
 
 
+# -- specs every family plugin declares alike ---------------------------------------------------------
+
+# The types a Hugging Face checkpoint converter writes (plain types; K-quant mixes come from a quantizer)
+# and those a random-weight synthesizer writes (its quantized blocks are random, so K-quants cost nothing).
+CONVERTED_TYPES = ("f32", "f16", "bf16", "q8_0")
+SYNTHESIZED_TYPES = ("f32", "f16", "q8_0", "q4_k_m")
+DFLASH_LOADER = "lucebox_core.speculative.dflash:load"
+DRAFT_SIZES = ("tiny", "full")
+
+
+def dflash_drafter(architecture: str, description: str) -> Drafter:
+    """The `dflash` drafter for draft files of `architecture`: DFlash drafters share the core's layout, so the
+    core's loader reads them whatever target they were written for."""
+    return Drafter(name="dflash", factory=DFLASH_LOADER, architectures=[architecture], description=description)
+
+
+def dflash_draft_synthesizer(target: str, writer: Target) -> Synthesizer:
+    """The synthesizer of random-weight DFlash drafters fitted to a `target` file (`lucebox synth --arch
+    {target}-dflash-draft --target FILE`)."""
+    return Synthesizer(name=f"{target}-dflash-draft", writer=writer, sizes=DRAFT_SIZES, types=SYNTHESIZED_TYPES,
+                       description=f"random-weight DFlash drafter fitting a {target} target (needs --target FILE)")
+
+
 ALL_KINDS = {
     "lucebox_model_families": ModelFamily,
     "lucebox_kernel_backends": KernelBackend,

@@ -8,13 +8,15 @@ pool per ggml type, so writing a 27B file takes minutes, not hours, and no two r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .filetypes import stays_f32
-from .gguf_out import TensorPlan
+from .gguf_out import TensorPlan, add_file_type, write_gguf
 from .kquants import random_blocks
 
 WEIGHT_STD = 0.02
@@ -23,6 +25,14 @@ POOL_WEIGHTS = 1 << 24  # weights per pool (per ggml type) for larger files
 CHUNK_WEIGHTS = 1 << 20  # weights produced / copied per write
 
 SmallTensorRule = Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray]
+
+
+def named_size(sizes: Mapping[str, Any], name: str, arch: str) -> Any:
+    """The config of the size `name` among a family's named `sizes`, or a ValueError listing them."""
+    try:
+        return sizes[name]
+    except KeyError:
+        raise ValueError(f"unknown {arch} size {name!r}; choose one of {', '.join(sizes)}") from None
 
 
 class RandomWeights:
@@ -66,3 +76,21 @@ class RandomWeights:
             blocks = random_blocks(ggml_type, POOL_WEIGHTS, self.weight_std, rng)
             self.pools[ggml_type] = blocks.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])  # one row per block
         return self.pools[ggml_type]
+
+
+def write_random_model(path: str | Path, tensors: Sequence[TensorPlan], *, arch: str, title: str, size: str,
+                       type: str, seed: int, small_tensor: SmallTensorRule,
+                       add_metadata: Callable[[Any], None]) -> Path:
+    """Write a random-weight file of `tensors` to `path`: general keys that say it is no model (`title` names
+    the family's layout), the file type, the family's own keys (`add_metadata(writer)`), then random data."""
+    total = sum(int(np.prod(plan.shape)) for plan in tensors)
+
+    def add_all_metadata(writer: Any) -> None:
+        writer.add_name(f"{title} {size} RANDOM WEIGHTS (synthetic, seed {seed})")
+        writer.add_description(f"Random weights with the {title} layout, for tests and benchmarks; not a model")
+        add_file_type(writer, type)
+        add_metadata(writer)
+
+    return write_gguf(path, arch=arch, add_metadata=add_all_metadata, tensors=tensors,
+                      data=RandomWeights(seed, total <= INDEPENDENT_LIMIT, small_tensor),
+                      description=f"{arch} {size} {type}")

@@ -9,25 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from lucebox_gemma4.tool_calls import (
-    coerce_value,
-    create_parser,
-    forced_prefix,
-    parse_arguments,
-    tool_call_grammar,
-    tool_choice_constraint,
-    tool_parameters,
-)
+from lucebox_gemma4.tool_calls import (coerce_value, create_parser, forced_prefix, parse_arguments, tool_call_grammar,
+                                       tool_choice_constraint, tool_parameters)
 
 from lucebox_core.chat_template import ChatTemplate, decode_tool_arguments
-from lucebox_core.parsing import (
-    ContentDelta,
-    ReasoningDelta,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-)
+from lucebox_core.parsing import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from tool_call_helpers import (assert_any_chunking_gives, assert_texts, assert_tool_choice_is_checked, checked_calls,
+                               coalesce, drive, feed_all, ids, random_chunks)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TEMPLATES = SHARED / "fixtures" / "templates"
@@ -89,39 +77,8 @@ WELL_FORMED = [
 CHANNEL_MARKUP = ("<|channel>", "<channel|>")
 
 
-def ids(index: int) -> str:
-    return f"call_{index}"
-
-
 def parse(chunks: list[str], *, thinking: bool = False, tools=TOOLS) -> list:
-    parser = create_parser(tools=tools, thinking=thinking, call_id=ids)
-    events = []
-    for chunk in chunks:
-        events += parser.feed(chunk)
-    return events + parser.finish()
-
-
-def random_chunks(text: str, rng: random.Random, largest: int) -> list[str]:
-    chunks, at = [], 0
-    while at < len(text):
-        size = rng.randint(1, largest)
-        chunks.append(text[at : at + size])
-        at += size
-    return chunks
-
-
-def coalesce(events: list) -> list:
-    """Adjacent deltas of one kind (and one call) merged: the form that does not depend on the chunking."""
-    merged: list = []
-    for event in events:
-        last = merged[-1] if merged else None
-        if isinstance(event, (ContentDelta, ReasoningDelta)) and type(last) is type(event):
-            merged[-1] = type(event)(last.text + event.text)
-        elif isinstance(event, ToolCallArgsDelta) and isinstance(last, ToolCallArgsDelta) and last.index == event.index:
-            merged[-1] = ToolCallArgsDelta(event.index, last.fragment + event.fragment)
-        else:
-            merged.append(event)
-    return merged
+    return feed_all(create_parser(tools=tools, thinking=thinking, call_id=ids), chunks)
 
 
 def check_invariants(events: list, output: str) -> list[tuple[str, dict]]:
@@ -130,33 +87,20 @@ def check_invariants(events: list, output: str) -> list[tuple[str, dict]]:
     assert not any(tag in content + reasoning for tag in CHANNEL_MARKUP), (content, reasoning)
     # a call's head (with a name) never leaks into the content; `<|tool_call>call:{` is no call, and is text
     assert not re.search(r"<\|tool_call>\s*call:\s*[A-Za-z_][\w.\-]*\s*\{", content), content
-    calls = []
-    for start in (e for e in events if isinstance(e, ToolCallStart)):
-        fragments = "".join(e.fragment for e in events if isinstance(e, ToolCallArgsDelta) and e.index == start.index)
-        (end,) = [e for e in events if isinstance(e, ToolCallEnd) and e.index == start.index]
-        assert fragments == end.arguments_json
-        assert end.raw_text in output and end.raw_text.startswith("<|tool_call>call:" + start.name)
-        calls.append((start.name, json.loads(end.arguments_json)))
-    assert [s.index for s in events if isinstance(s, ToolCallStart)] == list(range(len(calls)))
-    return calls
+    return checked_calls(events, output, opening="<|tool_call>call:")
 
 
 @pytest.mark.parametrize("case", range(len(WELL_FORMED)))
 def test_any_chunking_gives_the_same_events_and_keeps_the_invariants(case):
     output, thinking, reasoning, content, expected_calls = WELL_FORMED[case]
     reference = coalesce(parse([output], thinking=thinking))
-    assert [e.text for e in reference if isinstance(e, ReasoningDelta)] == ([reasoning] if reasoning else [])
-    assert [e.text for e in reference if isinstance(e, ContentDelta)] == ([content] if content else [])
+    assert_texts(reference, reasoning, content)
     assert check_invariants(reference, output) == expected_calls
     if expected_calls:  # arguments are typed JSON, not just equal after a loose comparison
         for (_, got), (_, want) in zip(check_invariants(reference, output), expected_calls):
             assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
-    rng = random.Random(case)
-    for trial in range(80):
-        chunks = list(output) if trial == 0 else random_chunks(output, rng, largest=rng.choice([2, 5, 13]))
-        events = parse(chunks, thinking=thinking)
-        assert coalesce(events) == reference, chunks
-        check_invariants(events, output)
+    assert_any_chunking_gives(reference, output, lambda chunks: parse(chunks, thinking=thinking), check_invariants,
+                              seed=case)
 
 
 PIECES = ["<|tool_call>", "call:", "get_weather", "run", "{", "}", "[", "]", ",", ":", Q, "<tool_call|>", "<|channel>",
@@ -396,28 +340,6 @@ def tokenizer():
     return Tokenizer.from_gguf(VOCAB)
 
 
-def drive(constraint, tokenizer, seed: int, steps: int, prefix: str = "") -> tuple[list[int], bool]:
-    """Random logits (seeded) under the constraint; returns the ids and whether it finished."""
-    generator = torch.Generator().manual_seed(seed)
-    chosen = tokenizer.encode(prefix, add_bos=False, parse_special=True) if prefix else []
-    for token in chosen:
-        assert constraint.allowed(tokenizer.vocab_size)[token]
-        constraint.accept(token)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops on 2 cores are far faster on one thread
-    try:
-        for _ in range(steps):
-            logits = torch.randn(tokenizer.vocab_size, generator=generator)
-            token = int(logits.masked_fill(~constraint.allowed(logits.shape[-1]), float("-inf")).argmax())
-            constraint.accept(token)
-            chosen.append(token)
-            if constraint.finished or token in tokenizer.eot_ids:
-                return chosen, True
-    finally:
-        torch.set_num_threads(threads)
-    return chosen, False
-
-
 SCHEMAS = {
     "get_weather": {"type": "object", "properties": {
         "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]}, "metric": {"type": "boolean"},
@@ -477,12 +399,8 @@ def test_named_tool_choice_allows_only_that_function(tokenizer):
     allowed = constraint.allowed(tokenizer.vocab_size)
     assert allowed[tokenizer.token_to_id(Q)]  # a string parameter: only a quoted string
     assert not allowed[tokenizer.encode("7", add_bos=False)[0]]
-    assert tool_choice_constraint(tokenizer, schemas, "auto") is None
-    assert tool_choice_constraint(tokenizer, schemas, "none") is None
     parser = create_parser(tools=TOOLS, thinking=False)
-    assert parser.constraint_for("required", tokenizer) is not None
-    with pytest.raises(Exception, match="not among the tools"):
-        tool_choice_constraint(tokenizer, schemas, {"function": {"name": "missing"}})
+    assert_tool_choice_is_checked(tool_choice_constraint, parser, tokenizer, schemas)
     with pytest.raises(Exception, match="no tools"):
         tool_choice_constraint(tokenizer, {}, "required")
 

@@ -15,33 +15,8 @@ from lucebox_core.parsing import (
     partial_suffix,
     response_parser_for,
 )
-
-
-def random_chunks(text: str, rng: random.Random, largest: int = 7) -> list[str]:
-    chunks, at = [], 0
-    while at < len(text):
-        size = rng.randint(1, largest)
-        chunks.append(text[at : at + size])
-        at += size
-    return chunks
-
-
-def coalesce(events: list) -> list:
-    """Adjacent deltas of one kind merged: the form that does not depend on the chunking."""
-    merged: list = []
-    for event in events:
-        if merged and type(event) is type(merged[-1]) and isinstance(event, (ContentDelta, ReasoningDelta)):
-            merged[-1] = type(event)(merged[-1].text + event.text)
-        else:
-            merged.append(event)
-    return merged
-
-
-def parse(parser, chunks: list[str]) -> list:
-    events = []
-    for chunk in chunks:
-        events += parser.feed(chunk)
-    return events + parser.finish()
+from tool_call_helpers import coalesce, random_chunks
+from tool_call_helpers import feed_all as parse
 
 
 @pytest.mark.parametrize(

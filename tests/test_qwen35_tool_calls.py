@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import jinja2
 import pytest
-import torch
-from lucebox_qwen35.tool_calls import (
-    coerce_value,
-    create_parser,
-    forced_prefix,
-    tool_choice_constraint,
-    tool_parameters,
-)
+from lucebox_qwen35.tool_calls import (coerce_value, create_parser, forced_prefix, tool_choice_constraint,
+                                       tool_parameters)
 
-from lucebox_core.parsing import (
-    ContentDelta,
-    ReasoningDelta,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-)
+from lucebox_core.parsing import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from tool_call_helpers import (assert_any_chunking_gives, assert_texts, assert_tool_choice_is_checked, checked_calls,
+                               coalesce, drive, feed_all, ids)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TEMPLATES = SHARED / "fixtures" / "templates"
@@ -67,68 +56,24 @@ WELL_FORMED = [
 MARKUP = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "<think>", "</think>")
 
 
-def ids(index: int) -> str:
-    return f"call_{index}"
-
-
 def parse(chunks: list[str], *, thinking: bool = False, tools=TOOLS) -> list:
-    parser = create_parser(tools=tools, thinking=thinking, call_id=ids)
-    events = []
-    for chunk in chunks:
-        events += parser.feed(chunk)
-    return events + parser.finish()
-
-
-def random_chunks(text: str, rng: random.Random, largest: int) -> list[str]:
-    chunks, at = [], 0
-    while at < len(text):
-        size = rng.randint(1, largest)
-        chunks.append(text[at : at + size])
-        at += size
-    return chunks
-
-
-def coalesce(events: list) -> list:
-    """Adjacent deltas of one kind (and one call) merged: the form that does not depend on the chunking."""
-    merged: list = []
-    for event in events:
-        last = merged[-1] if merged else None
-        if isinstance(event, (ContentDelta, ReasoningDelta)) and type(last) is type(event):
-            merged[-1] = type(event)(last.text + event.text)
-        elif isinstance(event, ToolCallArgsDelta) and isinstance(last, ToolCallArgsDelta) and last.index == event.index:
-            merged[-1] = ToolCallArgsDelta(event.index, last.fragment + event.fragment)
-        else:
-            merged.append(event)
-    return merged
+    return feed_all(create_parser(tools=tools, thinking=thinking, call_id=ids), chunks)
 
 
 def check_invariants(events: list, output: str) -> list[tuple[str, dict]]:
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     assert not any(tag in content for tag in MARKUP), content
-    calls = []
-    for start in (e for e in events if isinstance(e, ToolCallStart)):
-        fragments = "".join(e.fragment for e in events if isinstance(e, ToolCallArgsDelta) and e.index == start.index)
-        (end,) = [e for e in events if isinstance(e, ToolCallEnd) and e.index == start.index]
-        assert fragments == end.arguments_json
-        assert end.raw_text in output
-        calls.append((start.name, json.loads(end.arguments_json)))
-    assert [s.index for s in events if isinstance(s, ToolCallStart)] == list(range(len(calls)))
-    return calls
+    return checked_calls(events, output)
 
 
 @pytest.mark.parametrize("case", range(len(WELL_FORMED)))
 def test_any_chunking_gives_the_same_events_and_keeps_the_invariants(case):
     output, thinking, reasoning, content, expected_calls = WELL_FORMED[case]
     reference = coalesce(parse([output], thinking=thinking))
-    assert [e.text for e in reference if isinstance(e, ReasoningDelta)] == ([reasoning] if reasoning else [])
-    assert [e.text for e in reference if isinstance(e, ContentDelta)] == ([content] if content else [])
+    assert_texts(reference, reasoning, content)
     assert check_invariants(reference, output) == expected_calls
-    rng = random.Random(case)
-    for trial in range(80):
-        chunks = list(output) if trial == 0 else random_chunks(output, rng, largest=rng.choice([2, 5, 13]))
-        events = parse(chunks, thinking=thinking)
-        assert coalesce(events) == reference
-        check_invariants(events, output)
+    assert_any_chunking_gives(reference, output, lambda chunks: parse(chunks, thinking=thinking), check_invariants,
+                              seed=case)
 
 
 def test_string_arguments_stream_before_the_parameter_closes():
@@ -222,28 +167,6 @@ def tokenizers():
     return {"text tags": Tokenizer.from_gguf(VOCAB), "control tags": Tokenizer.from_metadata(metadata)}
 
 
-def drive(constraint, tokenizer, seed: int, steps: int, prefix: str = "") -> tuple[list[int], bool]:
-    """Random logits (seeded) under the constraint; returns the ids and whether it finished."""
-    generator = torch.Generator().manual_seed(seed)
-    chosen = tokenizer.encode(prefix, add_bos=False, parse_special=True) if prefix else []
-    for token in chosen:
-        assert constraint.allowed(tokenizer.vocab_size)[token]
-        constraint.accept(token)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops on 2 cores are far faster on one thread
-    try:
-        for _ in range(steps):
-            logits = torch.randn(tokenizer.vocab_size + 16, generator=generator)
-            token = int(logits.masked_fill(~constraint.allowed(logits.shape[-1]), float("-inf")).argmax())
-            constraint.accept(token)
-            chosen.append(token)
-            if constraint.finished or token in tokenizer.eot_ids:
-                return chosen, True
-    finally:
-        torch.set_num_threads(threads)
-    return chosen, False
-
-
 @pytest.mark.parametrize("kind", ["text tags", "control tags"])
 @pytest.mark.parametrize("thinking", [False, True])
 def test_required_tool_choice_forces_a_parsable_call(tokenizers, kind, thinking):
@@ -256,7 +179,7 @@ def test_required_tool_choice_forces_a_parsable_call(tokenizers, kind, thinking)
     for seed in range(6):
         constraint = tool_choice_constraint(tokenizer, tool_parameters(tools), "required", thinking=thinking)
         prefix = "Let me see.\n</think>\n\n" if thinking else ""
-        chosen, done = drive(constraint, tokenizer, seed, 120, prefix)
+        chosen, done = drive(constraint, tokenizer, seed, 120, prefix, padded_logits=16)
         if not done:
             continue
         finished += 1
@@ -284,9 +207,5 @@ def test_named_tool_choice_allows_only_that_function(tokenizers):
     allowed = constraint.allowed(tokenizer.vocab_size)
     assert allowed[tokenizer.encode("run", add_bos=False)[0]]
     assert not allowed[tokenizer.encode("get", add_bos=False)[0]]
-    assert tool_choice_constraint(tokenizer, schemas, "auto") is None
-    assert tool_choice_constraint(tokenizer, schemas, "none") is None
     parser = create_parser(tools=TOOLS, thinking=False)
-    assert parser.constraint_for("required", tokenizer) is not None
-    with pytest.raises(Exception, match="not among the tools"):
-        tool_choice_constraint(tokenizer, schemas, {"function": {"name": "missing"}})
+    assert_tool_choice_is_checked(tool_choice_constraint, parser, tokenizer, schemas)

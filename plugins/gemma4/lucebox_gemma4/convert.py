@@ -16,25 +16,23 @@ and written one at a time.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from lucebox_core.checkpoint import Checkpoint, TensorSource, check_sources, encode_tensor, identity
+from lucebox_core.checkpoint import (Checkpoint, TensorSource, check_output_type, check_sources, converted_data,
+                                     identity, read_hf_config, write_converted)
 from lucebox_core.errors import LuceboxError
-from lucebox_core.filetypes import file_type, tensor_type
-from lucebox_core.gguf_out import TensorPlan, write_gguf
+from lucebox_core.gguf_out import TensorPlan
+from lucebox_core.specs import CONVERTED_TYPES
 
 from . import layout
-from .synth import synthetic_vocab
+from .synth import synthetic_vocab, tensor_plans
 
-TYPES = ("f32", "f16", "bf16", "q8_0")
+TYPES = CONVERTED_TYPES
 MODEL_TYPES = ("gemma4", "gemma4_text")
-_TEXT_PREFIXES = ("model.language_model.", "model.")
 _SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
 
@@ -71,20 +69,6 @@ def config_from_hf(text: dict[str, Any], *, tied_output: bool) -> layout.Gemma4C
         expert_ffn=int(text.get("moe_intermediate_size") or 0) if moe else 0,
         k_eq_v=bool(text.get("attention_k_eq_v", False)), tied_output=tied_output,
     )
-
-
-def _read_config(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise LuceboxError(f"{config_path}: missing; {hf_dir} is not a Hugging Face checkpoint folder")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise LuceboxError(f"{config_path}: not valid JSON ({exc})") from None
-    if config.get("model_type") not in MODEL_TYPES:
-        raise LuceboxError(f"{config_path}: model_type {config.get('model_type')!r} is not Gemma-4 "
-                           f"({' or '.join(MODEL_TYPES)})")
-    return config, config.get("text_config") or config
 
 
 def _sources(cfg: layout.Gemma4Config, prefix: str) -> dict[str, TensorSource]:
@@ -126,16 +110,10 @@ def _sources(cfg: layout.Gemma4Config, prefix: str) -> dict[str, TensorSource]:
 def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: str | Path | None = None) -> Path:
     """Convert the Gemma-4 checkpoint in `hf_dir` to a `type` (f32, f16, bf16, q8_0) GGUF at `path`."""
     hf_dir = Path(hf_dir)
-    try:
-        file_type(type, TYPES)
-    except ValueError as exc:
-        raise LuceboxError(str(exc)) from None
-    config, text = _read_config(hf_dir)
+    check_output_type(type, TYPES)
+    config, text = read_hf_config(hf_dir, MODEL_TYPES, "Gemma-4")
     checkpoint = Checkpoint(hf_dir)
-    prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in checkpoint), None)
-    if prefix is None:
-        raise LuceboxError(f"{hf_dir}: no embedding tensor (model.language_model.embed_tokens.weight or "
-                           "model.embed_tokens.weight)")
+    prefix = checkpoint.text_prefix(hf_dir)
     tied = "lm_head.weight" not in checkpoint or bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
     try:
         cfg = config_from_hf(text, tied_output=tied)
@@ -144,24 +122,19 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
     tokens = synthetic_vocab(vocab, cfg.vocab)
     sources = _sources(cfg, prefix)
     check_sources(checkpoint, sources, prefix, hf_dir, family="gemma4", skipped=_SKIPPED_PREFIXES)
-    plans = [TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
-             for name, shape in layout.tensor_shapes(cfg).items()]
+    plans = tensor_plans(cfg, type)
+
+    converted = converted_data(checkpoint, sources)
 
     def data(plan: TensorPlan) -> Iterator[np.ndarray]:
-        if plan.name == "rope_freqs.weight":
+        if plan.name == "rope_freqs.weight":  # computed from the config: the checkpoint has no such tensor
             yield layout.rope_freq_factors(cfg)
-            return
-        source = sources[plan.name]
-        weight = checkpoint.tensor(source.key).to(torch.float32).reshape(plan.shape)
-        yield encode_tensor(weight.numpy(), plan.ggml_type).reshape(-1).view(np.uint8)
+        else:
+            yield from converted(plan)
 
     def add_metadata(writer: Any) -> None:
-        writer.add_name(str(config.get("_name_or_path") or hf_dir.resolve().name))
-        writer.add_file_type(int(file_type(type)))
-        if type == "q8_0":
-            writer.add_quantization_version(2)
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_gguf(path, arch=layout.ARCH, add_metadata=add_metadata, tensors=plans, data=data,
-                      description=f"converting to {type}")
+    return write_converted(path, hf_dir, config, arch=layout.ARCH, type=type, tensors=plans, data=data,
+                           add_metadata=add_metadata)

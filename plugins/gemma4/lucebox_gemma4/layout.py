@@ -31,6 +31,9 @@ import numpy as np
 from gguf import GGUFValueType
 
 from lucebox_core.errors import GGUFError
+from lucebox_core.gguf_out import add_arch_metadata
+from lucebox_core.ggufio import ArchMetadata, float32_decimal
+from lucebox_core.synthetic import named_size
 
 ARCH = "gemma4"
 UNROTATED_FREQ_FACTOR = 1e30  # llama.cpp's converter: the divisor that stops a pair from rotating
@@ -145,17 +148,8 @@ class Gemma4Config:
         """Read the config back from GGUF metadata (key -> plain Python value). `tensor_names`, when given,
         decides `tied_output` (no `output.weight`) and `k_eq_v` (full layers without `attn_v`)."""
         k = f"{ARCH}."
-
-        def get(key: str, default: Any = ...) -> Any:
-            if k + key in md:
-                return md[k + key]
-            if default is ...:
-                raise GGUFError(f"{source}: missing metadata key {k + key}")
-            return default
-
-        arch = md.get("general.architecture", ARCH)
-        if arch != ARCH:
-            raise GGUFError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}")
+        keys = ArchMetadata(md, ARCH, source)
+        get = keys.get
         for key, what in (("attention.shared_kv_layers", "KV sharing between layers"),
                           ("embedding_length_per_layer_input", "per-layer input embeddings")):
             if int(get(key, 0)):
@@ -206,13 +200,13 @@ class Gemma4Config:
                 head_dim_swa=head_dim_swa,
                 sliding_window=int(get("attention.sliding_window")),
                 sliding=tuple(sliding),
-                rope_theta=_from_f32(get("rope.freq_base", 1e6)),
-                rope_theta_swa=_from_f32(get("rope.freq_base_swa", 1e4)),
+                rope_theta=float32_decimal(get("rope.freq_base", 1e6)),
+                rope_theta_swa=float32_decimal(get("rope.freq_base_swa", 1e4)),
                 rope_dim_swa=0 if rope_dim_swa == head_dim_swa else rope_dim_swa,
-                eps=_from_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-                vocab=_vocab_size(md, k, source),
+                eps=float32_decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
+                vocab=keys.vocab_size(),
                 context_length=int(get("context_length", 262144)),
-                final_logit_softcap=_from_f32(get("final_logit_softcapping", 0.0)),
+                final_logit_softcap=float32_decimal(get("final_logit_softcapping", 0.0)),
                 n_expert=n_expert,
                 n_expert_used=int(get("expert_used_count", 0)) if n_expert else 0,
                 expert_ffn=int(get("expert_feed_forward_length", 0)) if n_expert else 0,
@@ -223,20 +217,7 @@ class Gemma4Config:
             raise GGUFError(f"{source}: {exc}") from None
 
 
-def _vocab_size(md: Mapping[str, Any], k: str, source: str) -> int:
-    if k + "vocab_size" in md:
-        return int(md[k + "vocab_size"])
-    if "tokenizer.ggml.tokens" in md:
-        return len(md["tokenizer.ggml.tokens"])
-    raise GGUFError(f"{source}: missing metadata key {k}vocab_size (and no tokenizer.ggml.tokens)")
-
-
-def _from_f32(value: Any) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-6, not 9.99999997e-07)."""
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
-
-
-_F32, _U32, _BOOL = GGUFValueType.FLOAT32, GGUFValueType.UINT32, GGUFValueType.BOOL
+_F32, _BOOL = GGUFValueType.FLOAT32, GGUFValueType.BOOL
 METADATA_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     "attention.head_count_kv": (GGUFValueType.ARRAY, GGUFValueType.INT32),
     "attention.sliding_window_pattern": (GGUFValueType.ARRAY, _BOOL),
@@ -249,10 +230,7 @@ METADATA_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
 
 def add_metadata(writer: Any, cfg: Gemma4Config) -> None:
     """Write `cfg.to_gguf_metadata()` into a `gguf.GGUFWriter` with llama.cpp's value types."""
-    prefix = f"{ARCH}."
-    for key, value in cfg.to_gguf_metadata().items():
-        vtype, sub = METADATA_TYPES.get(key.removeprefix(prefix), (_U32, None))
-        writer.add_key_value(key, value, vtype, sub)
+    add_arch_metadata(writer, ARCH, cfg.to_gguf_metadata(), METADATA_TYPES)
 
 
 # -- the named sizes ---------------------------------------------------------------------------
@@ -284,10 +262,7 @@ SIZES: dict[str, Gemma4Config] = {
 
 
 def size(name: str) -> Gemma4Config:
-    try:
-        return SIZES[name]
-    except KeyError:
-        raise ValueError(f"unknown gemma4 size {name!r}; choose one of {', '.join(SIZES)}") from None
+    return named_size(SIZES, name, ARCH)
 
 
 # -- tensors -----------------------------------------------------------------------------------

@@ -3,44 +3,16 @@ types, the dense MLP's gate and up rows stacked where the backend gains from it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from lucebox_core.errors import GGUFError, LuceboxError
 from lucebox_core.ggufio import MetadataView
-from lucebox_core.kv import K_FLAG, V_FLAG, kv_cache_type
+from lucebox_core.loading import LayoutTensors, start_family_load
 
 from .layout import Gemma4Config, tensor_shapes
-from .model import (ARCHITECTURE, GGUF_NAMES, Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP, Gemma4Model,
-                    Gemma4MoE, Weight)
+from .model import ARCHITECTURE, GGUF_NAMES, Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP, Gemma4Model, Gemma4MoE
 from .ops import GEMMA4_OPS
-
-_OPTIONS = {"kv_policy", "kv_dtype", "cache_type_k", "cache_type_v"}
-
-
-class _TensorSource:
-    """Tensors of one GGUF by transformers name, each checked against the shape the layout expects."""
-
-    def __init__(self, gguf_file: Any, config: Gemma4Config, ops: Any):
-        self.gguf = gguf_file
-        self.shapes = tensor_shapes(config)
-        self.ops = ops
-
-    def _tensor(self, hf_name: str, layer: int | None) -> Any:
-        name = GGUF_NAMES[hf_name].format(i=layer)
-        if name not in self.shapes:
-            raise GGUFError(f"{self.gguf.path}: the gemma4 layout has no tensor {name}")
-        return self.gguf.tensor(name, self.shapes[name])
-
-    def weight(self, hf_name: str, layer: int | None = None) -> Weight:
-        """A matrix (or an expert stack), kept in its GGUF type."""
-        return self._tensor(hf_name, layer)
-
-    def vector(self, hf_name: str, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A small tensor (norm, scale), dequantized once."""
-        return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)
 
 
 def load(gguf_file: Any, backend: Any = None, **options: Any) -> Gemma4Model:
@@ -49,28 +21,12 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Gemma4Model:
     Options: `kv_policy` (default the built-in `full`), `cache_type_k` / `cache_type_v` (KV storage types, each
     independently; default `kv_dtype`, else the backend's dtype).
     """
-    from lucebox_core.ggufio import GGUFFile
-    from lucebox_core.plugins import registry
-    from lucebox_core.torch_backend import TorchBackend
-
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise LuceboxError(f"unknown gemma4 model option(s): {', '.join(sorted(unknown))} "
-                           f"(known: {', '.join(sorted(_OPTIONS))})")
-    kv_policy = options.get("kv_policy") or registry().kv_policy("full")
-    for option, flag in (("cache_type_k", K_FLAG), ("cache_type_v", V_FLAG)):
-        if options.get(option) is not None:
-            kv_cache_type(options[option], flag)
-    kv_policy.check_types(options.get("cache_type_k"), options.get("cache_type_v"))
-    if isinstance(gguf_file, (str, os.PathLike)):
-        gguf_file = GGUFFile(gguf_file)
-    backend = backend if backend is not None else TorchBackend()
-    if gguf_file.architecture != ARCHITECTURE:
-        raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {ARCHITECTURE!r}")
+    start = start_family_load(gguf_file, backend, options, family="gemma4", architecture=ARCHITECTURE)
+    gguf_file = start.gguf
     config = Gemma4Config.from_gguf_metadata(MetadataView(gguf_file), tensor_names=gguf_file.tensors,
                                              source=str(gguf_file.path))
-    ops = GEMMA4_OPS.bind(backend)
-    src = _TensorSource(gguf_file, config, ops)
+    ops = GEMMA4_OPS.bind(start.backend)
+    src = LayoutTensors(gguf_file, tensor_shapes(config), GGUF_NAMES, ops, family="gemma4")
     inv_freq_full, inv_freq_swa = _inverse_frequencies(src, config, ops.device)
     ones = {dim: torch.ones(dim, dtype=ops.dtype, device=ops.device) for dim in {config.head_dim, config.head_dim_swa}}
 
@@ -114,12 +70,11 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Gemma4Model:
                 top_k=config.n_expert_used, eps=config.eps,
             )
         layers.append(layer)
-    return Gemma4Model(config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head,
-                       kv_policy=kv_policy, kv_dtype=options.get("kv_dtype"), cache_type_k=options.get("cache_type_k"),
-                       cache_type_v=options.get("cache_type_v"), source=str(gguf_file.path))
+    return Gemma4Model(config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head, **start.kv,
+                       source=str(gguf_file.path))
 
 
-def _inverse_frequencies(src: _TensorSource, config: Gemma4Config, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_frequencies(src: LayoutTensors, config: Gemma4Config, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE frequencies per pair of a full head (base^(-2j/D) divided by llama.cpp's `rope_freqs` factors) and
     of a sliding head (base^(-2j/D) over the rotated dims, 0 past them)."""
     factors = src.vector("rope_freqs", dtype=torch.float32).to(device)

@@ -14,19 +14,21 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType
 
+from lucebox_core import gguf_out
 from lucebox_core.errors import LuceboxError
-from lucebox_core.filetypes import file_type, tensor_type
+from lucebox_core.filetypes import file_type
+from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.ggufio import GGUFFile
-from lucebox_core.gguf_out import TensorPlan, write_gguf
+from lucebox_core.specs import SYNTHESIZED_TYPES
 from lucebox_core.speculative.dflash import DraftConfig, default_target_layers
 from lucebox_core.speculative.draft_writer import write_random_draft
-from lucebox_core.synthetic import INDEPENDENT_LIMIT, RandomWeights
+from lucebox_core.synthetic import write_random_model
 from lucebox_core.vocab import Vocab, from_gguf
 
 from . import layout
 from .model import GEMMA4_MASK_TOKEN_ID
 
-TYPES = ("f32", "f16", "q8_0", "q4_k_m")
+TYPES = SYNTHESIZED_TYPES
 DRAFT_ARCH = "gemma4-dflash-draft"
 
 
@@ -53,10 +55,8 @@ def synthetic_vocab(vocab_path: str | Path | None, size: int) -> Vocab:
 
 
 def tensor_plans(cfg: layout.Gemma4Config, type: str) -> list[TensorPlan]:
-    return [
-        TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
-        for name, shape in layout.tensor_shapes(cfg).items()
-    ]
+    """The tensors of a `type` file of `cfg`, in file order, with their ggml types."""
+    return gguf_out.tensor_plans(layout.tensor_shapes(cfg), type, n_layer=cfg.n_layer, tied_output=cfg.tied_output)
 
 
 def _small_tensor_rule(cfg: layout.Gemma4Config):
@@ -82,25 +82,17 @@ def write(path: str | Path, *, size: str = "tiny", type: str = "f32", seed: int 
     """Write a random-weight gemma4 GGUF of `size` (tiny, tiny-moe, 26b-a4b, 31b) and `type` to `path`."""
     try:
         cfg = layout.size(size)
-        ftype = file_type(type, TYPES)
+        file_type(type, TYPES)
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
     tokens = synthetic_vocab(vocab, cfg.vocab)
-    tensors = tensor_plans(cfg, type)
-    total = sum(int(np.prod(p.shape)) for p in tensors)
 
     def add_metadata(writer) -> None:
-        writer.add_name(f"Gemma-4 {size} RANDOM WEIGHTS (synthetic, seed {seed})")
-        writer.add_description("Random weights with the Gemma-4 layout, for tests and benchmarks; not a model")
-        writer.add_file_type(int(ftype))
-        if type not in ("f32", "f16"):
-            writer.add_quantization_version(2)
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_gguf(path, arch=layout.ARCH, add_metadata=add_metadata, tensors=tensors,
-                      data=RandomWeights(seed, total <= INDEPENDENT_LIMIT, _small_tensor_rule(cfg)),
-                      description=f"gemma4 {size} {type}")
+    return write_random_model(path, tensor_plans(cfg, type), arch=layout.ARCH, title="Gemma-4", size=size, type=type,
+                              seed=seed, small_tensor=_small_tensor_rule(cfg), add_metadata=add_metadata)
 
 
 # -- DFlash drafters -------------------------------------------------------------------------------

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import ast
 import json
-import secrets
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lucebox_core.errors import LuceboxError
 from lucebox_core.parsing import chosen_tool_name, schema_types, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
-from lucebox_core.parsing import (ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
-                                  partial_suffix)
+from lucebox_core.parsing import (Event, ReasoningDelta, StreamedCall, StreamingToolCallParser, ToolCallEnd,
+                                  forced_tool_call_constraint, partial_suffix)
 
 if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
     from lucebox_core.constraints import GrammarConstraint
@@ -66,10 +65,6 @@ def create_parser(
 
 
 # --- schemas and values -------------------------------------------------------------------------------
-
-
-
-
 
 
 def _wants_string(schema: Any) -> bool:
@@ -156,28 +151,24 @@ class _Frame:
         self.key: str | None = None  # the key whose value comes next (objects)
 
 
-class _Call:
-    """One tool call being read."""
+class _Call(StreamedCall):
+    """One tool call being read (`value`: the scalar, or buffered string, being read)."""
 
     def __init__(self, index: int, *, space_before: str) -> None:
-        self.index = index
-        self.space_before = space_before
-        self.raw = [CALL_OPEN]
-        self.name = ""
-        self.fragments: list[str] = []
+        super().__init__(index, CALL_OPEN, space_before=space_before)
         self.stack: list[_Frame] = []
-        self.value: list[str] = []  # the scalar (or buffered string) being read
         self.value_schema: Any = None
-        self.streams_string = False
 
 
-class GemmaResponseParser:
+class GemmaResponseParser(StreamingToolCallParser):
     """Reasoning, content and tool calls of a Gemma 4 response (see the module docstring).
 
-    A state machine over a buffer: each step consumes what it can decide, and waits (returns False)
-    while the text at the end might still become a tag, so the events, coalesced, do not depend on
-    how the text was chunked.
+    A state machine over a buffer (the core's machinery): each step consumes what it can decide, and waits
+    (returns False) while the text at the end might still become a tag, so the events, coalesced, do not
+    depend on how the text was chunked.
     """
+
+    _call: _Call | None
 
     def __init__(
         self,
@@ -186,33 +177,19 @@ class GemmaResponseParser:
         thinking: bool = False,
         call_id: Callable[[int], str] | None = None,
     ) -> None:
-        self.schemas = tool_parameters(tools)
+        super().__init__(tools, call_id=call_id)
         self.tools_enabled = bool(tools)
         self.thinking = thinking
-        self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
-        self._buffer = ""
         self._state = "thinking_start" if thinking else "content"
-        self._held_space = ""  # content's trailing whitespace: dropped if a tool call follows
         self._strip_content = ""  # characters stripped from the start of the content that comes next
         self._held_newlines = ""  # at the end of the reasoning so far: dropped if the channel closes
         self._channel_begun = False  # this channel has written reasoning
         self._reasoned = False  # some channel has
-        self._calls = 0
-        self._call: _Call | None = None
 
-    # --- the response parser protocol (what the server calls) ---
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while self._step(events, final=False):
-            pass
-        return events
+    # --- the response parser protocol (what the server calls; `feed` is the machinery's) ---
 
     def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._step(events, final=True):
-            pass
+        events = self._drain(final=True)
         if self._call is not None:
             if self._call.name:  # cut off inside the call: it ends where the text does
                 self._end_call(events, cut_off=True)
@@ -233,9 +210,6 @@ class GemmaResponseParser:
         return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=in_thought)
 
     # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
-
-    def _step(self, events: list[Event], final: bool) -> bool:
-        return getattr(self, f"_in_{self._state}")(events, final)
 
     def _in_content(self, events: list[Event], final: bool) -> bool:
         if self._strip_content:  # after a channel or a call, as the templates trim them
@@ -322,9 +296,8 @@ class GemmaResponseParser:
             return False  # `call:NAME<tool_ca…`: wait for the rest of the tag
         call = self._call
         assert call is not None
-        call.name = name
         self._take(len(self._buffer) - len(after) + (0 if no_arguments else 1))  # `after` ends the buffer
-        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+        self._name_call(events, name)
         self._arguments(events, "{}" if no_arguments else "{")
         self._state = "call_close" if no_arguments else "key"
         if not no_arguments:
@@ -419,9 +392,9 @@ class GemmaResponseParser:
             # Hold back what may begin the closing quote; when cut off, the string ends where the text
             # does, less a half-written quote.
             keep = partial_suffix(self._buffer, [QUOTE])
-            self._string_text(events, self._buffer[: len(self._buffer) - keep])
+            self._value_text(events, self._buffer[: len(self._buffer) - keep])
             return False
-        self._string_text(events, self._buffer[:end])
+        self._value_text(events, self._buffer[:end])
         self._take(len(QUOTE))
         self._close_scalar(events)
         return True
@@ -508,16 +481,6 @@ class GemmaResponseParser:
         frame.members += 1
         self._arguments(events, head)
 
-    def _string_text(self, events: list[Event], text: str) -> None:
-        call = self._call
-        assert call is not None
-        if not text:
-            return
-        call.value.append(text)
-        self._take(len(text))
-        if call.streams_string:
-            self._arguments(events, json.dumps(text, ensure_ascii=False)[1:-1])
-
     def _close_scalar(self, events: list[Event]) -> None:
         """The end of a string (`string` state) or bare value (`bare` state): its JSON is written."""
         call = self._call
@@ -548,7 +511,7 @@ class GemmaResponseParser:
         if cut_off:
             if self._state == "string":  # the string ends where the text does, less a half-written quote
                 keep = partial_suffix(self._buffer, [QUOTE])
-                self._string_text(events, self._buffer[: len(self._buffer) - keep])
+                self._value_text(events, self._buffer[: len(self._buffer) - keep])
             elif self._state == "bare":
                 call.value.append(self._buffer)
             self._take(len(self._buffer))
@@ -556,36 +519,8 @@ class GemmaResponseParser:
             self._close_scalar(events)
         while call.stack:
             self._close_container(events)
-        events.append(ToolCallEnd(call.index, "".join(call.fragments), "".join(call.raw)))
-        self._calls += 1
-        self._call, self._state, self._strip_content = None, "content", " \t\r\n"
-
-    def _abandon_call(self, events: list[Event]) -> None:
-        """What looked like a call is not one: its opening goes out as content, the rest is read again."""
-        call = self._call
-        assert call is not None
-        self._call, self._state = None, "content"
-        self._held_space = call.space_before
-        self._content("".join(call.raw), events)
-
-    def _take(self, size: int) -> None:
-        """Move `size` characters from the buffer into the current call's raw text."""
-        assert self._call is not None
-        self._call.raw.append(self._buffer[:size])
-        self._buffer = self._buffer[size:]
-
-    def _arguments(self, events: list[Event], fragment: str) -> None:
-        assert self._call is not None
-        if fragment:
-            self._call.fragments.append(fragment)
-            events.append(ToolCallArgsDelta(self._call.index, fragment))
-
-    def _content(self, text: str, events: list[Event]) -> None:
-        text = self._held_space + text
-        body = text.rstrip()
-        self._held_space = text[len(body) :]
-        if body:
-            events.append(ContentDelta(body))
+        self._close_call(events)
+        self._strip_content = " \t\r\n"
 
     def _reason(self, text: str, events: list[Event], *, closing: bool) -> None:
         # Newlines the templates put around a thought are not part of it (`thought\n…\n<channel|>`).
@@ -626,8 +561,6 @@ def forced_prefix(tool_choice: Any) -> str:
     return f"{CALL_OPEN}{CALL_PREFIX}" if tool_choice == "required" else ""
 
 
-
-
 def tool_choice_constraint(
     tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False
 ) -> GrammarConstraint | None:
@@ -638,21 +571,7 @@ def tool_choice_constraint(
     others at most once each) and values follow their schema's type, enum and nesting, not finer
     rules (minimum, pattern, ...). `thinking`: the output starts inside a thought channel.
     """
-    if tool_choice in (None, "auto", "none"):
-        return None
-    name = chosen_tool_name(tool_choice)
-    if name is None and tool_choice != "required":
-        raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
-    names = [name] if name is not None else list(schemas)
-    if not names:
-        raise LuceboxError("tool_choice asks for a tool call but no tools were given")
-    unknown = [n for n in names if n not in schemas]
-    if unknown:
-        raise LuceboxError(f"tool_choice names {unknown[0]!r}, which is not among the tools given")
-    from lucebox_core.constraints import lark_constraint
-
-    chosen = {n: schemas[n] for n in names}
-    return lark_constraint(tokenizer, tool_call_grammar(tokenizer, chosen, thinking=thinking, single=name is not None))
+    return forced_tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking)
 
 
 _GENERIC_RULES = r"""

@@ -18,27 +18,23 @@ are skipped. Tensors are read, transformed and written one at a time.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from lucebox_core.checkpoint import Checkpoint, TensorSource, Transform, check_sources, encode_tensor, identity
+from lucebox_core.checkpoint import (Checkpoint, TensorSource, Transform, check_output_type, check_sources,
+                                     converted_data, identity, read_hf_config, write_converted)
 from lucebox_core.errors import LuceboxError
+from lucebox_core.specs import CONVERTED_TYPES
 
 from . import layout
 from . import vocab as vocab_source
-from lucebox_core.filetypes import file_type, tensor_type
-from lucebox_core.gguf_out import TensorPlan, write_gguf
+from .synth import tensor_plans
 
-TYPES = ("f32", "f16", "bf16", "q8_0")
+TYPES = CONVERTED_TYPES
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-_TEXT_PREFIXES = ("model.language_model.", "model.")
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
-
 
 
 def _plus_one(w: torch.Tensor) -> torch.Tensor:
@@ -105,21 +101,11 @@ def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, TensorSource]:
 
 
 def _read_config(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise LuceboxError(f"{config_path}: missing; {hf_dir} is not a Hugging Face checkpoint folder")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise LuceboxError(f"{config_path}: not valid JSON ({exc})") from None
-    model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise LuceboxError(
-            f"{config_path}: model_type {model_type!r} is not a dense Qwen3.5 ({' or '.join(MODEL_TYPES)})"
-        )
-    text = config.get("text_config") or config
+    config, text = read_hf_config(hf_dir, MODEL_TYPES, "a dense Qwen3.5")
     if text is not config and text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-        raise LuceboxError(f"{config_path}: text_config.model_type {text.get('model_type')!r} is not qwen3_5_text")
+        raise LuceboxError(
+            f"{hf_dir / 'config.json'}: text_config.model_type {text.get('model_type')!r} is not qwen3_5_text"
+        )
     return config, text
 
 
@@ -130,17 +116,10 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
     from the folder's `tokenizer.json`; it is padded with `[PAD{i}]` tokens to the model's size.
     """
     hf_dir = Path(hf_dir)
-    try:
-        file_type(type, TYPES)
-    except ValueError as exc:
-        raise LuceboxError(str(exc)) from None
+    check_output_type(type, TYPES)
     config, text = _read_config(hf_dir)
     checkpoint = Checkpoint(hf_dir)
-    prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in checkpoint), None)
-    if prefix is None:
-        raise LuceboxError(
-            f"{hf_dir}: no embedding tensor (model.language_model.embed_tokens.weight or model.embed_tokens.weight)"
-        )
+    prefix = checkpoint.text_prefix(hf_dir)
     try:
         cfg = layout.Qwen35Config.from_hf_config(text, tied_output="lm_head.weight" not in checkpoint)
     except ValueError as exc:
@@ -154,27 +133,14 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
 
     sources = _sources(cfg, prefix)
     check_sources(checkpoint, sources, prefix, hf_dir, family="qwen35", skipped=_SKIPPED_PREFIXES)
-    plans = [
-        TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
-        for name, shape in layout.tensor_shapes(cfg).items()
-    ]
-
-    def data(plan: TensorPlan) -> Iterator[np.ndarray]:
-        source = sources[plan.name]
-        weight = source.transform(checkpoint.tensor(source.key).to(torch.float32))
-        yield encode_tensor(weight.numpy(), plan.ggml_type).reshape(-1).view(np.uint8)
+    plans = tensor_plans(cfg, type)
 
     def add_metadata(writer: Any) -> None:
-        writer.add_name(str(config.get("_name_or_path") or hf_dir.resolve().name))
-        writer.add_file_type(int(file_type(type)))
-        if type == "q8_0":
-            writer.add_quantization_version(2)
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_gguf(
-        path, arch=layout.ARCH, add_metadata=add_metadata, tensors=plans, data=data, description=f"converting to {type}"
-    )
+    return write_converted(path, hf_dir, config, arch=layout.ARCH, type=type, tensors=plans,
+                           data=converted_data(checkpoint, sources), add_metadata=add_metadata)
 
 
 def _vocabulary(hf_dir: Path, vocab: str | Path | None) -> vocab_source.Vocab:

@@ -25,11 +25,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
-import numpy as np
 from gguf import GGUFValueType
 
 from lucebox_core.errors import GGUFError
 from lucebox_core.filetypes import keep_f32, layer_of  # noqa: F401 (layer_of: part of the layout's vocabulary)
+from lucebox_core.gguf_out import add_arch_metadata
+from lucebox_core.ggufio import ArchMetadata, float32_decimal
+from lucebox_core.synthetic import named_size
 
 ARCH = "qwen35"
 # llama.cpp's converter keeps the Gated DeltaNet convolution kernels F32 in every file type.
@@ -148,23 +150,9 @@ class Qwen35Config:
         file in error messages.
         """
         k = f"{ARCH}."
-
-        def get(key: str, default: Any = ...) -> Any:
-            if k + key in md:
-                return md[k + key]
-            if default is ...:
-                raise GGUFError(f"{source}: missing metadata key {k + key}")
-            return default
-
-        arch = md.get("general.architecture", ARCH)
-        if arch != ARCH:
-            raise GGUFError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}")
-        if k + "vocab_size" in md:
-            vocab = int(md[k + "vocab_size"])
-        elif "tokenizer.ggml.tokens" in md:
-            vocab = len(md["tokenizer.ggml.tokens"])
-        else:
-            raise GGUFError(f"{source}: missing metadata key {k}vocab_size (and no tokenizer.ggml.tokens)")
+        keys = ArchMetadata(md, ARCH, source)
+        get = keys.get
+        vocab = keys.vocab_size()
         n_layer = int(get("block_count"))
         interval = int(get("full_attention_interval", 4))
         recurrent = get("attention.recurrent_layers", None)
@@ -195,10 +183,10 @@ class Qwen35Config:
                 ssm_dt_rank=int(get("ssm.time_step_rank")),
                 ssm_d_inner=int(get("ssm.inner_size")),
                 full_attention_interval=interval,
-                rope_theta=_from_f32(get("rope.freq_base")),
+                rope_theta=float32_decimal(get("rope.freq_base")),
                 rope_dim=int(get("rope.dimension_count")),
                 rope_sections=tuple(sections),
-                eps=_from_f32(get("attention.layer_norm_rms_epsilon")),
+                eps=float32_decimal(get("attention.layer_norm_rms_epsilon")),
                 vocab=vocab,
                 context_length=int(get("context_length")),
                 tied_output=tied,
@@ -270,11 +258,6 @@ class Qwen35Config:
         )
 
 
-def _from_f32(value: Any) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-6, not 9.99999997e-07)."""
-    return float(str(np.float32(value)))
-
-
 # GGUF value types of the keys `to_gguf_metadata` returns, as llama.cpp's converter writes them.
 METADATA_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
     "attention.layer_norm_rms_epsilon": (GGUFValueType.FLOAT32, None),
@@ -286,10 +269,7 @@ METADATA_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
 
 def add_metadata(writer: Any, cfg: Qwen35Config) -> None:
     """Write `cfg.to_gguf_metadata()` into a `gguf.GGUFWriter` with llama.cpp's value types."""
-    prefix = f"{ARCH}."
-    for key, value in cfg.to_gguf_metadata().items():
-        vtype, sub = METADATA_TYPES.get(key.removeprefix(prefix), (GGUFValueType.UINT32, None))
-        writer.add_key_value(key, value, vtype, sub)
+    add_arch_metadata(writer, ARCH, cfg.to_gguf_metadata(), METADATA_TYPES)
 
 
 # -- the named sizes ---------------------------------------------------------------------------
@@ -316,10 +296,7 @@ SIZES: dict[str, Qwen35Config] = {
 
 
 def size(name: str) -> Qwen35Config:
-    try:
-        return SIZES[name]
-    except KeyError:
-        raise ValueError(f"unknown qwen35 size {name!r}; choose one of {', '.join(SIZES)}") from None
+    return named_size(SIZES, name, ARCH)
 
 
 # -- tensors -----------------------------------------------------------------------------------

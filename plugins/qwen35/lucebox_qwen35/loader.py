@@ -3,42 +3,18 @@ types, the projections that share an input stacked where the backend gains from 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from lucebox_core.errors import GGUFError, LuceboxError
 from lucebox_core.ggufio import MetadataView
-from lucebox_core.kv import K_FLAG, V_FLAG, kv_cache_type
+from lucebox_core.loading import KV_OPTIONS, LayoutTensors, start_family_load
 
 from .layout import Qwen35Config, tensor_shapes
-from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model, Weight
+from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model
 from .ops import QWEN35_OPS
 
-class _TensorSource:
-    """Tensors of one GGUF by transformers name, each checked against the shape the layout expects
-    (a missing or mis-shaped tensor raises a GGUFError naming the file and the tensor)."""
-
-    def __init__(self, gguf_file: Any, config: Qwen35Config, ops: Any):
-        self.gguf = gguf_file
-        self.shapes = tensor_shapes(config)
-        self.ops = ops
-
-    def _tensor(self, hf_name: str, layer: int | None) -> Any:
-        name = GGUF_NAMES[hf_name].format(i=layer)
-        return self.gguf.tensor(name, self.shapes[name])
-
-    def weight(self, hf_name: str, layer: int | None = None) -> Weight:
-        """A matrix, kept in its GGUF type."""
-        return self._tensor(hf_name, layer)
-
-    def vector(self, hf_name: str, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A small tensor (norm, conv kernel, per-head scalars), dequantized once."""
-        return self._tensor(hf_name, layer).dequantize(dtype or self.ops.dtype, self.ops.device)
-
-
-_OPTIONS = {"kv_policy", "kv_dtype", "cache_type_k", "cache_type_v", "gdn_chunk_size"}
+_OPTIONS = KV_OPTIONS | {"gdn_chunk_size"}
 
 
 def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
@@ -48,31 +24,15 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     storage types, `f32`, `f16`, `bf16` or `q8_0`, each independently, as the policy stores them; default
     `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
     """
-    from lucebox_core.ggufio import GGUFFile
-    from lucebox_core.plugins import registry
-    from lucebox_core.torch_backend import TorchBackend
-
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise LuceboxError(
-            f"unknown qwen35 model option(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(_OPTIONS))})"
-        )
-    kv_policy = options.get("kv_policy") or registry().kv_policy("full")
-    # Bad cache types fail before any weight is read.
-    for option, flag in (("cache_type_k", K_FLAG), ("cache_type_v", V_FLAG)):
-        if options.get(option) is not None:
-            kv_cache_type(options[option], flag)
-    kv_policy.check_types(options.get("cache_type_k"), options.get("cache_type_v"))
-    if isinstance(gguf_file, (str, os.PathLike)):
-        gguf_file = GGUFFile(gguf_file)
-    backend = backend if backend is not None else TorchBackend()
-    if gguf_file.architecture != ARCHITECTURE:
-        raise GGUFError(f"{gguf_file.path}: architecture is {gguf_file.architecture!r}, expected {ARCHITECTURE!r}")
+    # Bad options and cache types fail before any weight is read.
+    start = start_family_load(gguf_file, backend, options, family="qwen35", architecture=ARCHITECTURE,
+                              known_options=_OPTIONS)
+    gguf_file = start.gguf
     config = Qwen35Config.from_gguf_metadata(
         MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
     )
-    ops = QWEN35_OPS.bind(backend)  # the backend's ops and the family's own, each on a kernel where one takes it
-    src = _TensorSource(gguf_file, config, ops)
+    ops = QWEN35_OPS.bind(start.backend)  # the backend's ops and the family's own, each on a kernel where one takes it
+    src = LayoutTensors(gguf_file, tensor_shapes(config), GGUF_NAMES, ops, family="qwen35")
     chunk_size = int(options.get("gdn_chunk_size", 64))
 
     embed_tokens = src.weight("embed_tokens")
@@ -100,13 +60,12 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
         layers.append(layer)
 
     return Qwen35Model(
-        config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head, kv_policy=kv_policy,
-        kv_dtype=options.get("kv_dtype"), cache_type_k=options.get("cache_type_k"),
-        cache_type_v=options.get("cache_type_v"), source=str(gguf_file.path),
+        config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head, **start.kv,
+        source=str(gguf_file.path),
     )
 
 
-def _load_gated_delta_net(src: _TensorSource, c: Qwen35Config, i: int, chunk_size: int) -> GatedDeltaNet:
+def _load_gated_delta_net(src: LayoutTensors, c: Qwen35Config, i: int, chunk_size: int) -> GatedDeltaNet:
     p = "layers.{i}.linear_attn."
     return GatedDeltaNet(
         src.ops,
@@ -128,7 +87,7 @@ def _load_gated_delta_net(src: _TensorSource, c: Qwen35Config, i: int, chunk_siz
     )
 
 
-def _load_gated_attention(src: _TensorSource, c: Qwen35Config, i: int) -> GatedAttention:
+def _load_gated_attention(src: LayoutTensors, c: Qwen35Config, i: int) -> GatedAttention:
     p = "layers.{i}.self_attn."
     return GatedAttention(
         src.ops,

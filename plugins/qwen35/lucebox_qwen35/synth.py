@@ -17,23 +17,25 @@ from pathlib import Path
 
 import numpy as np
 
+from lucebox_core import gguf_out
 from lucebox_core.errors import LuceboxError
-from lucebox_core.filetypes import file_type, tensor_type
-from lucebox_core.gguf_out import TensorPlan, write_gguf
-from lucebox_core.synthetic import INDEPENDENT_LIMIT, WEIGHT_STD, RandomWeights  # noqa: F401 (WEIGHT_STD: the scale)
+from lucebox_core.filetypes import file_type
+from lucebox_core.gguf_out import TensorPlan
+from lucebox_core.specs import SYNTHESIZED_TYPES
+from lucebox_core.synthetic import WEIGHT_STD, RandomWeights, write_random_model
 
 from . import layout
 from . import vocab as vocab_source
 
-TYPES = ("f32", "f16", "q8_0", "q4_k_m")
+# WEIGHT_STD (the matrices' scale) and RandomWeights (their data) are the core's, named here for the tests.
+__all__ = ["TYPES", "WEIGHT_STD", "RandomWeights", "tensor_plans", "write"]
+
+TYPES = SYNTHESIZED_TYPES
 
 
 def tensor_plans(cfg: layout.Qwen35Config, type: str) -> list[TensorPlan]:
     """The tensors of a `type` file of `cfg`, in file order, with their ggml types."""
-    return [
-        TensorPlan(name, shape, tensor_type(name, shape, type, n_layer=cfg.n_layer, tied_output=cfg.tied_output))
-        for name, shape in layout.tensor_shapes(cfg).items()
-    ]
+    return gguf_out.tensor_plans(layout.tensor_shapes(cfg), type, n_layer=cfg.n_layer, tied_output=cfg.tied_output)
 
 
 def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -64,27 +66,14 @@ def write(
     q4_k_m) to `path`; `vocab` is a GGUF to take the vocabulary from (default: the packaged one)."""
     try:
         cfg = layout.size(size)
-        ftype = file_type(type, TYPES)
+        file_type(type, TYPES)
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
     tokens = vocab_source.synthetic(vocab, cfg.vocab)
-    tensors = tensor_plans(cfg, type)
-    total = sum(int(np.prod(p.shape)) for p in tensors)
 
     def add_metadata(writer) -> None:
-        writer.add_name(f"Qwen3.5 {size} RANDOM WEIGHTS (synthetic, seed {seed})")
-        writer.add_description("Random weights with the Qwen3.5 layout, for tests and benchmarks; not a model")
-        writer.add_file_type(int(ftype))
-        if type not in ("f32", "f16"):
-            writer.add_quantization_version(2)  # GGML_QNT_VERSION, as llama.cpp's quantizer writes
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_gguf(
-        path,
-        arch=layout.ARCH,
-        add_metadata=add_metadata,
-        tensors=tensors,
-        data=RandomWeights(seed, total <= INDEPENDENT_LIMIT, _small_tensor),
-        description=f"qwen35 {size} {type}",
-    )
+    return write_random_model(path, tensor_plans(cfg, type), arch=layout.ARCH, title="Qwen3.5", size=size, type=type,
+                              seed=seed, small_tensor=_small_tensor, add_metadata=add_metadata)

@@ -23,22 +23,22 @@ from __future__ import annotations
 
 import ast
 import json
-import secrets
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from lucebox_core.errors import LuceboxError
 from lucebox_core.parsing import chosen_tool_name, schema_types, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (
-    ContentDelta,
     Event,
     PlainContent,
     ReasoningParser,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
+    StreamedCall,
+    StreamingToolCallParser,
+    forced_tool_call_constraint,
     partial_suffix,
 )
+
+__all__ = ["QwenToolCallParser", "coerce_value", "create_parser", "forced_prefix", "tool_call_grammar",
+           "tool_choice_constraint", "tool_parameters"]  # fmt: skip
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -61,10 +61,6 @@ def create_parser(
     """
     content = QwenToolCallParser(tools, call_id=call_id) if tools else PlainContent()
     return ReasoningParser(content, thinking=thinking)
-
-
-
-
 
 
 def coerce_value(text: str, schema: Mapping[str, Any] | None) -> Any:
@@ -93,48 +89,29 @@ def coerce_value(text: str, schema: Mapping[str, Any] | None) -> Any:
     return value
 
 
-class _Call:
+class _Call(StreamedCall):
     """One tool call being read."""
 
     def __init__(self, index: int, opening: str, *, space_before: str) -> None:
-        self.index = index
-        self.space_before = space_before
-        self.raw = [opening]
-        self.name = ""
-        self.fragments: list[str] = []
+        super().__init__(index, opening, space_before=space_before)
         self.parameter_schema: Mapping[str, Any] | None = None
-        self.streams_string = False
-        self.value: list[str] = []
 
 
-class QwenToolCallParser:
+class QwenToolCallParser(StreamingToolCallParser):
     """The content parser for Qwen's XML tool calls (see the module docstring)."""
+
+    _call: _Call | None
 
     def __init__(
         self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None
     ) -> None:
-        self.schemas = tool_parameters(tools)
-        self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
-        self._buffer = ""
-        self._state = "content"
-        self._held_space = ""  # content's trailing whitespace: dropped if a tool call follows
+        super().__init__(tools, call_id=call_id)
         self._after_call = False  # content right after a call loses its leading whitespace
-        self._calls = 0
-        self._call: _Call | None = None
 
-    # --- the ContentParser protocol ---
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while self._step(events, final=False):
-            pass
-        return events
+    # --- the ContentParser protocol (`feed` is the machinery's) ---
 
     def finish(self) -> list[Event]:
-        events: list[Event] = []
-        while self._step(events, final=True):
-            pass
+        events = self._drain(final=True)
         if self._call is not None:
             if self._call.name:  # cut off inside the call: it ends where the text does
                 self._take(len(self._buffer))
@@ -152,9 +129,6 @@ class QwenToolCallParser:
         return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking)
 
     # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
-
-    def _step(self, events: list[Event], *, final: bool) -> bool:
-        return getattr(self, f"_in_{self._state}")(events, final)
 
     def _in_content(self, events: list[Event], final: bool) -> bool:
         starts = [(i, tag) for tag in (CALL_OPEN, FUNCTION_OPEN) if (i := self._buffer.find(tag)) >= 0]
@@ -192,11 +166,8 @@ class QwenToolCallParser:
         if end < 0 or not name or len(name) > _NAME_LIMIT or any(c in name for c in "<\n"):
             self._abandon_call(events)
             return True
-        call = self._call
-        assert call is not None
-        call.name = name
         self._take(end + 1)
-        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+        self._name_call(events, name)
         self._state = "parameters"
         return True
 
@@ -289,11 +260,8 @@ class QwenToolCallParser:
             else:  # "</tool_call>" inside a JSON string: read on to the next closing tag
                 return self._json_call_not_closed_at(end, events)
             return True
-        call = self._call
-        assert call is not None
-        call.name = name
         self._take(end + len(CALL_CLOSE) if end >= 0 else len(self._buffer))
-        events.append(ToolCallStart(call.index, self._call_id(call.index), name))
+        self._name_call(events, name)
         self._arguments(events, json.dumps(arguments, ensure_ascii=False))
         self._end_call(events, arguments_done=True)
         return True
@@ -307,37 +275,13 @@ class QwenToolCallParser:
 
     # --- helpers ---
 
-    def _take(self, size: int) -> None:
-        """Move `size` characters from the buffer into the current call's raw text."""
-        assert self._call is not None
-        self._call.raw.append(self._buffer[:size])
-        self._buffer = self._buffer[size:]
-
     def _content(self, text: str, events: list[Event]) -> None:
         if self._after_call:
             text = text.lstrip()
             if not text:
                 return
             self._after_call = False
-        text = self._held_space + text
-        body = text.rstrip()
-        self._held_space = text[len(body) :]
-        if body:
-            events.append(ContentDelta(body))
-
-    def _arguments(self, events: list[Event], fragment: str) -> None:
-        assert self._call is not None
-        if fragment:
-            self._call.fragments.append(fragment)
-            events.append(ToolCallArgsDelta(self._call.index, fragment))
-
-    def _value_text(self, events: list[Event], text: str) -> None:
-        call = self._call
-        assert call is not None
-        call.value.append(text)
-        self._take(len(text))
-        if call.streams_string and text:
-            self._arguments(events, json.dumps(text, ensure_ascii=False)[1:-1])
+        super()._content(text, events)
 
     def _close_value(self, events: list[Event]) -> None:
         call = self._call
@@ -355,17 +299,8 @@ class QwenToolCallParser:
             self._close_value(events)
         if not arguments_done:
             self._arguments(events, "}" if call.fragments else "{}")
-        events.append(ToolCallEnd(call.index, "".join(call.fragments), "".join(call.raw)))
-        self._calls += 1
-        self._call, self._state, self._after_call = None, "content", True
-
-    def _abandon_call(self, events: list[Event]) -> None:
-        """What looked like a call is not one: its text so far goes out as content."""
-        call = self._call
-        assert call is not None
-        self._call, self._state = None, "content"
-        self._held_space = call.space_before
-        self._content("".join(call.raw), events)
+        self._close_call(events)
+        self._after_call = True
 
 
 # --- tool_choice ------------------------------------------------------------------------------------
@@ -383,8 +318,6 @@ def forced_prefix(tool_choice: Any) -> str:
     return f"{CALL_OPEN}\n" if tool_choice == "required" else ""
 
 
-
-
 def tool_choice_constraint(
     tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False
 ) -> GrammarConstraint | None:
@@ -394,21 +327,7 @@ def tool_choice_constraint(
     function. Parameter names must be declared ones and non-string values must be valid JSON of their
     schema; whether every required parameter is present is left to the model.
     """
-    if tool_choice in (None, "auto", "none"):
-        return None
-    name = chosen_tool_name(tool_choice)
-    if name is None and tool_choice != "required":
-        raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
-    names = [name] if name is not None else list(schemas)
-    if not names:
-        raise LuceboxError("tool_choice asks for a tool call but no tools were given")
-    unknown = [n for n in names if n not in schemas]
-    if unknown:
-        raise LuceboxError(f"tool_choice names {unknown[0]!r}, which is not among the tools given")
-    from lucebox_core.constraints import lark_constraint
-
-    chosen = {n: schemas[n] for n in names}
-    return lark_constraint(tokenizer, tool_call_grammar(tokenizer, chosen, thinking=thinking, single=name is not None))
+    return forced_tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking)
 
 
 def tool_call_grammar(
