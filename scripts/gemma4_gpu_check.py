@@ -150,10 +150,14 @@ def check_fused(results: dict) -> None:
     proj = rand(128, 2816, scale=0.05)
     per_expert = torch.rand(128, device="cuda", generator=g) + 0.5
     (w1, i1), (w2, i2) = (ops.moe_route(h, proj, scale, per_expert, 8, 1e-6) for ops in (kernels, reference))
-    results["moe_route ids equal"] = bool(torch.equal(i1, i2))
-    results["moe_route weights rel err"] = _rel(w1, w2)
-    print(f"moe_route: {kernels.moe_route.choice(h, proj, scale, per_expert, 8, 1e-6)}, ids equal {torch.equal(i1, i2)}, "
-          f"weights rel err {_rel(w1, w2):.2e}")
+    # bf16 router logits tie often (8 mantissa bits over 128 experts), and torch.topk orders equals its own
+    # way: compare each token's chosen experts as a set, weights matched by expert.
+    o1, o2 = i1.sort(-1), i2.sort(-1)
+    same = torch.equal(o1.values, o2.values)
+    results["moe_route expert sets equal"] = bool(same)
+    results["moe_route weights rel err"] = _rel(w1.gather(-1, o1.indices), w2.gather(-1, o2.indices)) if same else None
+    print(f"moe_route: {kernels.moe_route.choice(h, proj, scale, per_expert, 8, 1e-6)}, expert sets equal {same}, "
+          f"weights rel err {results['moe_route weights rel err']}, ids equal in order {torch.equal(i1, i2)}")
 
 
 def check_models(results: dict, workdir: Path) -> None:
