@@ -206,11 +206,11 @@ def test_a_sweep_table_named_by_the_environment_is_laid_over_the_built_in_one(tm
     import sys
 
     sweep = tmp_path / "matvec_sweep.json"
-    sweep.write_text(json.dumps({"tuned_table": [["q4_k", 1, 43008, 5376, "pipe_w8_d3_m1_k4"],
+    sweep.write_text(json.dumps({"tuned_table": [["q4_k", 1, 7168, 3072, "pipe_w8_d3_m1_k4"],
                                                  ["q4_k", 1, 5120, 6144, "pipe_w4_d3_m1_k1"]]}))
     probe = ("import warnings; warnings.simplefilter('always')\n"
              "from lucebox_cuda import catalogue as c\n"
-             "print(c.MATVEC_TUNED.get(('q4_k', 1, 43008, 5376)), c.MATVEC_TUNED[('q4_k', 1, 5120, 6144)])")
+             "print(c.MATVEC_TUNED.get(('q4_k', 1, 7168, 3072)), c.MATVEC_TUNED[('q4_k', 1, 5120, 6144)])")
     run = lambda path: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                                       env={**__import__("os").environ, "LUCEBOX_MATVEC_TUNED": str(path)})
     assert run(sweep).stdout.split() == ["pipe_w8_d3_m1_k4", "pipe_w4_d3_m1_k1"]

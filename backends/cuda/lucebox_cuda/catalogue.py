@@ -145,7 +145,8 @@ PIPE_MAX_BATCH_TWO_GROUPS = 16
 # class by batch-1 plus batch-23 time). `default_variant` uses a rule where a shape has no entry.
 # Measured on an H200 (scripts/matvec_sweep.py, 2026-11-30 session 4; bf16 activations; the fused 27B decode
 # shapes from docs/results/raw/2026-11-30-s4-matvec_sweep_fused.json, the unfused ones from
-# 2026-11-30-s4-matvec_sweep_stream.json).
+# 2026-11-30-s4-matvec_sweep_stream.json); the Gemma-4 31B / 26B-A4B shapes (marked) from
+# docs/results/raw/2026-12-02-s7-matvec_sweep_gemma4.json (session 7).
 MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q4_k', 1, 48, 5120): 'pipe_w8_d3_m1_k4',
     ('q4_k', 1, 96, 5120): 'pipe_w8_d3_m1_k4',
@@ -236,6 +237,42 @@ MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q6_k', 64, 5120, 17408): 'mma_r2',
     ('q6_k', 64, 10240, 5120): 'mma',
     ('q6_k', 64, 248320, 5120): 'mma_r2',
+    ('q4_k', 1, 2816, 4096): 'pipe_w4_d4_m2_k1',  # gemma4
+    ('q4_k', 1, 2816, 8192): 'pipe_w4_d4_m1_k2',  # gemma4
+    ('q4_k', 1, 4224, 2816): 'mma',  # gemma4
+    ('q4_k', 1, 5376, 8192): 'mma',  # gemma4
+    ('q4_k', 1, 5376, 16384): 'mma',  # gemma4
+    ('q4_k', 1, 5376, 21504): 'mma',  # gemma4
+    ('q4_k', 1, 6144, 2816): 'mma',  # gemma4
+    ('q4_k', 1, 8192, 2816): 'mma',  # gemma4
+    ('q4_k', 1, 9216, 2816): 'mma',  # gemma4
+    ('q4_k', 1, 12288, 5376): 'pipe_w4_d4_m2_k1',  # gemma4
+    ('q4_k', 1, 16384, 5376): 'mma',  # gemma4
+    ('q4_k', 1, 18432, 5376): 'mma',  # gemma4
+    ('q4_k', 1, 43008, 5376): 'mma',  # gemma4
+    ('q4_k', 24, 2816, 4096): 'mma_r2',  # gemma4
+    ('q4_k', 24, 2816, 8192): 'pipe_w4_d3_m1_k2',  # gemma4
+    ('q4_k', 24, 4224, 2816): 'mma_r2',  # gemma4
+    ('q4_k', 24, 5376, 8192): 'mma',  # gemma4
+    ('q4_k', 24, 5376, 16384): 'mma_r2',  # gemma4
+    ('q4_k', 24, 5376, 21504): 'mma_r2',  # gemma4
+    ('q4_k', 24, 6144, 2816): 'mma',  # gemma4
+    ('q4_k', 24, 8192, 2816): 'mma_r2',  # gemma4
+    ('q4_k', 24, 9216, 2816): 'mma_r2',  # gemma4
+    ('q4_k', 24, 12288, 5376): 'mma_r2',  # gemma4
+    ('q4_k', 24, 16384, 5376): 'mma_r2',  # gemma4
+    ('q4_k', 24, 18432, 5376): 'mma_r2',  # gemma4
+    ('q4_k', 24, 43008, 5376): 'mma_r2',  # gemma4
+    ('q6_k', 1, 2048, 2816): 'pipe_w8_d4_m1_k1',  # gemma4
+    ('q6_k', 1, 4096, 5376): 'pipe_w4_d3_m1_k1',  # gemma4
+    ('q6_k', 1, 5376, 21504): 'pipe_w4_d3_m1_k1',  # gemma4
+    ('q6_k', 1, 262144, 2816): 'pipe_w4_d3_m1_k1',  # gemma4
+    ('q6_k', 1, 262144, 5376): 'pipe_w4_d3_m1_k1',  # gemma4
+    ('q6_k', 24, 2048, 2816): 'pipe_w8_d3_m1_k1',  # gemma4
+    ('q6_k', 24, 4096, 5376): 'pipe_w4_d6_m1_k1',  # gemma4
+    ('q6_k', 24, 5376, 21504): 'mma',  # gemma4
+    ('q6_k', 24, 262144, 2816): 'pipe_w4_d3_m1_k1',  # gemma4
+    ('q6_k', 24, 262144, 5376): 'mma_r2',  # gemma4
 }
 
 
