@@ -24,16 +24,15 @@ runs under `TRITON_INTERPRET=1` on CPU tensors, which is how CI tests it.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_norms import GELU_TANH_COEFF
 from .triton_ops import _device_scope, _dot_precision
 
-GELU_TANH_COEFF = math.sqrt(2.0 / math.pi)
 # Pair slots per block: an M tile of both products. 64 keeps the padding of a prefill's small groups (a
 # 512-token chunk gives a 26B-A4B expert ~32 pairs on average) to one tile while filling a wgmma.
 BLOCK_M = 64
