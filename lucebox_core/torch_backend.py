@@ -411,6 +411,9 @@ class TorchBackend:
         visible: torch.Tensor,
         *,
         scale: float,
+        node_k: torch.Tensor | None = None,
+        node_v: torch.Tensor | None = None,
+        ring: int = 0,
     ) -> torch.Tensor:
         """The nodes of a candidate tree against a fixed-size window of a KV buffer (static verification):
         `decode_attention` for N queries.
@@ -421,10 +424,20 @@ class TorchBackend:
         (its ancestors and itself). Node n sees every committed row and the node rows `visible[n]` allows;
         rows from `position + N` on are never seen. Products in q's dtype, softmax in fp32. k and v may be
         a Q8_0 cache's raw rows, as for `decode_attention`.
+
+        `node_k`, `node_v` `[N, Hkv, D|Dv]` (values): the nodes' rows, when the tree is not written into the
+        cache (which then holds committed rows only). `ring` (with them): the cache is a sliding layer's ring
+        of `ring` slots, position p in slot p % ring; node n, at position `position + depth(n)`, sees the
+        committed positions of the last `ring` (its own included). One node that sees itself, with its own
+        rows, is the decode step over such a cache.
         """
         from .kv import dequantize_q8_0
 
         k, v = (dequantize_q8_0(t, q.dtype) if t.dtype == torch.uint8 else t for t in (k, v))
+        if (node_k is None) != (node_v is None) or (ring and node_k is None):
+            raise ValueError("tree_attention: node_k and node_v come together, and a ring needs them")
+        if node_k is not None:
+            return self._tree_attention_node_rows(q, k, v, position, visible, scale, node_k, node_v, ring)
         rows, kv_heads, head_dim = k.shape
         _, nodes, q_heads, _ = q.shape
         group = q_heads // kv_heads
@@ -442,3 +455,21 @@ class TorchBackend:
         probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
         out = torch.bmm(probs.to(q.dtype), values)  # [Hkv, N * group, Dv]
         return out.reshape(kv_heads, nodes, group, -1).permute(1, 0, 2, 3).reshape(1, nodes, q_heads, -1)
+
+    def _tree_attention_node_rows(self, q, k, v, position, visible, scale, node_k, node_v, ring):
+        """`tree_attention` with the nodes' rows apart from the cache's: attention over [cache rows | node rows]
+        with each node's mask (a ring slot's position by formula: the latest committed p with p % ring == s)."""
+        rows = k.shape[0]
+        nodes = q.shape[1]
+        visible = visible.to(device=k.device, dtype=torch.bool)
+        start = position.reshape(1).to(k.device)
+        node_positions = start + visible.sum(dim=1) - 1  # a node's depth is its ancestors' count
+        slots = torch.arange(rows, device=k.device)
+        held = start - 1 - torch.remainder(start - 1 - slots, ring) if ring else slots
+        seen = ((held >= 0) & (held < start))[None, :].expand(nodes, rows)
+        if ring:
+            seen = seen & (node_positions[:, None] - held[None, :] < ring)
+        mask = torch.cat([seen, visible], dim=1)
+        keys = torch.cat([k.to(q.dtype), node_k.to(q.dtype)])[None]
+        values = torch.cat([v.to(q.dtype), node_v.to(q.dtype)])[None]
+        return self.attention(q, keys, values, scale=scale, mask=mask)

@@ -1,12 +1,13 @@
 """Gemma-4 on the GPU: the CUDA kernels Gemma-4 runs, at the real models' shapes, against their references, and
 whole tiny models on lucebox-cuda against the torch reference on the CPU.
 
-usage: python scripts/gemma4_gpu_check.py [--workdir DIR] [--json OUT.json]
+usage: python scripts/gemma4_gpu_check.py [--workdir DIR] [--json OUT.json] [--checks tree,fused,moe,attention,models]
 
 1. `moe_experts` (the routed-expert products reading only the chosen experts' GGUF blocks, ids on the device)
    with the 26B-A4B's stacks (128 experts, gate|up 1408 x 2816 Q4_K, down 2816 x 704 Q5_0) at 1, 4 and 600
    tokens, against the family's reference; its decode time per layer.
-2. `decode_attention` at Gemma-4's head dims (512 with 4 KV heads over a full cache, 256 with 16 over a
+2. `tree_attention` as the decode step and the verify pass run it (node rows beside the cache, the 1024-slot
+   ring), each of 23 verified nodes against the decode step after its path, to the bit; `decode_attention` at Gemma-4's head dims (512 with 4 KV heads over a full cache, 256 with 16 over a
    1024-row ring), against the reference.
 3. The norm-chain kernels (post-norm residual, norm sum, GeGLU, soft-cap, q/k/v norm + RoPE, router) in bf16.
 4. Tiny dense and MoE files (f32 and q8_0): logits of a 48-token prompt and 24 greedy tokens (the static decode
@@ -106,6 +107,56 @@ def check_attention(results: dict) -> None:
               f"rel err {results[f'attention prefill {name} rel err']:.2e}")
 
 
+def check_tree_attention(results: dict) -> None:
+    """The decode step's and the verify pass's attention at the 31B's shapes in bf16 (`tree_attention` with the
+    nodes' rows beside the cache; a sliding layer's 1024-slot ring): against the reference, and each verified
+    node against the one-node decode step over the cache its committed path leaves, to the bit (what the forced
+    DDTree row and exact speculative output need); the 23-node pass's time."""
+    from lucebox_core.speculative.trees import TreeIndex
+
+    ops = GEMMA4_OPS.bind(CudaBackend(dtype=torch.bfloat16))
+    parents = [-1] + [(i - 1) // 2 for i in range(1, 23)]  # 23 nodes, a binary tree of depth 4
+    visible = TreeIndex.build(parents).visibility().to("cuda")
+    one = torch.ones(1, 1, dtype=torch.bool, device="cuda")
+    for name, heads, kv_heads, dim, ring, start in (("sliding 256 ring, wrapping", 32, 16, 256, 1024, 1010),
+                                                    ("sliding 256 ring, wrapped", 32, 16, 256, 1024, 5000),
+                                                    ("full 512", 32, 4, 512, 0, 3000)):
+        g = torch.Generator(device="cuda").manual_seed(start)
+        rows = ring or 4096
+        k, v = (torch.randn(rows, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        q = torch.randn(1, 23, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+        node_k, node_v = (torch.randn(23, kv_heads, dim, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        pos = torch.tensor([start], device="cuda")
+        extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
+        got = ops.tree_attention(q, k, v, pos, visible, scale=1.0, **extra)
+        expected = TorchBackend.tree_attention(ops, q.float(), k.float(), v.float(), pos, visible, scale=1.0,
+                                               node_k=node_k.float(), node_v=node_v.float(), ring=ring)
+        exact = 0
+        for node in range(23):
+            path = visible[node].nonzero().flatten().tolist()
+            dk, dv = k.clone(), v.clone()
+            for depth, index in enumerate(path):  # committed in their slots (the node's own row too)
+                slot = (start + depth) % ring if ring else start + depth
+                dk[slot], dv[slot] = node_k[index], node_v[index]
+            at = torch.tensor([start + len(path) - 1], device="cuda")
+            decoded = ops.tree_attention(q[:, node : node + 1], dk, dv, at, one, scale=1.0, node_k=node_k[node : node + 1],
+                                         node_v=node_v[node : node + 1], ring=ring)
+            exact += bool(torch.equal(decoded[0, 0], got[0, node]))
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(100):
+            ops.tree_attention(q, k, v, pos, visible, scale=1.0, **extra)
+        torch.cuda.synchronize()
+        microseconds = (time.perf_counter() - begin) / 100 * 1e6
+        results[f"tree_attention {name} rel err"] = _rel(got, expected)
+        results[f"tree_attention {name} nodes equal to decode"] = exact
+        results[f"tree_attention {name} 23 nodes us"] = microseconds
+        print(f"tree_attention {name}: {ops.tree_attention.choice(q, k, v, pos, visible, scale=1.0, **extra)}, rel err "
+              f"{_rel(got, expected):.2e}, {exact}/23 nodes bit-equal to the decode step, 23 nodes {microseconds:.0f} us")
+        if exact != 23:
+            raise AssertionError(f"tree_attention {name}: only {exact}/23 verified nodes equal the decode step")
+
+
 def check_fused(results: dict) -> None:
     """The norm-chain kernels (`lucebox_cuda.triton_norms`) in bf16 at the 31B's shapes against the family's
     references on the GPU: the share of outputs equal to the bit (the kernels round where the references do)
@@ -196,12 +247,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default="/tmp/w")
     parser.add_argument("--json")
+    parser.add_argument("--checks", default="tree,fused,moe,attention,models",
+                        help="comma-separated subset of tree,fused,moe,attention,models")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     failures = []
-    for check in (check_fused, check_moe, check_attention, lambda r: check_models(r, workdir)):
+    checks = {"tree": check_tree_attention, "fused": check_fused, "moe": check_moe, "attention": check_attention,
+              "models": lambda r: check_models(r, workdir)}
+    for name in args.checks.split(","):
+        check = checks[name]
         try:
             check(results)
         except Exception as exc:  # report every check, then fail

@@ -17,6 +17,9 @@
 #                                        #   steps, KV interface): the CUDA-only tests, cuda_check (kernels and
 #                                        #   whole models against torch), the attention module's check,
 #                                        #   determinism on 0.8b.                     carry: .whl
+#   bash scripts/gpu_session.sh gemma4-exact  # ~9 min: Gemma-4 verify == decode step to the bit (kernel, tiny models,
+#                                        #   31B and 26B-A4B every node), forced DDTree 8.3 on the 31B, tg128 both
+#                                        #   engines.                                 carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh same-call  # ~8 min: before/after in one call: same_call_bench.py on 27b
 #                                        #   Q4_K_M (pp512, pp4096, tg128, forced DDTree 8.3 at -n 256 -r 3) for
 #                                        #   the tree in .baseline (an older commit, `git archive`), then this
@@ -310,6 +313,34 @@ gemma4_dev() {  # ~9 min: the first of three chained calls (each started within 
   llama_wait
 }
 
+gemma4_exact() {  # ~9 min: Gemma-4's verify pass as the decode step's tree attention: the kernel checked bit for bit at
+  #                 the 31B's shapes, tiny models (static verify under graphs vs eager), every verified node of the
+  #                 31B (ring wrapped) and the 26B-A4B (ring wrapping inside the tree) against decoding its path,
+  #                 then the forced DDTree 8.3 row on the 31B beside plain tg128 of both engines, same files.
+  #                 carry: .whl .llamacpp
+  llama_build_bg
+  step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --checks tree,models --workdir "$WORK" \
+    --json "$RES/gemma4_check.json"
+  step synth-31b 150 g4synth 31b
+  step synth-draft 60 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \
+    --target "$(g4model 31b)" -o "$WORK/gemma4-31b-draft-q8_0.gguf"
+  step determinism-31b 120 python3 scripts/verify_determinism.py "$(g4model 31b)" --prefix 1500 \
+    --json "$RES/determinism_31b.json"
+  step lucebox-31b-spec 150 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -md $WORK/gemma4-31b-draft-q8_0.gguf \
+    -p 0 -n 256 -r 2 --force-accept 8.3 --json > $RES/lucebox_31b_spec.json; cat $RES/lucebox_31b_spec.json"
+  step lucebox-31b 100 sh -c "python3 -m lucebox_core.cli bench -m $(g4model 31b) -p 0 -n 128 -r 2 --json \
+    > $RES/lucebox_31b.json; cat $RES/lucebox_31b.json"
+  if llama_wait; then
+    step llama-31b 60 sh -c "$LB -m $(g4model 31b) -ngl 99 -fa 1 -p 0 -n 128 -r 2 -o json > $RES/llama_31b.json; \
+      cat $RES/llama_31b.json | python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
+  fi
+  step synth-26b 120 g4synth 26b-a4b
+  step determinism-26b 100 python3 scripts/verify_determinism.py "$(g4model 26b-a4b)" --prefix 1020 \
+    --json "$RES/determinism_26b.json"
+  cp "$RES"/determinism_*.json "$RES"/gemma4_check.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -346,6 +377,7 @@ session() {
     gemma4-profile) gemma4_profile ;;
     gemma4-dev) gemma4_dev ;;
     gemma4-final) gemma4_final ;;
+    gemma4-exact) gemma4_exact ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -1,5 +1,5 @@
-"""Gemma-4's static-shape speculative verify pass on the CPU reference backend (no graphs): the mask it builds
-on the device from the committed length against a simulated ring, the same logits, features and K/V rows as
+"""Gemma-4's static-shape speculative verify pass on the CPU reference backend (no graphs): what its tree
+attention over a real cache (rings included) lets each node see, the same logits, features and K/V rows as
 the eager pass before and after the sliding layers' rings wrap (and after a rollback, and over a Q8_0
 cache), commits that decode on as plain decoding does, and the speculative loop with it."""
 
@@ -14,10 +14,12 @@ from lucebox_core.sampling import SamplingParams
 from lucebox_core.speculative import SpeculativeDecoder, dflash
 from lucebox_gemma4 import synth
 from lucebox_gemma4.loader import load
-from lucebox_core.kv import window_start
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.static_step import kv_window
-from lucebox_gemma4.verify import _held_positions, _static_mask
+from lucebox_core.kv import FullKVCache, KVLayerShape
+from lucebox_core.torch_backend import TorchBackend
+
+REFERENCE = TorchBackend("cpu", torch.float32)
 
 GREEDY = SamplingParams(temperature=0)
 WINDOW = 16  # the tiny sizes' sliding window
@@ -56,49 +58,54 @@ def _prefilled(model, committed: int, *, context: int = 512, rolled_back: bool =
     return state
 
 
-# -- the mask ------------------------------------------------------------------------------------------
+# -- what the static pass's attention sees -------------------------------------------------------------
+
+DIMS = 64  # one-hot rows: positions below 57, the 7 tree nodes in the last dims
 
 
-@pytest.mark.parametrize("rows", [WINDOW, 8])  # a full ring, and a ring of a context shorter than the window
-def test_held_positions_follow_the_ring(rows):
-    slot_holds = [-1] * rows  # what each slot holds, simulated: -1 for nothing
-    limit = 3 * WINDOW if rows == WINDOW else rows  # a ring shorter than the window holds a whole context
-    for start in range(limit + 1):
-        got = _held_positions(rows, torch.tensor([start]), WINDOW)
-        assert [int(p) if 0 <= p < start else -1 for p in got] == slot_holds, start
-        if start < limit:
-            slot_holds[start % rows] = start  # the next position written
-    full = _held_positions(10, torch.tensor([4]), 0)
-    assert full.tolist() == list(range(10))  # a full layer: the slot is the position (masked past start)
-
-
-def _seen(mask: torch.Tensor, column_positions: torch.Tensor) -> set[tuple[int, int]]:
-    """(node, position) pairs a mask lets through, its columns naming positions."""
-    return {(int(n), int(column_positions[c])) for n, c in mask.nonzero().tolist()}
+def _seen_by_tree_attention(cache, layer, committed, window, parents):
+    """Which positions (and tree nodes, as `("node", i)`) each node's tree attention reads: zero queries and
+    keys weigh every seen row alike, and one-hot values (position p in dim p, node i in dim 63 - i) make the
+    output's support the set of rows seen."""
+    nodes = len(parents)
+    keys, values = cache.gather(layer, window)
+    node_values = torch.zeros(nodes, 1, DIMS)
+    for i in range(nodes):
+        node_values[i, 0, DIMS - 1 - i] = 1
+    visible = TreeIndex.build(parents).visibility()
+    shape = cache.shapes[layer]
+    out = REFERENCE.tree_attention(torch.zeros(1, nodes, 1, DIMS), keys, values, torch.tensor([committed]), visible,
+                                   scale=1.0, node_k=torch.zeros(nodes, 1, DIMS), node_v=node_values,
+                                   ring=shape.window or 0)
+    return [{p if p < DIMS - nodes else ("node", DIMS - 1 - p) for p in out[0, n, 0].nonzero().flatten().tolist()}
+            for n in range(nodes)]
 
 
 @pytest.mark.parametrize("rolled_back", [False, True])
-def test_the_static_mask_sees_what_the_eager_pass_sees(model, rolled_back):
+@pytest.mark.parametrize(("window", "context"), [(WINDOW, 512), (WINDOW, 20), (0, 512)])
+def test_tree_attention_sees_what_the_eager_pass_sees(window, context, rolled_back):
+    """Over a real cache (a sliding layer's ring before and after it wraps, a context barely longer than the
+    window, a full layer; after a rollback of one position the rolled-back row stays stale in its slot), each
+    node sees exactly the eager pass's rows: the committed positions within its window, and its ancestors."""
     tree = TreeIndex.build(BRANCHING)
-    ancestry = tree.visibility()
-    for committed in range(1 if rolled_back else 0, 3 * WINDOW + 2):
-        for context in (512, 20):  # a window past the ring; a context barely longer than the window
-            if committed + tree.max_depth >= context:
-                continue
-            start, positions = torch.tensor([committed]), committed + tree.depths
-            window = kv_window(committed, context)
-            for attn in (model.layers[0].self_attn, model.layers[2].self_attn):  # sliding, full
-                rows = min(window, min(attn.sliding_window, context) if attn.sliding_window else context)
-                mask = _static_mask(attn, positions, start, rows, ancestry)
-                held = _held_positions(rows, start, attn.sliding_window)
-                first = window_start(attn.kv_shape, committed)
-                eager_held = torch.arange(first, committed)
-                expected = _seen(attn.visibility(positions, eager_held), eager_held)
-                seen_held = _seen(mask[:, :rows], held)
-                assert seen_held == expected, (committed, context, attn.sliding_window)
-                # Each seen position in one column only (a ring slot is never read twice).
-                assert int(mask[:, :rows].sum()) == len(seen_held)
-                torch.testing.assert_close(mask[:, rows:], ancestry & attn.visibility(positions, positions))
+    depths = tree.depths.tolist()
+    ancestors = tree.visibility()
+    for committed in range(1 if rolled_back else 0, DIMS - len(BRANCHING)):
+        if committed + tree.max_depth >= context:
+            continue
+        cache = FullKVCache({0: KVLayerShape(1, DIMS, DIMS, window=window)}, context)
+        held = committed + rolled_back
+        rows = torch.eye(DIMS)[:held, None, :]
+        for p in range(held):  # one position at a time, as decoding writes them
+            cache.append(0, torch.zeros(1, 1, DIMS), rows[p : p + 1])
+        if rolled_back:
+            cache.rollback(committed)
+        seen = _seen_by_tree_attention(cache, 0, committed, kv_window(committed, context), BRANCHING)
+        for node, depth in enumerate(depths):
+            position = committed + depth
+            first = max(0, position - window + 1) if window else 0
+            expected = set(range(first, committed)) | {("node", i) for i in range(len(BRANCHING)) if ancestors[node, i]}
+            assert seen[node] == expected, (committed, node)
 
 
 # -- the static pass against the eager one -----------------------------------------------------------

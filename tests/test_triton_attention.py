@@ -250,6 +250,143 @@ def test_tree_node_equals_decoding_its_path_bit_for_bit(parents, dtype):
         assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
 
 
+# -- node rows apart from the cache, and sliding-window rings (Gemma-4's verify pass and decode step) ---------
+
+
+def ring_sequence(length, ring, kv_heads, dim, dtype=torch.float32):
+    """Random K/V for positions 0 .. length-1 and the ring of `ring` slots they leave (position p in slot
+    p % ring, the latest one per slot; slots never written hold noise)."""
+    keys, values = torch.randn(length, kv_heads, dim) * 2, torch.randn(length, kv_heads, dim)
+    ring_k, ring_v = torch.randn(ring, kv_heads, dim) * 50, torch.randn(ring, kv_heads, dim) * 50
+    for p in range(length):
+        ring_k[p % ring], ring_v[p % ring] = keys[p], values[p]
+    return keys.to(dtype), values.to(dtype), ring_k.to(dtype), ring_v.to(dtype)
+
+
+def expected_window_attention(q, keys, values, node_k, node_v, start, visible, window, scale):
+    """An independent formulation: every committed position and every node in one sequence, each node seeing
+    the committed positions and ancestors no more than `window - 1` before it (0: no window)."""
+    nodes = q.shape[1]
+    depth = visible.sum(dim=1) - 1
+    positions = torch.cat([torch.arange(start), start + depth])
+    node_positions = start + depth
+    age = node_positions[:, None] - positions[None, :]
+    seen = torch.cat([torch.ones(nodes, start, dtype=torch.bool), visible], dim=1) & (age >= 0)
+    if window:
+        seen &= age < window
+    all_k, all_v = torch.cat([keys[:start], node_k])[None], torch.cat([values[:start], node_v])[None]
+    return REFERENCE.attention(q.float(), all_k.float(), all_v.float(), scale=scale, mask=seen)
+
+
+@pytest.mark.parametrize(("parents", "start", "rows"), [
+    (TREES[2], 37, 64), (TREES[3], 0, 16), (TREES[1], 60, 96), (TREES[0], 45, 64)])
+def test_tree_attention_node_rows_apart_from_the_cache(parents, start, rows):
+    """Nodes' K/V passed beside a cache that holds committed rows only: the reference and the kernel against
+    attention over the whole sequence."""
+    torch.manual_seed(start + len(parents))
+    nodes, dim = len(parents), 32
+    keys, values = torch.randn(start + 1, 2, dim), torch.randn(start + 1, 2, dim)
+    cache_k, cache_v = torch.randn(rows, 2, dim) * 1e3, torch.randn(rows, 2, dim) * 1e3  # noise past start
+    cache_k[:start], cache_v[:start] = keys[:start], values[:start]
+    q, node_k, node_v = torch.randn(1, nodes, 6, dim), torch.randn(nodes, 2, dim), torch.randn(nodes, 2, dim)
+    visible = TreeIndex.build(parents).visibility()
+    pos = torch.tensor([start])
+    expected = expected_window_attention(q, keys, values, node_k, node_v, start, visible, 0, 0.2)
+    reference = REFERENCE.tree_attention(q, cache_k, cache_v, pos, visible, scale=0.2, node_k=node_k, node_v=node_v)
+    assert relative_error(reference, expected) < BOUNDS[torch.float32]
+    result = triton_attention.tree_attention(q, cache_k, cache_v, pos, visible, scale=0.2, node_k=node_k,
+                                             node_v=node_v, block_n=16, blocks_per_split=2)
+    assert relative_error(result, expected) < BOUNDS[torch.float32]
+
+
+# (tree, committed positions, ring slots, window rows): a ring not yet full, one the tree wraps, one long
+# wrapped (the committed rows' slots past the tree's), a window shorter than the ring (a short context).
+RING_CASES = [(TREES[2], 9, 32, 32), (TREES[3], 28, 32, 32), (TREES[2], 150, 32, 32), (TREES[1], 5, 32, 16),
+              (TREES[4], 40, 96, 96)]
+
+
+@pytest.mark.parametrize(("parents", "start", "ring", "rows"), RING_CASES)
+def test_tree_attention_over_a_ring(parents, start, ring, rows):
+    torch.manual_seed(start * 7 + ring)
+    nodes, dim = len(parents), 32
+    keys, values, ring_k, ring_v = ring_sequence(start, ring, 2, dim)
+    q, node_k, node_v = torch.randn(1, nodes, 4, dim), torch.randn(nodes, 2, dim), torch.randn(nodes, 2, dim)
+    visible = TreeIndex.build(parents).visibility()
+    pos = torch.tensor([start])
+    expected = expected_window_attention(q, keys, values, node_k, node_v, start, visible, ring, 0.2)
+    extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
+    reference = REFERENCE.tree_attention(q, ring_k[:rows], ring_v[:rows], pos, visible, scale=0.2, **extra)
+    assert relative_error(reference, expected) < BOUNDS[torch.float32]
+    result = triton_attention.tree_attention(q, ring_k[:rows], ring_v[:rows], pos, visible, scale=0.2, **extra,
+                                             block_n=16, blocks_per_split=1)
+    assert relative_error(result, expected) < BOUNDS[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("parents", "start", "ring"), [(TREES[2], 9, 32), (TREES[3], 28, 32), (TREES[2], 150, 32),
+                                                        (TREES[1], 40, 16)])
+def test_ring_tree_node_equals_decoding_its_path_bit_for_bit(parents, start, ring, dtype):
+    """Gemma-4's exactness: a verified node over a ring equals, to the bit, the one-node decode step over the
+    ring once its path is committed (ancestors written into their slots, its own row passed as the node row),
+    with the decode step's window (more rows, another split count for a ring not yet full)."""
+    torch.manual_seed(start + ring + (dtype == torch.bfloat16))
+    nodes, dim = len(parents), 32
+    _, _, ring_k, ring_v = ring_sequence(start, ring, 2, dim, dtype)
+    q = torch.randn(1, nodes, 4, dim).to(dtype)
+    node_k, node_v = torch.randn(nodes, 2, dim).to(dtype), torch.randn(nodes, 2, dim).to(dtype)
+    visible = TreeIndex.build(parents).visibility()
+    rows = min(ring, start + 4) if start < ring else ring  # the verify's window: the committed rows
+    verified = triton_attention.tree_attention(
+        q, ring_k[:rows], ring_v[:rows], torch.tensor([start]), visible, scale=0.2, node_k=node_k, node_v=node_v,
+        ring=ring, block_n=8, blocks_per_split=2)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    for node in range(nodes):
+        path = [i for i in range(nodes) if visible[node, i]]
+        decode_k, decode_v = ring_k.clone(), ring_v.clone()
+        for depth, index in enumerate(path[:-1]):  # the ancestors, committed in their slots
+            decode_k[(start + depth) % ring], decode_v[(start + depth) % ring] = node_k[index], node_v[index]
+        position = start + len(path) - 1
+        decode_k[position % ring], decode_v[position % ring] = node_k[node], node_v[node]  # written, then read
+        decode_rows = ring  # the decode step's window of a ring: all of it
+        decoded = triton_attention.tree_attention(
+            q[:, node : node + 1], decode_k[:decode_rows], decode_v[:decode_rows], torch.tensor([position]), one,
+            scale=0.2, node_k=node_k[node : node + 1], node_v=node_v[node : node + 1], ring=ring, block_n=8,
+            blocks_per_split=2)
+        assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
+
+
+def test_ring_tree_attention_q8_0_cache():
+    """A Q8_0 ring's raw rows (decoded in registers) with the nodes' rows as values: the kernel against the
+    reference on the same rows."""
+    from lucebox_core.kv import quantize_q8_0
+
+    torch.manual_seed(31)
+    parents, start, ring, dim = TREES[3], 50, 32, 64
+    _, _, ring_k, ring_v = ring_sequence(start, ring, 2, dim)
+    k8, v8 = quantize_q8_0(ring_k.clamp(-60, 60)), quantize_q8_0(ring_v.clamp(-60, 60))
+    q = torch.randn(1, len(parents), 4, dim)
+    node_k, node_v = torch.randn(len(parents), 2, dim), torch.randn(len(parents), 2, dim)
+    visible = TreeIndex.build(parents).visibility()
+    extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
+    pos = torch.tensor([start])
+    expected = REFERENCE.tree_attention(q, k8, v8, pos, visible, scale=0.125, **extra)
+    result = triton_attention.tree_attention(q, k8, v8, pos, visible, scale=0.125, **extra, block_n=16,
+                                             blocks_per_split=1)
+    assert relative_error(result, expected) < BOUNDS[torch.float32]
+
+
+def test_tree_attention_rejects_bad_node_rows():
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(20, 2, 16)
+    visible = TreeIndex.build([-1, 0]).visibility()
+    pos = torch.tensor([5])
+    with pytest.raises(ValueError, match="node rows"):
+        triton_attention.tree_attention(q, k, k, pos, visible, scale=0.25, ring=8)
+    with pytest.raises(ValueError, match="node rows"):
+        triton_attention.tree_attention(q, k, k, pos, visible, scale=0.25, node_k=k[:3], node_v=k[:3])
+    with pytest.raises(ValueError, match="node_k and node_v"):
+        REFERENCE.tree_attention(q, k, k, pos, visible, scale=0.25, node_k=k[:2])
+
+
 def test_tree_attention_strided_window():
     """K/V as the kv cache's window gives them: the first W rows of a buffer whose rows hold K and V side by
     side; 80 value dims (more than one combine program, the last one partly masked)."""

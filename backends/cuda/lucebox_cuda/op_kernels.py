@@ -162,17 +162,24 @@ def decode_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def accepts_tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
-                           visible: torch.Tensor, *, scale: float) -> bool:
-    return (triton_attention() is not None and _triton_takes(ops, q, k, v, position, visible) and q.dim() == 4
-            and k.dim() == 3 and q.shape[2] % k.shape[1] == 0)
+                           visible: torch.Tensor, *, scale: float, node_k: torch.Tensor | None = None,
+                           node_v: torch.Tensor | None = None, ring: int = 0) -> bool:
+    nodes = () if node_k is None or node_v is None else (node_k, node_v)
+    return (triton_attention() is not None and _triton_takes(ops, q, k, v, position, visible, *nodes)
+            and q.dim() == 4 and k.dim() == 3 and q.shape[2] % k.shape[1] == 0)
 
 
 def tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
-                   visible: torch.Tensor, *, scale: float) -> torch.Tensor:
+                   visible: torch.Tensor, *, scale: float, node_k: torch.Tensor | None = None,
+                   node_v: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Each node over its own path, split over the rows in the decode step's fixed partition
-    (flash-decoding for N nodes); a Q8_0 window is decoded in registers."""
-    return _cache_attention(ops, lambda: triton_attention().tree_attention(q, k, v, position, visible, scale=scale),
-                            lambda: TorchBackend.tree_attention(ops, q, k, v, position, visible, scale=scale), k, v)
+    (flash-decoding for N nodes); a Q8_0 window is decoded in registers; node rows apart from the cache
+    and a sliding layer's ring as the reference takes them."""
+    extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
+    return _cache_attention(ops, lambda: triton_attention().tree_attention(q, k, v, position, visible, scale=scale,
+                                                                           **extra),
+                            lambda: TorchBackend.tree_attention(ops, q, k, v, position, visible, scale=scale,
+                                                                **extra), k, v)
 
 
 def accepts_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

@@ -297,23 +297,42 @@ def attention(
 
 @triton.jit
 def _path_key_block(
-    acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, rows, k_ptr, v_ptr,
-    dims, value_dims, scale, stride_kt, stride_vt,
+    acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len, rows, k_ptr, v_ptr,
+    node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt, stride_nkt, stride_nvt,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, NODE_ROWS: tl.constexpr,
+    RING: tl.constexpr,
 ):
     """Logical key positions block_start .. block_start + BLOCK_N of one node's sequence: one step of the
     online softmax (the same operations, in the same order, for every node and for the decode step)."""
     logical = block_start + tl.arange(0, BLOCK_N)
     row_ok = logical < end
-    # Logical position committed + t holds the path's t-th node: index #{j : rank[j] <= t}.
-    t = logical - committed
+    if RING:
+        # A ring's logical sequence is its slots in slot order; slot s holds path position committed + t
+        # with t = (s - committed) mod RING when t < path_len, else its committed row.
+        t = (logical + (RING - committed % RING)) % RING
+        from_node = t < path_len
+    else:
+        # Logical position committed + t holds the path's t-th node.
+        t = logical - committed
+        from_node = logical >= committed
+    # The path's t-th node is index #{j : rank[j] <= t}.
     path_node = tl.sum(((rank[None, :] <= t[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
-    row = tl.where(logical < committed, logical, committed + path_node)
-    # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
-    row_ok = row_ok & (row < rows)
-    row = row.to(tl.int64)
-    k = _load_kv_rows(k_ptr, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8)
+    if NODE_ROWS:  # node rows in their own tensor, the cache's rows where no path node sits
+        row = tl.where(from_node, path_node, logical)
+        cache_ok = row_ok & ~from_node & (row < rows)
+        node_ok = row_ok & from_node
+        row_ok = cache_ok | node_ok
+        row = row.to(tl.int64)
+        k = tl.where(from_node[:, None],
+                     _load_kv_rows(node_k_ptr, row, node_ok, dims, dims < HEAD_DIM, stride_nkt, False),
+                     _load_kv_rows(k_ptr, row, cache_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8))
+    else:
+        row = tl.where(logical < committed, logical, committed + path_node)
+        # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
+        row_ok = row_ok & (row < rows)
+        row = row.to(tl.int64)
+        k = _load_kv_rows(k_ptr, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8)
     # Products in q's dtype: the window is read once, never upcast in memory.
     scores = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST_DOT) * scale  # [G, N] fp32
     scores = tl.where(row_ok[None, :], scores, float("-inf"))
@@ -323,20 +342,27 @@ def _path_key_block(
     rescale = tl.exp(running_max - shift)
     probs = tl.exp(scores - shift[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-    v = _load_kv_rows(v_ptr, row, row_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8)
+    if NODE_ROWS:
+        v = tl.where(from_node[:, None],
+                     _load_kv_rows(node_v_ptr, row, node_ok, value_dims, value_dims < VALUE_DIM, stride_nvt, False),
+                     _load_kv_rows(v_ptr, row, cache_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8))
+    else:
+        v = _load_kv_rows(v_ptr, row, row_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8)
     acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
     return acc, block_max, running_sum
 
 
 @triton.jit
 def _path_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, position_ptr, visible_ptr, max_ptr, sum_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, node_k_ptr, node_v_ptr, position_ptr, visible_ptr, max_ptr, sum_ptr, acc_ptr,
     nodes, rows, scale,
-    stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_visible_n,
+    stride_qn, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_nkt, stride_nkh, stride_nvt,
+    stride_nvh, stride_visible_n,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_NODES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    K_Q8: tl.constexpr, V_Q8: tl.constexpr, STATIC_TRIPS: tl.constexpr,
+    K_Q8: tl.constexpr, V_Q8: tl.constexpr, NODE_ROWS: tl.constexpr, RING: tl.constexpr,
+    STATIC_TRIPS: tl.constexpr,
 ):
     """Partial attention of one node's GROUP query heads (one KV head) over one split of its key sequence.
 
@@ -344,7 +370,10 @@ def _path_attention_split_kernel(
     0 .. position-1, then its ancestors and itself (the nodes its `visible` row allows, in index order)
     at logical positions position, position + 1, ... Key tiles are cut from that logical sequence in
     fixed splits of BLOCKS_PER_SPLIT x BLOCK_N from position 0, and a node row is fetched from wherever
-    the tree put it (row position + i for node i). So a node computes exactly what the one-token decode
+    the tree put it (row position + i for node i, or row i of the node tensors with NODE_ROWS). With RING
+    (a sliding layer's ring of RING slots, position p in slot p % RING) the sequence is the slots in slot
+    order, the path's positions in their slots: what the decode step reads from the ring once the path is
+    committed (NODE_ROWS then: the ring holds only committed rows). So a node computes exactly what the one-token decode
     step computes for the same token once its path is committed, to the bit: the same tiles, the same
     masks, the same order of every sum. Writes per (node, head, split) the max score, the sum of
     exp(score - max) and the unnormalised output. STATIC_TRIPS: 0 on the GPU; under the interpreter,
@@ -369,7 +398,13 @@ def _path_attention_split_kernel(
     on_path = tl.load(visible_ptr + node * stride_visible_n + others, mask=other_ok, other=0).to(tl.int32)
     on_path = tl.where(other_ok & (on_path != 0), 1, 0)
     rank = tl.cumsum(on_path, axis=0)  # path nodes among 0 .. j
-    seen_end = tl.minimum(committed + tl.sum(on_path, axis=0), rows)
+    path_len = tl.sum(on_path, axis=0)
+    if RING:  # the slots of a ring that has wrapped, or those up to the node's position
+        seen_end = tl.minimum(committed + path_len, RING)
+    elif NODE_ROWS:  # the committed rows (the caller's window covers them), then the path
+        seen_end = committed + path_len
+    else:
+        seen_end = tl.minimum(committed + path_len, rows)
     start = split * (BLOCKS_PER_SPLIT * BLOCK_N)
     end = tl.minimum(start + BLOCKS_PER_SPLIT * BLOCK_N, seen_end)
 
@@ -378,20 +413,23 @@ def _path_attention_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     k_ptr += kv_head * stride_kh
     v_ptr += kv_head * stride_vh
+    node_k_ptr += kv_head * stride_nkh
+    node_v_ptr += kv_head * stride_nvh
     if STATIC_TRIPS == 0:  # the GPU: a runtime-bound loop, which Triton software-pipelines
         for block_start in range(start, end, BLOCK_N):
             acc, running_max, running_sum = _path_key_block(
-                acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, rows, k_ptr, v_ptr,
-                dims, value_dims, scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION,
-                UPCAST_DOT, K_Q8, V_Q8)
+                acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len, rows,
+                k_ptr, v_ptr, node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt, stride_nkt,
+                stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8, NODE_ROWS, RING)
     else:  # the interpreter: a fixed trip count and a skip (it cannot take a loop bound read from memory)
         for block in range(STATIC_TRIPS):
             block_start = start + block * BLOCK_N
             if block_start < end:
                 acc, running_max, running_sum = _path_key_block(
-                    acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, rows, k_ptr,
-                    v_ptr, dims, value_dims, scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N,
-                    DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8)
+                    acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len,
+                    rows, k_ptr, v_ptr, node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt,
+                    stride_nkt, stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8,
+                    NODE_ROWS, RING)
 
     # A split past the node's sequence stores max -inf, sum 0 and output 0: the combine adds exact zeros.
     partial = ((node * Q_HEADS + heads) * splits + split).to(tl.int64)  # x VALUE_DIM can pass 2^31
@@ -444,20 +482,23 @@ COMBINE_BLOCK_VALUES = 64
 
 def tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, visible: torch.Tensor, *,
-    scale: float, out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N,
-    blocks_per_split: int = PATH_BLOCKS_PER_SPLIT,
+    scale: float, node_k: torch.Tensor | None = None, node_v: torch.Tensor | None = None, ring: int = 0,
+    out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N, blocks_per_split: int = PATH_BLOCKS_PER_SPLIT,
 ) -> torch.Tensor:
     """`TorchBackend.tree_attention` (and, with one node that sees itself, `decode_attention`): q
     `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of the cache; rows `position + i`
-    hold node i), each values or a Q8_0 cache's raw rows (uint8 `[W, Hkv, D / 32 * 34]`, decoded in
-    registers); `position` `[1]` long and `visible` bool `[N, N]` (ancestors and self), both on q's
-    device -> `[1, N, Hq, Dv]` in q's dtype. Node n sees the committed rows `< position` and its path.
+    hold node i, unless `node_k`/`node_v` `[N, Hkv, D|Dv]` hold them), each values or a Q8_0 cache's raw rows
+    (uint8 `[W, Hkv, D / 32 * 34]`, decoded in registers; node rows are values); `position` `[1]` long and
+    `visible` bool `[N, N]` (ancestors and self), both on q's device -> `[1, N, Hq, Dv]` in q's dtype. Node n
+    sees the committed rows `< position` and its path. `ring` (with node rows): the cache is a sliding
+    layer's ring of that many slots (position p in slot p % ring), each node seeing the last `ring` positions.
 
     Each node runs the decode step's arithmetic over its own path (see the split kernel): a verified
-    node's output equals, bit for bit, what decoding its path token by token gives. A fixed (N, W) gives a
-    fixed launch, so the call records into a CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype
-    with a contiguous last dim to write into. `block_n`, `blocks_per_split`: the fixed partition (tests
-    use small ones; decode and verify must use the same).
+    node's output equals, bit for bit, what decoding its path token by token gives (the decode step calling
+    this with one node, in the same mode). A fixed (N, W) gives a fixed launch, so the call records into a
+    CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype with a contiguous last dim to write into.
+    `block_n`, `blocks_per_split`: the fixed partition (tests use small ones; decode and verify must use
+    the same).
     """
     k_q8, v_q8 = k.dtype == torch.uint8, v.dtype == torch.uint8
     rows, kv_heads, head_dim = k.shape
@@ -465,20 +506,34 @@ def tree_attention(
     value_dim = v.shape[2]
     head_dim = head_dim // 34 * 32 if k_q8 else head_dim
     value_dim = value_dim // 34 * 32 if v_q8 else value_dim
+    node_rows = node_k is not None
     if (q.shape[0] != 1 or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads
             or visible.shape != (nodes, nodes) or nodes == 0):
         raise ValueError(f"tree_attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"visible {tuple(visible.shape)}")
+    if node_rows != (node_v is not None) or (ring and not node_rows) or ring < 0 or (node_rows and (
+            node_k.shape != (nodes, kv_heads, head_dim) or node_v.shape != (nodes, kv_heads, value_dim)
+            or not node_k.is_floating_point() or not node_v.is_floating_point())):
+        raise ValueError(f"tree_attention node rows: node_k {None if node_k is None else tuple(node_k.shape)}, "
+                         f"node_v {None if node_v is None else tuple(node_v.shape)} (values [N, Hkv, D] both, "
+                         f"N = {nodes}), ring {ring} (needs node rows)")
     if out is None:
         out = torch.empty(1, nodes, q_heads, value_dim, device=q.device, dtype=q.dtype)
     elif out.shape != (1, nodes, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {(1, nodes, q_heads, value_dim)}")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if node_rows:
+        node_k, node_v = _last_dim_contiguous(node_k), _last_dim_contiguous(node_v)
+    else:  # never read
+        node_k = node_v = k
     visible = visible.to(torch.bool).view(torch.uint8)  # the kernel reads bytes: 0 or not
     if visible.stride(-1) != 1:
         visible = visible.contiguous()
     group = q_heads // kv_heads
-    splits = triton.cdiv(rows, block_n * blocks_per_split)
+    # Splits that cover every node's sequence: the window, or (node rows) the committed rows a window
+    # covers plus the path; a ring's sequence is at most its slots. Splits past a sequence add exact zeros.
+    sequence = rows if not node_rows else min(rows + nodes, ring) if ring else rows + nodes
+    splits = triton.cdiv(sequence, block_n * blocks_per_split)
     interpreted = not q.is_cuda
     combine_dims = min(COMBINE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)
@@ -486,15 +541,17 @@ def tree_attention(
     split_acc = torch.empty(nodes * q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
     with _device_scope(q):
         _path_attention_split_kernel[(kv_heads, splits, nodes)](
-            q, k, v, position, visible, split_max, split_sum, split_acc,
+            q, k, v, node_k, node_v, position, visible, split_max, split_sum, split_acc,
             nodes, rows, scale,
-            q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), visible.stride(0),
+            q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            node_k.stride(0), node_k.stride(1), node_v.stride(0), node_v.stride(1), visible.stride(0),
             Q_HEADS=q_heads, GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
             BLOCKS_PER_SPLIT=blocks_per_split, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
             BLOCK_NODES=max(16, triton.next_power_of_2(nodes)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            K_Q8=k_q8, V_Q8=v_q8, STATIC_TRIPS=blocks_per_split if interpreted else 0,
+            K_Q8=k_q8, V_Q8=v_q8, NODE_ROWS=node_rows, RING=ring,
+            STATIC_TRIPS=blocks_per_split if interpreted else 0,
             num_warps=PATH_WARPS, num_stages=PATH_STAGES,
         )
         _path_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](

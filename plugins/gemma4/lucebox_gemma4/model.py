@@ -159,13 +159,25 @@ class Gemma4Attention:
         out = self.ops.attention(query, keys, values, scale=1.0, mask=self.visibility(positions, key_positions))
         return self.output(out)
 
-    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:
+    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int,
+                      one_node: torch.Tensor) -> torch.Tensor:
         """One token at the device position `position` `[1]`: K/V written there, attention over a fixed window
-        of the cache (a sliding layer's ring: every slot at most `window` old, masked "slot <= position")."""
+        of the cache (a sliding layer's ring: its slots). It runs as the verify pass's tree attention with one
+        node (`one_node`: `[[True]]`) whose rows are passed beside the cache, so that a verified node gets
+        this step's bits (see `verify.py`)."""
         query, key, value = self.project(x, position)
         kv.write(self.layer_index, position, key[0], value[0])
         keys, values = kv.gather(self.layer_index, window)
-        return self.output(self.ops.decode_attention(query, keys, values, position, scale=1.0))
+        node_k, node_v = kv.as_stored(key[0], value[0])
+        return self.output(self.tree_attention(query, keys, values, position, one_node, node_k, node_v))
+
+    def tree_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
+                       visible: torch.Tensor, node_k: torch.Tensor, node_v: torch.Tensor) -> torch.Tensor:
+        """Nodes (`visible` `[N, N]`, at `start` + depth) over the cache's committed rows (a sliding layer's
+        ring, each node seeing its window) and their paths, the nodes' rows apart: the decode step and the
+        verify pass share it."""
+        return self.ops.tree_attention(query, keys, values, start, visible, scale=1.0, node_k=node_k,
+                                       node_v=node_v, ring=self.sliding_window or 0)
 
 
 @attrs.define
@@ -378,9 +390,11 @@ class Gemma4Model(Gemma4SpeculativeTarget):
     def _static_step(self, state: Gemma4State, inputs: StaticInputs, window: int) -> torch.Tensor:
         taps: list[torch.Tensor] = []
         tapped = state.capture_layers if state.features is not None else ()
-        hidden = self._run_layers(inputs.embedded,
-                                  lambda layer, x: layer.self_attn.decode_static(x, inputs.position, state.kv, window),
-                                  lambda layer, output: taps.append(output[0]), tapped)
+        one_node = torch.ones(1, 1, dtype=torch.bool, device=inputs.position.device)
+        hidden = self._run_layers(
+            inputs.embedded,
+            lambda layer, x: layer.self_attn.decode_static(x, inputs.position, state.kv, window, one_node),
+            lambda layer, output: taps.append(output[0]), tapped)
         if state.features is not None:
             slot = inputs.position % state.features.shape[0]
             state.features.index_copy_(0, slot, self._concat_taps(state, taps).to(state.features.dtype))

@@ -8,8 +8,12 @@ rows in path order. Because nothing is written before the commit, a sliding laye
 `window` rows is enough (no scratch rows past the committed ones).
 
 The pass runs eagerly (the rows each node sees, read and masked by host-known positions) or as a static-shape
-pass (a fixed window of the cache, masked on the device from the committed length held in a device buffer)
-that a CUDA graph records once per (KV window, node count, features on/off) and replays.
+pass that a CUDA graph records once per (KV window, node count, features on/off) and replays. The static pass
+runs each layer's attention as the decode step does, through `tree_attention` with the nodes' rows apart from
+the cache (a sliding layer's cache being a ring of `window` slots): each node's key sequence is the one the
+decode step reads once the node's path is committed, in the same slot order, cut into the same tiles. So on a
+GPU a verified node gets the decode step's logits to the bit (the products of one arithmetic class, the norms
+row by row), and greedy speculative output equals plain greedy output.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import torch
 
 from lucebox_core.errors import LuceboxError
-from lucebox_core.kv import dequantize_q8_0, window_start
+from lucebox_core.kv import window_start
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
@@ -97,25 +101,22 @@ class Gemma4SpeculativeTarget(FeatureCapture):
 
     def _static_verify_pass(self, state: Any, inputs: StaticInputs, window: int):
         """The verify pass as a function of its static inputs, `window` and the node count alone (what a graph
-        records): every position, mask and row count comes from the device buffer `inputs.start` or a shape.
-        Returns the logits, the features (or None) and each layer's node K/V rows for `commit`."""
+        records): every position comes from the device buffer `inputs.start`. Nothing is written: each layer's
+        tree attention reads the cache's committed rows (a sliding layer's ring) and the nodes' rows apart, as
+        the decode step does with one node. Returns the logits, the features (or None) and each layer's node
+        K/V rows for `commit`."""
         positions = inputs.start + inputs.depths
         kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         taps: list[torch.Tensor] = []
-        masks: dict[tuple[int, int], torch.Tensor] = {}  # (sliding window, held rows) -> [N, held + N]
 
         def attend(layer: Any, x: torch.Tensor) -> torch.Tensor:
             attn = layer.self_attn
             query, key, value = attn.project(x, positions)
             kv_rows[layer.index] = (key[0], value[0])
             node_keys, node_values = state.kv.as_stored(key[0], value[0])  # as plain decoding will read them
-            held_keys, held_values = (_as_floats(rows, state.kv.dtype) for rows in state.kv.gather(layer.index, window))
-            shape = (attn.sliding_window, held_keys.shape[0])
-            if shape not in masks:  # the layers of one kind share their mask
-                masks[shape] = _static_mask(attn, positions, inputs.start, held_keys.shape[0], inputs.visible)
-            keys = torch.cat([held_keys.to(query.dtype), node_keys.to(query.dtype)])[None]
-            values = torch.cat([held_values.to(query.dtype), node_values.to(query.dtype)])[None]
-            return attn.output(self.ops.attention(query, keys, values, scale=1.0, mask=masks[shape]))
+            held_keys, held_values = state.kv.gather(layer.index, window)
+            return attn.output(attn.tree_attention(query, held_keys, held_values, inputs.start, inputs.visible,
+                                                   node_keys, node_values))
 
         tapped = state.capture_layers if state.features is not None else ()
         hidden = self._run_layers(inputs.embedded, attend, lambda layer, output: taps.append(output[0]), tapped)
@@ -138,38 +139,3 @@ class Gemma4SpeculativeTarget(FeatureCapture):
             self._store_features(state, committed, verification.features[index])
         state.length = committed + len(path)
 
-
-def _as_floats(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache rows as floats: Q8_0 blocks (uint8) decoded to the cache's `dtype`, as `read` decodes
-    them for the eager pass; plain rows as they are."""
-    return dequantize_q8_0(rows, dtype) if rows.dtype == torch.uint8 else rows
-
-
-def _held_positions(rows: int, start: torch.Tensor, sliding_window: int) -> torch.Tensor:
-    """The position each of the first `rows` slots of a layer's cache holds when `start` (`[1]`, on the
-    device) positions are committed: slot s itself on a full layer; on a sliding layer's ring (position p in
-    slot p % window) the latest p < start in slot s, `start - 1 - ((start - 1 - s) mod window)`. Negative
-    (or, on a full layer, >= start): the slot holds nothing committed."""
-    slots = torch.arange(rows, device=start.device)
-    if not sliding_window:
-        return slots
-    # Where the ring has fewer rows than the window (a context shorter than it) it never wraps, and the
-    # formula gives s for s < start and s - window < 0 past it, as it should.
-    return start - 1 - torch.remainder(start - 1 - slots, sliding_window)
-
-
-def _static_mask(attn: Any, positions: torch.Tensor, start: torch.Tensor, rows: int,
-                 ancestry: torch.Tensor) -> torch.Tensor:
-    """bool `[N, rows + N]`, built on the device without a host sync: which of a layer's `rows` held slots
-    and which tree nodes each node (at `positions`) sees.
-
-    A held slot is seen iff it holds a committed position p (`0 <= p < start`) within the node's window
-    (`q - p < window` on a sliding layer). A full layer's slots past `start` hold rows of rolled-back or
-    earlier sequences: masked by `p < start`. A ring after a rollback of one position (the most it allows)
-    keeps the rolled-back position `start`'s row in slot `start % window`, which the formula takes for
-    position `start - window`: no node (all at q >= start) sees that one either, so the stale row is never
-    read. Tree nodes: a node's ancestors (and itself), within the window on a sliding layer."""
-    held = _held_positions(rows, start, attn.sliding_window)
-    committed = (held >= 0) & (held < start)
-    return torch.cat([committed[None, :] & attn.visibility(positions, held),
-                      ancestry & attn.visibility(positions, positions)], dim=1)
