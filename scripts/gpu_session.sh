@@ -319,7 +319,7 @@ gemma4_exact() {  # ~9 min: Gemma-4's verify pass as the decode step's tree atte
   #                 then the forced DDTree 8.3 row on the 31B beside plain tg128 of both engines, same files.
   #                 carry: .whl .llamacpp
   llama_build_bg
-  step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --checks tree,models --workdir "$WORK" \
+  step gemma4-check 100 python3 scripts/gemma4_gpu_check.py --checks tree --workdir "$WORK" \
     --json "$RES/gemma4_check.json"
   step synth-31b 150 g4synth 31b
   step synth-draft 60 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \

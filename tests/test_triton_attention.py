@@ -358,14 +358,15 @@ def test_ring_tree_node_equals_decoding_its_path_bit_for_bit(parents, start, rin
 def test_ring_tree_attention_q8_0_cache():
     """A Q8_0 ring's raw rows (decoded in registers) with the nodes' rows as values: the kernel against the
     reference on the same rows."""
-    from lucebox_core.kv import quantize_q8_0
+    from lucebox_core.kv import dequantize_q8_0, quantize_q8_0
 
     torch.manual_seed(31)
     parents, start, ring, dim = TREES[3], 50, 32, 64
     _, _, ring_k, ring_v = ring_sequence(start, ring, 2, dim)
     k8, v8 = quantize_q8_0(ring_k.clamp(-60, 60)), quantize_q8_0(ring_v.clamp(-60, 60))
     q = torch.randn(1, len(parents), 4, dim)
-    node_k, node_v = torch.randn(len(parents), 2, dim), torch.randn(len(parents), 2, dim)
+    # The nodes' rows as the cache would read them back (what the model passes): Q8_0's values.
+    node_k, node_v = (dequantize_q8_0(quantize_q8_0(torch.randn(len(parents), 2, dim))) for _ in range(2))
     visible = TreeIndex.build(parents).visibility()
     extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
     pos = torch.tensor([start])

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous, _load_kv_rows
+from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous, _load_kv_row_ptrs, _load_kv_rows
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 from triton.runtime.errors import TritonError
@@ -320,13 +320,12 @@ def _path_key_block(
     path_node = tl.sum(((rank[None, :] <= t[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
     if NODE_ROWS:  # node rows in their own tensor, the cache's rows where no path node sits
         row = tl.where(from_node, path_node, logical)
-        cache_ok = row_ok & ~from_node & (row < rows)
-        node_ok = row_ok & from_node
-        row_ok = cache_ok | node_ok
+        row_ok = row_ok & (from_node | (row < rows))
         row = row.to(tl.int64)
-        k = tl.where(from_node[:, None],
-                     _load_kv_rows(node_k_ptr, row, node_ok, dims, dims < HEAD_DIM, stride_nkt, False),
-                     _load_kv_rows(k_ptr, row, cache_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8))
+        # One load of per-row pointers (the node rows are in the cache's storage format): a tile in shared
+        # memory as large as the plain path's (two loads and a select would double it).
+        k_rows = tl.where(from_node, node_k_ptr + row * stride_nkt, k_ptr + row * stride_kt)
+        k = _load_kv_row_ptrs(k_rows, row_ok, dims, dims < HEAD_DIM, K_Q8)
     else:
         row = tl.where(logical < committed, logical, committed + path_node)
         # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
@@ -343,9 +342,8 @@ def _path_key_block(
     probs = tl.exp(scores - shift[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, axis=1)
     if NODE_ROWS:
-        v = tl.where(from_node[:, None],
-                     _load_kv_rows(node_v_ptr, row, node_ok, value_dims, value_dims < VALUE_DIM, stride_nvt, False),
-                     _load_kv_rows(v_ptr, row, cache_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8))
+        v_rows = tl.where(from_node, node_v_ptr + row * stride_nvt, v_ptr + row * stride_vt)
+        v = _load_kv_row_ptrs(v_rows, row_ok, value_dims, value_dims < VALUE_DIM, V_Q8)
     else:
         v = _load_kv_rows(v_ptr, row, row_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8)
     acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
@@ -522,8 +520,8 @@ def tree_attention(
     elif out.shape != (1, nodes, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {(1, nodes, q_heads, value_dim)}")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    if node_rows:
-        node_k, node_v = _last_dim_contiguous(node_k), _last_dim_contiguous(node_v)
+    if node_rows:  # in the cache's storage format (exact: they are rows as the cache reads them back)
+        node_k, node_v = _last_dim_contiguous(_as_stored_like(node_k, k)), _last_dim_contiguous(_as_stored_like(node_v, v))
     else:  # never read
         node_k = node_v = k
     visible = visible.to(torch.bool).view(torch.uint8)  # the kernel reads bytes: 0 or not
@@ -559,6 +557,16 @@ def tree_attention(
             Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=combine_dims,
         )
     return out
+
+
+def _as_stored_like(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Node rows (values as the cache reads them back) in `cache`'s storage: Q8_0 blocks again (re-quantizing
+    a Q8_0 row's decoded values gives back its bytes) or the cache's dtype (values it holds exactly)."""
+    if cache.dtype == torch.uint8:
+        from lucebox_core.kv import quantize_q8_0
+
+        return quantize_q8_0(rows)
+    return rows.to(cache.dtype)
 
 
 _ONE_NODE: dict[torch.device, torch.Tensor] = {}

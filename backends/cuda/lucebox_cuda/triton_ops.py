@@ -60,17 +60,24 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _load_kv_rows(base, offsets, row_ok, dims, dim_ok, stride_n, Q8: tl.constexpr):
     """Rows `offsets` of one KV head as fp32 `[BLOCK_N, BLOCK_D]`: plain values, or Q8_0 blocks decoded in
     registers (per 32 values: an fp16 scale, then 32 int8; `base` and `stride_n` in bytes)."""
+    return _load_kv_row_ptrs(base + offsets * stride_n, row_ok, dims, dim_ok, Q8)
+
+
+@triton.jit
+def _load_kv_row_ptrs(rows, row_ok, dims, dim_ok, Q8: tl.constexpr):
+    """`_load_kv_rows` from a pointer per row (`rows` `[BLOCK_N]`): rows gathered from two tensors of one
+    storage format."""
     mask = row_ok[:, None] & dim_ok[None, :]
     if Q8:
         block_start = (dims // 32) * 34
-        rows = base + offsets[:, None] * stride_n
+        rows = rows[:, None]
         quants = tl.load(rows + (block_start + 2 + dims % 32)[None, :], mask=mask, other=0)
         low = tl.load(rows + block_start[None, :], mask=mask, other=0).to(tl.uint16)
         high = tl.load(rows + (block_start + 1)[None, :], mask=mask, other=0).to(tl.uint16)
         scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
         values = quants.to(tl.int8, bitcast=True).to(tl.float32) * scale
     else:
-        values = tl.load(base + offsets[:, None] * stride_n + dims[None, :], mask=mask, other=0.0)
+        values = tl.load(rows[:, None] + dims[None, :], mask=mask, other=0.0)
     return values  # one return: compiled Triton wants a single return type per specialisation
 
 
