@@ -132,9 +132,13 @@ class Gemma4SpeculativeTarget(FeatureCapture):
             raise ValueError(f"{path} is not a path from the root of the verified tree")
         committed = verification.committed
         index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
+        positions = torch.arange(committed, committed + len(path), device=self.ops.device)
+        # Written in place and declared held (the static steps' way): `append` would also read back every row
+        # a next query sees (a whole ring per sliding layer), which the commit does not need.
         state.kv.rollback(committed)
         for layer, (k_rows, v_rows) in verification.kv_rows.items():
-            state.kv.append(layer, k_rows[index], v_rows[index])
+            state.kv.write(layer, positions, k_rows[index], v_rows[index])
+        state.kv.commit(committed + len(path))
         if state.features is not None and verification.features is not None:
             self._store_features(state, committed, verification.features[index])
         state.length = committed + len(path)
