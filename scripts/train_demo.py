@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-share", type=float, default=0.35)
     g.add_argument("--draft-batch", type=int, default=32, help="sequences per drafter step")
     g.add_argument("--anchors", type=int, default=32, help="blocks per sequence per drafter step")
-    g.add_argument("--gen-seqs", type=int, default=4096, help="target continuations to train the drafter on")
+    g.add_argument("--gen-seqs", type=int, default=8192, help="target continuations to train the drafter on")
     g.add_argument("--gen-batch", type=int, default=512)
     g.add_argument("--gen-tokens", type=int, default=256)
     g.add_argument("--prompt-lens", type=_ints, default=[32, 64, 128, 256])
@@ -201,7 +201,13 @@ def record_greedy(target_path: Path, draft_path: Path, prompts: list, tokens: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.gen_tokens < args.block_size:
+        parser.error(f"--gen-tokens {args.gen_tokens} must be at least --block-size {args.block_size}: every "
+                     "label of a block is a generated token")
+    if not args.prompt_lens or min(args.prompt_lens) < 1:
+        parser.error("--prompt-lens must be positive lengths")
     start = time.perf_counter()
     log(f"train_demo: device {args.device}, budget {args.budget_s:.0f} s, seed {args.seed}, torch {torch.__version__}, "
         f"Python {platform.python_version()}")
