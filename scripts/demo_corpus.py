@@ -134,16 +134,27 @@ def function_prompts(root: Path, files: Iterable[str], count: int, *, min_prompt
     return candidates[:count]
 
 
-def chat_documents(root: Path, files: Iterable[str], render: Callable[[str], str]) -> list[str]:
-    """One chat turn per documented function of `files`: `render(user_text)` gives the chat template's
-    prompt (up to the assistant's turn), to which the answer (the function in a code block) and the end of
-    the turn are added."""
-    documents = []
+def chat_documents(root: Path, files: Iterable[str], render: Callable[[str], str], count: int) -> list[str]:
+    """Chat turns made of up to `count` documented functions of `files` (a fixed choice, by hash): the user
+    gives the signature and the docstring, the assistant answers with the function in a code block.
+    `render(user_text)` is the chat template's prompt up to the assistant's turn."""
+    chosen = []
     for file in files:
         module = file.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
         for f in functions(read_source(root, file), file, max_body_lines=60):
-            user = f"Write the Python function `{f.header.removesuffix(':')}` ({module}).\n\n{f.docstring}"
-            documents.append(render(user) + f"```python\n{f.prompt}{f.body}```<|im_end|>\n")
+            chosen.append((path_hash(f"{f.file}:{f.name}:{f.line}"), module, f))
+    chosen = sorted(chosen, key=lambda c: c[0])[:count]
+    # The template's text around a user message, rendered once (Jinja is slow): checked on the first one.
+    sentinel = "\ue000"
+    before, _, after = render(sentinel).partition(sentinel)
+    documents = []
+    for _, module, f in chosen:
+        # Stripped as the template strips a message's content.
+        user = f"Write the Python function `{f.header.removesuffix(':')}` ({module}).\n\n{f.docstring}".strip()
+        prompt = before + user + after
+        if not documents and prompt != render(user):
+            before, after = "", None  # the template does more than wrap the text: render each one
+        documents.append((prompt if after is not None else render(user)) + f"```python\n{f.prompt}{f.body}```<|im_end|>\n")
     return documents
 
 
@@ -151,19 +162,26 @@ CHAT_CONTROLS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 _CONTROL_SPLIT = re.compile("(" + "|".join(re.escape(c) for c in CHAT_CONTROLS) + ")")
 
 
-def encode_chat(tokenizer, text: str) -> list[int]:
+def encode_chat(tokenizer, text: str, cache: dict[str, list[int]] | None = None) -> list[int]:
     """`text` with the chat template's control tokens as their ids, the rest as plain text: what
-    `encode(text, parse_special=True)` gives for a rendered chat, without scanning for each of the padded
-    vocabulary's hundred thousand control tokens."""
+    `encode(text, parse_special=True)` gives for a rendered chat (the tokenizer cuts the text at special
+    tokens too), without scanning the text for each of the padded vocabulary's hundred thousand control
+    tokens. `cache` keeps the ids of the short pieces every turn repeats ("assistant\n", "\n\n")."""
+    cache = {} if cache is None else cache
     ids: list[int] = []
     for piece in _CONTROL_SPLIT.split(text):
-        if piece in CHAT_CONTROLS:
-            token = tokenizer.token_to_id(piece)
-            if token is None:
+        if not piece:
+            continue
+        if piece not in cache:
+            token = tokenizer.token_to_id(piece) if piece in CHAT_CONTROLS else None
+            if piece in CHAT_CONTROLS and token is None:
                 raise ValueError(f"the tokenizer has no {piece} token")
-            ids.append(token)
-        elif piece:
-            ids.extend(tokenizer.encode(piece, add_bos=False))
+            encoded = [token] if token is not None else tokenizer.encode(piece, add_bos=False)
+            if len(piece) > 32:
+                ids.extend(encoded)
+                continue
+            cache[piece] = encoded
+        ids.extend(cache[piece])
     return ids
 
 
@@ -183,18 +201,18 @@ class Corpus:
 
     @classmethod
     def build(cls, tokenizer, cache_dir: Path, *, include_tests: bool = False, heldout_permille: int = 50,
-              max_files: int = 0, chat: Callable[[str], str] | None = None, log: Callable[[str], None] = print,
-              tokenizer_id: str = "") -> Corpus:
+              max_files: int = 0, chat: Callable[[str], str] | None = None, chat_count: int = 2000,
+              log: Callable[[str], None] = print, tokenizer_id: str = "") -> Corpus:
         """Tokenize the stdlib (or load the cached arrays). `max_files` > 0 keeps that many files (the lowest
         path hashes: a fixed sample, for smoke tests); `chat`: the chat template's prompt for a user text,
-        to add the chat documents to the training stream."""
+        to add `chat_count` chat documents to the training stream."""
         root = stdlib_root()
         files = stdlib_files(root, include_tests=include_tests)
         if max_files:
             files = sorted(sorted(files, key=path_hash)[:max_files])
         train_files, heldout_files = split_heldout(files, heldout_permille)
-        key_text = json.dumps([sys.version, str(root), files, include_tests, heldout_permille, chat is not None,
-                               tokenizer_id])
+        key_text = json.dumps([sys.version, str(root), files, include_tests, heldout_permille,
+                               chat_count if chat is not None else 0, tokenizer_id])
         key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
         cache = cache_dir / f"corpus-{key}"
         info_path = cache / "info.json"
@@ -208,16 +226,18 @@ class Corpus:
         if eot is None:
             raise ValueError(f"the tokenizer has no {END_OF_TEXT} token")
 
+        pieces: dict[str, list[int]] = {}
+
         def stream(texts: Iterable[str], special: bool) -> np.ndarray:
             ids: list[int] = []
             for text in texts:
-                ids.extend(encode_chat(tokenizer, text) if special else tokenizer.encode(text, add_bos=False))
+                ids.extend(encode_chat(tokenizer, text, pieces) if special else tokenizer.encode(text, add_bos=False))
                 ids.append(eot)
             return np.asarray(ids, dtype=np.uint32)
 
         train = stream((read_source(root, f) for f in train_files), False)
         heldout = stream((read_source(root, f) for f in heldout_files), False)
-        documents = chat_documents(root, train_files, chat) if chat is not None else []
+        documents = chat_documents(root, train_files, chat, chat_count) if chat is not None and chat_count else []
         if documents:
             train = np.concatenate([train, stream(documents, True)])
         info = {

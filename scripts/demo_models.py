@@ -189,9 +189,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: Qwen35Config, index: int, generator: torch.Generator) -> None:
+    def __init__(self, c: Qwen35Config, index: int, generator: torch.Generator, dropout: float = 0.0) -> None:
         super().__init__()
         self.index, self.eps = index, c.eps
+        self.dropout = nn.Dropout(dropout)  # training only: `eval()` turns it off, and the file has no trace of it
         self.input_layernorm = nn.Parameter(torch.ones(c.hidden))
         self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden))
         out_std = INIT_STD / math.sqrt(2 * c.n_layer)  # residual branches scaled by depth (GPT-2's rule)
@@ -206,14 +207,14 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: dict | None) -> torch.Tensor:
         x = rms_norm(h, self.input_layernorm, self.eps)
         if self.linear_attn is not None:
-            h = h + self.linear_attn(x, cache)
+            h = h + self.dropout(self.linear_attn(x, cache))
         else:
-            h = h + self.self_attn(x, positions, cache)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+            h = h + self.dropout(self.self_attn(x, positions, cache))
+        return h + self.dropout(self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps)))
 
 
 class Qwen35Trainable(nn.Module):
-    def __init__(self, config: Qwen35Config, seed: int) -> None:
+    def __init__(self, config: Qwen35Config, seed: int, *, dropout: float = 0.0) -> None:
         super().__init__()
         if not config.tied_output:
             raise ValueError("the demo target ties its output head to the embedding")
@@ -222,7 +223,7 @@ class Qwen35Trainable(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
         nn.init.normal_(self.embed_tokens.weight, std=INIT_STD)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, generator) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, generator, dropout) for i in range(config.n_layer))
         self.norm = nn.Parameter(torch.ones(config.hidden))
 
     def hidden_states(self, ids: torch.Tensor, *, start: int = 0, caches: list | None = None,

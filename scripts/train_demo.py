@@ -5,13 +5,13 @@ its DFlash drafter, and write both as GGUF with the project's writers.
     python3 scripts/train_demo.py --out DIR --device cpu --hidden 32 --layers 4 ... --target-steps 3  # smoke
 
 1. Corpus (`demo_corpus`): every `.py` of the stdlib but the test suites, codec tables and generated docs; a
-   fixed ~5 % of files held out by a hash of their path; each training function with a docstring also as a
-   chat turn (signature and docstring asked, the function answered). Tokenized once with the real Qwen3.5
+   fixed ~5 % of files held out by a hash of their path; 2,000 documented training functions also as chat
+   turns (signature and docstring asked, the function answered), so that a chat request gets code back. Tokenized once with the real Qwen3.5
    tokenizer (the synthetic vocabulary every `lucebox synth` file carries), cached under DIR/cache.
 2. Target (`demo_models.Qwen35Trainable`): the qwen35 layout (three Gated DeltaNet layers then one gated
    attention layer, repeated), the real 248,320-token vocabulary, tied embeddings, sized so the Q8_0 file stays
    under `--max-bytes`. AdamW, warm-up then cosine, bf16 autocast on CUDA, random windows of the training
-   stream. The step count comes from the time budget (measured after a few steps) unless `--target-steps`
+   stream, dropout on the residual branches while training (the corpus is small: many epochs). The step count comes from the time budget (measured after a few steps) unless `--target-steps`
    fixes it; then the weights take their round trip through the file's types, and the held-out loss is
    measured on the model as the file stores it.
 3. Drafter (`demo_models.DFlashTrainable`), as the DFlash paper trains one: the target generates greedy
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
     g.add_argument("--heldout-permille", type=int, default=50)
     g.add_argument("--max-files", type=int, default=0, help="only this many files (smoke tests)")
-    g.add_argument("--no-chat-docs", action="store_true", help="no chat turns made from documented functions")
+    g.add_argument("--chat-docs", type=int, default=2000,
+                   help="training functions also given as chat turns (asked for, answered with the code); 0: none")
     g = p.add_argument_group("target shape")
     g.add_argument("--hidden", type=int, default=96)
     g.add_argument("--layers", type=int, default=12)
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
     g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--dropout", type=float, default=0.1, help="on the target's residual branches, in training only")
     g.add_argument("--warmup", type=int, default=100, help="warm-up steps (of either model)")
     g.add_argument("--target-steps", type=int, default=0, help="fix the step count (0: from the time budget)")
     g.add_argument("--target-share", type=float, default=0.60)
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = demo_corpus.Corpus.build(
         tokenizer, out / "cache", include_tests=args.include_tests, heldout_permille=args.heldout_permille,
-        max_files=args.max_files, chat=None if args.no_chat_docs else chat_prompt, log=log, tokenizer_id=tokenizer_id)
+        max_files=args.max_files, chat=chat_prompt, chat_count=args.chat_docs, log=log, tokenizer_id=tokenizer_id)
     log(f"corpus: {corpus.info['files']} files of Python {corpus.info['python']}, {len(corpus.heldout_files)} held "
         f"out; {corpus.train.size:,} training tokens ({corpus.chat_documents} chat turns), {corpus.heldout.size:,} held out")
 
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"time: setup {setup_s:.0f} s; target {target_s:.0f} s, drafter {draft_s:.0f} s, finishing {args.finish_reserve_s:.0f} s")
 
     trainer = demo_training.Trainer(args, device, log)
-    target = demo_models.Qwen35Trainable(target_cfg, args.seed).to(device)
+    target = demo_models.Qwen35Trainable(target_cfg, args.seed, dropout=args.dropout).to(device)
     target_report = trainer.train_target(target, corpus, target_s)
     changed = demo_export.quantize_roundtrip_(target.gguf_tensors(), plans)
     quantized = trainer.heldout_loss(target, corpus.heldout, args.eval_tokens)

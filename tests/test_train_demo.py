@@ -327,12 +327,34 @@ def test_stdlib_listing_leaves_out_tests_and_data():
 
 
 @pytest.mark.slow
-def test_chat_documents_tokenize_as_the_server_tokenizes_them():
+def test_chat_documents_tokenize_as_the_server_tokenizes_them(tmp_path):
     tokenizer, template, _ = train_demo.load_tokenizer()
     text = template.render([{"role": "user", "content": "Write `f(x)`."}], add_generation_prompt=True,
                            enable_thinking=False) + "```python\ndef f(x):\n    return x\n```<|im_end|>\n"
     assert demo_corpus.encode_chat(tokenizer, text) == tokenizer.encode(text, add_bos=False, parse_special=True)
     assert tokenizer.token_to_id("<think>") in demo_corpus.encode_chat(tokenizer, text)
+
+    def render(user: str) -> str:
+        return template.render([{"role": "user", "content": user}], add_generation_prompt=True, enable_thinking=False)
+
+    # A docstring ending in a space (the template trims a message's content), after a plain one (in the
+    # documents' order, by hash: the first is rendered in full, the rest fill the rendered frame).
+    first_line = {name: line for name, line in (("a", 1), ("b", 5))}
+    plain, spaced = sorted(first_line, key=lambda n: demo_corpus.path_hash(f"pkg/mod.py:{n}:{first_line[n]}"))
+    docs = {plain: "Plain.", spaced: "Ends with a space. "}
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        "".join(f'def {n}(x):\n    """{docs[n]}"""\n    return x\n\n' for n in ("a", "b")))
+    documents = demo_corpus.chat_documents(tmp_path, ["pkg/mod.py"], render, 3)
+    assert len(documents) == 2 and "Ends with a space." in documents[1]
+    documents += demo_corpus.chat_documents(demo_corpus.stdlib_root(), ["json/decoder.py"], render, 3)
+    assert len(documents) == 5
+    for document in documents:  # the template rendered once, then filled in: as rendering each
+        user = document.removeprefix("<|im_start|>user\n").partition("<|im_end|>")[0]
+        assert user.startswith("Write the Python function `def ") and ("(json.decoder)" in user or "(pkg.mod)" in user)
+        prompt = render(user)
+        assert document.startswith(prompt) and document.removeprefix(prompt).startswith("```python\ndef ")
+        assert document.endswith("```<|im_end|>\n")
 
 
 # -- the default model's parts ------------------------------------------------------------------------
