@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
     g.add_argument("--heldout-permille", type=int, default=50)
     g.add_argument("--max-files", type=int, default=0, help="only this many files (smoke tests)")
+    g.add_argument("--cache-dir", type=Path, help="where the token arrays are cached (default: OUT/cache)")
     g.add_argument("--chat-docs", type=int, default=2000,
                    help="training functions also given as chat turns (asked for, answered with the code); 0: none")
     g = p.add_argument_group("target shape")
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                                     enable_thinking=False)
 
     corpus = demo_corpus.Corpus.build(
-        tokenizer, out / "cache", include_tests=args.include_tests, heldout_permille=args.heldout_permille,
+        tokenizer, args.cache_dir or out / "cache", include_tests=args.include_tests, heldout_permille=args.heldout_permille,
         max_files=args.max_files, chat=chat_prompt, chat_count=args.chat_docs, log=log, tokenizer_id=tokenizer_id)
     log(f"corpus: {corpus.info['files']} files of Python {corpus.info['python']}, {len(corpus.heldout_files)} held "
         f"out; {corpus.train.size:,} training tokens ({corpus.chat_documents} chat turns), {corpus.heldout.size:,} held out")
