@@ -176,9 +176,10 @@ class Trainer:
 
     @torch.no_grad()
     def make_pool(self, target: demo_models.Qwen35Trainable, tokens: np.ndarray, count: int, seed: int,
-                  deadline: float, capture: tuple[int, ...]) -> list[PoolChunk]:
-        """The target's greedy continuations of `count` prompts cut from `tokens` (their lengths taking turns
-        through `--prompt-lens`), with its captured layers over each whole sequence; stops at `deadline`."""
+                  deadline: float, capture: tuple[int, ...], batch: int) -> list[PoolChunk]:
+        """The target's greedy continuations of `count` prompts cut from `tokens`, `batch` at a time (the
+        prompt length taking turns through `--prompt-lens`), with its captured layers over each whole
+        sequence; stops at `deadline`."""
         args, device = self.args, self.device
         stream = torch.from_numpy(tokens.astype(np.int64)).to(device)
         rng = np.random.default_rng(seed)
@@ -189,7 +190,7 @@ class Trainer:
         while made < count and time.perf_counter() < deadline:
             prompt_len = args.prompt_lens[index % len(args.prompt_lens)]
             index += 1
-            size = min(args.gen_batch, count - made)
+            size = min(batch, count - made)
             offsets = torch.from_numpy(rng.integers(0, stream.numel() - prompt_len, size=size)).to(device)
             prompts = stream[offsets[:, None] + torch.arange(prompt_len, device=device)]
             with self.autocast():
@@ -224,9 +225,12 @@ class Trainer:
         capture = tuple(drafter.config.target_layer_ids)
         mask_id = int(drafter.config.mask_token_id)
         # At most a third of the phase for the continuations; the held-out ones first (few).
+        # The held-out continuations in one batch per prompt length, so that every length is measured.
+        heldout_batch = max(1, -(-args.heldout_gen_seqs // len(args.prompt_lens)))
         self.heldout_pool = self.make_pool(target, corpus.heldout, args.heldout_gen_seqs, args.seed + 2,
-                                           start + seconds / 6, capture)
-        pool = self.make_pool(target, corpus.train, args.gen_seqs, args.seed + 3, start + seconds / 3, capture)
+                                           start + seconds / 6, capture, heldout_batch)
+        pool = self.make_pool(target, corpus.train, args.gen_seqs, args.seed + 3, start + seconds / 3, capture,
+                              args.gen_batch)
         generated = sum(c.count for c in pool)
         gen_seconds = time.perf_counter() - start
         self.log(f"drafter data: {generated} continuations of {args.gen_tokens} tokens ({len(pool)} batches) and "

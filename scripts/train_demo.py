@@ -258,13 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"target as stored ({args.type}, {changed} tensors rounded): held-out loss {quantized['loss']:.4f}, "
         f"perplexity {quantized['perplexity']:.2f}")
 
-    drafter = demo_models.DFlashTrainable(draft_cfg, args.seed + 1).to(device)
-    draft_report = trainer.train_drafter(drafter, target, corpus, draft_s)
-    draft_plans = demo_export.draft_writer.tensor_plans(draft_cfg, args.type)
-    demo_export.quantize_roundtrip_(drafter.gguf_tensors(), draft_plans)
-    draft_report["heldout_quantized"] = trainer.drafter_accuracy(drafter, target, trainer.heldout_pool)
-    log(f"drafter as stored: held-out mean chain acceptance {draft_report['heldout_quantized']['chain_length']:.2f}")
-
+    # The target's file first: a failure in the drafter's phase leaves it (and its parts) written.
     hyper = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     common = {"seed": args.seed, "hyperparameters": hyper, "python": platform.python_version(),
               "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -283,39 +277,62 @@ def main(argv: list[str] | None = None) -> int:
         name=f"Lucebox demo qwen35 stdlib code model ({target_cfg.n_layer} layers, hidden {target_cfg.hidden})",
         training={**common, "role": "target", "steps": target_report["steps"],
                   "heldout_loss": quantized["loss"], "heldout_perplexity": quantized["perplexity"]})
+    torch.save({"config": target_cfg, "state": {k: v.cpu() for k, v in target.state_dict().items()}},
+               out / "target_state.pt")
+    results: dict[str, Any] = {
+        "target": {"file": target_path.name, "bytes": target_path.stat().st_size, "config": str(target_cfg),
+                   **target_report},
+        "corpus": {k: v for k, v in corpus.info.items() if k != "train_files"},
+        "hyperparameters": hyper,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "device": common["device"]},
+    }
+
+    def save_results() -> None:
+        written = [target_path] + ([draft_path] if "drafter" in results else [])
+        results["manifest"] = demo_export.split_into_parts(written, out / "parts")
+        results["seconds"] = time.perf_counter() - start
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+    save_results()
+    log(f"wrote {target_path.name} ({target_path.stat().st_size / 1e6:.2f} MB)")
+
+    drafter = demo_models.DFlashTrainable(draft_cfg, args.seed + 1).to(device)
+    draft_report = trainer.train_drafter(drafter, target, corpus, draft_s)
+    draft_plans = demo_export.draft_writer.tensor_plans(draft_cfg, args.type)
+    demo_export.quantize_roundtrip_(drafter.gguf_tensors(), draft_plans)
+    draft_report["heldout_quantized"] = trainer.drafter_accuracy(drafter, target, trainer.heldout_pool)
+    log(f"drafter as stored: held-out mean chain acceptance {draft_report['heldout_quantized']['chain_length']:.2f}")
     demo_export.write_drafter(
         draft_path, drafter, args.type, name=f"Lucebox demo DFlash drafter for {target_path.name}",
         training={**common, "role": "drafter", "target": target_path.name, "steps": draft_report["steps"],
                   "gamma": args.gamma, "heldout_chain_length": draft_report["heldout_quantized"]["chain_length"]})
-    log(f"wrote {target_path.name} ({target_path.stat().st_size / 1e6:.2f} MB) and {draft_path.name} "
-        f"({draft_path.stat().st_size / 1e6:.2f} MB)")
-    torch.save({"config": target_cfg, "state": {k: v.cpu() for k, v in target.state_dict().items()}},
-               out / "target_state.pt")
     torch.save({"config": draft_cfg, "state": {k: v.cpu() for k, v in drafter.state_dict().items()}},
                out / "draft_state.pt")
+    results["drafter"] = {"file": draft_path.name, "bytes": draft_path.stat().st_size, "config": str(draft_cfg),
+                          **draft_report}
+    save_results()
+    log(f"wrote {draft_path.name} ({draft_path.stat().st_size / 1e6:.2f} MB)")
 
-    # Held-out functions; a small corpus (a smoke test) may need training ones too.
+    # Lucebox's own greedy text for a few held-out functions (a small corpus, a smoke test's, may need training
+    # ones too). A failure here is reported and leaves the files and results written.
     root = demo_corpus.stdlib_root()
     prompts = demo_corpus.function_prompts(root, corpus.heldout_files, args.record_prompts)
     prompts += demo_corpus.function_prompts(root, corpus.train_files, args.record_prompts - len(prompts))
-    records = record_greedy(target_path, draft_path, prompts, args.record_tokens)
+    try:
+        records = record_greedy(target_path, draft_path, prompts, args.record_tokens)
+    except Exception as exc:  # noqa: BLE001 -- the trained files matter more than their records
+        log(f"error: recording the greedy texts failed: {type(exc).__name__}: {exc}")
+        results["records_error"] = f"{type(exc).__name__}: {exc}"
+        save_results()
+        return 1
     for r in records:
         log(f"greedy {r['file']}:{r['function']}: {r['text'][:80]!r}... chain = plain {r['chain_equals_plain']}, "
             f"ddtree = plain {r['ddtree_equals_plain']}")
     (out / "expected_greedy.json").write_text(json.dumps({"target": target_path.name,
                                                           "target_sha256": demo_export.sha256_of(target_path),
                                                           "records": records}, indent=1) + "\n")
-    manifest = demo_export.split_into_parts([target_path, draft_path], out / "parts")
-    results = {
-        "target": {"file": target_path.name, "bytes": target_path.stat().st_size, "config": str(target_cfg),
-                   **target_report},
-        "drafter": {"file": draft_path.name, "bytes": draft_path.stat().st_size, "config": str(draft_cfg),
-                    **draft_report},
-        "corpus": {k: v for k, v in corpus.info.items() if k != "train_files"},
-        "records": records, "manifest": manifest, "hyperparameters": hyper, "seconds": time.perf_counter() - start,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "device": common["device"]},
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    results["records"] = records
+    save_results()
     log(f"done in {results['seconds']:.0f} s: {out / 'results.json'}")
     return 0
 
