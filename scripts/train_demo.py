@@ -1,19 +1,21 @@
 """Train Lucebox's demo pair (issue #22): a small qwen35 code model on the Python standard library's source, then
 its DFlash drafter, and write both as GGUF with the project's writers.
 
-    python3 scripts/train_demo.py --out DIR --budget-s 540          # on a GPU: the real pair, in one run
+    python3 scripts/train_demo.py --out DIR --budget-s 480          # on a GPU: the real pair, in one run
     python3 scripts/train_demo.py --out DIR --device cpu --hidden 32 --layers 4 ... --target-steps 3  # smoke
 
 1. Corpus (`demo_corpus`): every `.py` of the stdlib but the test suites, codec tables and generated docs; a
    fixed ~5 % of files held out by a hash of their path; 2,000 documented training functions also as chat
-   turns (signature and docstring asked, the function answered), so that a chat request gets code back. Tokenized once with the real Qwen3.5
-   tokenizer (the synthetic vocabulary every `lucebox synth` file carries), cached under DIR/cache.
+   turns (signature and docstring asked, the function answered), so that a chat request gets code back.
+   Tokenized once with the real Qwen3.5 tokenizer (the synthetic vocabulary every `lucebox synth` file
+   carries), cached under `--cache-dir` (default DIR/cache).
 2. Target (`demo_models.Qwen35Trainable`): the qwen35 layout (three Gated DeltaNet layers then one gated
    attention layer, repeated), the real 248,320-token vocabulary, tied embeddings, sized so the Q8_0 file stays
    under `--max-bytes`. AdamW, warm-up then cosine, bf16 autocast on CUDA, random windows of the training
-   stream, dropout on the residual branches while training (the corpus is small: many epochs). The step count comes from the time budget (measured after a few steps) unless `--target-steps`
-   fixes it; then the weights take their round trip through the file's types, and the held-out loss is
-   measured on the model as the file stores it.
+   stream, dropout on the residual branches while training (the corpus is small: many epochs). The step count
+   comes from the time budget (measured after a few steps) unless `--target-steps` fixes it; then the weights
+   take their round trip through the file's types, and the held-out loss is measured on the model as the file
+   stores it. Its file is written before the drafter's phase starts.
 3. Drafter (`demo_models.DFlashTrainable`), as the DFlash paper trains one: the target generates greedy
    continuations of training-stream prompts (batched, with its own caches), its captured layers over the
    whole sequence are the context, and blocks `[token, MASK x 15]` anchored at random positions of the
