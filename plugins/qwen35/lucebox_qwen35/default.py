@@ -1,20 +1,39 @@
-"""The default model: the tiny synthetic qwen35, written once under the Lucebox home.
+"""The default model: today the tiny synthetic qwen35, written once under the Lucebox home; tomorrow the trained
+demo pair (issue #22), reassembled from the package's parts.
 
 Q8_0 because it is the smallest type that keeps every matrix in one simple block format (the tiny
 model's 248,320 x 256 tied embedding dominates the file: 67 MB instead of 254 MB in F32), and a
 Q8_0 matrix dequantizes or runs natively everywhere. The file is deterministic (seed 0), so every
 machine gets the same weights and the same outputs.
+
+The trained pair (`scripts/train_demo.py`: a small code model trained on the Python standard library and its
+DFlash drafter) ships as parts under 16 MiB each in `data/demo/`, with a `manifest.json` holding the sha256 of
+every part and of every whole file (`scripts/demo_export.split_into_parts` writes both). `reassemble` joins
+them under the Lucebox home once, checking every checksum; `provide_trained` / `provide_trained_draft` are the
+providers a `DefaultModel` record names once the parts are committed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import secrets
+from importlib import resources
 from pathlib import Path
+from typing import Any
+
+from lucebox_core.errors import LuceboxError
 
 from . import synth
 
 DEFAULT_SIZE = "tiny"
 DEFAULT_TYPE = "q8_0"
 DEFAULT_SEED = 0
+
+DEMO_FOLDER = "demo"  # under the package's data folder: the trained pair's parts and manifest
+DEMO_TARGET = "lucebox-demo-qwen35-stdlib-q8_0.gguf"
+DEMO_DRAFT = "lucebox-demo-qwen35-stdlib-dflash-draft-q8_0.gguf"
 
 
 def default_path(home: Path) -> Path:
@@ -31,3 +50,82 @@ def provide(home: Path) -> Path:
     if not path.is_file():
         synth.write(path, size=DEFAULT_SIZE, type=DEFAULT_TYPE, seed=DEFAULT_SEED)
     return path
+
+
+# -- the trained demo pair, from parts ----------------------------------------------------------------------
+
+
+def demo_parts_folder() -> Path:
+    return Path(str(resources.files("lucebox_qwen35") / "data" / DEMO_FOLDER))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest_entry(folder: Path, name: str) -> dict[str, Any]:
+    manifest_path = folder / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise LuceboxError(f"{manifest_path}: cannot read the demo model's manifest ({exc.strerror or exc}); "
+                           "reinstall lucebox-qwen or pass -m") from None
+    except ValueError as exc:
+        raise LuceboxError(f"{manifest_path}: not valid JSON ({exc}); reinstall lucebox-qwen") from None
+    for entry in manifest.get("files", []):
+        if entry.get("name") == name:
+            return entry
+    raise LuceboxError(f"{manifest_path}: lists no file {name!r}")
+
+
+def reassemble(name: str, dest_folder: Path, parts_folder: Path | None = None) -> Path:
+    """The file `name` of the parts manifest, joined under `dest_folder` (once: a file already there with the
+    manifest's size and sha256 is reused). Every part is checked against its own size and sha256 before it is
+    used, and the whole file against its own before it takes its name; the write is atomic, so concurrent
+    callers are safe. A missing or damaged part is a LuceboxError naming it."""
+    folder = parts_folder if parts_folder is not None else demo_parts_folder()
+    entry = _manifest_entry(folder, name)
+    dest = Path(dest_folder) / name
+    if dest.is_file() and dest.stat().st_size == entry["bytes"] and _sha256(dest) == entry["sha256"]:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    whole = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for part in entry["parts"]:
+                path = folder / part["name"]
+                try:
+                    data = path.read_bytes()
+                except OSError as exc:
+                    raise LuceboxError(f"{path}: part of {name} cannot be read ({exc.strerror or exc}); "
+                                       "reinstall lucebox-qwen") from None
+                if len(data) != part["bytes"] or hashlib.sha256(data).hexdigest() != part["sha256"]:
+                    raise LuceboxError(f"{path}: part of {name} is damaged ({len(data)} bytes, sha256 "
+                                       f"{hashlib.sha256(data).hexdigest()[:16]}..., expected {part['bytes']} bytes, "
+                                       f"{part['sha256'][:16]}...); reinstall lucebox-qwen")
+                whole.update(data)
+                out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        if whole.hexdigest() != entry["sha256"]:
+            raise LuceboxError(f"{folder / 'manifest.json'}: the parts of {name} join into sha256 "
+                               f"{whole.hexdigest()[:16]}..., not the manifest's {entry['sha256'][:16]}...")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def provide_trained(home: Path) -> Path:
+    """The trained demo target, reassembled under `home` (not yet the registered default: see the module doc)."""
+    return reassemble(DEMO_TARGET, Path(home) / "models")
+
+
+def provide_trained_draft(home: Path) -> Path:
+    """The trained demo target's DFlash drafter, reassembled under `home`."""
+    return reassemble(DEMO_DRAFT, Path(home) / "models")
