@@ -20,6 +20,8 @@
 #   bash scripts/gpu_session.sh gemma4-exact  # ~9 min: Gemma-4 verify == decode step to the bit (kernel, tiny models,
 #                                        #   31B and 26B-A4B every node), forced DDTree 8.3 on the 31B, tg128 both
 #                                        #   engines.                                 carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh demo-train  # ~9.5 min: train the demo pair (#22), its acceptance on the H200, the
+#                                        #   31B's speculative step profile.          carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh same-call  # ~8 min: before/after in one call: same_call_bench.py on 27b
 #                                        #   Q4_K_M (pp512, pp4096, tg128, forced DDTree 8.3 at -n 256 -r 3) for
 #                                        #   the tree in .baseline (an older commit, `git archive`), then this
@@ -341,6 +343,30 @@ gemma4_exact() {  # ~9 min: Gemma-4's verify pass as the decode step's tree atte
   return 0
 }
 
+demo_train() {  # ~9.5 min: issue #22's run: train the demo pair (scripts/train_demo.py, TRAIN_BUDGET s), its real
+  #               acceptance on the H200 (demo_acceptance.py), then Gemma-4 31B's speculative step profile under
+  #               forced DDTree 8.3 beside llama.cpp's tg128 (the build meanwhile). The pair's parts come back in
+  #               $OUT/parts, everything else in the tgz.   carry: .whl .llamacpp
+  llama_build_bg
+  step train-demo $((${TRAIN_BUDGET:-300} + 30)) python3 scripts/train_demo.py --out /tmp/demo --cache-dir /tmp/demo-cache \
+    --budget-s "${TRAIN_BUDGET:-300}"
+  cp /tmp/demo/*.json "$RES/" 2>/dev/null
+  mkdir -p "$OUT/parts" && cp /tmp/demo/parts/* "$OUT/parts/" 2>/dev/null
+  local target=/tmp/demo/lucebox-demo-qwen35-stdlib-q8_0.gguf draft=/tmp/demo/lucebox-demo-qwen35-stdlib-dflash-draft-q8_0.gguf
+  step demo-acceptance 100 python3 scripts/demo_acceptance.py --target "$target" --draft "$draft" --device cuda \
+    --prompts 12 -n 96 --out "$RES/acceptance_h200.json"
+  step synth-31b 60 g4synth 31b
+  step synth-draft 40 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \
+    --target "$(g4model 31b)" -o "$WORK/gemma4-31b-draft-q8_0.gguf"
+  step spec-profile-31b 90 python3 scripts/spec_step_profile.py "$(g4model 31b)" "$WORK/gemma4-31b-draft-q8_0.gguf" \
+    --force-accept 8.3 -n 256 --json "$RES/spec_profile_31b.json"
+  if llama_wait; then
+    step llama-31b 40 sh -c "$LB -m $(g4model 31b) -ngl 99 -fa 1 -p 0 -n 128 -r 2 -o json > $RES/llama_31b.json; \
+      cat $RES/llama_31b.json | python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(sys.stdin)]'"
+  fi
+  return 0
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -378,6 +404,7 @@ session() {
     gemma4-dev) gemma4_dev ;;
     gemma4-final) gemma4_final ;;
     gemma4-exact) gemma4_exact ;;
+    demo-train) demo_train ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
