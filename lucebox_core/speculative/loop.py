@@ -172,7 +172,8 @@ class SpeculativeDecoder:
         """Draft after `root` (the pending token at position `state.length`), verify, walk; no commit.
 
         `history`: every token before the root plus the root (what the drafter and penalties look at)."""
-        logits = self.drafter.draft(self.target, state, draft_state, history, self.block_size)
+        # Ids the sampler never picks (padding) are never drafted either.
+        logits = sampler.suppress(self.drafter.draft(self.target, state, draft_state, history, self.block_size))
         if forced is not None:
             logits = _force(logits, forced)
         verdict = self.verifier.verify(self.target, state, root, logits, sampler, history)
@@ -183,7 +184,7 @@ def _greedy_or_sampled_walk(tree: trees.DraftTree, node_logits: torch.Tensor, sa
                             history: list[int]) -> tuple[list[int], int]:
     if sampler.params.greedy and not sampler.penalizes:
         # Every node's greedy token in one device reduction and one small copy (not a sync per node).
-        best = node_logits.argmax(dim=-1).tolist()
+        best = sampler.suppress(node_logits).argmax(dim=-1).tolist()
         return trees.sampled_walk(tree, lambda node, accepted: best[node])
 
     def draw(node: int, accepted: list[int]) -> int:
