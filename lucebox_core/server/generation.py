@@ -146,8 +146,8 @@ def refuse_certainly_too_long(service: ModelService, text: str, param: str) -> N
     at_least = -(-len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes)
     if at_least >= service.ctx_size:
         raise invalid(
-            f"the {param} is at least {at_least} tokens ({len(text)} characters) but the context holds "
-            f"{service.ctx_size}; shorten it (or start the server with a larger -c/--ctx-size)",
+            f"the prompt from `{param}` is at least {at_least} tokens ({len(text)} characters) but the context "
+            f"holds {service.ctx_size}; shorten it (or start the server with a larger -c/--ctx-size)",
             param=param, code="context_length_exceeded",
         )
 

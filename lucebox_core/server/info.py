@@ -118,12 +118,16 @@ async def metrics(service: NamedDependency[ModelService]) -> str:
 async def tokenize(data: JSONBody[TokenizeRequest], service: NamedDependency[ModelService]) -> dict[str, Any]:
     service.require_ready()
     tokenizer = service.loaded.tokenizer
-    # add_special: the special tokens the model adds itself (its BOS where it has add_bos), as llama-server does.
-    ids = await off_loop(lambda: tokenizer.encode(data.content, add_bos=None if data.add_special else False,
-                                                  parse_special=data.parse_special))
-    if data.with_pieces:
-        return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
-    return {"tokens": ids}
+
+    def tokens() -> dict[str, Any]:  # off the event loop: a megabyte takes about a second
+        # add_special: the special tokens the model adds itself (its BOS where it has add_bos), as llama-server does.
+        ids = tokenizer.encode(data.content, add_bos=None if data.add_special else False,
+                               parse_special=data.parse_special)
+        if data.with_pieces:
+            return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
+        return {"tokens": ids}
+
+    return await off_loop(tokens)
 
 
 @post("/detokenize", status_code=200, summary="Token ids to text (llama.cpp)", tags=["server"])
