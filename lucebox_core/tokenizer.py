@@ -462,11 +462,14 @@ class _SpecialTokens:
         return len(self._entries)
 
     def _compiled(self) -> re.Pattern[str]:
-        with self._lock:
-            if self._pattern is None:
-                # A zero-width match at every position where a token starts, capturing the longest one.
-                self._pattern = re.compile(f"(?=({_trie_pattern(self._texts)}))")
-            return self._pattern
+        pattern = self._pattern
+        if pattern is None:
+            with self._lock:
+                if self._pattern is None:
+                    # A zero-width match at every position where a token starts, capturing the longest one.
+                    self._pattern = re.compile(f"(?=({_trie_pattern(self._texts)}))")
+                pattern = self._pattern
+        return pattern
 
     def _starting_with(self, longest: str) -> tuple[str, ...]:
         """The special tokens that are prefixes of `longest` (itself included)."""
