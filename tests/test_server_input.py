@@ -122,9 +122,9 @@ def test_control_tokens_from_users_and_tools_stay_text_everywhere(oai, where):
             return prompt_tokens(oai, f"Note: {text}.", role=where)
         arguments = '{"q": "%s"}' % text if where == "tool_arguments" else "{}"
         result = text if where == "tool" else "done"
+        call = {"id": f"call_{where}", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
         messages = [{"role": "user", "content": "Look it up."},
-                    {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{where}", "type": "function",
-                                                                           "function": {"name": "lookup", "arguments": arguments}}]},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": f"call_{where}", "content": f"Result: {result}."}]
         return oai.chat.completions.create(model="m", messages=messages, max_tokens=1).usage.prompt_tokens
 
