@@ -25,7 +25,7 @@ class EngineOptions:
     model: str | None = None  # GGUF path; None: the default model a plugin provides
     backend: str | None = None  # kernel backend name; None: the available one with the highest priority
     device: str | None = None  # torch device for the backend
-    ctx_size: int = 4096  # positions per sequence (-c)
+    ctx_size: int | None = None  # positions per sequence (-c); None: what fits (`context.fit_context`)
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (-ub); None: the model's choice
     parallel: int = 1  # sequences generated at once (-np): finished ones kept for reuse, up to this many
     chat_template_file: str | None = None
@@ -64,11 +64,13 @@ class Choices:
 
 
 def check_options(options: EngineOptions) -> Choices:
-    """Validate the options that need no model (files exist, numbers in range, named plugins installed,
-    cache types the KV policy stores); a LuceboxError names the flag."""
+    """Validate the options that need no weights (files exist, the model file is a GGUF some installed family
+    loads, the chat template compiles, numbers in range, named plugins installed, cache types the KV policy
+    stores); a LuceboxError names the flag or the file."""
     from .plugins import registry
 
-    for flag, value in (("-c/--ctx-size", options.ctx_size), ("-np/--parallel", options.parallel),
+    for flag, value in (("-c/--ctx-size", 1 if options.ctx_size is None else options.ctx_size),
+                        ("-np/--parallel", options.parallel),
                         ("-ub/--ubatch-size", 1 if options.prefill_chunk is None else options.prefill_chunk)):
         if value < 1:
             raise LuceboxError(f"{flag} must be at least 1, got {value}")
@@ -76,6 +78,12 @@ def check_options(options: EngineOptions) -> Choices:
                        ("--chat-template-file", options.chat_template_file)):
         if path is not None and not os.path.isfile(path):
             raise LuceboxError(f"{path}: no such file ({flag})")
+    if options.model is not None:
+        _model_family(options.model)
+    if options.chat_template_file is not None:
+        from .chat_template import ChatTemplate
+
+        ChatTemplate.from_file(options.chat_template_file)  # a syntax error is reported now, not after loading
     policy = registry().kv_policy(options.kv_policy)
     cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
     verifier = drafter = None
@@ -87,6 +95,15 @@ def check_options(options: EngineOptions) -> Choices:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {options.draft_block_size}")
         drafter = _drafter_spec(options.model_draft)
     return Choices(policy, cache_type_k, cache_type_v, verifier, drafter)
+
+
+def _model_family(path: str) -> Any:
+    """The family that loads model file `path` (only its header is read: a file that is no GGUF, or one no
+    installed plugin loads, fails in milliseconds)."""
+    from .ggufio import GGUFFile
+    from .plugins import registry
+
+    return registry().family_for(GGUFFile(path).architecture, path)
 
 
 def _drafter_spec(path: str) -> Any:
@@ -107,6 +124,7 @@ class AssembledEngine:
     loaded: Any  # lucebox_core.loading.LoadedModel
     engine: Any  # lucebox_core.engine.Engine
     options: EngineOptions
+    context: Any = None  # lucebox_core.context.ContextChoice: the context and how it was chosen
 
     @property
     def speculative(self) -> Any:
@@ -137,6 +155,7 @@ def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | No
 
 def build_engine(options: EngineOptions) -> AssembledEngine:
     """Load the model and make the engine the options describe."""
+    from .context import fit_context
     from .engine import Engine
     from .loading import load_model
 
@@ -148,7 +167,9 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
         model_options["cache_type_v"] = choices.cache_type_v
     loaded = load_model(options.model, backend=options.backend, device=options.device,
                         chat_template_file=options.chat_template_file, **model_options)
-    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=options.ctx_size,
-                    prefill_chunk=options.prefill_chunk, speculative=build_speculative(options, loaded, choices),
-                    idle_sequences=options.parallel, backend=loaded.backend)
-    return AssembledEngine(loaded, engine, options)
+    speculative = build_speculative(options, loaded, choices)
+    context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
+                          default_model=options.model is None)
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
+                    speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend)
+    return AssembledEngine(loaded, engine, options, context)

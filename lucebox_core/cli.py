@@ -228,8 +228,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.chat:
         if loaded.chat_template is None:
             raise LuceboxError(f"{loaded.path}: has no chat template; pass --chat-template-file")
-        text = loaded.chat_template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_bos=False, parse_special=True)
+        from .chat_prompt import render_chat
+
+        # The user's text stays text unless --parse-special: only the template's markup is control tokens.
+        rendered = render_chat(loaded.chat_template, tokenizer, [{"role": "user", "content": args.prompt}],
+                               add_generation_prompt=True, user_control_tokens=args.parse_special)
+        prompt_ids = rendered.encode(tokenizer)
     else:
         prompt_ids = tokenizer.encode(args.prompt, parse_special=args.parse_special)
     if not prompt_ids:
@@ -316,7 +320,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.reps < 1:
         raise LuceboxError(f"-r/--reps must be at least 1, got {args.reps}")
     # Room for the longest test, and the decode warm-up past depth + n_gen.
-    ctx = max(args.ctx_size, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
+    ctx = max(args.ctx_size or 0, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
     assembled = _assemble(args, ctx_size=ctx + DECODE_WARMUP_STEPS)
     check_force_accept(args.force_accept, assembled.speculative)
     rows = run_bench(assembled, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps,
@@ -382,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--chat", action="store_true", help="render -p as a user message through the chat template")
     p.add_argument("--chat-template-file", help="jinja chat template to use instead of the GGUF's")
-    p.add_argument("--parse-special", action="store_true", help="turn control-token text in -p into its ids")
+    p.add_argument("--parse-special", action="store_true",
+                   help="turn control-token text in -p into its ids (with --chat too; otherwise it stays text)")
     p.add_argument("--temp", type=float, help="temperature; 0 is greedy (default 0.8 or the GGUF's)")
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 is off (default 40)")
     p.add_argument("--top-p", type=float, help="keep the smallest set with this much mass; 1 is off (default 0.95)")
@@ -398,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_generate)
 
     p = commands.add_parser("bench", help="measure prompt and decode speed, like llama-bench")
-    add_model_arguments(p, ctx_help="least context to allocate (raised to fit the longest test)")
+    add_model_arguments(p, ctx_help="least context to allocate (default and raised to: what the longest test needs)")
     p.add_argument("-p", "--n-prompt", type=comma_ints, default=[512], help="prompt lengths (default 512)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens to decode per test (default 128)")
     p.add_argument("-d", "--depth", type=comma_ints, default=[0], help="context depths for decode (default 0)")

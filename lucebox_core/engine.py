@@ -125,6 +125,20 @@ class Sequence:
         return len(self.tokens) + len(self.unfed)
 
 
+def never_generated(tokenizer: Any, vocab_size: int) -> torch.Tensor | None:
+    """The boolean mask over the model's `vocab_size` outputs of ids no generation may pick: the
+    vocabulary's unused entries (`tokenizer.unused_ids()`: padding placeholders) and any output row past the
+    tokenizer's vocabulary (a padded output layer); None when there are none."""
+    unused = [i for i in (tokenizer.unused_ids() if hasattr(tokenizer, "unused_ids") else ()) if i < vocab_size]
+    named = int(getattr(tokenizer, "vocab_size", vocab_size))
+    if not unused and named >= vocab_size:
+        return None
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[torch.tensor(unused, dtype=torch.long)] = True
+    mask[named:] = True
+    return mask
+
+
 class Engine:
     """`speculative`: a `lucebox_core.speculative.SpeculativeDecoder` (drafter + verifier) for the model, or None."""
 
@@ -144,6 +158,8 @@ class Engine:
         # (at 248K vocabulary, 2 GB of logits for a 4096-token chunk).
         self._last_only = "last_only" in inspect.signature(model.forward).parameters
         self.eog_ids = frozenset(getattr(tokenizer, "eot_ids", ()) or ())
+        self.suppressed = never_generated(tokenizer, model.vocab_size)
+        self._suppressed_on: dict[str, torch.Tensor] = {}  # the mask per device it was needed on
         self.speculative = speculative
         # Finished sequences kept for reuse (`release`), at most `idle_sequences` of them.
         self.idle_sequences = idle_sequences
@@ -228,7 +244,8 @@ class Engine:
         self.prefill(sequence, request.prompt_ids, timings)
         if sequence.pending_logits is None:
             raise LuceboxError("nothing to generate from: the prompt is empty")
-        sampler = Sampler(request.sampling, device=sequence.pending_logits.device)
+        device = sequence.pending_logits.device
+        sampler = Sampler(request.sampling, device=device, suppressed=self._suppressed_mask(device))
         detokenizer = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         generated: list[int] = []
@@ -288,8 +305,8 @@ class Engine:
                 try:
                     for token in tokens:
                         info = (None, ())
-                        if block is None:
-                            info = self._logprobs(step_logits, token, request.logprobs)
+                        if block is None and request.logprobs is not None:
+                            info = self._logprobs(sampler.suppress(step_logits), token, request.logprobs)
                         emitted += 1
                         generated.append(token)
                         if request.constraint is not None:
@@ -330,6 +347,14 @@ class Engine:
                 timings.decode_seconds += time.perf_counter() - start
         finally:
             timings.decode_tokens += len(generated)
+
+    def _suppressed_mask(self, device: torch.device) -> torch.Tensor | None:
+        if self.suppressed is None:
+            return None
+        key = str(device)
+        if key not in self._suppressed_on:
+            self._suppressed_on[key] = self.suppressed.to(device)
+        return self._suppressed_on[key]
 
     def _more_wanted_after_next(self, sequence: Sequence, generated: list[int], request: GenerationRequest) -> bool:
         """Whether the next sampled token certainly gets a successor fed to the model, as far as the length

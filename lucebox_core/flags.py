@@ -27,12 +27,16 @@ def tree_budget(text: str) -> int | str:
     return value
 
 
-def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = "context length to allocate") -> None:
+CTX_HELP = ("context to allocate (default: what fits: the model's trained context, capped by the memory left after "
+            "the weights; on the CPU at most 32768; at least 32768 for the default model)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP) -> None:
     """The model, where it runs and how its KV is kept: -m, -c, --backend, --device, --kv-policy, -ctk,
     -ctv, -ub. Names (backend, KV policy, cache types) are checked against the installed plugins when the
     engine is assembled, so a wrong one is an error that lists the choices, not an argparse usage dump."""
     p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model, random weights)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help=f"{ctx_help} (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help=ctx_help)
     p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
     p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
     p.add_argument("--kv-policy", default="full", metavar="NAME",

@@ -64,15 +64,26 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks tokens for one sequence; owns its random generator so a seed replays exactly."""
+    """Picks tokens for one sequence; owns its random generator so a seed replays exactly.
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+    `suppressed`: a boolean mask over the vocabulary of ids never to be picked (unused entries and padding
+    placeholders, whose untrained logits a random or poorly trained model may well rank first)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
+                 suppressed: torch.Tensor | None = None):
         self.params = params
+        self.suppressed = suppressed.to(device) if suppressed is not None else None
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
             self.generator.manual_seed(seed)
+
+    def suppress(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (`[..., vocab]`) with the suppressed ids at -inf (a copy; `logits` itself is untouched)."""
+        if self.suppressed is None or logits.shape[-1] != self.suppressed.shape[0]:
+            return logits
+        return logits.masked_fill(self.suppressed, float("-inf"))
 
     @property
     def penalizes(self) -> bool:
@@ -102,7 +113,7 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
         """The distribution a draw is made from (after every filter), as float32 over the vocabulary."""
         p = self.params
-        logits = self.apply_penalties(logits.float(), history)
+        logits = self.apply_penalties(self.suppress(logits.float()), history)
         if p.greedy:
             probs = torch.zeros_like(logits)
             probs[int(torch.argmax(logits))] = 1.0
@@ -134,7 +145,7 @@ class Sampler:
         """The next token id as a one-element long tensor where `logits` are, without waiting for the device
         (the engine feeds it to the model before the host reads it)."""
         if self.params.greedy:
-            return torch.argmax(self.apply_penalties(logits.float(), history)).reshape(1)
+            return torch.argmax(self.apply_penalties(self.suppress(logits.float()), history)).reshape(1)
         probs = self.probabilities(logits, history)
         return torch.multinomial(probs, 1, generator=self.generator).reshape(1)
 

@@ -12,7 +12,14 @@ Two vocabulary kinds are supported, both run on the Hugging Face `tokenizers` li
 What llama.cpp does around the BPE is done here in Python, in its order: control, unknown and
 user-defined tokens are cut out of the text first (longest first; control and unknown ones only
 with `parse_special`), BOS is prepended when asked, and the end-of-generation set is built from the
-special-token ids plus the token names llama.cpp treats as EOG.
+special-token ids plus the token names llama.cpp treats as EOG. The cutting finds every special
+token in one pass over the text (one compiled trie), so a vocabulary with a hundred thousand of them
+costs what one with ten does.
+
+One departure: the `[PAD{id}]` placeholders llama.cpp's converter (and Lucebox's synthetic models)
+put where a vocabulary has no token are treated as unused, whatever type the file gives them: they
+name no text, are never matched in text, print nothing, and `unused_ids()` lists them so that
+generation never samples them.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import codecs
 import enum
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -188,6 +196,9 @@ class Tokenizer:
         if len(self._ids) != self.vocab_size:
             raise GGUFError(f"{where}: tokenizer.ggml.tokens has duplicate entries")
         self._attrs = _token_attrs(metadata, self.vocab_size, where)
+        for token_id, text in enumerate(self._tokens):
+            if text.startswith("[PAD") and text == f"[PAD{token_id}]":
+                self._attrs[token_id] = _Attr.UNUSED  # a placeholder, whatever the file calls it
 
         if self.model == "gemma4":
             self.pre = "gemma4"  # llama.cpp ignores tokenizer.ggml.pre for this model
@@ -213,9 +224,10 @@ class Tokenizer:
         # Longest first, as llama.cpp cuts them out of the text.
         specials = [i for i, a in enumerate(self._attrs) if a & (_Attr.CONTROL | _Attr.USER_DEFINED | _Attr.UNKNOWN)]
         specials.sort(key=lambda i: -len(self._tokens[i]))
-        self._specials = [
-            (self._tokens[i], i, bool(self._attrs[i] & (_Attr.CONTROL | _Attr.UNKNOWN))) for i in specials
-        ]
+        self._specials = _SpecialTokens(
+            [(self._tokens[i], i, bool(self._attrs[i] & (_Attr.CONTROL | _Attr.UNKNOWN))) for i in specials]
+        )
+        self._max_token_bytes: int | None = None
         merges = _string_list(metadata, "tokenizer.ggml.merges", where)
         self._backend = _build_backend(self.model, pre, self._ids, merges)
 
@@ -288,19 +300,28 @@ class Tokenizer:
 
     # --- encoding ---
 
-    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False,
+               literal_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of `text`.
 
         `add_bos` (default: the vocabulary's `add_bos`) prepends BOS. With `parse_special`, control
         tokens written in the text (`<|im_start|>`) become their ids; without it they are tokenized
         as plain text. User-defined tokens are always matched, as in llama.cpp.
+
+        `literal_spans`: `(start, end)` character ranges of `text` where control tokens are not
+        recognised even with `parse_special` (what a user wrote inside a rendered chat template). The
+        text around them is still encoded in one piece, so spans that hold no control-token text
+        change nothing. `text` must then be valid Unicode (see `valid_unicode`), as positions refer to it.
         """
         ids: list[int] = []
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise LuceboxError(f"{self.source or 'tokenizer'}: no BOS token to add")
             ids.append(self.bos_id)
-        fragments = self._split_special(_valid_unicode(text), parse_special)
+        valid = valid_unicode(text)
+        if literal_spans and len(valid) != len(text):
+            raise ValueError("literal_spans need valid Unicode text (see valid_unicode): positions would move")
+        fragments = self._specials.split(valid, parse_special, literal_spans)
         texts = [f for f in fragments if isinstance(f, str)]
         if len(texts) == 1:
             encodings = [self._backend.encode(texts[0], add_special_tokens=False)]
@@ -311,26 +332,29 @@ class Tokenizer:
             ids.extend(next(encoded).ids if isinstance(fragment, str) else (fragment,))
         return ids
 
-    def _split_special(self, text: str, parse_special: bool) -> list[str | int]:
-        """Cut special tokens out of `text`: llama.cpp's `tokenizer_st_partition`, token by token."""
-        fragments: list[str | int] = [text] if text else []
-        for token_text, token_id, needs_parse_special in self._specials:
-            if needs_parse_special and not parse_special:
-                continue
-            if token_text not in text:
-                continue
-            split: list[str | int] = []
-            for fragment in fragments:
-                if isinstance(fragment, int) or token_text not in fragment:
-                    split.append(fragment)
-                    continue
-                for n, piece in enumerate(fragment.split(token_text)):
-                    if n:
-                        split.append(token_id)
-                    if piece:
-                        split.append(piece)
-            fragments = split
-        return fragments
+    def control_tokens_in(self, text: str) -> list[tuple[int, int, int]]:
+        """`(start, end, id)` of every control token written in `text`, as `encode(text, parse_special=True)`
+        would cut them out (user-defined tokens, which are always cut, are not listed)."""
+        fragments = self._specials.split(valid_unicode(text), True, (), only_control=True)
+        found, position = [], 0
+        for fragment in fragments:
+            if isinstance(fragment, str):
+                position += len(fragment)
+            else:
+                end = position + len(self._tokens[fragment])
+                found.append((position, end, fragment))
+                position = end
+        return found
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for: a text of N bytes is at least N / this many tokens."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(
+                len(self.token_bytes(i)) if self._attrs[i] & (_Attr.NORMAL | _Attr.BYTE) else len(text.encode())
+                for i, text in enumerate(self._tokens)
+            )
+        return self._max_token_bytes
 
     # --- decoding ---
 
@@ -379,6 +403,10 @@ class Tokenizer:
     def is_eog(self, id: int) -> bool:
         return id in self.eot_ids
 
+    def unused_ids(self) -> list[int]:
+        """Ids that stand for no text (unused entries, `[PAD{id}]` placeholders): never to be generated."""
+        return [i for i, a in enumerate(self._attrs) if a == _Attr.UNUSED]
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size}, "
@@ -410,10 +438,123 @@ class IncrementalDetokenizer:
         return text
 
 
+class _SpecialTokens:
+    """The special tokens of a vocabulary, cut out of a text as llama.cpp's `tokenizer_st_partition` does,
+    in one pass.
+
+    llama.cpp takes the tokens longest first and splits every remaining piece of text at each one's
+    occurrences (left to right, not overlapping). Searching the text once per token costs a second per
+    100 KB with a hundred thousand tokens, so instead one compiled trie finds, at every position, the
+    longest special token starting there (the shorter ones starting there are its prefixes); then the
+    occurrences are taken in llama.cpp's order, each kept unless it overlaps one kept before. The
+    result is the same, token for token.
+    """
+
+    def __init__(self, specials: list[tuple[str, int, bool]]):
+        """`specials`: `(text, id, needs_parse_special)`, in the order they are cut (longest first)."""
+        self._entries = {text: (rank, token_id, needs) for rank, (text, token_id, needs) in enumerate(specials)}
+        self._texts = [text for text, _, _ in specials]
+        self._pattern: re.Pattern[str] | None = None  # compiled when first needed (~1 s per 100k tokens)
+        self._prefixes: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _compiled(self) -> re.Pattern[str]:
+        pattern = self._pattern
+        if pattern is None:
+            with self._lock:
+                if self._pattern is None:
+                    # A zero-width match at every position where a token starts, capturing the longest one.
+                    self._pattern = re.compile(f"(?=({_trie_pattern(self._texts)}))")
+                pattern = self._pattern
+        return pattern
+
+    def _starting_with(self, longest: str) -> tuple[str, ...]:
+        """The special tokens that are prefixes of `longest` (itself included)."""
+        found = self._prefixes.get(longest)
+        if found is None:
+            found = tuple(longest[:n] for n in range(1, len(longest) + 1) if longest[:n] in self._entries)
+            self._prefixes[longest] = found
+        return found
+
+    def split(self, text: str, parse_special: bool, literal_spans: Sequence[tuple[int, int]] = (),
+              *, only_control: bool = False) -> list[str | int]:
+        """`text` as pieces of plain text and special-token ids. Control (and unknown) tokens count only
+        with `parse_special`, and not where they overlap a literal span; `only_control` ignores the others."""
+        if not self._entries or not text:
+            return [text] if text else []
+        literal = None
+        if literal_spans:
+            literal = bytearray(len(text))
+            for start, end in literal_spans:
+                literal[max(0, start) : max(0, end)] = b"\x01" * max(0, min(end, len(text)) - max(0, start))
+        found: list[tuple[int, int, int, int]] = []  # (rank, start, end, id)
+        for match in self._compiled().finditer(text):
+            start = match.start()
+            for candidate in self._starting_with(match.group(1)):
+                rank, token_id, needs_parse_special = self._entries[candidate]
+                if needs_parse_special:
+                    end = start + len(candidate)
+                    if not parse_special or (literal is not None and literal.find(1, start, end) >= 0):
+                        continue
+                elif only_control:
+                    continue
+                found.append((rank, start, start + len(candidate), token_id))
+        if not found:
+            return [text]
+        found.sort()
+        taken = bytearray(len(text))
+        kept = []
+        for _, start, end, token_id in found:
+            if taken.find(1, start, end) < 0:
+                taken[start:end] = b"\x01" * (end - start)
+                kept.append((start, end, token_id))
+        kept.sort()
+        fragments: list[str | int] = []
+        position = 0
+        for start, end, token_id in kept:
+            if start > position:
+                fragments.append(text[position:start])
+            fragments.append(token_id)
+            position = end
+        if position < len(text):
+            fragments.append(text[position:])
+        return fragments
+
+
+def _trie_pattern(texts: Iterable[str]) -> str:
+    """A regex matching any of `texts`, as a trie (one branch per distinct next character), preferring the
+    longest: Python's `re` tries alternatives one by one, so a flat alternation of 100k words is 100k
+    tries per position, a trie a handful."""
+    root: dict[str, Any] = {}
+    for text in texts:
+        node = root
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a word ends here
+
+    def pattern(node: dict[str, Any]) -> str:
+        # Iterative along single-child chains, recursive only at branches (whose depth is small).
+        literal = []
+        while len(node) == 1 and "" not in node:
+            (char, node), = node.items()
+            literal.append(re.escape(char))
+        head = "".join(literal)
+        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return head
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return head + (f"(?:{body})?" if "" in node else body)  # greedy: longer words first
+
+    return pattern(root)
+
+
 # --- building blocks ------------------------------------------------------------------------------
 
 
-def _valid_unicode(text: str) -> str:
+def valid_unicode(text: str) -> str:
     """`text` with lone surrogates (JSON allows "\\ud83d") replaced by U+FFFD, which HF requires."""
     try:
         text.encode("utf-8")

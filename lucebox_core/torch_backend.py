@@ -73,6 +73,21 @@ def _default_cache_budget(device: torch.device) -> int:
         return 4 * 1024**3
 
 
+def _available_ram() -> int:
+    """The RAM the OS can give without swapping: `MemAvailable` on Linux, else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 * 1024**3
+
+
 class TorchBackend:
     """Reference ops in plain torch. Slow but obviously right: the oracle every kernel is tested against.
 
@@ -182,6 +197,14 @@ class TorchBackend:
         """Wait on the host until the work before `event` (from `record_event`) has run."""
         if event is not None:
             event.synchronize()
+
+    def free_memory(self) -> int:
+        """Bytes the device can still allocate: on a GPU the free memory plus what torch's caching allocator
+        holds unused; on the CPU what the OS reports as available (`MemAvailable`)."""
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return _available_ram()
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy can land in without waiting for later work (pinned, on a GPU)."""

@@ -1,14 +1,17 @@
 """`lucebox serve` as a real process: the socket is up before the model, /health says so, a client
-that leaves mid-stream frees its slot, and a model that cannot load ends the process with an error."""
+that leaves mid-stream frees its slot; a busy port, a file that is no model, and a model that cannot load
+each end the process with one `error:` line and exit status 2."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 
+import gguf
 import httpx
 
 from lucebox_core.server.testing import free_port
@@ -79,17 +82,67 @@ def test_health_while_loading_then_disconnect_frees_the_slot(tmp_path):
     assert "Traceback" not in output, output
 
 
-def test_a_model_that_cannot_load_ends_the_server(tmp_path):
+def serve_once(*args: str, home, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`lucebox serve ARGS` run to its end (a start-up failure), with its output."""
+    env = {**os.environ, "LUCEBOX_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "lucebox_core.server", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit status 2, one `error:` line on stderr and nothing else: no "listening", no log lines."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == "" and "listening" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_busy_port_is_one_error_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = serve_once("--port", str(port), home=tmp_path)
+    assert_one_error_line(result, f"127.0.0.1:{port}", "address already in use")
+
+
+def test_a_file_that_is_no_model_is_one_error_line(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"this is not a model")
+    assert_one_error_line(serve_once("-m", str(bogus), home=tmp_path), "bogus.gguf")
     broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + b"\0" * 64)
-    process, url = start("-m", str(broken), home=tmp_path)
+    broken.write_bytes(b"GGUF" + b"\0" * 64)  # the magic, then nothing that makes sense
+    assert_one_error_line(serve_once("-m", str(broken), home=tmp_path), "broken.gguf")
+    foreign = tmp_path / "foreign.gguf"
+    write_header_only(foreign, "llama")
+    assert_one_error_line(serve_once("-m", str(foreign), home=tmp_path), "foreign.gguf", "'llama'")
+
+
+def write_header_only(path, architecture: str) -> None:
+    """A GGUF with an architecture and nothing else: no hyper-parameters, no tensors."""
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_model_that_fails_while_loading_ends_the_server_with_one_error_line(tmp_path):
+    # The header passes the checks made before listening (a qwen35 file); loading then finds nothing in it.
+    hollow = tmp_path / "hollow.gguf"
+    write_header_only(hollow, "qwen35")
+    process, url = start("-m", str(hollow), home=tmp_path)
     process.wait(timeout=120)
     output = process.communicate()[0]
-    assert process.returncode == 2
-    assert "error: cannot load the model" in output and "broken.gguf" in output
+    assert process.returncode == 2, output
+    errors = [line for line in output.splitlines() if line.startswith("error:") or line.startswith("ERROR")]
+    assert errors == [line for line in output.splitlines() if line.startswith("error: cannot load the model: ")]
+    assert len(errors) == 1 and "hollow.gguf" in errors[0], output
+    assert "Traceback" not in output
 
 
 def test_a_missing_model_file_is_refused_at_once(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "lucebox_core.server", "-m", str(tmp_path / "none.gguf")],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "no such file" in result.stderr
+    assert_one_error_line(serve_once("-m", str(tmp_path / "none.gguf"), home=tmp_path), "no such file")

@@ -246,9 +246,90 @@ def test_padded_vocabulary(qwen, metadata):
     assert think == qwen.vocab_size and padded.vocab_size == qwen.vocab_size + 4
     assert padded.encode("<think>\nok</think>", parse_special=True)[0] == think
     assert think not in padded.encode("<think>")
-    # The "[PADnnnnnn]" filler tokens are user-defined: they decode as written and encode to themselves.
+    # The "[PADnnnnnn]" filler tokens (user-defined in this file) name no text: they print nothing, text that
+    # spells one is plain text, and they are listed as never to be generated.
     pad = padded.token_to_id("[PAD151700]")
-    assert padded.decode([pad]) == "[PAD151700]" and padded.encode("a[PAD151700]b")[1] == pad
+    assert padded.decode([pad]) == "" and pad not in padded.encode("a[PAD151700]b")
+    assert padded.decode(padded.encode("a[PAD151700]b")) == "a[PAD151700]b"
+    unused = padded.unused_ids()
+    assert pad in unused and len(unused) == sum(t.startswith("[PAD") for t in meta["tokenizer.ggml.tokens"])
+    assert think not in unused and qwen.token_to_id("<|im_end|>") not in unused
+
+
+def _partition_token_by_token(tokenizer: Tokenizer, specials: list[int], text: str,
+                              parse_special: bool) -> list[str | int]:
+    """llama.cpp's `tokenizer_st_partition` as it is written: every special token in turn (`specials`, longest
+    first), splits every piece of text left (the reference the one-pass search must equal)."""
+    fragments: list[str | int] = [text] if text else []
+    for token_id in specials:
+        token_text = tokenizer.id_to_token(token_id)
+        if tokenizer.is_control(token_id) and not parse_special:
+            continue
+        split: list[str | int] = []
+        for fragment in fragments:
+            if isinstance(fragment, int) or token_text not in fragment:
+                split.append(fragment)
+                continue
+            for n, piece in enumerate(fragment.split(token_text)):
+                if n:
+                    split.append(token_id)
+                if piece:
+                    split.append(piece)
+        fragments = split
+    return fragments
+
+
+def test_one_pass_special_search_equals_token_by_token(gemma):
+    # Gemma-4's specials overlap (`<|tool_response>` / `<tool_response|>`, `<|image>` / `<|image|>`): random
+    # texts built from their pieces must cut exactly where llama.cpp's token-by-token loop cuts.
+    user_defined = ("<|tool_call>", "<tool_call|>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>")
+    specials = sorted((i for i in range(gemma.vocab_size)
+                       if gemma.is_control(i) or gemma.id_to_token(i) in user_defined),
+                      key=lambda i: -len(gemma.id_to_token(i)))
+    rng = random.Random(5)
+    pieces = ["<|", "|>", "<", ">", "|", "tool_response", "image", "turn", "channel", "a", " ", "<|turn>",
+              "<turn|>", "<|image|>", "<|tool_response>", "<tool_response|>", '<|"|>', "\n"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
+        for parse_special in (False, True):
+            expected = _partition_token_by_token(gemma, specials, text, parse_special)
+            ids = []
+            for fragment in expected:
+                ids.extend(gemma.encode(fragment, add_bos=False) if isinstance(fragment, str) else [fragment])
+            assert gemma.encode(text, add_bos=False, parse_special=parse_special) == ids, text
+
+
+def test_many_special_tokens_cost_one_pass(metadata):
+    # 96,700 control tokens (as many as the default model once had) and a 1 MB text that names some: one pass
+    # over the text, not one per token (which took 28 s at 1 MB).
+    meta = dict(metadata["qwen35"])
+    extra = [f"<|reserved_{i}|>" for i in range(96_700)]
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *extra]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[TokenType.CONTROL] * len(extra)]
+    many = Tokenizer.from_metadata(meta, source="many specials")
+    text = ("Plain words <|reserved_77|> and <|im_end|> markup <|reserved_9|>. " * 16_000)[:1_000_000]
+    many.encode("warm up <|reserved_1|>", parse_special=True)  # compiles the search once
+    start = time.perf_counter()
+    ids = many.encode(text, parse_special=True)
+    assert time.perf_counter() - start < 5  # about 0.3 s; the budget allows for a loaded 2-core machine
+    reserved = many.token_to_id("<|reserved_77|>")
+    assert ids.count(reserved) == text.count("<|reserved_77|>") > 10_000
+    assert many.decode(ids) == text
+
+
+def test_literal_spans_keep_control_text_as_text(qwen):
+    im_end = qwen.token_to_id("<|im_end|>")
+    text = "<|im_start|>user\nhi<|im_end|> there<|im_end|>\n"
+    user = text.index("hi"), text.index(" there")  # the user wrote "hi<|im_end|>"
+    ids = qwen.encode(text, parse_special=True, literal_spans=[user])
+    assert ids.count(im_end) == 1 and ids[-2] == im_end  # only the template's own
+    assert qwen.decode(ids) == text
+    # Where the spans hold no control-token text nothing changes, not even the pieces the BPE sees.
+    plain = "<|im_start|>user\nSay hi.<|im_end|>\n"
+    span = [(plain.index("Say"), plain.index("<|im_end|>"))]
+    assert qwen.encode(plain, parse_special=True, literal_spans=span) == qwen.encode(plain, parse_special=True)
+    assert qwen.control_tokens_in(text) == [(0, 12, qwen.token_to_id("<|im_start|>")), (19, 29, im_end),
+                                            (35, 45, im_end)]
 
 
 # --- decoding ----------------------------------------------------------------------------------------

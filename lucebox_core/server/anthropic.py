@@ -19,7 +19,7 @@ from . import sse
 from .errors import APIError, invalid
 from .generation import (
     Conversation, Done, Generation, Options, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart, ToolChoice,
-    function_tool, new_id, render_chat, stop_list, text_of,
+    function_tool, new_id, off_loop, render_chat, stop_list, text_of,
 )
 from .openai_chat import check_named_tool, start_chat
 from .schemas import CountTokensRequest, MessagesRequest
@@ -205,7 +205,7 @@ async def messages(data: JSONBody[MessagesRequest], service: NamedDependency[Mod
     budget = data.thinking.budget_tokens if data.thinking is not None and data.thinking.type == "enabled" else None
     options = Options(max_tokens=data.max_tokens, sampling=sampling, think_budget=budget,
                       stop=stop_list(data.stop_sequences, "stop_sequences"))
-    generation = start_chat(service, conversation, options)
+    generation = await start_chat(service, conversation, options)
     message = {
         "id": new_id("msg_"), "type": "message", "role": "assistant", "model": service.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None,
@@ -240,5 +240,5 @@ async def _stream(generation: Generation, builder: MessageBuilder) -> AsyncItera
       tags=["anthropic"])
 async def count_tokens(data: JSONBody[CountTokensRequest], service: NamedDependency[ModelService]) -> dict[str, int]:
     service.require_ready()
-    prompt = render_chat(service, _conversation(data))
+    prompt = await off_loop(render_chat, service, _conversation(data))
     return {"input_tokens": len(prompt.ids)}

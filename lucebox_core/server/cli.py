@@ -1,10 +1,19 @@
-"""`lucebox serve`: the argparse subcommand and the uvicorn run loop."""
+"""`lucebox serve`: the argparse subcommand and the uvicorn run loop.
+
+Everything that can be checked before the server says it is listening is: the flags, the model file's
+header (a GGUF some installed family loads), the chat template, and the address (the socket is bound here
+and handed to uvicorn), so a mistake is one `error:` line and exit status 2, never a "listening" line
+followed by a traceback-free failure. A model that fails while loading in the background (weights that do
+not fit, a broken tensor) ends the server with one such line too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -18,7 +27,9 @@ def add_serve_parser(commands: Any) -> None:
     from ..flags import add_model_arguments, add_speculative_arguments
 
     p = commands.add_parser("serve", help="serve the OpenAI, Responses and Anthropic HTTP APIs")
-    add_model_arguments(p, ctx_help="context length per sequence")
+    from ..flags import CTX_HELP
+
+    add_model_arguments(p, ctx_help=CTX_HELP.replace("context to allocate", "context per sequence"))
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("-np", "--parallel", type=int, default=1,
@@ -37,6 +48,32 @@ def add_serve_parser(commands: Any) -> None:
     p.set_defaults(run=cmd_serve)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` (uvicorn listens on it), or a LuceboxError saying why not (the port
+    is taken, the address is not this machine's, the name does not resolve)."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not 0 <= port <= 65535:  # getaddrinfo would quietly take it modulo 65536
+        raise LuceboxError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, protocol)
+    except (OSError, OverflowError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise LuceboxError(f"cannot listen on {where}: {reason[:1].lower()}{reason[1:]}") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port
+        listener.bind(address)
+    except (OSError, OverflowError) as exc:
+        listener.close()
+        reason = getattr(exc, "strerror", None) or str(exc)
+        in_use = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+        hint = " (another server runs there: stop it or choose another --port)" if in_use else ""
+        raise LuceboxError(f"cannot listen on {where}: {reason[:1].lower()}{reason[1:]}{hint}") from None
+    listener.set_inheritable(True)
+    return listener
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -51,11 +88,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, n_predict=args.n_predict, think_max_tokens=args.think_max_tokens,
         thinking_default=args.reasoning == "on",
     )
+    listener = listening_socket(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
 
-    def on_load_error(exc: BaseException) -> None:
+    def on_load_error(exc: BaseException) -> None:  # reported once, below, as the command's error line
         failure.append(exc)
         if server is not None:
             server.should_exit = True
@@ -64,14 +102,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(config, service)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=3))
-    print(f"Lucebox listening on http://{args.host}:{args.port} (OpenAI base URL http://{args.host}:{args.port}/v1); "
+    port = listener.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"Lucebox listening on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1); "
           "the model loads in the background", file=sys.stderr)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         service.close()
+        listener.close()
     if failure:
         raise LuceboxError(f"cannot load the model: {failure[0]}")
     if not server.started:
-        return 1
+        raise LuceboxError(f"the server on {host}:{port} did not start")
     return 0

@@ -7,13 +7,15 @@ into a `Conversation` + `Options`, and the events below back into its wire forma
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 
 import attrs
 import torch
 
+from ..chat_prompt import render_chat as render_chat_text
 from ..chat_template import decode_tool_arguments
 from ..engine import GenerationRequest, Step
 from ..errors import LuceboxError
@@ -26,6 +28,16 @@ from .service import ModelService
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
+
+
+T = TypeVar("T")
+
+
+async def off_loop(function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` on a worker thread: rendering and tokenizing a long prompt takes up to seconds
+    (a megabyte: about one), during which the event loop must go on answering `/health` and streaming
+    other requests. The tokenizer's Rust half releases the GIL; the Python half yields it every few ms."""
+    return await asyncio.to_thread(function, *args)
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -46,6 +58,7 @@ class Conversation:
     tool_choice: ToolChoice = attrs.Factory(ToolChoice)
     thinking: bool | None = None  # None: the server's default
     template_kwargs: dict = attrs.Factory(dict)
+    param: str = "messages"  # the request field the conversation came in (errors name it)
 
 
 @attrs.define(kw_only=True)
@@ -120,6 +133,23 @@ class Prompt:
     ids: list[int]
     text: str | None = None  # the rendered template (chat requests)
     in_reasoning: bool = False  # the template opened a thought the model will continue
+    param: str = "prompt"  # the request field it came from: `messages`, `input`, `prompt` (errors name it)
+
+
+def refuse_certainly_too_long(service: ModelService, text: str, param: str) -> None:
+    """Refuse a text that cannot fit in the context whatever its tokens, before tokenizing it: no token stands
+    for more than `max_token_bytes` bytes, so N bytes are at least N / that many tokens. Counting its bytes
+    takes milliseconds where tokenizing 64 MB would take a minute."""
+    if len(text) < service.ctx_size:  # fewer characters than positions: the bound cannot decide
+        return
+    tokenizer = service.loaded.tokenizer
+    at_least = -(-len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes)
+    if at_least >= service.ctx_size:
+        raise invalid(
+            f"the prompt from `{param}` is at least {at_least} tokens ({len(text)} characters) but the context "
+            f"holds {service.ctx_size}; shorten it (or start the server with a larger -c/--ctx-size)",
+            param=param, code="context_length_exceeded",
+        )
 
 
 def one_system_message(messages: list[dict]) -> list[dict]:
@@ -136,12 +166,15 @@ def one_system_message(messages: list[dict]) -> list[dict]:
 
 
 def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
+    """The prompt of a chat: the template rendered, control-token text that users and tools wrote kept as
+    text (see `lucebox_core.chat_prompt`), then tokenized. Blocking: handlers run it off the event loop."""
     loaded = service.loaded
     template = loaded.chat_template
+    param = conversation.param
     if template is None:
         raise invalid(f"{loaded.path.name} has no chat template; start the server with --chat-template-file")
     if not conversation.messages:
-        raise invalid("`messages` must not be empty", param="messages")
+        raise invalid(f"`{param}` must not be empty", param=param)
     kwargs = dict(conversation.template_kwargs)
     thinking = conversation.thinking
     if thinking is None and "enable_thinking" not in kwargs:
@@ -153,27 +186,31 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
         tools = [t for t in tools if t["function"]["name"] == conversation.tool_choice.name]
     try:
         messages = service.tool_replay.restore(one_system_message(conversation.messages))
-        text = template.render(decode_tool_arguments(messages), tools=tools or None,
-                               add_generation_prompt=True, **kwargs)
+        rendered = render_chat_text(template, loaded.tokenizer, decode_tool_arguments(messages),
+                                    tools=tools or None, add_generation_prompt=True, **kwargs)
     except LuceboxError as exc:
-        raise invalid(f"the conversation cannot be rendered: {exc}", param="messages") from None
-    ids = loaded.tokenizer.encode(text, add_bos=False, parse_special=True)
+        raise invalid(f"the conversation cannot be rendered: {exc}", param=param) from None
+    refuse_certainly_too_long(service, rendered.text, param)
+    ids = rendered.encode(loaded.tokenizer)
     opening = service.parser_spec.reasoning_tags[0] if service.parser_spec is not None else "<think>"
-    return Prompt(ids, text, in_reasoning=text.rstrip().endswith(opening.rstrip()))
+    return Prompt(ids, rendered.text, in_reasoning=rendered.text.rstrip().endswith(opening.rstrip()), param=param)
 
 
 def tokenize_prompt(service: ModelService, prompt: Any, param: str = "prompt") -> Prompt:
-    """A completions prompt: a string, token ids, or a one-element list of either."""
+    """A completions prompt: a string, token ids, or a one-element list of either. A string is raw model
+    input (the client writes any template markup itself), so its control-token text is parsed, as
+    llama-server does. Blocking: handlers run it off the event loop."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     tokenizer = service.loaded.tokenizer
     if isinstance(prompt, str):
-        return Prompt(tokenizer.encode(prompt, parse_special=True), prompt)
+        refuse_certainly_too_long(service, prompt, param)
+        return Prompt(tokenizer.encode(prompt, parse_special=True), prompt, param=param)
     if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         bad = [i for i in prompt if not 0 <= i < tokenizer.vocab_size]
         if bad:
             raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})", param=param)
-        return Prompt(list(prompt))
+        return Prompt(list(prompt), param=param)
     raise invalid("`prompt` must be a string, a list of token ids, or a list holding one of those "
                   "(batches of several prompts are not supported)", param=param)
 
@@ -184,11 +221,11 @@ def tokenize_prompt(service: ModelService, prompt: Any, param: str = "prompt") -
 def generation_request(service: ModelService, prompt: Prompt, options: Options, constraint: Any = None) -> GenerationRequest:
     ctx = service.ctx_size
     if not prompt.ids:
-        raise invalid("the prompt is empty", param="prompt")
+        raise invalid("the prompt is empty", param=prompt.param)
     if len(prompt.ids) >= ctx:
         raise invalid(
             f"the prompt is {len(prompt.ids)} tokens but the context holds {ctx}; shorten it "
-            "(or start the server with a larger -c/--ctx-size)", param="messages", code="context_length_exceeded",
+            "(or start the server with a larger -c/--ctx-size)", param=prompt.param, code="context_length_exceeded",
         )
     room = ctx - len(prompt.ids)
     if options.max_tokens is not None and options.max_tokens > room:

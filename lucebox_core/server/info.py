@@ -10,6 +10,7 @@ from litestar.params import FromPath, JSONBody
 
 from .. import __version__
 from .errors import invalid
+from .generation import off_loop
 from .schemas import DetokenizeRequest, TokenizeRequest
 from .service import ModelService
 
@@ -91,6 +92,8 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
                       "supported_efforts": EFFORTS, "think_max_tokens": config.think_max_tokens},
         "runtime": {"backend": loaded.backend_name, "target_device": config.device or "default",
                     "parallel": config.parallel, "chunk": service.engine.prefill_chunk,
+                    # The context and how it was chosen (-c, or what fits in memory).
+                    "context": service.context.as_dict() if service.context is not None else None,
                     "kv_policy": config.kv_policy, "cache_type_k": getattr(loaded.model, "cache_type_k", None),
                     "cache_type_v": getattr(loaded.model, "cache_type_v", None),
                     # The ops this backend runs as kernels (where their checks accept the arguments).
@@ -115,11 +118,16 @@ async def metrics(service: NamedDependency[ModelService]) -> str:
 async def tokenize(data: JSONBody[TokenizeRequest], service: NamedDependency[ModelService]) -> dict[str, Any]:
     service.require_ready()
     tokenizer = service.loaded.tokenizer
-    # add_special: the special tokens the model adds itself (its BOS where it has add_bos), as llama-server does.
-    ids = tokenizer.encode(data.content, add_bos=None if data.add_special else False, parse_special=data.parse_special)
-    if data.with_pieces:
-        return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
-    return {"tokens": ids}
+
+    def tokens() -> dict[str, Any]:  # off the event loop: a megabyte takes about a second
+        # add_special: the special tokens the model adds itself (its BOS where it has add_bos), as llama-server does.
+        ids = tokenizer.encode(data.content, add_bos=None if data.add_special else False,
+                               parse_special=data.parse_special)
+        if data.with_pieces:
+            return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
+        return {"tokens": ids}
+
+    return await off_loop(tokens)
 
 
 @post("/detokenize", status_code=200, summary="Token ids to text (llama.cpp)", tags=["server"])

@@ -17,8 +17,8 @@ from . import sse
 from .errors import APIError, invalid
 from .generation import (
     Collected, Conversation, Done, Generation, Options, TextDelta, TokenLogprob, ToolCallDelta, ToolCallStart,
-    ToolChoice, function_tool, generation_request, make_parser, new_id, now, render_chat, stop_list, text_of,
-    thinking_from_effort,
+    ToolChoice, function_tool, generation_request, make_parser, new_id, now, off_loop, render_chat, stop_list,
+    text_of, thinking_from_effort,
 )
 from .schemas import ChatCompletionRequest, ChatMessage, ResponseFormat
 from .service import ModelService
@@ -129,9 +129,17 @@ def conversation_and_options(data: ChatCompletionRequest) -> tuple[Conversation,
     return conversation, options
 
 
-def start_chat(service: ModelService, conversation: Conversation, options: Options) -> Generation:
-    """Render, validate and submit a chat generation (shared by every chat-shaped endpoint)."""
+async def start_chat(service: ModelService, conversation: Conversation, options: Options) -> Generation:
+    """Render, validate (off the event loop) and submit a chat generation (shared by every chat-shaped
+    endpoint)."""
     service.require_ready()
+    prompt, request, parser = await off_loop(prepare_chat, service, conversation, options)
+    return Generation(service, prompt, request, parser)
+
+
+def prepare_chat(service: ModelService, conversation: Conversation, options: Options) -> tuple[Any, Any, Any]:
+    """The prompt, the engine request and the response parser of a chat; blocking (rendering, tokenizing,
+    compiling a grammar)."""
     prompt = render_chat(service, conversation)
     parser = make_parser(service, conversation, prompt)
     constraint = None
@@ -147,8 +155,7 @@ def start_chat(service: ModelService, conversation: Conversation, options: Optio
         if constraint is None:
             raise invalid(f"this model family ({service.architecture}) has no tool-call grammar, so a tool call "
                           "cannot be forced; use tool_choice 'auto'", param="tool_choice")
-    request = generation_request(service, prompt, options, constraint)
-    return Generation(service, prompt, request, parser)
+    return prompt, generation_request(service, prompt, options, constraint), parser
 
 
 def _logprob_entry(entry: TokenLogprob) -> dict:
@@ -161,7 +168,7 @@ def _logprob_entry(entry: TokenLogprob) -> dict:
 @post("/v1/chat/completions", status_code=200, summary="Chat completion (OpenAI)", tags=["openai"])
 async def chat_completions(data: JSONBody[ChatCompletionRequest], service: NamedDependency[ModelService]) -> Response[Any]:
     conversation, options = conversation_and_options(data)
-    generation = start_chat(service, conversation, options)
+    generation = await start_chat(service, conversation, options)
     chat_id, created, model = new_id("chatcmpl-"), now(), service.model_name
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)

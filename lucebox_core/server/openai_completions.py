@@ -11,8 +11,8 @@ from litestar.params import JSONBody
 from . import sse
 from .errors import invalid
 from .generation import (
-    Collected, Done, Generation, Options, TextDelta, TokenLogprob, generation_request, new_id, now, stop_list,
-    tokenize_prompt,
+    Collected, Done, Generation, Options, TextDelta, TokenLogprob, generation_request, new_id, now, off_loop,
+    stop_list, tokenize_prompt,
 )
 from .openai_chat import _error_payload, response_format_options, sampling_overrides
 from .schemas import CompletionRequest
@@ -40,12 +40,11 @@ async def completions(data: JSONBody[CompletionRequest], service: NamedDependenc
         raise invalid("only `n` = 1 (and `best_of` = 1) is supported", param="n")
     if data.suffix:
         raise invalid("`suffix` (fill-in-the-middle) is not supported", param="suffix")
-    prompt = tokenize_prompt(service, data.prompt)
-    max_tokens = data.max_tokens if data.max_tokens is not None else min(DEFAULT_MAX_TOKENS, service.ctx_size - len(prompt.ids))
-    options = Options(max_tokens=max_tokens, sampling=sampling_overrides(data), stop=stop_list(data.stop),
+    options = Options(max_tokens=data.max_tokens, sampling=sampling_overrides(data), stop=stop_list(data.stop),
                       logprobs=data.logprobs)
     response_format_options(options, data.response_format)
-    generation = Generation(service, prompt, generation_request(service, prompt, options))
+    prompt, request = await off_loop(_prepare, service, data.prompt, options)
+    generation = Generation(service, prompt, request)
     echo = (prompt.text if prompt.text is not None else service.loaded.tokenizer.decode(prompt.ids)) if data.echo else ""
     completion_id, created, model = new_id("cmpl-"), now(), service.model_name
     if data.stream:
@@ -65,6 +64,14 @@ async def completions(data: JSONBody[CompletionRequest], service: NamedDependenc
     body = {"id": completion_id, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": "lucebox", "choices": [choice], "usage": collected.done.usage.openai()}
     return Response(body, media_type="application/json")
+
+
+def _prepare(service: ModelService, raw_prompt: Any, options: Options) -> tuple[Any, Any]:
+    """The prompt and the engine request (blocking: tokenizing, compiling a grammar)."""
+    prompt = tokenize_prompt(service, raw_prompt)
+    if options.max_tokens is None:
+        options.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, service.ctx_size - len(prompt.ids)))
+    return prompt, generation_request(service, prompt, options)
 
 
 async def _stream(generation: Generation, completion_id: str, created: int, model: str, echo: str,

@@ -109,7 +109,7 @@ def conversation_and_options(data: ResponsesRequest, service: ModelService) -> t
     messages = history + input_messages(data.input)
     system = [{"role": "system", "content": data.instructions}] if data.instructions else []
     effort = data.reasoning.effort if data.reasoning else None
-    conversation = Conversation(messages=system + messages, tools=_tools(data.tools),
+    conversation = Conversation(messages=system + messages, tools=_tools(data.tools), param="input",
                                 tool_choice=tool_choice(data.tool_choice), thinking=thinking_from_effort(effort))
     check_named_tool(conversation)
     options = Options(max_tokens=data.max_output_tokens, max_tokens_param="max_output_tokens",
@@ -252,7 +252,7 @@ class ResponseBuilder:
 @post("/v1/responses", status_code=200, summary="Create a response (OpenAI Responses API)", tags=["openai"])
 async def create_response(data: JSONBody[ResponsesRequest], service: NamedDependency[ModelService]) -> Response[Any]:
     conversation, options, messages = conversation_and_options(data, service)
-    generation = start_chat(service, conversation, options)
+    generation = await start_chat(service, conversation, options)
     response = {
         "id": new_id("resp_"), "object": "response", "created_at": now(), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": data.instructions,

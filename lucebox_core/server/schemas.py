@@ -20,6 +20,7 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
+TokenCount = Annotated[int, Meta(ge=1)]  # max_tokens and its kin: OpenAI and Anthropic refuse anything below 1
 Stop = str | list[str]
 
 
@@ -84,8 +85,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: NonNegative | None = None
-    max_completion_tokens: NonNegative | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     n: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -109,7 +110,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: NonNegative | None = None
+    max_tokens: TokenCount | None = None
     n: Positive | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
@@ -146,7 +147,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     instructions: str | None = None
     stream: bool | None = False
-    max_output_tokens: NonNegative | None = None
+    max_output_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
     top_k: NonNegative | None = None
@@ -197,7 +198,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
-    max_tokens: NonNegative
+    max_tokens: TokenCount
     stream: bool | None = False
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None

@@ -46,6 +46,7 @@ class ModelService:
         self.error: str | None = None
         self.loaded: Any = None  # LoadedModel
         self.engine: Any = None
+        self.context: Any = None  # lucebox_core.context.ContextChoice, once loaded
         self.scheduler: Any = None
         self.parser_spec: Any = None  # the family's ResponseParser spec
         self.started = time.time()
@@ -73,15 +74,16 @@ class ModelService:
             assembled = build_engine(self.config)
             loaded, engine = assembled.loaded, assembled.engine
             self.parser_spec = _parser_for(loaded)
-            self.loaded, self.engine = loaded, engine
+            self.loaded, self.engine, self.context = loaded, engine, assembled.context
             self.scheduler = Scheduler(engine, self.config.parallel)
             self.status = "ok"
-            log.info("model %s ready (%s backend, context %d)", loaded.path, loaded.backend_name, engine.ctx_size)
+            log.info("model %s ready (%s backend): %s", loaded.path, loaded.backend_name, assembled.context.describe())
         except BaseException as exc:
             self.status, self.error = "error", str(exc)
-            log.error("cannot load the model: %s", exc)
             if self._on_load_error is not None:
-                self._on_load_error(exc)
+                self._on_load_error(exc)  # the owner reports it (`lucebox serve`: its one error line)
+            else:
+                log.error("cannot load the model: %s", exc)
             if not isinstance(exc, Exception):
                 raise
 
@@ -118,7 +120,8 @@ class ModelService:
         return "lucebox-default"
 
     @property
-    def ctx_size(self) -> int:
+    def ctx_size(self) -> int | None:
+        """Positions per sequence (None while loading without -c: what fits is known once loaded)."""
         return self.engine.ctx_size if self.engine is not None else self.config.ctx_size
 
     @property

@@ -15,7 +15,8 @@ implements `verify` as candidates -> one target pass (`target.verify`) -> walk, 
 
 Acceptance:
 - temperature 0: each node's next token is the target's (penalised) argmax there; the walk follows the
-  child holding it. The output equals plain greedy decoding.
+  child holding it. The output equals plain greedy decoding. The draft logits and the logits of the
+  target's verify pass come to the verifier with the ids the sampler never picks (padding) at -inf.
 - temperature > 0, `chain`: speculative sampling (accept with min(1, p/q), else resample from the
   residual), with the drafted tokens sampled from the drafter's distribution q.
 - temperature > 0, `ddtree`: the sampled walk (draw from the target at each node, follow the child that
@@ -172,11 +173,30 @@ class SpeculativeDecoder:
         """Draft after `root` (the pending token at position `state.length`), verify, walk; no commit.
 
         `history`: every token before the root plus the root (what the drafter and penalties look at)."""
-        logits = self.drafter.draft(self.target, state, draft_state, history, self.block_size)
+        # Ids the sampler never picks (padding) are never drafted either.
+        logits = sampler.suppress(self.drafter.draft(self.target, state, draft_state, history, self.block_size))
         if forced is not None:
             logits = _force(logits, forced)
-        verdict = self.verifier.verify(self.target, state, root, logits, sampler, history)
+        verdict = self.verifier.verify(_Suppressing(self.target, sampler), state, root, logits, sampler, history)
         return SpeculativeBlock(list(verdict.tokens), list(verdict.path), verdict.verification, self.target, state)
+
+
+class _Suppressing:
+    """The target as a verifier sees it: its verify pass's logits come with the ids the sampler never picks
+    (padding) at -inf, so any verifier, even one that takes a plain argmax as the protocol allows, accepts
+    and emits exactly what plain decoding could. Everything else is the target's own."""
+
+    def __init__(self, target: Any, sampler: Any):
+        self._target, self._sampler = target, sampler
+
+    def verify(self, *args: Any, **kwargs: Any) -> Any:
+        verification = self._target.verify(*args, **kwargs)
+        if attrs.has(type(verification)) and hasattr(verification, "logits"):
+            return attrs.evolve(verification, logits=self._sampler.suppress(verification.logits))
+        return verification
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
 
 
 def _greedy_or_sampled_walk(tree: trees.DraftTree, node_logits: torch.Tensor, sampler: Any,
