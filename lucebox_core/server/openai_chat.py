@@ -136,8 +136,15 @@ def start_chat(service: ModelService, conversation: Conversation, options: Optio
     parser = make_parser(service, conversation, prompt)
     constraint = None
     choice = conversation.tool_choice
+    structured = options.json_schema is not None or options.json_object
+    if choice.mode == "auto" and conversation.tools and not structured:
+        # Free text, but each call the model opens is held to its tool's schema (the family's grammar).
+        try:
+            constraint = parser.constraint_for("auto", service.loaded.tokenizer)
+        except LuceboxError as exc:
+            raise invalid(f"the tools' schemas cannot be enforced: {exc}", param="tools") from None
     if choice.mode == "required":  # the output must be a tool call: the family's parser knows its grammar
-        if options.json_schema is not None or options.json_object:
+        if structured:
             raise invalid("a forced tool call and a JSON response format cannot be combined", param="tool_choice")
         wanted = {"type": "function", "function": {"name": choice.name}} if choice.name else "required"
         try:
