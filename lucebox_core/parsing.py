@@ -247,12 +247,6 @@ def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict
     return found
 
 
-def schema_types(schema: Any) -> set[str]:
-    """The JSON types a schema's `type` names (a string or a list), else none."""
-    kind = schema.get("type") if isinstance(schema, Mapping) else None
-    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
-
-
 def chosen_tool_name(tool_choice: Any) -> str | None:
     """The function a `tool_choice` object names (OpenAI `{"type": "function", "function": {...}}` or flat),
     None for the string choices; a LuceboxError for an object that names none."""

@@ -4,15 +4,16 @@ Neither family writes a tool call's arguments as JSON (Qwen puts each parameter 
 values bare; Gemma has its own object syntax with `<|"|>` quotes), so a tool's schema cannot be handed to
 llguidance's JSON compiler as it is. `SchemaGrammar` walks the schema and writes Lark rules through a
 `ValueSyntax`, which says how the family writes strings, keys, objects and arrays; numbers, booleans and
-null are JSON's in both families. Each family's parser types the values it reads back by the same schema
-(`admitted_types`, `member_schema`, `item_schema`), so what the grammar lets the model write is what the
-parser returns, and that validates against the schema.
+null are JSON's in both families. Each family's parser types the values it reads back by the same reading
+of the schema (`json_schema`), so what the grammar lets the model write is what the parser returns, and
+that validates against the schema.
 
 The subset (what real tool definitions use): `type` (one or a list), `enum`, `const`, `properties`,
 `required`, `additionalProperties`, `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
 `maxLength`, `pattern`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `anyOf`,
-`oneOf` (enforced as `anyOf`: a value that fits two branches breaks `oneOf`), `allOf` of one schema, and
-`$ref` within the schema (`$defs`, `definitions`; recursive ones too). Annotations (`title`, `description`,
+`oneOf` whose branches cannot overlap (different types, or a property with different fixed values: a
+discriminated union), `allOf` of one schema, and `$ref` within the schema (`$defs`, `definitions`;
+recursive ones too). Annotations (`title`, `description`,
 `default`, `examples`, `format`, ...) are ignored, as validators ignore them. Keywords that restrict values
 in ways a grammar cannot enforce (`uniqueItems`, `not`, `if`, `patternProperties`, ...) raise
 `SchemaNotSupported`, naming the tool and the keyword; with `lenient` they are ignored instead (and listed
@@ -31,6 +32,7 @@ from typing import Any
 import attrs
 
 from .errors import LuceboxError
+from .json_schema import MAX_DEPTH, MISSING, admitted_types, member_schema, pointer, resolve, value_type
 
 __all__ = [
     "JsonSyntax",
@@ -38,12 +40,10 @@ __all__ = [
     "SchemaNotSupported",
     "StringShape",
     "ValueSyntax",
-    "admitted_types",
-    "item_schema",
+    "checked",
+    "containing",
     "lark_string",
-    "member_schema",
-    "resolve",
-    "value_type",
+    "regex_item",
 ]
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
@@ -62,7 +62,6 @@ UNSUPPORTED = {
     "additionalItems": "tuple arrays (use prefixItems)", "$dynamicRef": "dynamic references",
     "$recursiveRef": "dynamic references",
 }  # fmt: skip
-MAX_DEPTH = 32  # inline nesting (references are rules, so recursion through $ref is not counted)
 MAX_RULES = 20_000
 
 # Numbers without bounds: at most 16 digits and a two-digit exponent, so no value overflows a double.
@@ -196,127 +195,6 @@ class JsonSyntax(ValueSyntax):
 
     def __init__(self, forbidden: Sequence[str] = ()) -> None:
         self.forbidden = tuple(forbidden)
-
-
-# -- reading schemas: what the parsers share with the grammar ---------------------------------------------
-
-
-_MISSING = object()
-
-
-def _pointer(root: Any, ref: str) -> Any:
-    """The schema a local `$ref` ("#", "#/$defs/Name", any JSON pointer) names, else `_MISSING`."""
-    if not ref.startswith("#"):
-        return _MISSING
-    from urllib.parse import unquote
-
-    node = root
-    for part in unquote(ref[1:]).split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
-
-
-def resolve(schema: Any, root: Any) -> Any:
-    """`schema` with local `$ref`s and an `allOf` of one schema followed to the schema that describes the value."""
-    for _ in range(MAX_DEPTH):
-        if not isinstance(schema, Mapping):
-            return schema
-        ref = schema.get("$ref")
-        all_of = schema.get("allOf")
-        if isinstance(ref, str):
-            schema = _pointer(root, ref)
-            if schema is _MISSING:
-                return None
-        elif isinstance(all_of, list) and len(all_of) == 1:
-            schema = all_of[0]
-        else:
-            return schema
-    return None
-
-
-def value_type(value: Any) -> str:
-    """The JSON type of a Python value read from JSON."""
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if value is None:
-        return "null"
-    return "array" if isinstance(value, list) else "object"
-
-
-def admitted_types(schema: Any, root: Any = None, _depth: int = 0) -> frozenset[str] | None:
-    """The JSON types a value under `schema` may have; None when any type may do. "number" covers integers."""
-    schema = resolve(schema, root)
-    if schema is False:
-        return frozenset()
-    if not isinstance(schema, Mapping) or _depth > MAX_DEPTH:
-        return None
-    admitted: frozenset[str] | None = None
-    if "const" in schema:
-        admitted = frozenset({value_type(schema["const"])})
-    elif isinstance(schema.get("enum"), list):
-        admitted = frozenset(value_type(v) for v in schema["enum"])
-    declared = schema.get("type")
-    if isinstance(declared, str) or isinstance(declared, list):
-        names = frozenset(t for t in ([declared] if isinstance(declared, str) else declared) if isinstance(t, str))
-        if "number" in names:
-            names |= {"integer"}
-        admitted = names if admitted is None else admitted & (names | ({"number"} if "integer" in names else set()))
-    branches = schema.get("anyOf") if isinstance(schema.get("anyOf"), list) else schema.get("oneOf")
-    if isinstance(branches, list) and branches:
-        union: set[str] = set()
-        for branch in branches:
-            types = admitted_types(branch, root, _depth + 1)
-            if types is None:
-                return admitted
-            union |= types
-        admitted = frozenset(union) if admitted is None else admitted & union
-    return admitted
-
-
-def member_schema(schema: Any, key: str, root: Any = None, _depth: int = 0) -> Any:
-    """The schema of member `key` of an object under `schema` (None: not known, so any value)."""
-    schema = resolve(schema, root)
-    if not isinstance(schema, Mapping) or _depth > MAX_DEPTH:
-        return None
-    properties = schema.get("properties")
-    if isinstance(properties, Mapping) and key in properties:
-        return properties[key]
-    branches = schema.get("anyOf") if isinstance(schema.get("anyOf"), list) else schema.get("oneOf")
-    if isinstance(branches, list):
-        found = [s for s in (member_schema(b, key, root, _depth + 1) for b in branches) if s is not None]
-        if found and all(s == found[0] for s in found):
-            return found[0]
-        return None
-    extra = schema.get("additionalProperties")
-    return extra if isinstance(extra, Mapping) else None
-
-
-def item_schema(schema: Any, index: int, root: Any = None, _depth: int = 0) -> Any:
-    """The schema of item `index` of an array under `schema` (None: not known)."""
-    schema = resolve(schema, root)
-    if not isinstance(schema, Mapping) or _depth > MAX_DEPTH:
-        return None
-    prefix = schema.get("prefixItems")
-    if isinstance(prefix, list) and index < len(prefix):
-        return prefix[index]
-    branches = schema.get("anyOf") if isinstance(schema.get("anyOf"), list) else schema.get("oneOf")
-    if isinstance(branches, list):
-        found = [s for s in (item_schema(b, index, root, _depth + 1) for b in branches) if s is not None]
-        return found[0] if found and all(s == found[0] for s in found) else None
-    items = schema.get("items")
-    return items if isinstance(items, Mapping) else None
 
 
 # -- the walker ------------------------------------------------------------------------------------------
@@ -462,8 +340,8 @@ class SchemaGrammar:
             self.unsupported(where, "$ref", "other constraints beside a reference")
         if ref in self._refs:
             return self._refs[ref]
-        target = _pointer(self.root, ref)
-        if target is _MISSING:
+        target = pointer(self.root, ref)
+        if target is MISSING:
             if not ref.startswith("#"):
                 raise self.fail(where, f"$ref {ref!r} is not supported (only references within the schema are)")
             raise self.fail(where, f"$ref {ref!r} names nothing in the schema")
@@ -489,6 +367,8 @@ class SchemaGrammar:
         if not isinstance(branches, list) or not branches:
             raise self.fail(f"{where}.{keyword}", "must be a non-empty list of schemas")
         shared = {k: v for k, v in schema.items() if k != keyword}
+        if keyword == "oneOf" and not self._exclusive(branches):
+            self.unsupported(where, "oneOf", "exactly one of branches that may overlap")
         options = []
         for index, branch in enumerate(branches):
             if shared:  # keywords beside the branches hold in each of them
@@ -502,6 +382,33 @@ class SchemaGrammar:
         if not options:
             return None
         return options[0] if len(options) == 1 else "(" + " | ".join(options) + ")"
+
+    def _exclusive(self, branches: list[Any]) -> bool:
+        """Whether no value can fit two of `branches`: their types differ, or a property both require has
+        different fixed values in each (a discriminated union)."""
+        def fixed(schema: Any, key: str) -> set[str] | None:
+            member = resolve(member_schema(schema, key, self.root), self.root)
+            if not isinstance(member, Mapping):
+                return None
+            values = [member["const"]] if "const" in member else member.get("enum")
+            return {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
+
+        def required(schema: Any) -> set[str]:
+            keys = resolved.get("required") if isinstance(resolved := resolve(schema, self.root), Mapping) else None
+            return {k for k in keys if isinstance(k, str)} if isinstance(keys, list) else set()
+
+        for i, first in enumerate(branches):
+            for second in branches[i + 1 :]:
+                a, b = admitted_types(first, self.root), admitted_types(second, self.root)
+                if a is not None and b is not None and not (a & b):
+                    continue
+                told_apart = False
+                for key in required(first) & required(second):
+                    f, g = fixed(first, key), fixed(second, key)
+                    told_apart = told_apart or (f is not None and g is not None and not (f & g))
+                if not told_apart:
+                    return False
+        return True
 
     def _choices(self, schema: Mapping[str, Any], where: str) -> str | None:
         if "const" in schema:

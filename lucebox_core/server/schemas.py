@@ -21,6 +21,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
 Stop = str | list[str]
+LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]  # token id (as a string) -> added to its logit
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -97,7 +98,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: Json | None = None
     user: str | None = None
     metadata: Json | None = None
-    logit_bias: Json | None = None
+    logit_bias: LogitBias | None = None
     store: bool | None = None
 
 
@@ -116,7 +117,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: Positive | None = None
     user: str | None = None
-    logit_bias: Json | None = None
+    logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
 
 

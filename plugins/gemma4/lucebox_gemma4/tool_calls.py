@@ -34,7 +34,7 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.parsing import chosen_tool_name, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (Event, ReasoningDelta, StreamedCall, StreamingToolCallParser, ToolCallEnd,
                                   partial_suffix, tool_call_constraint)
-from lucebox_core.schema_grammar import admitted_types, item_schema, member_schema, value_type
+from lucebox_core.json_schema import admitted_types, item_schema, member_schema, value_type
 
 __all__ = ["GemmaResponseParser", "coerce_value", "create_parser", "forced_prefix", "parse_arguments",
            "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip

@@ -40,9 +40,9 @@ from lucebox_core.parsing import (
     partial_suffix,
     tool_call_constraint,
 )
+from lucebox_core.json_schema import admitted_types, member_schema, value_type
 from lucebox_core.schema_grammar import (JsonSyntax, SchemaGrammar, SchemaNotSupported, StringShape, ValueSyntax,
-                                         containing, regex_item, admitted_types, checked, lark_string, member_schema,
-                                         value_type)
+                                         checked, containing, lark_string, regex_item)
 
 __all__ = ["QwenToolCallParser", "coerce_value", "create_parser", "forced_prefix", "is_text_parameter",
            "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip
