@@ -329,7 +329,13 @@ class Engine:
                         if token in self.eog_ids and not request.ignore_eos:
                             yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
                             return
-                        text = stops.push(detokenizer.push(token))
+                        piece = detokenizer.push(token)
+                        if ahead is not None and not ahead.dormant:
+                            # A constraint holds this text (a tool call, a JSON answer): a stop string does not
+                            # cut it short; the text around it is still matched.
+                            text = stops.flush() + piece
+                        else:
+                            text = stops.push(piece)
                         if stops.stopped:
                             yield Step(token, text, "stop", *info)
                             return

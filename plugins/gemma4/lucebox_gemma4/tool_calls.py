@@ -36,16 +36,12 @@ from lucebox_core.parsing import (Event, ReasoningDelta, StreamedCall, Streaming
                                   partial_suffix, tool_call_constraint)
 from lucebox_core.json_schema import admitted_types, item_schema, member_schema, value_type
 
+from .markup import CALL_CLOSE, CALL_OPEN, CALL_PREFIX, CHANNEL_CLOSE, CHANNEL_OPEN, NAME_LIMIT, NAME_STOP, QUOTE, THOUGHT
+from .tool_grammar import tool_call_grammar
+
 __all__ = ["GemmaResponseParser", "coerce_value", "create_parser", "forced_prefix", "parse_arguments",
            "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip
 
-CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
-CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
-QUOTE = '<|"|>'
-CALL_PREFIX = "call:"
-THOUGHT = "thought"  # the channel's name, on the line after `<|channel>`
-_NAME_LIMIT = 256  # a "name" or key longer than this is not one after all
-_NAME_STOP = set(" \t\r\n<>{}[],:\"'")
 
 
 def create_parser(
@@ -268,15 +264,15 @@ class GemmaResponseParser(StreamingToolCallParser):
             self._abandon_call(events)
             return True
         head = rest[len(CALL_PREFIX) :]
-        size = next((i for i, c in enumerate(head) if c in _NAME_STOP), len(head))
+        size = next((i for i, c in enumerate(head) if c in NAME_STOP), len(head))
         name, after = head[:size], head[size:].lstrip()
         if not after:  # the name may go on, or the `{` is still to come
-            if not final and size <= _NAME_LIMIT:
+            if not final and size <= NAME_LIMIT:
                 return False
             self._abandon_call(events)
             return True
         no_arguments = after.startswith(CALL_CLOSE)
-        if not name or size > _NAME_LIMIT or not (after.startswith("{") or no_arguments):
+        if not name or size > NAME_LIMIT or not (after.startswith("{") or no_arguments):
             if no_arguments or not CALL_CLOSE.startswith(after) or final:
                 self._abandon_call(events)
                 return True
@@ -320,7 +316,7 @@ class GemmaResponseParser(StreamingToolCallParser):
                 return True
         stops = [i for c in ":{}[],<" if (i := rest.find(c, 1 if c == "<" else 0)) >= 0]
         if not stops:
-            if not final and len(rest) <= _NAME_LIMIT:
+            if not final and len(rest) <= NAME_LIMIT:
                 return False
             self._take(len(rest))  # no key after all: skipped (kept in raw_text)
             return True
@@ -565,13 +561,4 @@ def tool_choice_constraint(
     "auto" (given `shadow`, a factory of fresh parsers) free text, with each call the model opens held to the
     grammar. Either way every call's arguments follow its tool's JSON schema (`tool_grammar`).
     """
-    from .tool_grammar import tool_call_grammar
-
     return tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking, shadow=shadow)
-
-
-def tool_call_grammar(tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], **options: Any) -> str:
-    """The Lark grammar of Gemma calls to the functions in `schemas` (see `tool_grammar.tool_call_grammar`)."""
-    from .tool_grammar import tool_call_grammar as grammar
-
-    return grammar(tokenizer, schemas, **options)

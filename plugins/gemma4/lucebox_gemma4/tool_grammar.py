@@ -3,7 +3,7 @@
 The core's `SchemaGrammar` walks the schema; `GemmaValues` says how Gemma writes what it finds: keys bare
 (`city:`), or between `<|"|>` quotes when a bare key would not read back as itself; strings between `<|"|>`
 quotes, never holding one (the parser ends a string at the first); numbers, booleans and null as JSON;
-`{…}` and `[…]` with bare commas. `tool_calls.GemmaResponseParser` reads the values back typed by the same
+`{…}` and `[…]` with bare commas. The parser (`tool_calls.GemmaResponseParser`) reads the values back typed by the same
 schema.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from lucebox_core.schema_grammar import (SchemaGrammar, SchemaNotSupported, StringShape, ValueSyntax, checked,
                                          containing, lark_string, regex_item)
 
-from .tool_calls import _NAME_LIMIT, _NAME_STOP, CALL_CLOSE, CALL_OPEN, CALL_PREFIX, CHANNEL_CLOSE, QUOTE
+from .markup import CALL_CLOSE, CALL_OPEN, CALL_PREFIX, CHANNEL_CLOSE, NAME_LIMIT, NAME_STOP, QUOTE
 
 __all__ = ["GemmaValues", "tool_call_grammar"]
 
@@ -104,7 +104,7 @@ def tool_call_grammar(
         thought_rules = ["thought_end: thought_text GAP", "thought_text[lazy]: /(?s:.*)<channel\\|>/"]
     functions, rules = [], []
     for i, (function, schema) in enumerate(schemas.items()):
-        if not function or len(function) > _NAME_LIMIT or set(function) & _NAME_STOP:
+        if not function or len(function) > NAME_LIMIT or set(function) & NAME_STOP:
             raise SchemaNotSupported(f"tool {function!r}: a Gemma tool call cannot name it (no spaces or punctuation "
                                      "such as {}[],:<>)")
         grammar = SchemaGrammar(syntax, tool=function, root=schema, lenient=lenient, prefix=f"g{i}")
