@@ -16,6 +16,7 @@ the model's ops by default).
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -232,13 +233,17 @@ class Engine:
             sequence.streaming = False
 
     def _mask_ahead(self, constraint: Any) -> MaskAhead:
-        """The request's constraint, run a step ahead on a worker thread (see `mask_ahead`)."""
-        with self._idle_lock:
-            if self._mask_workers is None:
-                self._mask_workers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="lucebox-mask")
+        """The request's constraint, run a step ahead on a worker thread (see `mask_ahead`; inline with
+        `LUCEBOX_MASK_AHEAD=0`)."""
+        workers = None
+        if os.environ.get("LUCEBOX_MASK_AHEAD", "1") != "0":
+            with self._idle_lock:
+                if self._mask_workers is None:
+                    self._mask_workers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="lucebox-mask")
+            workers = self._mask_workers
         device = getattr(self.backend, "device", None)
         pinned = self.backend.host_buffer if self.backend is not None and getattr(device, "type", "cpu") != "cpu" else None
-        return MaskAhead(constraint, self.model.vocab_size, self._mask_workers, pinned)
+        return MaskAhead(constraint, self.model.vocab_size, workers, pinned)
 
     def _stream(self, sequence: Sequence, request: GenerationRequest, timings: Timings | None) -> Iterator[Step]:
         timings = timings if timings is not None else Timings()

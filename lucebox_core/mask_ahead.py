@@ -7,7 +7,8 @@ runs its forward pass (on the GPU, or on the host's other cores: llguidance and 
 and the engine waits for the mask only when it is about to sample.
 
 Only the worker touches the constraint while it runs: the engine reads what the constraint said after each
-token (`finished`, `dormant`) from the snapshot the worker hands back.
+token (`finished`, `dormant`) from the snapshot the worker hands back. `LUCEBOX_MASK_AHEAD=0` does the same
+work inline, each piece when the engine asks for it (the loop as it was, for comparisons).
 """
 
 from __future__ import annotations
@@ -30,20 +31,26 @@ class MaskAhead:
     (speculative blocks, decoded while the constraint masks nothing).
     """
 
-    def __init__(self, constraint: Any, vocab_size: int, executor: Executor, host_buffer: Callable[..., torch.Tensor] | None = None):
+    def __init__(self, constraint: Any, vocab_size: int, executor: Executor | None,
+                 host_buffer: Callable[..., torch.Tensor] | None = None):
         self.constraint = constraint
         self.vocab_size = vocab_size
         self.finished = False
         self.dormant = bool(getattr(constraint, "dormant", False))
-        self._executor = executor
+        self._executor = executor  # None: inline, each piece of work done when its result is asked for
+        self._read: Callable[[], int] | None = None
         self._host_buffer = host_buffer  # pinned memory on a GPU, so the mask's copy does not block the host
         self._mask: Future[torch.Tensor | None] | None = None
         self._accepted: Future[tuple[int, bool, bool]] | None = None
 
     def start(self) -> None:
-        self._mask = self._executor.submit(self._next_mask)
+        if self._executor is not None:
+            self._mask = self._executor.submit(self._next_mask)
 
     def after(self, read_token: Callable[[], int]) -> None:
+        if self._executor is None:
+            self._read = read_token
+            return
         accepted: Future[tuple[int, bool, bool]] = Future()
 
         def work() -> torch.Tensor | None:
@@ -62,6 +69,11 @@ class MaskAhead:
 
     def accepted(self, token: int) -> None:
         """Wait until the worker has taken `token`; `finished` and `dormant` then say what came of it."""
+        if self._executor is None:
+            assert self._read is not None, "after() was not called for this token"
+            read, self._read = self._read, None
+            _, self.finished, self.dormant = self._take(read())
+            return
         assert self._accepted is not None, "after() was not called for this token"
         taken, self.finished, self.dormant = self._accepted.result()
         self._accepted = None

@@ -146,8 +146,11 @@ class ReasoningParser:
         """A `Constraint` that makes the model honour `tool_choice` and the tools' schemas, or None (see the
         content parser)."""
         build = getattr(self.content, "constraint_for", None)
-        shadow = self.fresh if hasattr(self.content, "fresh") else None
-        return build(tool_choice, tokenizer, thinking=self.thinking, shadow=shadow) if build else None
+        if build is None:
+            return None
+        if hasattr(self.content, "fresh"):  # a parser it can shadow the output with: "auto" can hold calls
+            return build(tool_choice, tokenizer, thinking=self.thinking, shadow=self.fresh)
+        return build(tool_choice, tokenizer, thinking=self.thinking)
 
     def fresh(self) -> ReasoningParser:
         """A parser like this one at the start of a response (what "auto" reads the output with)."""
