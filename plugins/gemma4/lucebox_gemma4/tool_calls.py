@@ -31,17 +31,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lucebox_core.errors import LuceboxError
+from lucebox_core.json_schema import admitted_types, item_schema, member_schema, value_type
 from lucebox_core.parsing import chosen_tool_name, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (Event, ReasoningDelta, StreamedCall, StreamingToolCallParser, ToolCallEnd,
                                   partial_suffix, tool_call_constraint)
-from lucebox_core.json_schema import admitted_types, item_schema, member_schema, value_type
 
 from .markup import CALL_CLOSE, CALL_OPEN, CALL_PREFIX, CHANNEL_CLOSE, CHANNEL_OPEN, NAME_LIMIT, NAME_STOP, QUOTE, THOUGHT
 from .tool_grammar import tool_call_grammar
 
 __all__ = ["GemmaResponseParser", "coerce_value", "create_parser", "forced_prefix", "parse_arguments",
            "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip
-
 
 
 def create_parser(
@@ -104,6 +103,8 @@ def coerce_value(text: str, schema: Mapping[str, Any] | None, *, quoted: bool = 
                     try:
                         value = ast.literal_eval(stripped)
                     except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+                        value = text
+                    if not isinstance(value, (dict, list)):  # a set, a tuple, bytes...: not JSON, so the text
                         value = text
     else:
         value = _scalar(text)

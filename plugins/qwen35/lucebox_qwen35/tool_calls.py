@@ -30,6 +30,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from lucebox_core.json_schema import admitted_types, member_schema, value_type
 from lucebox_core.parsing import chosen_tool_name, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (
     Event,
@@ -40,7 +41,6 @@ from lucebox_core.parsing import (
     partial_suffix,
     tool_call_constraint,
 )
-from lucebox_core.json_schema import admitted_types, member_schema, value_type
 from lucebox_core.schema_grammar import (JsonSyntax, SchemaGrammar, SchemaNotSupported, StringShape, ValueSyntax,
                                          checked, containing, lark_string, regex_item)
 
@@ -89,10 +89,12 @@ def coerce_value(text: str, schema: Mapping[str, Any] | None, root: Any = None) 
         value = json.loads(stripped)
     except ValueError:
         value = text
-        if types is None or types & {"object", "array"}:  # a Python literal ({'a': 1}) is a common slip
+        if types is not None and types & {"object", "array"}:  # a Python literal ({'a': 1}) is a common slip
             try:
                 value = ast.literal_eval(stripped)
             except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+                value = text
+            if not isinstance(value, (dict, list)):  # a set, a tuple, bytes...: not JSON, so the text
                 value = text
     if types is None:
         return value
