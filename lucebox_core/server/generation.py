@@ -287,6 +287,12 @@ class ThinkBudget:
     def finished(self) -> bool:
         return self.inner is not None and self.inner.finished
 
+    @property
+    def dormant(self) -> bool:
+        """Nothing masked now: the thought is within its budget, and the inner constraint (if any) is dormant."""
+        forcing = self.thinking and self.spent >= self.budget
+        return not forcing and (self.inner is None or bool(getattr(self.inner, "dormant", False)))
+
 
 # ------------------------------------------------------------------------------------ the events
 

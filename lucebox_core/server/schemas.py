@@ -21,6 +21,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
 Stop = str | list[str]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit seed (what a torch generator takes)
 LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]  # token id (as a string) -> added to its logit
 
 
@@ -35,7 +36,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop | None = None
 
 
@@ -151,7 +152,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: Probability | None = None
     top_k: NonNegative | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     tools: list[Json] | None = None
     tool_choice: str | Json | None = None
     parallel_tool_calls: bool | None = None
