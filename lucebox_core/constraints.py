@@ -13,6 +13,7 @@ The token table costs about a second to build for a 250k vocabulary, so it is ca
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import weakref
@@ -26,9 +27,12 @@ import torch
 
 from .errors import LuceboxError
 
+log = logging.getLogger("lucebox.constraints")
+
 __all__ = [
     "ConstraintError",
     "GrammarConstraint",
+    "OpenedCallConstraint",
     "grammar_tokenizer",
     "json_object_constraint",
     "json_schema_constraint",
@@ -95,15 +99,26 @@ class GrammarConstraint:
     only where the output so far is complete); `finished` turns true when nothing more can be added.
     """
 
-    def __init__(self, tokenizer: Any, grammar: str) -> None:
+    def __init__(self, tokenizer: Any, grammar: str, *, _matcher: Any = None) -> None:
         self._ll_tokenizer = grammar_tokenizer(tokenizer)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
-        if is_error:
-            raise ConstraintError(f"invalid grammar: {messages[0] if messages else 'unknown error'}")
-        self._matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ConstraintError(f"invalid grammar: {self._matcher.get_error()}")
+        if _matcher is None:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
+            if is_error:
+                raise ConstraintError(f"invalid grammar: {messages[0] if messages else 'unknown error'}")
+            _matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+            if _matcher.is_error():
+                raise ConstraintError(f"invalid grammar: {_matcher.get_error()}")
+        self._tokenizer, self._grammar, self._matcher = tokenizer, grammar, _matcher
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self._ll_tokenizer.vocab_size)
+
+    def fresh(self) -> GrammarConstraint:
+        """A constraint of the same grammar at its start, without compiling the grammar again (a copy of this
+        one's matcher, which must not have been used yet)."""
+        return GrammarConstraint(self._tokenizer, self._grammar, _matcher=self._matcher.deep_copy())
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Consume several tokens; False (and the matcher in error) when the grammar does not allow them."""
+        return bool(self._matcher.consume_tokens([int(t) for t in token_ids])) and not self._matcher.is_error()
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
@@ -131,6 +146,64 @@ class GrammarConstraint:
         if self._matcher.is_error():
             detail = self._matcher.get_error()
             raise ConstraintError(f"{context}: {detail}" if context else detail)
+
+
+class OpenedCallConstraint:
+    """Tool calls under tool_choice "auto": the text is free, and each call the model opens is held to the
+    grammar of one call (its tool's schema) from its opening tag on.
+
+    A shadow of the response's own parser reads the output as it is generated, so the constraint and the
+    parser agree on what is a call (not one inside the reasoning, say). While no call is open nothing is
+    masked (`dormant`: the engine may decode speculatively meanwhile); when the shadow sees a call open, a
+    matcher of the call grammar is primed with the call's text so far and masks every token until the call
+    is complete, and the text is free again. `finished` is never true: text may follow a call.
+
+    A call opened by a token that brings more text than the grammar can continue from (the tag spelled in
+    pieces, the last with other text after it) cannot be held to the grammar: it is logged and left to the
+    parser.
+    """
+
+    finished = False
+
+    def __init__(self, tokenizer: Any, grammar: str, shadow: Any) -> None:
+        self._tokenizer = tokenizer
+        self._template = GrammarConstraint(tokenizer, grammar)  # compiled once; each call starts from a copy
+        self._shadow = shadow
+        self._detokenizer = tokenizer.detokenizer()
+        self._call: GrammarConstraint | None = None
+        self._settled = False  # the shadow's open call is done with (complete, or not held to the grammar)
+
+    @property
+    def dormant(self) -> bool:
+        """True while no call is being held to the grammar: any token may come next."""
+        return self._call is None
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        return None if self._call is None else self._call.allowed(vocab_size)
+
+    def accept(self, token_id: int) -> None:
+        if self._call is not None:
+            self._call.accept(token_id)
+        text = self._detokenizer.push(token_id)
+        if text:
+            self._shadow.feed(text)
+        opened = self._shadow.call_open
+        if self._call is not None and (self._call.finished or not opened):
+            self._call, self._settled = None, opened
+        elif not opened:
+            self._settled = False
+        elif self._call is None and not self._settled:
+            self._open()
+
+    def _open(self) -> None:
+        call = self._template.fresh()
+        text = self._shadow.open_call_text()
+        if call.accept_tokens(self._tokenizer.encode(text, add_bos=False, parse_special=True)):
+            self._call = None if call.finished else call
+            self._settled = call.finished
+        else:
+            log.warning("a tool call opened as %r, which its grammar cannot continue: not held to its schema", text)
+            self._settled = True
 
 
 def lark_constraint(tokenizer: Any, lark: str) -> GrammarConstraint:

@@ -16,9 +16,11 @@ the model's ops by default).
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
@@ -26,6 +28,7 @@ import attrs
 import torch
 
 from .errors import LuceboxError
+from .mask_ahead import MaskAhead
 from .sampling import Sampler, SamplingParams, StopMatcher
 from .speculative.loop import ForcedStep, forced_accept_counts
 
@@ -56,7 +59,12 @@ class GenerationRequest:
 
 
 class Constraint(Protocol):
-    """Constrained decoding: a mask of the tokens allowed next, advanced by each token chosen."""
+    """Constrained decoding: a mask of the tokens allowed next, advanced by each token chosen.
+
+    A constraint may also say it is `dormant` (masks nothing for now, whatever comes): the engine then may
+    decode speculatively, feeding it the accepted tokens, and goes on plainly once it wakes. The engine calls
+    `accept` then `allowed` for the next step on a worker thread (`MaskAhead`), never two calls at once.
+    """
 
     def allowed(self, vocab_size: int) -> torch.Tensor | None:
         """Boolean mask over the vocabulary, or None when anything goes."""
@@ -165,6 +173,7 @@ class Engine:
         self.idle_sequences = idle_sequences
         self._idle: list[Sequence] = []
         self._idle_lock = threading.Lock()
+        self._mask_workers: ThreadPoolExecutor | None = None  # constraints' masks, computed ahead (made on first use)
 
     def new_sequence(self) -> Sequence:
         """An empty sequence: a released one emptied for reuse where there is one, else a new state."""
@@ -239,8 +248,24 @@ class Engine:
         finally:
             sequence.streaming = False
 
+    def _mask_ahead(self, constraint: Any) -> MaskAhead:
+        """The request's constraint, run a step ahead on a worker thread (see `mask_ahead`; inline with
+        `LUCEBOX_MASK_AHEAD=0`)."""
+        workers = None
+        if os.environ.get("LUCEBOX_MASK_AHEAD", "1") != "0":
+            with self._idle_lock:
+                if self._mask_workers is None:
+                    self._mask_workers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="lucebox-mask")
+            workers = self._mask_workers
+        device = getattr(self.backend, "device", None)
+        pinned = self.backend.host_buffer if self.backend is not None and getattr(device, "type", "cpu") != "cpu" else None
+        return MaskAhead(constraint, self.model.vocab_size, workers, pinned)
+
     def _stream(self, sequence: Sequence, request: GenerationRequest, timings: Timings | None) -> Iterator[Step]:
         timings = timings if timings is not None else Timings()
+        ahead = self._mask_ahead(request.constraint) if request.constraint is not None else None
+        if ahead is not None:
+            ahead.start()  # the first mask is computed while the prompt is prefilled
         self.prefill(sequence, request.prompt_ids, timings)
         if sequence.pending_logits is None:
             raise LuceboxError("nothing to generate from: the prompt is empty")
@@ -254,7 +279,7 @@ class Engine:
             return
         speculative = (
             self.speculative is not None and sequence.draft is not None and request.speculative
-            and request.logprobs is None and request.constraint is None
+            and request.logprobs is None and (ahead is None or ahead.dormant)
         )
         forced_counts = forced_accept_counts(request.force_accept) if request.force_accept is not None else None
         landing: torch.Tensor | None = None  # host memory a token sampled on the device is copied to
@@ -262,8 +287,10 @@ class Engine:
             while True:
                 start = time.perf_counter()  # decode time counts the model and sampler, not the consumer
                 block, fed_ahead, step_logits = None, False, None
-                if speculative and sequence.length + self.speculative.max_nodes > self.ctx_size:
-                    # No room left for a whole candidate tree: finish plainly, feeding the pending token first.
+                if speculative and (sequence.length + self.speculative.max_nodes > self.ctx_size
+                                    or (ahead is not None and not ahead.dormant)):
+                    # No room left for a whole candidate tree, or the constraint masks tokens from now on:
+                    # finish plainly, feeding the pending token first.
                     speculative = False
                     if sequence.pending_logits is None and sequence.unfed:
                         logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
@@ -284,22 +311,23 @@ class Engine:
                     tokens = block.tokens
                 else:
                     logits = step_logits = sequence.pending_logits
-                    if request.constraint is not None:
-                        allowed = request.constraint.allowed(logits.shape[-1])
-                        if allowed is not None:
-                            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+                    if ahead is not None:
+                        logits = self._masked(logits, ahead.mask())
                     history = sequence.tokens + sequence.unfed
                     chosen = sampler.sample_tensor(logits, history)
                     fed_ahead = not speculative and self._more_wanted_after_next(sequence, generated, request)
                     if fed_ahead:
                         if landing is None:  # pinned, so the copy does not wait for the step queued after it
                             landing = self._host_buffer()
-                        token, next_logits = self._feed_before_reading(sequence, chosen, landing)
+                        token, next_logits = self._feed_before_reading(
+                            sequence, chosen, landing, ahead.after if ahead is not None else None)
                         # Recorded at once: the model holds the token whatever the checks below raise.
                         sequence.tokens.append(token)
                         sequence.unfed, sequence.pending_logits = [], next_logits[-1]
                     else:
                         token = int(chosen)
+                        if ahead is not None:  # the next mask is made while this token is emitted and fed
+                            ahead.after(lambda token=token: token)
                     tokens = [token]
                 emitted = 0
                 try:
@@ -309,8 +337,11 @@ class Engine:
                             info = self._logprobs(sampler.suppress(step_logits), token, request.logprobs)
                         emitted += 1
                         generated.append(token)
-                        if request.constraint is not None:
-                            request.constraint.accept(token)
+                        if ahead is not None:
+                            if block is None:
+                                ahead.accepted(token)
+                            else:
+                                ahead.accept_now(token)
                         # The new token is fed to the model only when another one is wanted after it (or,
                         # fed ahead, when no length limit ends the answer at it).
                         if block is not None:  # the previous pending token is now part of the committed path
@@ -320,12 +351,18 @@ class Engine:
                         if token in self.eog_ids and not request.ignore_eos:
                             yield Step(token, stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
                             return
-                        text = stops.push(detokenizer.push(token))
+                        piece = detokenizer.push(token)
+                        if ahead is not None and not ahead.dormant:
+                            # A constraint holds this text (a tool call, a JSON answer): a stop string does not
+                            # cut it short; the text around it is still matched.
+                            text = stops.flush() + piece
+                        else:
+                            text = stops.push(piece)
                         if stops.stopped:
                             yield Step(token, text, "stop", *info)
                             return
                         timings.decode_seconds += time.perf_counter() - start
-                        if request.constraint is not None and request.constraint.finished:
+                        if ahead is not None and ahead.finished:
                             yield Step(token, text + stops.push(detokenizer.flush()) + stops.flush(), "stop", *info)
                             return
                         if len(generated) >= request.max_tokens or sequence.length >= self.ctx_size:
@@ -333,6 +370,8 @@ class Engine:
                             return
                         yield Step(token, text, None, *info)
                         start = time.perf_counter()
+                        if block is not None and ahead is not None and not ahead.dormant:
+                            break  # the constraint masks the next token: the rest of the block was drawn unmasked
                 finally:
                     if block is not None and emitted:
                         # Keep exactly what was emitted: the root and the accepted nodes before the last
@@ -364,20 +403,41 @@ class Engine:
         return (len(generated) + 1 < request.max_tokens and not sequence.unfed
                 and len(sequence.tokens) + 1 < self.ctx_size)
 
-    def _feed_before_reading(self, sequence: Sequence, chosen: torch.Tensor,
-                             landing: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _feed_before_reading(self, sequence: Sequence, chosen: torch.Tensor, landing: torch.Tensor,
+                             on_sampled: Callable[[Callable[[], int]], None] | None = None) -> tuple[int, torch.Tensor]:
         """Feed the sampled token `chosen` (still on the device) to the model, then read it: the device
         computes the next step while the host detokenizes, checks stops and hands the token out, instead of
         idling between steps (what a host-side round trip per token costs: ~0.8 ms of a 27B step, ~0.4 ms of
-        a 0.8B one on an H200). The read waits for the sampling only, not the step queued after it."""
+        a 0.8B one on an H200). The read waits for the sampling only, not the step queued after it.
+        `on_sampled(read)` is told how to read the token before the step is run (a constraint's worker
+        computes the next mask meanwhile)."""
         landing.copy_(chosen, non_blocking=True)
         # Marks the copy on the model's device's stream (the backend's device, which need not be the
         # current device).
         sampled = self.backend.record_event() if self.backend is not None else None
+        if on_sampled is not None:
+            on_sampled(lambda: self._read_sampled(landing, sampled))
         logits = self.model.forward(sequence.state, chosen)
+        return self._read_sampled(landing, sampled), logits
+
+    def _read_sampled(self, landing: torch.Tensor, sampled: Any) -> int:
+        """The token copied to `landing`, once the copy (marked by the event `sampled`) has run."""
         if sampled is not None:
             self.backend.wait_event(sampled)
-        return int(landing[0]), logits
+        return int(landing[0])
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """`logits` with the tokens a constraint does not allow at -inf (ids past its mask too)."""
+        if allowed is None:
+            return logits
+        allowed = allowed.to(logits.device, non_blocking=True)
+        size = logits.shape[-1]
+        if allowed.shape[-1] != size:
+            padded = torch.zeros(size, dtype=torch.bool, device=logits.device)
+            padded[: min(size, allowed.shape[-1])] = allowed[:size]
+            allowed = padded
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def _host_buffer(self) -> torch.Tensor:
         """Where a sampled token's copy lands: pinned on a GPU, so it does not wait for the step after it."""

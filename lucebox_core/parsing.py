@@ -16,15 +16,12 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 
 from .errors import LuceboxError
 from .specs import ResponseParser
-
-if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
-    from .constraints import GrammarConstraint
 
 __all__ = [
     "PLAIN_PARSER",
@@ -40,9 +37,9 @@ __all__ = [
     "ToolCallEnd",
     "ToolCallStart",
     "create_plain_parser",
-    "forced_tool_call_constraint",
     "partial_suffix",
     "response_parser_for",
+    "tool_call_constraint",
 ]
 
 
@@ -107,7 +104,7 @@ class PlainContent:
     def finish(self) -> list[Event]:
         return []
 
-    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False) -> None:
+    def constraint_for(self, tool_choice: Any, tokenizer: Any, **_: Any) -> None:
         return None
 
 
@@ -146,9 +143,28 @@ class ReasoningParser:
         return events + self.content.finish()
 
     def constraint_for(self, tool_choice: Any, tokenizer: Any) -> Any:
-        """A `Constraint` that makes the model honour `tool_choice`, or None (see the content parser)."""
+        """A `Constraint` that makes the model honour `tool_choice` and the tools' schemas, or None (see the
+        content parser)."""
         build = getattr(self.content, "constraint_for", None)
-        return build(tool_choice, tokenizer, thinking=self.thinking) if build else None
+        if build is None:
+            return None
+        if hasattr(self.content, "fresh"):  # a parser it can shadow the output with: "auto" can hold calls
+            return build(tool_choice, tokenizer, thinking=self.thinking, shadow=self.fresh)
+        return build(tool_choice, tokenizer, thinking=self.thinking)
+
+    def fresh(self) -> ReasoningParser:
+        """A parser like this one at the start of a response (what "auto" reads the output with)."""
+        return ReasoningParser(self.content.fresh(), thinking=self.thinking, open_tag=self._open,
+                               close_tag=self._close)
+
+    @property
+    def call_open(self) -> bool:
+        """Whether the output so far has opened a tool call that has not ended."""
+        return self._mode == "content" and bool(getattr(self.content, "call_open", False))
+
+    def open_call_text(self) -> str:
+        """The text of the open call so far, from its opening tag on."""
+        return self.content.open_call_text()
 
     def _drain(self, *, final: bool) -> list[Event]:
         events: list[Event] = []
@@ -234,12 +250,6 @@ def tool_parameters(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, dict
     return found
 
 
-def schema_types(schema: Any) -> set[str]:
-    """The JSON types a schema's `type` names (a string or a list), else none."""
-    kind = schema.get("type") if isinstance(schema, Mapping) else None
-    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
-
-
 def chosen_tool_name(tool_choice: Any) -> str | None:
     """The function a `tool_choice` object names (OpenAI `{"type": "function", "function": {...}}` or flat),
     None for the string choices; a LuceboxError for an object that names none."""
@@ -252,21 +262,32 @@ def chosen_tool_name(tool_choice: Any) -> str | None:
     return None
 
 
-def forced_tool_call_constraint(
+def tool_call_constraint(
     tokenizer: Any,
     schemas: Mapping[str, Mapping[str, Any]],
     tool_choice: Any,
     grammar: Callable[..., str],
     *,
     thinking: bool = False,
-) -> GrammarConstraint | None:
-    """A constraint that admits only tool calls when `tool_choice` is "required" or names a function, else None.
+    shadow: Callable[[], Any] | None = None,
+) -> Any:
+    """The constraint that holds the output to `tool_choice`, every call's arguments to its tool's JSON schema.
 
-    `grammar(tokenizer, schemas, thinking=, single=)` is the family's Lark grammar of calls to the chosen
-    functions: every declared one for "required" (one or more calls), the named one (`single`) otherwise.
+    `grammar(tokenizer, schemas, thinking=, single=, opened=, lenient=)` is the family's Lark grammar of calls
+    to the chosen functions. "required": only calls, one or more, to any declared function; a named function:
+    exactly one call to it. "auto": free text, each call the model opens held to the grammar from its opening
+    on (`opened`); `shadow()` makes a fresh parser of the whole response, which tells when a call opens (no
+    shadow: no constraint). A keyword a grammar cannot enforce is refused for a forced call and ignored under
+    "auto" (`lenient`). None for "none" and no tools.
     """
-    if tool_choice in (None, "auto", "none"):
+    if tool_choice in (None, "none"):
         return None
+    if tool_choice == "auto":
+        if not schemas or shadow is None:
+            return None
+        from .constraints import OpenedCallConstraint
+
+        return OpenedCallConstraint(tokenizer, grammar(tokenizer, schemas, opened=True, lenient=True), shadow())
     name = chosen_tool_name(tool_choice)
     if name is None and tool_choice != "required":
         raise LuceboxError(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}")
@@ -312,7 +333,8 @@ class StreamingToolCallParser:
     def __init__(
         self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None
     ) -> None:
-        self.schemas = tool_parameters(tools)
+        self.tools = list(tools or ())
+        self.schemas = tool_parameters(self.tools)
         self._call_id = call_id or (lambda index: f"call_{secrets.token_hex(12)}")
         self._buffer = ""
         self._held_space = ""  # content's trailing whitespace: dropped if a tool call follows
@@ -322,6 +344,16 @@ class StreamingToolCallParser:
     def feed(self, text: str) -> list[Event]:
         self._buffer += text
         return self._drain(final=False)
+
+    @property
+    def call_open(self) -> bool:
+        """Whether a call has opened (its opening tag was read) and not ended."""
+        return self._call is not None
+
+    def open_call_text(self) -> str:
+        """The open call's text so far, from its opening tag on."""
+        assert self._call is not None
+        return "".join(self._call.raw) + self._buffer
 
     def _drain(self, *, final: bool) -> list[Event]:
         events: list[Event] = []

@@ -39,6 +39,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # Added to the named tokens' logits before everything else (OpenAI's `logit_bias`): (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda pairs: tuple(
+        (int(t), float(b)) for t, b in (pairs.items() if isinstance(pairs, Mapping) else pairs)))
 
     @property
     def greedy(self) -> bool:
@@ -87,13 +90,19 @@ class Sampler:
 
     @property
     def penalizes(self) -> bool:
-        """Whether the repeat/presence/frequency penalties change any logit (they look at the history)."""
+        """Whether logit biases or the repeat/presence/frequency penalties (which look at the history) change
+        any logit: then the raw logits' argmax is not the greedy choice."""
         p = self.params
-        return p.repeat_last_n != 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
-                                         or p.frequency_penalty != 0.0)
+        return bool(p.logit_bias) or (p.repeat_last_n != 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
+                                                                or p.frequency_penalty != 0.0))
 
     def apply_penalties(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """`logits` with the logit biases added and the penalties applied (a new tensor where anything changes)."""
         p = self.params
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            logits = logits.index_add(0, ids, bias)
         if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
             return logits
         window = history if p.repeat_last_n < 0 else history[-p.repeat_last_n :] if p.repeat_last_n > 0 else []

@@ -8,14 +8,16 @@ import random
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 from lucebox_gemma4.tool_calls import (coerce_value, create_parser, forced_prefix, parse_arguments, tool_call_grammar,
                                        tool_choice_constraint, tool_parameters)
 
 from lucebox_core.chat_template import ChatTemplate, decode_tool_arguments
 from lucebox_core.parsing import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from tool_call_helpers import (assert_any_chunking_gives, assert_texts, assert_tool_choice_is_checked, checked_calls,
-                               coalesce, drive, feed_all, ids, random_chunks)
+from tool_call_helpers import (RICH_SCHEMA, RICH_TOOLS, assert_any_chunking_gives, assert_texts,
+                               assert_tool_choice_is_checked, checked_calls, coalesce, drive, drive_auto, feed_all, ids,
+                               random_chunks)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TEMPLATES = SHARED / "fixtures" / "templates"
@@ -409,4 +411,38 @@ def test_the_grammar_types_nested_values_and_enums(tokenizer):
     grammar = tool_call_grammar(tokenizer, tool_parameters(TOOLS))
     assert '"unit:" ("<|\\"|>c<|\\"|>" | "<|\\"|>f<|\\"|>")' in grammar
     assert '"call:get_weather"' in grammar and '"call:run"' in grammar
-    assert '"lat:" NUMBER' in grammar and '"hours:" r_' in grammar
+    assert re.search(r'"lat:" G0_\d+', grammar) and re.search(r'"hours:" g0_\d+', grammar)
+
+
+def test_a_named_call_validates_against_its_schema(tokenizer):
+    finished = 0
+    for seed in range(5):
+        constraint = tool_choice_constraint(tokenizer, tool_parameters(RICH_TOOLS), {"function": {"name": "get_weather"}})
+        chosen, done = drive(constraint, tokenizer, seed, 150)
+        if done:
+            finished += 1
+            text = tokenizer.decode([t for t in chosen if t not in tokenizer.eot_ids])
+            (call,) = check_invariants(parse([text], tools=RICH_TOOLS), text)
+            assert call[0] == "get_weather"
+            jsonschema.validate(call[1], RICH_SCHEMA)
+    assert finished >= 3
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_auto_leaves_text_free_and_holds_each_opened_call_to_its_schema(tokenizer, thinking):
+    parser = create_parser(tools=RICH_TOOLS, thinking=thinking)
+    constraint = parser.constraint_for("auto", tokenizer)
+    assert constraint.dormant and constraint.allowed(tokenizer.vocab_size) is None
+    # A call tag inside a thought is reasoning: nothing to hold.
+    prefix = tokenizer.encode(("" if thinking else "<|channel>thought\n") + "Maybe <|tool_call>call:x{}.<channel|>",
+                              add_bos=False, parse_special=True)
+    for token in prefix:
+        constraint.accept(token)
+        assert constraint.dormant
+    opening = tokenizer.encode("<|tool_call>", add_bos=False, parse_special=True)
+    chosen, ended = drive_auto(constraint, tokenizer, opening, seed=3)
+    text = tokenizer.decode(prefix + chosen)
+    calls = checked_calls(parse([text], tools=RICH_TOOLS, thinking=thinking), text)
+    assert ended >= 2 and len(calls[:ended]) == ended, text
+    for name, arguments in calls[:ended]:
+        jsonschema.validate(arguments, RICH_SCHEMA if name == "get_weather" else {"type": "object", "properties": {}})

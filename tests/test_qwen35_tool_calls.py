@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import jinja2
+import jsonschema
 import pytest
 from lucebox_qwen35.tool_calls import (coerce_value, create_parser, forced_prefix, tool_choice_constraint,
                                        tool_parameters)
 
 from lucebox_core.parsing import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from tool_call_helpers import (assert_any_chunking_gives, assert_texts, assert_tool_choice_is_checked, checked_calls,
-                               coalesce, drive, feed_all, ids)
+from tool_call_helpers import (RICH_SCHEMA, RICH_TOOLS, assert_any_chunking_gives, assert_texts,
+                               assert_tool_choice_is_checked, checked_calls, coalesce, drive, drive_auto, feed_all, ids)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TEMPLATES = SHARED / "fixtures" / "templates"
@@ -209,3 +210,42 @@ def test_named_tool_choice_allows_only_that_function(tokenizers):
     assert not allowed[tokenizer.encode("get", add_bos=False)[0]]
     parser = create_parser(tools=TOOLS, thinking=False)
     assert_tool_choice_is_checked(tool_choice_constraint, parser, tokenizer, schemas)
+
+
+@pytest.mark.parametrize("kind", ["text tags", "control tags"])
+def test_a_named_call_validates_against_its_schema(tokenizers, kind):
+    tokenizer = tokenizers[kind]
+    finished = 0
+    for seed in range(5):
+        constraint = tool_choice_constraint(tokenizer, tool_parameters(RICH_TOOLS), {"function": {"name": "get_weather"}})
+        chosen, done = drive(constraint, tokenizer, seed, 150)
+        if done:
+            finished += 1
+            text = tokenizer.decode([t for t in chosen if t not in tokenizer.eot_ids])
+            (call,) = check_invariants(parse([text], tools=RICH_TOOLS), text)
+            assert call[0] == "get_weather"
+            jsonschema.validate(call[1], RICH_SCHEMA)
+    assert finished >= 3
+
+
+@pytest.mark.parametrize("kind", ["text tags", "control tags"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_auto_leaves_text_free_and_holds_each_opened_call_to_its_schema(tokenizers, kind, thinking):
+    tokenizer = tokenizers[kind]
+    parser = create_parser(tools=RICH_TOOLS, thinking=thinking)
+    constraint = parser.constraint_for("auto", tokenizer)
+    assert constraint.dormant and constraint.allowed(tokenizer.vocab_size) is None
+    opening = tokenizer.encode("<tool_call>", add_bos=False, parse_special=True)
+    prefix = tokenizer.encode("Think <tool_call> here.\n</think>\n\n" if thinking else "", add_bos=False,
+                              parse_special=True)
+    for token in prefix:  # a call tag inside the reasoning is reasoning: nothing to hold
+        constraint.accept(token)
+        assert constraint.dormant
+    chosen, ended = drive_auto(constraint, tokenizer, opening, seed=7)
+    text = tokenizer.decode(prefix + chosen)
+    events = parse([text], tools=RICH_TOOLS, thinking=thinking)
+    calls = checked_calls(events, text)
+    whole = calls[:ended]
+    assert ended >= 2 and len(whole) == ended, text
+    for name, arguments in whole:
+        jsonschema.validate(arguments, RICH_SCHEMA if name == "get_weather" else {"type": "object", "properties": {}})

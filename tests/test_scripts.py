@@ -357,3 +357,12 @@ def test_verify_determinism_script_measures_every_node(tmp_path):
         ("tree", 0), ("tree", 1), ("tree", 1), ("tree", 2), ("tree", 2)]
     assert all(r["max_abs"] < 1e-4 * r["logit_scale"] for r in rows)
     assert all(r["argmax_same"] for r in rows)
+
+
+def test_constrained_decode_bench_reports_both_masks_idle_and_busy(tiny_files, capsys, monkeypatch):
+    monkeypatch.delenv("LUCEBOX_MASK_AHEAD", raising=False)
+    script = _import("constrained_decode_bench")
+    assert script.main(["-m", str(tiny_files[1]), "-n", "4", "-r", "1", "--busy", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["busy_processes"], r["mask"]) for r in rows] == [(0, "ahead"), (0, "inline"), (1, "ahead"), (1, "inline")]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)

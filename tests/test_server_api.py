@@ -432,3 +432,11 @@ def test_thinking_budget_closes_the_thought(claude, service):
     # 3 thinking tokens, the forced `</think>`, then 4 tokens of answer.
     assert kinds == ["thinking", "text"] and message.content[1].text
     assert message.usage.output_tokens == 8 and message.stop_reason == "max_tokens"
+
+
+def test_out_of_range_sampling_values_are_client_errors(url):
+    body = {"messages": HELLO, "max_tokens": 1}
+    for extra, param in (({"seed": 2**64}, "seed"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                         ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {str(10**9): 1}}, "logit_bias")):
+        response = httpx.post(f"{url}/v1/chat/completions", json={**body, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith(param), response.text

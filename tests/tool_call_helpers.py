@@ -113,3 +113,60 @@ def drive(constraint, tokenizer, seed: int, steps: int, prefix: str = "", *,
     finally:
         torch.set_num_threads(threads)
     return chosen, False
+
+
+# A tool schema with what real tool definitions use: bounds, enums, patterns, unions, references, nesting.
+RICH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 12},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "day": {"anyOf": [{"type": "string", "pattern": "^[0-9]{2}-[0-9]{2}$"}, {"type": "null"}]},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "minItems": 1, "maxItems": 2},
+        "where": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                                                   "exact": {"type": "boolean"}},
+                  "required": ["lat"], "additionalProperties": False},
+        "code": {"type": "string", "maxLength": 6},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+    "$defs": {"Tag": {"type": "string", "maxLength": 4}},
+}  # fmt: skip
+RICH_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": RICH_SCHEMA}},
+              {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def drive_auto(constraint, tokenizer, opening: list[int], seed: int, steps: int = 160) -> tuple[list[int], int]:
+    """Random logits under an "auto" constraint: free text (masked by nothing while it is `dormant`), with the
+    `opening` tag's tokens written every fifth free step so calls open; returns the ids and how many calls
+    ended."""
+    generator = torch.Generator().manual_seed(seed)
+    chosen: list[int] = []
+    ended, free_steps, forcing = 0, 0, []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            logits = torch.randn(tokenizer.vocab_size, generator=generator)
+            allowed = constraint.allowed(tokenizer.vocab_size)
+            if allowed is None:
+                assert constraint.dormant
+                free_steps += 1
+                logits[list(tokenizer.eot_ids)] = float("-inf")
+                if not forcing and free_steps % 5 == 0:
+                    forcing = list(opening)
+                if forcing:
+                    logits[forcing.pop(0)] = float("inf")
+            else:
+                forcing = []
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            token = int(logits.argmax())
+            was_dormant = constraint.dormant
+            constraint.accept(token)
+            ended += not was_dormant and constraint.dormant
+            chosen.append(token)
+            assert not constraint.finished  # text may always follow a call
+    finally:
+        torch.set_num_threads(threads)
+    return chosen, ended

@@ -238,6 +238,10 @@ def generation_request(service: ModelService, prompt: Prompt, options: Options, 
     if service.config.n_predict is not None:  # the server's limit (-n), as llama-server applies it
         max_tokens = min(max_tokens, service.config.n_predict)
     overrides = dict(options.sampling)
+    vocab = service.loaded.tokenizer.vocab_size
+    for token_id, _ in overrides.get("logit_bias", ()):
+        if token_id >= vocab:
+            raise invalid(f"`logit_bias` names token {token_id}, outside the vocabulary [0, {vocab})", param="logit_bias")
     if 0 < overrides.get("temperature", 1.0) < 1e-6:
         overrides["temperature"] = 0.0  # logits divided by so small a number overflow: it is greedy anyway
     try:
@@ -319,6 +323,12 @@ class ThinkBudget:
     @property
     def finished(self) -> bool:
         return self.inner is not None and self.inner.finished
+
+    @property
+    def dormant(self) -> bool:
+        """Nothing masked now: the thought is within its budget, and the inner constraint (if any) is dormant."""
+        forcing = self.thinking and self.spent >= self.budget
+        return not forcing and (self.inner is None or bool(getattr(self.inner, "dormant", False)))
 
 
 # ------------------------------------------------------------------------------------ the events

@@ -101,7 +101,22 @@ def sampling_overrides(data: Any) -> dict:
         "frequency_penalty": getattr(data, "frequency_penalty", None), "repeat_penalty": repeat,
         "seed": data.seed,
     }
+    bias = getattr(data, "logit_bias", None)
+    if bias:
+        values["logit_bias"] = logit_bias(bias)
     return {key: value for key, value in values.items() if value is not None}
+
+
+def logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token id as a string -> a number from -100 to 100 added to its logit)."""
+    if len(bias) > 1024:
+        raise invalid("`logit_bias` may name at most 1024 tokens", param="logit_bias")
+    entries = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise invalid(f"`logit_bias` keys are token ids, not {key!r}", param="logit_bias")
+        entries.append((int(key), float(value)))
+    return tuple(entries)
 
 
 def conversation_and_options(data: ChatCompletionRequest) -> tuple[Conversation, Options]:
@@ -144,8 +159,15 @@ def prepare_chat(service: ModelService, conversation: Conversation, options: Opt
     parser = make_parser(service, conversation, prompt)
     constraint = None
     choice = conversation.tool_choice
+    structured = options.json_schema is not None or options.json_object
+    if choice.mode == "auto" and conversation.tools and not structured:
+        # Free text, but each call the model opens is held to its tool's schema (the family's grammar).
+        try:
+            constraint = parser.constraint_for("auto", service.loaded.tokenizer)
+        except LuceboxError as exc:
+            raise invalid(f"the tools' schemas cannot be enforced: {exc}", param="tools") from None
     if choice.mode == "required":  # the output must be a tool call: the family's parser knows its grammar
-        if options.json_schema is not None or options.json_object:
+        if structured:
             raise invalid("a forced tool call and a JSON response format cannot be combined", param="tool_choice")
         wanted = {"type": "function", "function": {"name": choice.name}} if choice.name else "required"
         try:

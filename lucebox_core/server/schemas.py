@@ -22,6 +22,8 @@ NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
 TokenCount = Annotated[int, Meta(ge=1)]  # max_tokens and its kin: OpenAI and Anthropic refuse anything below 1
 Stop = str | list[str]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit seed (what a torch generator takes)
+LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]  # token id (as a string) -> added to its logit
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -35,7 +37,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop | None = None
 
 
@@ -98,7 +100,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: Json | None = None
     user: str | None = None
     metadata: Json | None = None
-    logit_bias: Json | None = None
+    logit_bias: LogitBias | None = None
     store: bool | None = None
 
 
@@ -117,7 +119,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: Positive | None = None
     user: str | None = None
-    logit_bias: Json | None = None
+    logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -151,7 +153,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: Probability | None = None
     top_k: NonNegative | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     tools: list[Json] | None = None
     tool_choice: str | Json | None = None
     parallel_tool_calls: bool | None = None

@@ -28,26 +28,19 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lucebox_core.errors import LuceboxError
-from lucebox_core.parsing import chosen_tool_name, schema_types, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
+from lucebox_core.json_schema import admitted_types, item_schema, member_schema, value_type
+from lucebox_core.parsing import chosen_tool_name, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (Event, ReasoningDelta, StreamedCall, StreamingToolCallParser, ToolCallEnd,
-                                  forced_tool_call_constraint, partial_suffix)
+                                  partial_suffix, tool_call_constraint)
 
-if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
-    from lucebox_core.constraints import GrammarConstraint
+from .markup import CALL_CLOSE, CALL_OPEN, CALL_PREFIX, CHANNEL_CLOSE, CHANNEL_OPEN, NAME_LIMIT, NAME_STOP, QUOTE, THOUGHT
+from .tool_grammar import tool_call_grammar
 
 __all__ = ["GemmaResponseParser", "coerce_value", "create_parser", "forced_prefix", "parse_arguments",
            "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip
-
-CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
-CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
-QUOTE = '<|"|>'
-CALL_PREFIX = "call:"
-THOUGHT = "thought"  # the channel's name, on the line after `<|channel>`
-_NAME_LIMIT = 256  # a "name" or key longer than this is not one after all
-_NAME_STOP = set(" \t\r\n<>{}[],:\"'")
 
 
 def create_parser(
@@ -67,15 +60,10 @@ def create_parser(
 # --- schemas and values -------------------------------------------------------------------------------
 
 
-def _wants_string(schema: Any) -> bool:
-    """Whether a `<|"|>` string stays a string under `schema` (else it is read as the declared type)."""
-    if not isinstance(schema, Mapping):
-        return True
-    types = schema_types(schema)
-    if types:
-        return "string" in types
-    enum = schema.get("enum")
-    return not isinstance(enum, list) or all(isinstance(v, str) for v in enum)
+def _wants_string(schema: Any, root: Any = None) -> bool:
+    """Whether a `<|"|>` string stays a string under `schema` (else it is read as the type it admits)."""
+    types = admitted_types(schema, root)
+    return types is None or "string" in types
 
 
 def _scalar(text: str) -> Any:
@@ -91,51 +79,43 @@ def _scalar(text: str) -> Any:
     return value if isinstance(value, (int, float)) else stripped
 
 
-def coerce_value(text: str, schema: Mapping[str, Any] | None, *, quoted: bool = False) -> Any:
+def coerce_value(text: str, schema: Mapping[str, Any] | None, *, quoted: bool = False, root: Any = None) -> Any:
     """A scalar's text as the value its schema asks for; `quoted` when it was a `<|"|>` string.
 
-    Without a declared type the syntax decides (a quoted value is a string, a bare one is read as a
-    number, boolean or null, else it is a bare word: a string). A declared type wins where the text
-    parses as it (`<|"|>3<|"|>` for an integer is 3, a bare 007 for a string is "007"); text that
-    does not parse as the declared type stays as it was written.
+    Without a schema the syntax decides (a quoted value is a string, a bare one is read as a number, boolean
+    or null, else it is a bare word: a string). Where the schema (`$ref`s followed into `root`, the tool's
+    parameters schema) admits some types only, a value is read as one of them where its text parses as it
+    (`<|"|>3<|"|>` for an integer is 3, a bare 007 for a string is "007"); text that does not parse as one
+    stays as it was written.
     """
-    types = schema_types(schema)
+    types = admitted_types(schema, root)
     stripped = text.strip()
     if quoted:
-        if _wants_string(schema):
+        if _wants_string(schema, root):
             return text
         value = _scalar(stripped)
         if isinstance(value, str):
             value = text
-            if types & {"object", "array"}:  # JSON, or a Python literal ({'a': 1}), in quotes
+            if types is not None and types & {"object", "array"}:  # JSON, or a Python literal ({'a': 1}), in quotes
                 try:
                     value = json.loads(stripped)
                 except ValueError:
                     try:
                         value = ast.literal_eval(stripped)
-                    except (ValueError, SyntaxError, MemoryError, RecursionError):
+                    except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+                        value = text
+                    if not isinstance(value, (dict, list)):  # a set, a tuple, bytes...: not JSON, so the text
                         value = text
     else:
         value = _scalar(text)
-        if isinstance(schema, Mapping) and _wants_string(schema) and not (types - {"string"}):
-            return stripped  # a string parameter written bare: its text, whatever it looks like
-    if "integer" in types and isinstance(value, float) and value.is_integer():
+        kind = value_type(value)
+        if types is not None and kind not in types and not (kind == "integer" and "number" in types) \
+                and "string" in types:
+            return stripped  # a string written bare: its text, whatever it looks like
+    if types is not None and "integer" in types and "number" not in types and isinstance(value, float) \
+            and value.is_integer():
         value = int(value)
     return value
-
-
-def _child_schema(schema: Any, key: str | None) -> Any:
-    """The schema of a member (`key`) or of an item (`key` None) of a value under `schema`."""
-    if not isinstance(schema, Mapping):
-        return None
-    if key is None:
-        items = schema.get("items")
-        return items if isinstance(items, Mapping) else None
-    properties = schema.get("properties")
-    if isinstance(properties, Mapping) and isinstance(properties.get(key), Mapping):
-        return properties[key]
-    extra = schema.get("additionalProperties")
-    return extra if isinstance(extra, Mapping) else None
 
 
 # --- the streaming parser -------------------------------------------------------------------------------
@@ -204,10 +184,14 @@ class GemmaResponseParser(StreamingToolCallParser):
         self._held_space = ""
         return events
 
-    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool | None = None) -> GrammarConstraint | None:
-        """A constraint making the output tool calls when `tool_choice` is "required" or names a function."""
+    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool | None = None) -> Any:
+        """The constraint that holds the output to `tool_choice` and the tools' schemas (`tool_choice_constraint`)."""
         in_thought = self.thinking if thinking is None else thinking
-        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=in_thought)
+        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=in_thought, shadow=self.fresh)
+
+    def fresh(self) -> GemmaResponseParser:
+        """A parser like this one, at the start of a response (what "auto" reads the output with)."""
+        return GemmaResponseParser(self.tools, thinking=self.thinking)
 
     # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
 
@@ -281,15 +265,15 @@ class GemmaResponseParser(StreamingToolCallParser):
             self._abandon_call(events)
             return True
         head = rest[len(CALL_PREFIX) :]
-        size = next((i for i, c in enumerate(head) if c in _NAME_STOP), len(head))
+        size = next((i for i, c in enumerate(head) if c in NAME_STOP), len(head))
         name, after = head[:size], head[size:].lstrip()
         if not after:  # the name may go on, or the `{` is still to come
-            if not final and size <= _NAME_LIMIT:
+            if not final and size <= NAME_LIMIT:
                 return False
             self._abandon_call(events)
             return True
         no_arguments = after.startswith(CALL_CLOSE)
-        if not name or size > _NAME_LIMIT or not (after.startswith("{") or no_arguments):
+        if not name or size > NAME_LIMIT or not (after.startswith("{") or no_arguments):
             if no_arguments or not CALL_CLOSE.startswith(after) or final:
                 self._abandon_call(events)
                 return True
@@ -333,7 +317,7 @@ class GemmaResponseParser(StreamingToolCallParser):
                 return True
         stops = [i for c in ":{}[],<" if (i := rest.find(c, 1 if c == "<" else 0)) >= 0]
         if not stops:
-            if not final and len(rest) <= _NAME_LIMIT:
+            if not final and len(rest) <= NAME_LIMIT:
                 return False
             self._take(len(rest))  # no key after all: skipped (kept in raw_text)
             return True
@@ -369,9 +353,10 @@ class GemmaResponseParser(StreamingToolCallParser):
                 return True
             if rest.startswith(QUOTE):
                 self._take(len(QUOTE))
+                schema = self._member_schema()
                 self._open_value(events)
-                call.value_schema, call.value, self._state = self._member_schema(), [], "string"
-                call.streams_string = _wants_string(call.value_schema)
+                call.value_schema, call.value, self._state = schema, [], "string"
+                call.streams_string = _wants_string(call.value_schema, self._root())
                 self._arguments(events, '"' if call.streams_string else "")
                 return True
         if first in "{[":
@@ -468,7 +453,13 @@ class GemmaResponseParser(StreamingToolCallParser):
         call = self._call
         assert call is not None
         frame = call.stack[-1]
-        return _child_schema(frame.schema, frame.key if frame.kind == "object" else None)
+        if frame.kind == "object":
+            return member_schema(frame.schema, frame.key or "", self._root())
+        return item_schema(frame.schema, frame.members, self._root())
+
+    def _root(self) -> Any:
+        """The schema of the current call's arguments (what `$ref`s point into)."""
+        return self.schemas.get(self._call.name, {}) if self._call is not None else {}
 
     def _open_value(self, events: list[Event]) -> None:
         """The JSON before a value: a separator, and for an object member its key."""
@@ -486,13 +477,14 @@ class GemmaResponseParser(StreamingToolCallParser):
         call = self._call
         assert call is not None
         if self._state == "string":
-            value = None if call.streams_string else coerce_value("".join(call.value), call.value_schema, quoted=True)
+            value = None if call.streams_string else coerce_value("".join(call.value), call.value_schema, quoted=True,
+                                                                          root=self._root())
             self._arguments(events, '"' if call.streams_string else json.dumps(value, ensure_ascii=False))
         else:
             text = "".join(call.value)
             if text.strip():
                 self._open_value(events)
-                value = coerce_value(text, call.value_schema)
+                value = coerce_value(text, call.value_schema, root=self._root())
                 self._arguments(events, json.dumps(value, ensure_ascii=False))
         call.value, call.stack[-1].key = [], None
         self._state = "after"
@@ -562,134 +554,12 @@ def forced_prefix(tool_choice: Any) -> str:
 
 
 def tool_choice_constraint(
-    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False
-) -> GrammarConstraint | None:
-    """A grammar that admits only tool calls (after a thought channel, if any), or None.
-
-    "required" allows any declared function, one or more calls; a named choice allows exactly one
-    call of that function. Keys must be declared parameters (the required ones first, in order, then the
-    others at most once each) and values follow their schema's type, enum and nesting, not finer
-    rules (minimum, pattern, ...). `thinking`: the output starts inside a thought channel.
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False,
+    shadow: Callable[[], Any] | None = None,
+) -> Any:
+    """The constraint for `tool_choice`: only tool calls (after a thought channel, if `thinking`) for
+    "required" (any declared function, one or more calls) or a named function (exactly one call); for
+    "auto" (given `shadow`, a factory of fresh parsers) free text, with each call the model opens held to the
+    grammar. Either way every call's arguments follow its tool's JSON schema (`tool_grammar`).
     """
-    return forced_tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking)
-
-
-_GENERIC_RULES = r"""
-g_value: g_string | NUMBER | "true" | "false" | "null" | g_object | g_array
-g_object: "{" (g_pair ("," g_pair)*)? "}"
-g_pair: KEY ":" g_value
-g_array: "[" (g_value ("," g_value)*)? "]"
-KEY: /[A-Za-z_][A-Za-z0-9_.\-]{0,63}/
-INTEGER: /-?(0|[1-9][0-9]{0,17})/
-NUMBER: /-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/
-GAP: /\n{0,2}/
-"""
-
-
-class _Grammar:
-    """Lark rules for Gemma-syntax values of JSON schemas (one rule per schema met, made on demand)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        from lucebox_core.constraints import lark_literal
-
-        quote = lark_literal(tokenizer, QUOTE)
-        if quote.startswith("<["):  # a control token: the text runs until it (text cannot spell it)
-            self.rules = [f"g_string: {quote} STRING_TEXT {quote}", "STRING_TEXT: /(?s:.*)/"]
-        else:
-            self.rules = [f"g_string: {quote} string_text", 'string_text[lazy]: /(?s:.*)<\\|"\\|>/']
-        self.quote = quote
-        self._count = 0
-
-    def value(self, schema: Any, depth: int = 0) -> str:
-        """The Lark expression for one value under `schema`."""
-        if not isinstance(schema, Mapping) or depth > 6 or "$ref" in schema:
-            return "g_value"
-        choices = schema.get("enum") if isinstance(schema.get("enum"), list) else None
-        if "const" in schema:
-            choices = [schema["const"]]
-        if choices is not None:
-            return "(" + " | ".join(self._literal(v) for v in choices) + ")" if choices else "g_value"
-        options = schema.get("anyOf") or schema.get("oneOf")
-        if isinstance(options, list) and options:
-            return "(" + " | ".join(self.value(o, depth + 1) for o in options) + ")"
-        types = sorted(schema_types(schema))
-        if not types:
-            return "g_value"
-        if schema.get("nullable") is True and "null" not in types:
-            types = [*types, "null"]
-        parts = [self._typed(t, schema, depth) for t in types]
-        return parts[0] if len(parts) == 1 else "(" + " | ".join(parts) + ")"
-
-    def object_rule(self, schema: Any, depth: int) -> str:
-        """An object whose keys are the declared properties (any order; the required ones first, in order,
-        when the schema names some); without any, a function takes no arguments, a nested object any."""
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        if not isinstance(properties, Mapping) or not properties:
-            return '"{" "}"' if depth == 0 else "g_object"
-        members = {k: f"{json.dumps(str(k) + ':')} {self.value(v, depth + 1)}" for k, v in properties.items()}
-        required = [k for k in (schema.get("required") or []) if k in members]
-        if required:
-            # The required keys first, in the schema's order, then each optional one at most once: a forced
-            # call always carries what the function needs.
-            optional = "".join(f' ("," {members[k]})?' for k in members if k not in required)
-            return self._rule('"{" ' + ' "," '.join(members[k] for k in required) + optional + ' "}"')
-        member = self._rule(" | ".join(members.values()))
-        return self._rule(f'"{{" ({member} ("," {member})*)? "}}"')
-
-    def _typed(self, kind: str, schema: Mapping[str, Any], depth: int) -> str:
-        if kind == "object":
-            return self.object_rule(schema, depth)
-        if kind == "array":
-            item = self.value(schema.get("items"), depth + 1) if isinstance(schema.get("items"), Mapping) else "g_value"
-            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
-        return {"string": "g_string", "integer": "INTEGER", "number": "NUMBER", "boolean": '("true" | "false")',
-                "null": '"null"'}.get(kind, "g_value")  # fmt: skip
-
-    def _literal(self, value: Any) -> str:
-        if isinstance(value, str):
-            text = json.dumps(value)
-            return f"{self.quote} {text} {self.quote}" if self.quote.startswith("<[") else json.dumps(QUOTE + value + QUOTE)
-        if isinstance(value, bool) or value is None:
-            return json.dumps({True: "true", False: "false", None: "null"}[value])
-        if isinstance(value, (int, float)):
-            return json.dumps(json.dumps(value))
-        return "g_value"  # an object or array among the choices: any value
-
-    def _rule(self, body: str) -> str:
-        self._count += 1
-        self.rules.append(f"r_{self._count}: {body}")
-        return f"r_{self._count}"
-
-
-def tool_call_grammar(
-    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], *, thinking: bool = False, single: bool = False
-) -> str:
-    """The Lark grammar (llguidance dialect) of one or more Gemma calls to the functions in `schemas`.
-
-    With `thinking` the output is inside a thought channel from its start, which the grammar lets run to its
-    close; otherwise the calls come first (a forced call is the answer: an optional thought before it let a
-    weak model wander in the thought until the token limit, with no call at all).
-    """
-    from lucebox_core.constraints import lark_literal
-
-    grammar = _Grammar(tokenizer)
-    open_call, close_call = lark_literal(tokenizer, CALL_OPEN), lark_literal(tokenizer, CALL_CLOSE)
-    close_channel = lark_literal(tokenizer, CHANNEL_CLOSE)
-    if close_channel.startswith("<["):
-        thought_rules = [f"thought_end: THOUGHT_TEXT {close_channel} GAP", "THOUGHT_TEXT: /(?s:.*)/"]
-    else:
-        thought_rules = ["thought_end: thought_text GAP", "thought_text[lazy]: /(?s:.*)<channel\\|>/"]
-    lead = "thought_end " if thinking else ""
-    functions = []
-    for i, (function, schema) in enumerate(schemas.items()):
-        arguments = grammar.object_rule(schema, 0)
-        grammar.rules.append(f"function_{i}: {json.dumps(CALL_PREFIX + function)} {arguments}")
-        functions.append(f"function_{i}")
-    lines = [
-        f"start: {lead}{'call' if single else 'call+'}",
-        f"call: {open_call} ({' | '.join(functions)}) {close_call}",
-        *thought_rules,
-        *grammar.rules,
-        _GENERIC_RULES,
-    ]
-    return "\n".join(lines)
+    return tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking, shadow=shadow)

@@ -14,9 +14,13 @@ Also read: a bare `<function=…>…</function>` (Qwen3-Coder sometimes drops th
 Qwen JSON form `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
 
 Arguments stream as JSON fragments: a string parameter's text as it arrives, other values once their
-`</parameter>` closes (parsed, and typed by the tool's JSON schema). A call cut off at the end of the
-output is still a call once its function name is known (its open value is closed where the text
-stops); before that, the text is given back as content.
+`</parameter>` closes (parsed, and typed by the tool's JSON schema: a parameter whose schema admits only
+strings is its text as written, any other is JSON). A call cut off at the end of the output is still a
+call once its function name is known (its open value is closed where the text stops); before that, the
+text is given back as content.
+
+The grammar that holds calls to the tools' schemas (`tool_call_grammar`) writes values the same way, so
+the parser reads back exactly what the grammar allowed.
 """
 
 from __future__ import annotations
@@ -24,29 +28,29 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lucebox_core.parsing import chosen_tool_name, schema_types, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
+from lucebox_core.json_schema import admitted_types, member_schema, value_type
+from lucebox_core.parsing import chosen_tool_name, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (
     Event,
     PlainContent,
     ReasoningParser,
     StreamedCall,
     StreamingToolCallParser,
-    forced_tool_call_constraint,
     partial_suffix,
+    tool_call_constraint,
 )
+from lucebox_core.schema_grammar import (JsonSyntax, SchemaGrammar, SchemaNotSupported, StringShape, ValueSyntax,
+                                         checked, containing, lark_string, regex_item)
 
-__all__ = ["QwenToolCallParser", "coerce_value", "create_parser", "forced_prefix", "tool_call_grammar",
-           "tool_choice_constraint", "tool_parameters"]  # fmt: skip
+__all__ = ["QwenToolCallParser", "coerce_value", "create_parser", "forced_prefix", "is_text_parameter",
+           "tool_call_grammar", "tool_choice_constraint", "tool_parameters"]  # fmt: skip
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 _NAME_LIMIT = 256  # a "name" longer than this is not a tag after all
-
-if TYPE_CHECKING:  # the grammar library is imported only when a constraint is built
-    from lucebox_core.constraints import GrammarConstraint
 
 
 def create_parser(
@@ -63,29 +67,42 @@ def create_parser(
     return ReasoningParser(content, thinking=thinking)
 
 
-def coerce_value(text: str, schema: Mapping[str, Any] | None) -> Any:
-    """A parameter's text as the value its schema asks for; text that does not parse stays a string."""
-    types = schema_types(schema)
-    if schema is None or types == {"string"}:
+def is_text_parameter(schema: Any, root: Any = None) -> bool:
+    """Whether a parameter's value is written as bare text (its schema admits strings only) rather than JSON."""
+    return schema is None or admitted_types(schema, root) == {"string"}
+
+
+def coerce_value(text: str, schema: Mapping[str, Any] | None, root: Any = None) -> Any:
+    """A parameter's text as the value its schema asks for; text that does not parse stays a string.
+
+    `root`: the tool's whole parameters schema, which `$ref`s in `schema` point into.
+    """
+    if is_text_parameter(schema, root):
         return text
+    types = admitted_types(schema, root)
     stripped = text.strip()
-    if "null" in types and stripped in ("null", "None"):
+    if types is not None and "null" in types and stripped in ("null", "None"):
         return None
-    if "boolean" in types and stripped.lower() in ("true", "false"):
+    if types is not None and "boolean" in types and stripped.lower() in ("true", "false"):
         return stripped.lower() == "true"  # the template renders Python's True/False
     try:
         value = json.loads(stripped)
     except ValueError:
         value = text
-        if types & {"object", "array"}:  # a Python literal ({'a': 1}) is a common slip
+        if types is not None and types & {"object", "array"}:  # a Python literal ({'a': 1}) is a common slip
             try:
                 value = ast.literal_eval(stripped)
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
+            except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
                 value = text
-    if "integer" in types and isinstance(value, float) and value.is_integer():
+            if not isinstance(value, (dict, list)):  # a set, a tuple, bytes...: not JSON, so the text
+                value = text
+    if types is None:
+        return value
+    if "integer" in types and "number" not in types and isinstance(value, float) and value.is_integer():
         value = int(value)
-    if "string" in types and not isinstance(value, str) and not (types - {"string"}):
-        return text
+    kind = value_type(value)
+    if "string" in types and kind not in types and not (kind == "integer" and "number" in types):
+        return text  # not one of the other types it may be: the text it was
     return value
 
 
@@ -124,9 +141,14 @@ class QwenToolCallParser(StreamingToolCallParser):
         self._held_space = ""
         return events
 
-    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False) -> GrammarConstraint | None:
-        """A constraint making the output a tool call when `tool_choice` is "required" or names a function."""
-        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking)
+    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False,
+                       shadow: Callable[[], Any] | None = None) -> Any:
+        """The constraint that holds the output to `tool_choice` and the tools' schemas (see
+        `tool_choice_constraint`); `shadow` makes a fresh parser of the whole response, for "auto"."""
+        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking, shadow=shadow)
+
+    def fresh(self) -> QwenToolCallParser:
+        return QwenToolCallParser(self.tools)
 
     # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
 
@@ -196,10 +218,10 @@ class QwenToolCallParser(StreamingToolCallParser):
         assert call is not None
         name = self._buffer[:end].strip()
         self._take(end + 1)
-        properties = self.schemas.get(call.name, {}).get("properties") or {}
-        call.parameter_schema = properties.get(name)
-        # Parameters the schema does not declare are read as text, as the template wrote them.
-        call.streams_string = call.parameter_schema is None or schema_types(call.parameter_schema) == {"string"}
+        root = self.schemas.get(call.name, {})
+        call.parameter_schema = member_schema(root, name, root)
+        # Parameters the schema does not type are read as text, as the template wrote them.
+        call.streams_string = is_text_parameter(call.parameter_schema, root)
         call.value = []
         opening = ("{" if not call.fragments else ", ") + json.dumps(name, ensure_ascii=False) + ": "
         self._arguments(events, opening + ('"' if call.streams_string else ""))
@@ -289,7 +311,7 @@ class QwenToolCallParser(StreamingToolCallParser):
         if call.streams_string:
             self._arguments(events, '"')
         else:
-            value = coerce_value("".join(call.value), call.parameter_schema)
+            value = coerce_value("".join(call.value), call.parameter_schema, self.schemas.get(call.name, {}))
             self._arguments(events, json.dumps(value, ensure_ascii=False))
 
     def _end_call(self, events: list[Event], *, arguments_done: bool = False) -> None:
@@ -319,42 +341,90 @@ def forced_prefix(tool_choice: Any) -> str:
 
 
 def tool_choice_constraint(
-    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False
-) -> GrammarConstraint | None:
-    """A grammar that admits only tool calls (after the reasoning, when `thinking`), or None.
-
-    "required" allows any declared function, one or more calls; a named choice allows exactly that
-    function. Parameter names must be declared ones and non-string values must be valid JSON of their
-    schema; whether every required parameter is present is left to the model.
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], tool_choice: Any, *, thinking: bool = False,
+    shadow: Callable[[], Any] | None = None,
+) -> Any:
+    """The constraint for `tool_choice`: only tool calls (after the reasoning, when `thinking`) for "required"
+    (any declared function, one or more calls) or a named function (exactly one call); for "auto" (given
+    `shadow`, a factory of fresh response parsers) free text, with each call the model opens held to the
+    grammar. Either way every call's arguments follow its tool's JSON schema. None for "none".
     """
-    return forced_tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking)
+    return tool_call_constraint(tokenizer, schemas, tool_choice, tool_call_grammar, thinking=thinking, shadow=shadow)
+
+
+class _TextValues(ValueSyntax):
+    """A text parameter's value: its text as written, then the closing tag (one lexeme, so the value ends at
+    the first `</parameter>`, where the parser ends it)."""
+
+    forbidden = (PARAMETER_CLOSE,)
+    closing = "\n" + PARAMETER_CLOSE + "\n"
+
+    def string(self, grammar: SchemaGrammar, shape: StringShape) -> str:
+        body = regex_item(f"(?s:.{shape.length()})")
+        if shape.pattern is not None:
+            body = f"{regex_item(shape.pattern)} & {body}"
+        body = f"({body}) & ~{containing(PARAMETER_CLOSE)}"
+        return grammar.terminal(f"({body}) {lark_string(self.closing)}", ("text", shape))
+
+    def string_literal(self, text: str) -> str | None:
+        return None if PARAMETER_CLOSE in text else lark_string(text + self.closing)
+
+    def render(self, value: Any) -> str | None:
+        raise SchemaNotSupported(f"internal: a text parameter cannot hold {value!r}")
+
+
+def _parameters(function: str, schema: Mapping[str, Any], index: int, *, lenient: bool) -> tuple[str, list[str]]:
+    """The Lark expression of a call's parameters (in the schema's order, the required ones always there) and
+    the rules it uses."""
+    json_values = SchemaGrammar(JsonSyntax([PARAMETER_CLOSE]), tool=function, root=schema, lenient=lenient,
+                                prefix=f"j{index}")
+    text_values = SchemaGrammar(_TextValues(), tool=function, root=schema, lenient=lenient, prefix=f"t{index}")
+    parts = []
+    for member in json_values.tool_members(schema):
+        name = member.name
+        expr = None
+        if name and name == name.strip() and not any(c in name for c in "<>\n"):
+            read_as = member_schema(schema, name, schema)  # the schema the parser types this parameter by
+            if is_text_parameter(read_as, schema):
+                expr = text_values.value(member.schema if read_as is not None else {"type": "string"}, member.where)
+            else:
+                expr = json_values.value(member.schema, member.where)
+                expr = None if expr is None else f"{expr} {lark_string(_TextValues.closing)}"
+        if expr is None:
+            if member.required:
+                raise json_values.fail(member.where, f"the required parameter {name!r} cannot be written or satisfied")
+            continue
+        parts.append((f"{lark_string(f'{PARAMETER_OPEN}{name}>{chr(10)}')} {expr}", member.required))
+    return json_values.sequence(parts, ""), json_values.rules + text_values.rules
 
 
 def tool_call_grammar(
-    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], *, thinking: bool = False, single: bool = False
+    tokenizer: Any, schemas: Mapping[str, Mapping[str, Any]], *, thinking: bool = False, single: bool = False,
+    opened: bool = False, lenient: bool = False,
 ) -> str:
-    """The Lark grammar (llguidance dialect) of one or more Qwen XML calls to the functions in `schemas`."""
+    """The Lark grammar (llguidance dialect) of one or more Qwen XML calls to the functions in `schemas`.
+
+    `opened`: one call, from whichever opening the parser takes for a call (`<tool_call>` or a bare
+    `<function=`) on, for "auto"'s calls. `lenient`: schema keywords no grammar can enforce are ignored
+    rather than refused.
+    """
     from lucebox_core.constraints import REASONING_RULES, lark_literal, reasoning_rule
 
     open_call, close_call = lark_literal(tokenizer, CALL_OPEN), lark_literal(tokenizer, CALL_CLOSE)
-    calls = "call" if single else 'call ("\\n" call)*'
-    functions = " | ".join(f"function_{i}" for i in range(len(schemas)))
-    lines = [
-        f"start: {reasoning_rule(tokenizer) + ' ' if thinking else ''}{calls}",
-        f'call: {open_call} "\\n" ({functions}) "</function>\\n" {close_call}',
-        'text_value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/',
-        REASONING_RULES,
-    ]
+    functions, rules = [], []
     for i, (function, schema) in enumerate(schemas.items()):
-        properties = schema.get("properties") or {}
-        parameters = " | ".join(f"parameter_{i}_{j}" for j in range(len(properties)))
-        head = json.dumps(f"<function={function}>\n")
-        lines.append(f"function_{i}: {head}" + (f" ({parameters})*" if parameters else ""))
-        for j, (parameter, parameter_schema) in enumerate(properties.items()):
-            head = json.dumps(f"<parameter={parameter}>\n")
-            if schema_types(parameter_schema) == {"string"} or not isinstance(parameter_schema, Mapping):
-                lines.append(f"parameter_{i}_{j}: {head} text_value")
-            else:
-                body = json.dumps(dict(parameter_schema))
-                lines.append(f'parameter_{i}_{j}: {head} %json {body} "\\n</parameter>\\n"')
+        if not function or function != function.strip() or len(function) > _NAME_LIMIT or any(c in function for c in "<>\n"):
+            raise SchemaNotSupported(f"tool {function!r}: a Qwen tool call cannot name it (no <, > or newlines)")
+        parameters, used = checked(lambda: _parameters(function, schema, i, lenient=lenient))
+        rules += used
+        head = lark_string(f"{FUNCTION_OPEN}{function}>\n")
+        rules.append(f"function_{i}: {head} {parameters}".rstrip())
+        functions.append(f"function_{i}")
+    body = f'({" | ".join(functions)}) "</function>"'
+    if opened:
+        start = f'call | {body} ("\\n" {close_call})?'
+    else:
+        calls = "call" if single else 'call ("\\n" call)*'
+        start = f"{reasoning_rule(tokenizer) + ' ' if thinking else ''}{calls}"
+    lines = [f"start: {start}", f'call: {open_call} "\\n" {body} "\\n" {close_call}', REASONING_RULES, *rules]
     return "\n".join(lines)
