@@ -23,11 +23,11 @@ from lucebox_core.server import ModelService, ServeConfig, create_app
 from lucebox_core.server.testing import ServerThread
 
 
-@pytest.fixture(scope="module")
-def api_schema(tmp_path_factory):
+def _served_schema(tmp_path_factory, model: str | None = None):
+    """A served tiny model (the default one, or `model`) and the OpenAPI schema schemathesis fuzzes it with."""
     patch = pytest.MonkeyPatch()
     patch.setenv("LUCEBOX_HOME", str(tmp_path_factory.mktemp("lucebox-home")))
-    service = ModelService(ServeConfig(ctx_size=128, n_predict=2))
+    service = ModelService(ServeConfig(model=model, ctx_size=128, n_predict=2))
     service.load()
     assert service.status == "ok", service.error
     with ServerThread(create_app(service.config, service)) as url:
@@ -40,17 +40,43 @@ def api_schema(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(scope="module")
+def api_schema(tmp_path_factory):
+    yield from _served_schema(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma4_api_schema(tmp_path_factory):
+    """The same server on a tiny Gemma-4 (its own template, parser and grammar behind every endpoint)."""
+    from lucebox_gemma4 import synth
+
+    model = synth.write(tmp_path_factory.mktemp("gemma4") / "tiny-q8_0.gguf", size="tiny", type="q8_0", seed=3)
+    yield from _served_schema(tmp_path_factory, str(model))
+
+
 schema = schemathesis.pytest.from_fixture("api_schema")
+gemma4_schema = schemathesis.pytest.from_fixture("gemma4_api_schema")
+
+
+def _check_response(case) -> None:
+    response = case.call(timeout=60)
+    assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+    if response.status_code >= 400:
+        assert "error" in response.json(), response.text  # every failure has an API-shaped JSON body
 
 
 @schema.parametrize()
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 def test_no_request_makes_a_server_error(case):
-    response = case.call(timeout=60)
-    assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
-    if response.status_code >= 400:
-        assert "error" in response.json(), response.text  # every failure has an API-shaped JSON body
+    _check_response(case)
+
+
+@gemma4_schema.parametrize()
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+def test_no_request_makes_a_server_error_on_gemma4(case):
+    _check_response(case)
 
 
 # -- the tool-schema fuzz -----------------------------------------------------------------------------------

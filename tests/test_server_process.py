@@ -146,3 +146,28 @@ def test_a_model_that_fails_while_loading_ends_the_server_with_one_error_line(tm
 
 def test_a_missing_model_file_is_refused_at_once(tmp_path):
     assert_one_error_line(serve_once("-m", str(tmp_path / "none.gguf"), home=tmp_path), "no such file")
+
+
+def test_a_gemma4_model_serves_as_a_process(tmp_path):
+    """The same process on a Gemma-4 file: the socket before the model, then a streamed chat through its
+    template and parser, and a clean stop."""
+    from lucebox_gemma4 import synth
+
+    model = synth.write(tmp_path / "gemma4-tiny.gguf", size="tiny", type="q8_0", seed=4)
+    process, url = start("-m", str(model), "-c", "256", home=tmp_path)
+    try:
+        wait_for_socket(process, url)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/props").json()["model"]["arch"] == "gemma4"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 6,
+                "temperature": 0}
+        with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    finally:
+        output = stop(process)
+    assert "Traceback" not in output, output
