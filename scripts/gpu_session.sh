@@ -367,6 +367,24 @@ demo_train() {  # ~9.5 min: issue #22's run: train the demo pair (scripts/train_
   return 0
 }
 
+server_gpu() {  # ~5 min: after server/engine changes: the CUDA-only tests, grammar-constrained decoding through the
+  #               served default model on the GPU (the mask computed ahead, CUDA events between threads) idle and
+  #               busy, and a speculative generate on the 0.8B with a drafter (padding suppressed on the device).
+  #               carry: .whl (with litestar, uvicorn and their pure-Python dependencies)
+  step cuda-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+    tests/test_quants.py tests/test_cuda_plugin.py tests/test_ops.py tests/test_static_step.py -x
+  step constrained 120 python3 scripts/constrained_decode_bench.py -n 48 -r 2 --busy 8
+  step synth-08b 30 synth 0.8b
+  step synth-draft-08b 30 python3 -m lucebox_core.cli synth --arch qwen35-dflash-draft --target "$(model 0.8b)" \
+    -o "$WORK/draft-08b.gguf"
+  step generate-08b 60 sh -c "python3 -m lucebox_core.cli generate -m $(model 0.8b) -p 'def add(a, b):' -n 64 --temp 0 --json \
+    | tail -1 > $RES/plain.json; python3 -m lucebox_core.cli generate -m $(model 0.8b) -md $WORK/draft-08b.gguf \
+    -p 'def add(a, b):' -n 64 --temp 0 --force-accept 5 --json | tail -1 > $RES/spec.json; python3 -c 'import json
+a, b = (json.load(open(\"$RES/\" + n)) for n in (\"plain.json\", \"spec.json\"))
+print(\"plain\", round(a[\"decode_tokens_per_s\"], 1), \"spec forced 5\", round(b[\"decode_tokens_per_s\"], 1),
+      \"same tokens:\", a[\"token_ids\"] == b[\"token_ids\"])'"
+}
+
 bench_probe() {  # the forced speculative row of `lucebox bench` (two contexts) beside same_call_bench's, twice
   step synth-27b 90 synth 27b
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
@@ -405,6 +423,7 @@ session() {
     gemma4-final) gemma4_final ;;
     gemma4-exact) gemma4_exact ;;
     demo-train) demo_train ;;
+    server-gpu) server_gpu ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
