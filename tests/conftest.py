@@ -20,3 +20,58 @@ def tiny_target_and_draft(tmp_path_factory):
     target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=41)
     draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=42, target=target)
     return target, draft
+
+
+# -- a served model, for the modules that drive the HTTP server -------------------------------------------
+# A module defines its own `service` fixture (through `loaded_service`); `url`, `oai` and `claude` serve it.
+
+SERVED_FAMILIES = ["qwen35", "gemma4"]
+
+
+def tiny_family_model(family: str, tmp_path_factory) -> str | None:
+    """The model a served-family test runs: qwen35's is the default model (None), gemma4's a tiny Q8_0 file."""
+    if family == "qwen35":
+        return None
+    from lucebox_gemma4 import synth
+
+    return str(synth.write(tmp_path_factory.mktemp("gemma4") / "tiny-q8_0.gguf", size="tiny", type="q8_0", seed=3))
+
+
+def loaded_service(tmp_path_factory, **config):
+    """A loaded `ModelService` of `ServeConfig(**config)` in a fresh LUCEBOX_HOME; closed after (a generator for
+    a fixture to `yield from`)."""
+    from lucebox_core.server import ModelService, ServeConfig
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("LUCEBOX_HOME", str(tmp_path_factory.mktemp("lucebox-home")))
+    service = ModelService(ServeConfig(**config))
+    service.load()
+    assert service.status == "ok", service.error
+    try:
+        yield service
+    finally:
+        service.close()
+        patch.undo()
+
+
+@pytest.fixture(scope="module")
+def url(service):
+    from lucebox_core.server import create_app
+    from lucebox_core.server.testing import ServerThread
+
+    with ServerThread(create_app(service.config, service)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(url):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)

@@ -18,8 +18,9 @@ import jsonschema
 import openai
 import pytest
 
-from lucebox_core.server import ModelService, ServeConfig, create_app
+from lucebox_core.server import create_app
 from lucebox_core.server.testing import ServerThread
+from conftest import SERVED_FAMILIES, loaded_service, tiny_family_model
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -29,41 +30,10 @@ CLOCK = {"type": "function", "function": {
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
-FAMILIES = ["qwen35", "gemma4"]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=SERVED_FAMILIES)
 def service(request, tmp_path_factory):
-    patch = pytest.MonkeyPatch()
-    patch.setenv("LUCEBOX_HOME", str(tmp_path_factory.mktemp("lucebox-home")))
-    model = None  # qwen35: the default model
-    if request.param == "gemma4":
-        from lucebox_gemma4 import synth
-
-        model = str(synth.write(tmp_path_factory.mktemp("gemma4") / "tiny-q8_0.gguf", size="tiny", type="q8_0",
-                                seed=3))
-    service = ModelService(ServeConfig(model=model, ctx_size=512, parallel=2))
-    service.load()
-    assert service.status == "ok", service.error
-    yield service
-    service.close()
-    patch.undo()
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with ServerThread(create_app(service.config, service)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(url):
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    model = tiny_family_model(request.param, tmp_path_factory)
+    yield from loaded_service(tmp_path_factory, model=model, ctx_size=512, parallel=2)
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -199,7 +169,7 @@ def test_models_props_and_reasoning_fields(oai, url, service):
     assert [m.id for m in models] == [service.model_name]
     assert oai.models.retrieve("anything").id == service.model_name
     props = httpx.get(f"{url}/props").json()
-    assert props["model"]["arch"] == service.loaded.gguf.architecture in FAMILIES
+    assert props["model"]["arch"] == service.loaded.gguf.architecture in SERVED_FAMILIES
     assert props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 2
     runtime = props["runtime"]
     assert runtime["kv_policy"] == "full" and runtime["cache_type_k"] == runtime["cache_type_v"] == "f32"

@@ -10,36 +10,16 @@ import time
 
 import anthropic
 import httpx
-import openai
 import pytest
 
-from lucebox_core.server import ModelService, ServeConfig, create_app
-from lucebox_core.server.testing import ServerThread
+from conftest import loaded_service
 
 IM_END = "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    patch = pytest.MonkeyPatch()
-    patch.setenv("LUCEBOX_HOME", str(tmp_path_factory.mktemp("lucebox-home")))
-    service = ModelService(ServeConfig())  # no -c: the context is what fits
-    service.load()
-    assert service.status == "ok", service.error
-    yield service
-    service.close()
-    patch.undo()
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with ServerThread(create_app(service.config, service)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield from loaded_service(tmp_path_factory)  # no -c: the context is what fits
 
 
 def tokens(url: str, text: str, parse_special: bool = False) -> list[int]:

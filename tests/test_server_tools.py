@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import threading
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 import torch
 
 from lucebox_core.constraints import GrammarConstraint
-from lucebox_core.server import ModelService, ServeConfig, create_app
-from lucebox_core.server.testing import ServerThread
+from conftest import SERVED_FAMILIES, loaded_service, tiny_family_model
 
 WEATHER = {
     "type": "object",
@@ -49,44 +46,15 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SEEDS = (1, 2, 3)
 MAX_TOKENS = 64
 
-FAMILIES = ["qwen35", "gemma4"]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=SERVED_FAMILIES)
 def service(request, tmp_path_factory):
-    patch = pytest.MonkeyPatch()
-    patch.setenv("LUCEBOX_HOME", str(tmp_path_factory.mktemp("lucebox-home")))
-    model = None  # qwen35: the default model
-    if request.param == "gemma4":
-        from lucebox_gemma4 import synth
-
-        model = str(synth.write(tmp_path_factory.mktemp("gemma4") / "tiny-q8_0.gguf", size="tiny", type="q8_0",
-                                seed=3))
+    model = tiny_family_model(request.param, tmp_path_factory)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's small ops run far faster on one thread of this 2-core machine
-    service = ModelService(ServeConfig(model=model, ctx_size=1024, parallel=1))
-    service.load()
-    assert service.status == "ok", service.error
-    yield service
-    service.close()
-    torch.set_num_threads(threads)
-    patch.undo()
-
-
-@pytest.fixture(scope="module")
-def url(service):
-    with ServerThread(create_app(service.config, service)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(url):
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield from loaded_service(tmp_path_factory, model=model, ctx_size=1024, parallel=1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_calls_validate(calls: list[tuple[str, str]], cut: bool) -> int:
