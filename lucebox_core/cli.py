@@ -314,13 +314,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import DECODE_WARMUP_STEPS, format_bench, run_bench
+    from .bench import DECODE_WARMUP_STEPS, SPEC_PROMPT_TOKENS, format_bench, run_bench
     from .flags import check_force_accept
 
     if args.reps < 1:
         raise LuceboxError(f"-r/--reps must be at least 1, got {args.reps}")
-    # Room for the longest test, and the decode warm-up past depth + n_gen.
-    ctx = max(args.ctx_size or 0, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1)
+    # Room for the longest test, and the decode warm-up past depth + n_gen; with a drafter, the speculative
+    # row's prompt, its tokens and one more drafted block and tree (at most 64 + 65 positions).
+    spec = SPEC_PROMPT_TOKENS + args.n_gen + 129 if getattr(args, "model_draft", None) else 0
+    ctx = max(args.ctx_size or 0, max(args.n_prompt or [0]) + 1, max(args.depth or [0]) + args.n_gen + 1, spec)
     assembled = _assemble(args, ctx_size=ctx + DECODE_WARMUP_STEPS)
     check_force_accept(args.force_accept, assembled.speculative)
     rows = run_bench(assembled, prompts=args.n_prompt, n_gen=args.n_gen, depths=args.depth, reps=args.reps,

@@ -38,6 +38,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -391,13 +392,16 @@ class ReferenceRun:
     step_logits: list[torch.Tensor]  # logits that chose tokens[i]: prefill[-1], then each step's
 
 
-def reference_greedy(model: Any, prompt: list[int], steps: int) -> ReferenceRun:
-    """The reference: eager forward calls (no static step, no graph), greedy, every step's logits kept."""
+def reference_greedy(model: Any, prompt: list[int], steps: int, unused: Sequence[int] = ()) -> ReferenceRun:
+    """The reference: eager forward calls (no static step, no graph), greedy, every step's logits kept. `unused`:
+    ids the engine never samples (the tokenizer's padding placeholders), left out here too."""
     model.decode_graphs = False
     state = model.new_state(len(prompt) + steps + 1)
     prefill = model.forward(state, torch.tensor(prompt)).float()
+    never = torch.tensor(list(unused), dtype=torch.long, device=prefill.device)
     logits, tokens, chosen_from = prefill[-1], [], []
     for _ in range(steps):
+        logits = logits.index_fill(-1, never, float("-inf"))
         chosen_from.append(logits)
         tokens.append(int(logits.argmax()))
         logits = model.forward(state, torch.tensor([tokens[-1]])).float()[-1]
@@ -476,7 +480,7 @@ def model_check(device: torch.device, workdir: Path, size: str, gguf_type: str, 
     label = f"{size} {gguf_type}"
     report = RESULTS["model"].setdefault(label, {})
 
-    reference = reference_greedy(load(gguf, TorchBackend(device, torch.float32)), prompt, steps)
+    reference = reference_greedy(load(gguf, TorchBackend(device, torch.float32)), prompt, steps, tokenizer.unused_ids())
     torch_bf16 = load(gguf, TorchBackend(device, torch.bfloat16))
     torch_bf16.decode_graphs = False
     state = torch_bf16.new_state(PROMPT_TOKENS + 1)

@@ -272,7 +272,8 @@ def test_reference_and_engine_greedy_agree_on_the_cpu(tiny_loaded):
     from lucebox_core.torch_backend import TorchBackend
 
     prompt = bench.random_ids(40, 200000, 3)
-    reference = cuda_check.reference_greedy(load(tiny_loaded.gguf, TorchBackend("cpu", torch.float32)), prompt, 4)
+    reference = cuda_check.reference_greedy(load(tiny_loaded.gguf, TorchBackend("cpu", torch.float32)), prompt, 4,
+                                            tiny_loaded.tokenizer.unused_ids())
     candidate = cuda_check.candidate_run(tiny_loaded.model, tiny_loaded.tokenizer, prompt, 4)
     assert candidate["tokens"] == reference.tokens and len(reference.step_logits) == 4
     assert torch.allclose(candidate["prefill"], reference.prefill)
