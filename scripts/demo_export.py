@@ -26,6 +26,7 @@ from lucebox_core.checkpoint import encoded_bytes
 from lucebox_core.quants import dequantize
 from lucebox_core.speculative import draft_writer
 from lucebox_qwen35 import layout
+from lucebox_qwen35.default import sha256_of
 from lucebox_qwen35 import vocab as qwen_vocab
 
 PART_BYTES = 15 * 1024 * 1024
@@ -112,14 +113,6 @@ def write_drafter(path: Path, drafter: Any, type: str, *, name: str, training: d
 
 
 # -- parts -------------------------------------------------------------------------------------------------
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def split_into_parts(files: list[Path], folder: Path, part_bytes: int = PART_BYTES) -> dict[str, Any]:

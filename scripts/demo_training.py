@@ -134,11 +134,7 @@ class Trainer:
             with self.autocast():
                 total, count = model.loss(batch[:, :-1], batch[:, 1:])
                 loss = total / count
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
+            return _optimizer_step(loss, params, optimizer)
 
         def quick_eval() -> str:
             measured = self.heldout_loss(model, corpus.heldout, 32 * args.seq_len)
@@ -254,11 +250,7 @@ class Trainer:
                 hidden = drafter.block_hidden(features, embeddings, anchor)[:, :, 1:]
                 total, weight = demo_models.chunked_cross_entropy(hidden, embed, labels, weights.expand_as(labels))
                 loss = total / weight
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
+            return _optimizer_step(loss, params, optimizer)
 
         def quick_eval() -> str:
             measured = self.drafter_accuracy(drafter, target, self.heldout_pool[:1])
@@ -312,3 +304,12 @@ class Trainer:
         lengths_all = torch.cat(lengths).double()
         return {"chain_length": lengths_all.mean().item(), "accuracy_by_position": (hits / len(lengths_all)).tolist(),
                 "blocks": int(len(lengths_all))}
+
+
+def _optimizer_step(loss: torch.Tensor, params: list, optimizer: Any) -> torch.Tensor:
+    """Back-propagate `loss`, clip the gradients' norm to 1, step and clear: one training step's end."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

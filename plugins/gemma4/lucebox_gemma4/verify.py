@@ -3,9 +3,9 @@ nothing, and the commit of the accepted path.
 
 Gemma-4 has no recurrent state, so a verify pass is attention only: each node's K/V are computed, every
 node attends to what the cache holds (a sliding layer: its ring, within the window of the node's own
-position) and to its ancestors in the tree, and nothing is written; `commit` appends the accepted nodes'
-rows in path order. Because nothing is written before the commit, a sliding layer's ring of exactly
-`window` rows is enough (no scratch rows past the committed ones).
+position) and to its ancestors in the tree, and nothing is written; `commit` writes the accepted nodes'
+rows at the positions after the committed ones, in path order. Because nothing is written before the
+commit, a sliding layer's ring of exactly `window` rows is enough (no scratch rows past the committed ones).
 
 The pass runs eagerly (the rows each node sees, read and masked by host-known positions) or as a static-shape
 pass that a CUDA graph records once per (KV window, node count, features on/off) and replays. The static pass

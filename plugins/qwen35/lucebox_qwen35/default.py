@@ -59,7 +59,8 @@ def demo_parts_folder() -> Path:
     return Path(str(resources.files("lucebox_qwen35") / "data" / DEMO_FOLDER))
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read in 1 MiB pieces (the demo parts' manifest names each part and whole file by it)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -90,7 +91,7 @@ def reassemble(name: str, dest_folder: Path, parts_folder: Path | None = None) -
     folder = parts_folder if parts_folder is not None else demo_parts_folder()
     entry = _manifest_entry(folder, name)
     dest = Path(dest_folder) / name
-    if dest.is_file() and dest.stat().st_size == entry["bytes"] and _sha256(dest) == entry["sha256"]:
+    if dest.is_file() and dest.stat().st_size == entry["bytes"] and sha256_of(dest) == entry["sha256"]:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
