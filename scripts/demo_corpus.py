@@ -17,8 +17,11 @@
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import hashlib
 import json
+import multiprocessing
+import os
 import platform
 import re
 import sys
@@ -187,6 +190,31 @@ def encode_chat(tokenizer, text: str, cache: dict[str, list[int]] | None = None)
 
 # -- token streams ----------------------------------------------------------------------------------
 
+_WORKER_TOKENIZER = None  # the tokenizer a forked worker inherits (set just before the pool forks)
+PARALLEL_FROM = 64  # texts: fewer are tokenized in this process
+
+
+def _encode_one(job: tuple[str, bool]) -> list[int]:
+    text, special = job
+    if special:
+        return encode_chat(_WORKER_TOKENIZER, text)
+    return _WORKER_TOKENIZER.encode(text, add_bos=False)
+
+
+def _encode_all(tokenizer, texts: list[str], special: bool) -> list[list[int]]:
+    """Each text's ids, in order; a large corpus across the machine's cores (forked workers share the
+    tokenizer: the byte-pair encoder is pure Python, and the whole stdlib takes a minute on one core)."""
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+    workers = min(len(os.sched_getaffinity(0)), 32) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    jobs = [(text, special) for text in texts]
+    if len(texts) < PARALLEL_FROM or workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_encode_one(job) for job in jobs]
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(_encode_one, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+
+
 
 @attrs.frozen
 class Corpus:
@@ -226,17 +254,15 @@ class Corpus:
         if eot is None:
             raise ValueError(f"the tokenizer has no {END_OF_TEXT} token")
 
-        pieces: dict[str, list[int]] = {}
-
-        def stream(texts: Iterable[str], special: bool) -> np.ndarray:
+        def stream(texts: list[str], special: bool) -> np.ndarray:
             ids: list[int] = []
-            for text in texts:
-                ids.extend(encode_chat(tokenizer, text, pieces) if special else tokenizer.encode(text, add_bos=False))
+            for encoded in _encode_all(tokenizer, texts, special):
+                ids.extend(encoded)
                 ids.append(eot)
             return np.asarray(ids, dtype=np.uint32)
 
-        train = stream((read_source(root, f) for f in train_files), False)
-        heldout = stream((read_source(root, f) for f in heldout_files), False)
+        train = stream([read_source(root, f) for f in train_files], False)
+        heldout = stream([read_source(root, f) for f in heldout_files], False)
         documents = chat_documents(root, train_files, chat, chat_count) if chat is not None and chat_count else []
         if documents:
             train = np.concatenate([train, stream(documents, True)])

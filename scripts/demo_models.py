@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,16 +69,65 @@ def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
+@attrs.frozen
+class OutputVocabulary:
+    """The tokens the corpus uses, and the softmax over them that equals the full vocabulary's.
+
+    The real vocabulary has 248,320 entries; the stdlib corpus uses a small fraction. The embedding rows of the
+    others start at zero and, never an input and never in a training softmax, stay there (AdamW moves no
+    parameter whose gradient is zero), so their logits are exactly 0. Their `unused` terms of the partition
+    function are then one column of value log(unused): the cross-entropy over `[used rows, that column]` is the
+    full vocabulary's, at a fraction of its cost. The file stores the zero rows, so it computes what was trained."""
+
+    ids: torch.Tensor  # [U] long, sorted: the used token ids
+    index_of: torch.Tensor  # [vocab] long: position of a token among `ids`, -1 where unused
+    unused_logit: float  # log(vocab - U): the unused tokens' share of the partition function
+
+    @classmethod
+    def of(cls, used: torch.Tensor, vocab: int) -> OutputVocabulary:
+        ids = torch.unique(used.long())
+        if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab})")
+        index_of = torch.full((vocab,), -1, dtype=torch.long, device=ids.device)
+        index_of[ids] = torch.arange(ids.numel(), device=ids.device)
+        unused = vocab - ids.numel()
+        return cls(ids, index_of, math.log(unused) if unused else float("-inf"))
+
+    def zero_unused_rows_(self, embedding: torch.Tensor) -> None:
+        keep = torch.zeros(embedding.shape[0], dtype=torch.bool, device=embedding.device)
+        keep[self.ids.to(embedding.device)] = True
+        with torch.no_grad():
+            embedding[~keep] = 0
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          token_weights: torch.Tensor | None = None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                          token_weights: torch.Tensor | None = None, chunk: int = 4096,
+                          vocabulary: OutputVocabulary | None = None,
+                          skip_outside: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of `hidden @ weight.T` against `labels` without holding the logits of every row: each
-    chunk's logits are recomputed in the backward pass. Returns (weighted sum of losses, sum of weights)."""
+    chunk's logits are recomputed in the backward pass. With `vocabulary`, only its used rows of `weight` are
+    multiplied and the unused ones enter as one column (exact while their rows are zero); every label must be
+    a used token, or with `skip_outside` the others weigh nothing (a drafter's label is the target's greedy
+    token, which can, rarely, be an unused one). Returns (weighted sum of losses, sum of weights)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     token_weights = torch.ones_like(labels, dtype=torch.float32) if token_weights is None else token_weights.reshape(-1)
+    unused_logit = None
+    if vocabulary is not None:
+        weight = weight[vocabulary.ids.to(weight.device)]
+        labels = vocabulary.index_of.to(labels.device)[labels]
+        outside = labels < 0
+        if skip_outside:
+            token_weights = token_weights * (~outside)
+            labels = labels.clamp(min=0)
+        elif bool(outside.any()):
+            raise ValueError("a label is outside the output vocabulary (a token the corpus does not use)")
+        unused_logit = vocabulary.unused_logit
 
     def part(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, w).float()
+        if unused_logit is not None and math.isfinite(unused_logit):
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), unused_logit)], dim=1)
         return (F.cross_entropy(logits, y, reduction="none") * tw).sum()
 
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -225,6 +275,7 @@ class Qwen35Trainable(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=INIT_STD)
         self.layers = nn.ModuleList(DecoderLayer(config, i, generator, dropout) for i in range(config.n_layer))
         self.norm = nn.Parameter(torch.ones(config.hidden))
+        self.vocabulary: OutputVocabulary | None = None
 
     def hidden_states(self, ids: torch.Tensor, *, start: int = 0, caches: list | None = None,
                       capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -242,9 +293,18 @@ class Qwen35Trainable(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def use_vocabulary(self, vocabulary: OutputVocabulary | None) -> None:
+        """Train the output softmax over `vocabulary` only (its unused embedding rows zeroed here, for good)."""
+        self.vocabulary = vocabulary
+        if vocabulary is not None:
+            vocabulary.zero_unused_rows_(self.embed_tokens.weight)
+
+    def loss(self, ids: torch.Tensor, labels: torch.Tensor, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed next-token loss, token count). `exact`: over the whole vocabulary, whatever the labels (the
+        held-out measure: a held-out file may use a token the training files never do)."""
         hidden, _ = self.hidden_states(ids)
-        return chunked_cross_entropy(hidden, self.embed_tokens.weight, labels)
+        vocabulary = None if exact else self.vocabulary
+        return chunked_cross_entropy(hidden, self.embed_tokens.weight, labels, vocabulary=vocabulary)
 
     @torch.no_grad()
     def generate_greedy(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:

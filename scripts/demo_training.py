@@ -163,7 +163,7 @@ class Trainer:
         for first in range(0, windows, args.batch):
             batch = stream[starts[first:first + args.batch, None] + window]
             with self.autocast():
-                loss, n = model.loss(batch[:, :-1], batch[:, 1:])
+                loss, n = model.loss(batch[:, :-1], batch[:, 1:], exact=True)
             total, count = total + loss.item(), count + n.item()
         mean = total / count
         return {"loss": mean, "perplexity": math.exp(mean), "tokens": int(count)}
@@ -189,12 +189,15 @@ class Trainer:
             size = min(batch, count - made)
             offsets = torch.from_numpy(rng.integers(0, stream.numel() - prompt_len, size=size)).to(device)
             prompts = stream[offsets[:, None] + torch.arange(prompt_len, device=device)]
+            began = time.perf_counter()
             with self.autocast():
                 continuation = target.generate_greedy(prompts, args.gen_tokens)
                 sequences = torch.cat([prompts, continuation], dim=1)
                 _, taps = target.hidden_states(sequences, capture=capture)
             chunks.append(PoolChunk(sequences, torch.cat(taps, dim=-1).to(feature_dtype), prompt_len))
             made += size
+            _sync(device)
+            self.log(f"continuations: {size} of prompt length {prompt_len} in {time.perf_counter() - began:.1f} s")
         return chunks
 
     def _blocks(self, chunk: PoolChunk, rows: torch.Tensor, anchors: np.ndarray, target: Any, mask_id: int):
@@ -248,7 +251,8 @@ class Trainer:
             features, embeddings, anchor, labels = self._blocks(chunk, rows, anchors, target, mask_id)
             with self.autocast():
                 hidden = drafter.block_hidden(features, embeddings, anchor)[:, :, 1:]
-                total, weight = demo_models.chunked_cross_entropy(hidden, embed, labels, weights.expand_as(labels))
+                total, weight = demo_models.chunked_cross_entropy(hidden, embed, labels, weights.expand_as(labels),
+                                                                   vocabulary=target.vocabulary, skip_outside=True)
                 loss = total / weight
             return _optimizer_step(loss, params, optimizer)
 

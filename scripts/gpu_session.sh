@@ -355,6 +355,8 @@ demo_train() {  # ~9.5 min: issue #22's run: train the demo pair (scripts/train_
   local target=/tmp/demo/lucebox-demo-qwen35-stdlib-q8_0.gguf draft=/tmp/demo/lucebox-demo-qwen35-stdlib-dflash-draft-q8_0.gguf
   step demo-acceptance 100 python3 scripts/demo_acceptance.py --target "$target" --draft "$draft" --device cuda \
     --prompts 12 -n 96 --out "$RES/acceptance_h200.json"
+  step spec-profile-demo 60 python3 scripts/spec_step_profile.py "$target" "$draft" -n 96 \
+    --json "$RES/spec_profile_demo.json"
   step synth-31b 60 g4synth 31b
   step synth-draft 40 python3 -m lucebox_core.cli synth --arch gemma4-dflash-draft --size full --type q8_0 \
     --target "$(g4model 31b)" -o "$WORK/gemma4-31b-draft-q8_0.gguf"

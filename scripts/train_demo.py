@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="q8_0", choices=["q8_0", "f32", "f16"], help="GGUF file type of both files")
     p.add_argument("--max-bytes", type=int, default=40_000_000, help="the target file's size limit")
     g = p.add_argument_group("corpus")
-    g.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
+    g.add_argument("--without-tests", action="store_true",
+                   help="leave the stdlib's test suites out (they are two thirds of its source: more data, less "
+                        "over-fitting of a model trained for many epochs)")
     g.add_argument("--heldout-permille", type=int, default=50)
     g.add_argument("--max-files", type=int, default=0, help="only this many files (smoke tests)")
     g.add_argument("--cache-dir", type=Path, help="where the token arrays are cached (default: OUT/cache)")
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--dropout", type=float, default=0.1, help="on the target's residual branches, in training only")
     g.add_argument("--warmup", type=int, default=100, help="warm-up steps (of either model)")
+    g.add_argument("--full-softmax", action="store_true",
+                   help="train over the whole vocabulary's softmax, not the corpus's tokens only (same loss, slower)")
     g.add_argument("--target-steps", type=int, default=0, help="fix the step count (0: from the time budget)")
     g.add_argument("--target-share", type=float, default=0.60)
     g.add_argument("--eval-tokens", type=int, default=262_144, help="held-out tokens of the final evaluation")
@@ -120,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-batch", type=int, default=32, help="sequences per drafter step")
     g.add_argument("--anchors", type=int, default=32, help="blocks per sequence per drafter step")
     g.add_argument("--gen-seqs", type=int, default=8192, help="target continuations to train the drafter on")
-    g.add_argument("--gen-batch", type=int, default=512)
+    g.add_argument("--gen-batch", type=int, default=2048)
     g.add_argument("--gen-tokens", type=int, default=256)
     g.add_argument("--prompt-lens", type=_ints, default=[32, 64, 128, 256])
     g.add_argument("--heldout-gen-seqs", type=int, default=128)
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                                     enable_thinking=False)
 
     corpus = demo_corpus.Corpus.build(
-        tokenizer, args.cache_dir or out / "cache", include_tests=args.include_tests, heldout_permille=args.heldout_permille,
+        tokenizer, args.cache_dir or out / "cache", include_tests=not args.without_tests, heldout_permille=args.heldout_permille,
         max_files=args.max_files, chat=chat_prompt, chat_count=args.chat_docs, log=log, tokenizer_id=tokenizer_id)
     log(f"corpus: {corpus.info['files']} files of Python {corpus.info['python']}, {len(corpus.heldout_files)} held "
         f"out; {corpus.train.size:,} training tokens ({corpus.chat_documents} chat turns), {corpus.heldout.size:,} held out")
@@ -253,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = demo_training.Trainer(args, device, log)
     target = demo_models.Qwen35Trainable(target_cfg, args.seed, dropout=args.dropout).to(device)
+    if not args.full_softmax:
+        target.use_vocabulary(demo_models.OutputVocabulary.of(torch.from_numpy(corpus.train.astype(np.int64)).to(device),
+                                                              target_cfg.vocab))
+        log(f"output softmax over the corpus's {target.vocabulary.ids.numel():,} tokens (the other "
+            f"{target_cfg.vocab - target.vocabulary.ids.numel():,} rows stay zero: one column of the partition function)")
     target_report = trainer.train_target(target, corpus, target_s)
     changed = demo_export.quantize_roundtrip_(target.gguf_tensors(), plans)
     quantized = trainer.heldout_loss(target, corpus.heldout, args.eval_tokens)

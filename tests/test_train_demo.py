@@ -269,6 +269,52 @@ def test_quantize_roundtrip_stores_exactly_the_rounded_weights(tmp_path):
     assert torch.equal(again, weight)
 
 
+def test_output_vocabulary_loss_equals_the_full_softmax_and_its_zero_rows_stay_zero():
+    """Training over the corpus's tokens only is the full vocabulary's loss (the unused rows are zero and enter
+    as one column), gradient included, and AdamW leaves the zero rows at zero through a training step."""
+    model = demo_models.Qwen35Trainable(_tiny_config(), seed=4)
+    vocab = model.config.vocab
+    generator = torch.Generator().manual_seed(8)
+    used = torch.unique(torch.randint(0, vocab, (700,), generator=generator))
+    model.use_vocabulary(demo_models.OutputVocabulary.of(used, vocab))
+    unused = torch.ones(vocab, dtype=torch.bool)
+    unused[used] = False
+    assert int(unused.sum()) == vocab - used.numel()
+    assert not model.embed_tokens.weight[unused].any()
+    stream = used[torch.randint(0, used.numel(), (3, 41), generator=generator)]
+    subset_loss, count = model.loss(stream[:, :-1], stream[:, 1:])
+    full_loss, full_count = model.loss(stream[:, :-1], stream[:, 1:], exact=True)
+    assert count == full_count == 3 * 40
+    torch.testing.assert_close(subset_loss, full_loss, rtol=1e-5, atol=1e-4)
+    # The same gradient for every parameter but the unused rows (the full softmax would push them down: the
+    # subset keeps them at zero, where the file's logits for them are 0).
+    names = [name for name, _ in model.named_parameters()]
+    subset_grads = torch.autograd.grad(subset_loss, list(model.parameters()), allow_unused=True)
+    full_grads = torch.autograd.grad(model.loss(stream[:, :-1], stream[:, 1:], exact=True)[0],
+                                     list(model.parameters()), allow_unused=True)
+    for name, a, b in zip(names, subset_grads, full_grads):
+        if name == "embed_tokens.weight":
+            assert not a[unused].any() and b[unused].abs().sum() > 0
+            a, b = a[~unused], b[~unused]
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model.loss(stream[:, :-1], stream[:, 1:])[0].backward()
+    optimizer.step()
+    assert not model.embed_tokens.weight[unused].any()
+    assert model.embed_tokens.weight[used].abs().sum() > 0
+    # A label outside the used tokens is an error, or (a drafter's rare unused greedy token) weighs nothing.
+    hidden = torch.randn(4, model.config.hidden, generator=generator)
+    outside = torch.tensor([int(torch.nonzero(unused)[0])] + used[:3].tolist())
+    with pytest.raises(ValueError, match="outside the output vocabulary"):
+        demo_models.chunked_cross_entropy(hidden, model.embed_tokens.weight, outside, vocabulary=model.vocabulary)
+    total, weight = demo_models.chunked_cross_entropy(hidden, model.embed_tokens.weight, outside,
+                                                      vocabulary=model.vocabulary, skip_outside=True)
+    assert weight == 3
+    kept, _ = demo_models.chunked_cross_entropy(hidden[1:], model.embed_tokens.weight, outside[1:])
+    torch.testing.assert_close(total, kept, rtol=1e-5, atol=1e-5)
+
+
 # -- corpus -------------------------------------------------------------------------------------------
 
 
