@@ -51,6 +51,30 @@ class PoolChunk:
         return int(self.tokens.shape[0])
 
 
+class BestWeights:
+    """The weights at the best score offered so far (a copy on the device: the models are small)."""
+
+    def __init__(self, module: torch.nn.Module, *, lower_is_better: bool) -> None:
+        self.module = module
+        self.sign = 1.0 if lower_is_better else -1.0
+        self.score: float | None = None
+        self.step = 0
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def offer(self, score: float, step: int) -> bool:
+        if not math.isfinite(score) or (self.score is not None and self.sign * score >= self.sign * self.score):
+            return False
+        self.score, self.step = score, step
+        self.state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return True
+
+    def restore(self) -> int:
+        """Load the kept weights back; returns the step they are from."""
+        if self.state is not None:
+            self.module.load_state_dict(self.state)
+        return self.step
+
+
 class Trainer:
     def __init__(self, args: Any, device: torch.device, log: Callable[[str], None]) -> None:
         self.args = args
@@ -58,6 +82,7 @@ class Trainer:
         self.log = log
         self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
         self.heldout_pool: list[PoolChunk] = []
+        self.steps_done = 0  # of the phase running: what a quick evaluation's kept weights are recorded as
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -88,6 +113,7 @@ class Trainer:
                 group["lr"] = peak_lr * warm * cosine
             losses.append(step(done))
             done += 1
+            self.steps_done = done
             if total is None and done == CALIBRATION_STEPS[0]:
                 _sync(self.device)
                 timed_from = time.perf_counter()
@@ -136,13 +162,22 @@ class Trainer:
                 loss = total / count
             return _optimizer_step(loss, params, optimizer)
 
+        best = BestWeights(model, lower_is_better=True)
+
         def quick_eval() -> str:
-            measured = self.heldout_loss(model, corpus.heldout, 32 * args.seq_len)
+            measured = self.heldout_loss(model, corpus.heldout, args.quick_eval_tokens)
             model.train()
-            return f"held-out {measured['loss']:.4f}"
+            kept = best.offer(measured["loss"], self.steps_done)
+            return f"held-out {measured['loss']:.4f}" + (" (best so far: kept)" if kept else "")
 
         report = self.run_phase("target", step, optimizer, seconds, args.target_steps, args.lr,
                                 args.batch * args.seq_len, quick_eval)
+        # The small corpus is seen for many epochs: the held-out loss turns up before the schedule ends, so the
+        # weights of the best quick measure are the ones kept (early stopping), when one was kept.
+        final = self.heldout_loss(model, corpus.heldout, args.quick_eval_tokens)
+        best.offer(final["loss"], report["steps"])
+        report["kept_step"] = best.restore()
+        self.log(f"target: keeping the weights of step {report['kept_step']} (quick held-out {best.score:.4f})")
         report["epochs"] = report["tokens_seen"] / max(1, corpus.train.size)
         report["heldout_trained"] = self.heldout_loss(model, corpus.heldout, args.eval_tokens)
         self.log(f"target: {report['steps']} steps, {report['epochs']:.1f} epochs, held-out loss "
@@ -256,14 +291,21 @@ class Trainer:
                 loss = total / weight
             return _optimizer_step(loss, params, optimizer)
 
+        best = BestWeights(drafter, lower_is_better=False)
+        quick_pool = self.heldout_pool[::2]  # every other prompt length: half the cost of the whole pool
+
         def quick_eval() -> str:
-            measured = self.drafter_accuracy(drafter, target, self.heldout_pool[:1])
+            measured = self.drafter_accuracy(drafter, target, quick_pool)
             drafter.train()
-            return f"held-out chain acceptance {measured['chain_length']:.2f}"
+            kept = best.offer(measured["chain_length"], self.steps_done)
+            return f"held-out chain acceptance {measured['chain_length']:.2f}" + (" (best so far: kept)" if kept else "")
 
         remaining = seconds - (time.perf_counter() - start)
         report = self.run_phase("drafter", step, optimizer, remaining, args.draft_steps, args.draft_lr,
                                 args.draft_batch * args.anchors * (args.block_size - 1), quick_eval)
+        best.offer(self.drafter_accuracy(drafter, target, quick_pool)["chain_length"], report["steps"])
+        report["kept_step"] = best.restore()
+        self.log(f"drafter: keeping the weights of step {report['kept_step']} (quick held-out chain {best.score:.2f})")
         report.update(continuations=generated, generation_seconds=gen_seconds, untrained=untrained)
         report["heldout_trained"] = self.drafter_accuracy(drafter, target, self.heldout_pool)
         self.log(f"drafter: {report['steps']} steps, held-out mean chain acceptance "

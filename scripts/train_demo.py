@@ -26,7 +26,8 @@ its DFlash drafter, and write both as GGUF with the project's writers.
    `parts/` (pieces under 16 MiB and a manifest with checksums).
 
 Time: after the corpus, what remains of `--budget-s` less `--finish-reserve-s` is shared by the target and the
-drafter as `--target-share` to `--draft-share` (60:35 by default).
+drafter as `--target-share` to `--draft-share` (35:65 by default). Each phase keeps the weights of its best quick
+held-out measure (the corpus is small and seen for many epochs: the held-out loss turns up before the end).
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--full-softmax", action="store_true",
                    help="train over the whole vocabulary's softmax, not the corpus's tokens only (same loss, slower)")
     g.add_argument("--target-steps", type=int, default=0, help="fix the step count (0: from the time budget)")
-    g.add_argument("--target-share", type=float, default=0.60)
+    g.add_argument("--target-share", type=float, default=0.35)
     g.add_argument("--eval-tokens", type=int, default=262_144, help="held-out tokens of the final evaluation")
-    g.add_argument("--eval-every-s", type=float, default=30.0, help="a quick held-out loss every so often")
+    g.add_argument("--eval-every-s", type=float, default=15.0,
+                   help="a quick held-out measure every so often (the best one's weights are kept)")
+    g.add_argument("--quick-eval-tokens", type=int, default=65_536, help="held-out tokens of a quick measure")
     g = p.add_argument_group("drafter")
     g.add_argument("--draft-layers", type=int, default=3)
     g.add_argument("--draft-ffn", type=int, default=1024)
@@ -120,14 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
     g.add_argument("--draft-lr", type=float, default=2e-3)
     g.add_argument("--draft-steps", type=int, default=0, help="fix the step count (0: from the time budget)")
-    g.add_argument("--draft-share", type=float, default=0.35)
+    g.add_argument("--draft-share", type=float, default=0.65)
     g.add_argument("--draft-batch", type=int, default=32, help="sequences per drafter step")
     g.add_argument("--anchors", type=int, default=32, help="blocks per sequence per drafter step")
-    g.add_argument("--gen-seqs", type=int, default=8192, help="target continuations to train the drafter on")
-    g.add_argument("--gen-batch", type=int, default=2048)
+    g.add_argument("--gen-seqs", type=int, default=32768, help="target continuations to train the drafter on")
+    g.add_argument("--gen-batch", type=int, default=8192)
     g.add_argument("--gen-tokens", type=int, default=256)
     g.add_argument("--prompt-lens", type=_ints, default=[32, 64, 128, 256])
-    g.add_argument("--heldout-gen-seqs", type=int, default=128)
+    g.add_argument("--heldout-gen-seqs", type=int, default=64)
     g = p.add_argument_group("records")
     g.add_argument("--record-prompts", type=int, default=3, help="held-out prompts whose greedy text is recorded")
     g.add_argument("--record-tokens", type=int, default=32)
