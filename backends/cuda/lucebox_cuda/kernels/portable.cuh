@@ -74,10 +74,9 @@ __device__ __forceinline__ unsigned short lucebox_float_to_half_bits(float v) {
     unsigned int x = __float_as_uint(v);
     const unsigned int sign = (x >> 16) & 0x8000u;
     x &= 0x7FFFFFFFu;
+    if (x > 0x7F800000u) return 0x7FFFu;  // NaN, without its sign, as `cvt` gives it
     unsigned int out;
-    if (x > 0x7F800000u) {
-        out = 0x7FFFu;  // NaN
-    } else if (x >= 0x477FF000u) {
+    if (x >= 0x477FF000u) {
         out = 0x7C00u;  // 65520 and above round to infinity
     } else if (x < 0x38800000u) {
         // Below fp16's smallest normal: adding 0.5 (whose ulp is 2^-24, fp16's subnormal step) rounds the
