@@ -133,7 +133,7 @@ def _compile(program: KernelProgram, arch: str, options: Sequence[str]) -> bytes
         _check(hiprtc.hiprtcGetCode(handle, code)[0], "hiprtcGetCode")
         return bytes(code)
     finally:
-        hiprtc.hiprtcDestroyProgram(handle)
+        hiprtc.hiprtcDestroyProgram(handle.createRef())  # takes a hiprtcProgram*, as in C
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
