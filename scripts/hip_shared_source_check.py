@@ -75,8 +75,10 @@ class Case:
     def label(self) -> str:
         shape = {"matvec": f" batch {self.batch} [1001x5120]", "moe": f" {MOE_EXPERTS} experts top-{MOE_TOP_K} [517x2048]",
                  "dequant": " rows 3:203 of [517x2048]", "rms_norm": " [7x5120]", "convert": ""}[self.kind]
-        arrow = "w" if self.kind == "rms_norm" else "->" if self.kind in ("dequant", "convert") else ""
-        return f"{self.fmt} {arrow} {self.dtype}{shape}".replace("  ", " ")
+        if self.kind == "rms_norm":
+            return f"x {self.dtype} w {self.fmt}{shape}"
+        arrow = " ->" if self.kind in ("dequant", "convert") else ""
+        return f"{self.fmt}{arrow} {self.dtype}{shape}"
 
     def program(self) -> tuple[nvrtc.KernelProgram, str]:
         if self.kind == "matvec":
