@@ -122,3 +122,12 @@ def test_shared_source_ops_take_the_cuda_checks_as_they_are():
     assert records["rms_norm"].kernel == "lucebox_cuda.op_kernels:rms_norm"
     assert records["post_norm_residual"].kernel == "lucebox_cuda.norm_kernels:post_norm_residual"
     assert records["silu_mul"].accepts == "lucebox_hip.op_kernels:accepts_silu_mul"
+
+
+def test_family_ops_do_not_collide_with_the_hip_backends_own():
+    from lucebox_gemma4.ops import GEMMA4_OPS
+    from lucebox_hip.backend import HipBackend
+    from lucebox_qwen35.ops import QWEN35_OPS
+
+    for family in (QWEN35_OPS, GEMMA4_OPS):
+        assert not [name for name in family.references if hasattr(HipBackend, name)]
