@@ -5,6 +5,7 @@ by NVRTC with `-DLUCEBOX_PORTABLE_GENERIC`; on a CUDA machine, the whole check."
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hip_shared_source_ch
 def check():
     spec = importlib.util.spec_from_file_location("hip_shared_source_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    # Registered under its own name, as a script's module is importable by it: the worker processes that
+    # precompile unpickle its functions by that name.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -67,3 +71,21 @@ def test_without_an_nvidia_gpu_the_check_says_so(check, capsys):
                     reason="needs an NVIDIA GPU")
 def test_the_hip_arithmetic_matches_torch_on_the_gpu(check, capsys):
     assert check.main(["--batches", "1,8,64"]) == 0, capsys.readouterr().out
+
+
+def test_precompile_fills_the_cache_the_backend_reads(check, tmp_path, capsys):
+    """The GPU run compiles every program first, in worker processes, into the disk cache; the backend's
+    compile (same program, architecture and options) is then a cache hit."""
+    from lucebox_cuda import nvrtc
+
+    cases = check.plan(("q8_0",), ("bf16",), (2,))
+    check.precompile(cases, "sm_90")
+    cached = sorted((tmp_path / "cuda-cache").glob("*.cubin"))
+    programs = {case.program()[0] for case in cases}
+    assert len(cached) == len(programs) == 6
+    program = next(iter(programs))
+    key = nvrtc.cache_key(program, "sm_90", check.GENERIC_OPTIONS)
+    [entry] = [path for path in cached if key in path.name]
+    entry.write_bytes(b"planted")  # a cache hit returns the file's bytes
+    assert nvrtc.compile_program(program, "sm_90", check.SharedSourceBackend.compile_options) == b"planted"
+    assert "compiled 6 programs for sm_90" in capsys.readouterr().out

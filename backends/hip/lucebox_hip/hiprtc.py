@@ -125,8 +125,9 @@ def _compile(program: KernelProgram, arch: str, options: Sequence[str]) -> bytes
             log = bytearray(int(size)) if int(getattr(result_size, "value", result_size)) == 0 else bytearray()
             if log:
                 hiprtc.hiprtcGetProgramLog(handle, log)
+            text = bytes(log).rstrip(b"\0 ").decode(errors="replace")
             raise HipCompileError(f"hiprtc {'%d.%d' % hiprtc_version()} could not compile {program.file} for {arch}:\n"
-                                  f"{bytes(log).rstrip(b' ').rstrip(bytes(1)).decode(errors='replace')}")
+                                  f"{text}")
         result, size = hiprtc.hiprtcGetCodeSize(handle)
         _check(result, "hiprtcGetCodeSize")
         code = bytearray(int(size))
