@@ -150,7 +150,7 @@ core() {
 
 hip_check() {  # the HIP backend's arithmetic on an NVIDIA GPU (no AMD card is reachable): see the header
   step hip-shared-source 420 python3 scripts/hip_shared_source_check.py
-  step hip-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_hip_shared_source.py \
+  step hip-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_hip_shared_source.py \
     tests/test_hip_plugin.py -x
 }
 
