@@ -146,6 +146,7 @@ def environment(commit: str | None = None, part: str = "", measure_copy: bool = 
     facts: dict[str, Any] = {
         "kind": "header", "part": part, "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         **nvidia_smi(), "torch": torch.__version__, "cuda": torch.version.cuda or "-",
+        "hip": getattr(torch.version, "hip", None) or "-",  # a ROCm build (AMD GPUs, the hip backend)
         "python": platform.python_version(), "commit": commit_id(commit),
     }
     if torch.cuda.is_available():
@@ -508,12 +509,13 @@ def markdown(results: dict[str, list[dict]]) -> str:
     llama_commits = sorted({str(r["build_commit"]) for r in rows if r.get("build_commit")})
     lines = ["## Lucebox vs llama.cpp, same GGUF files, same run", ""]
     if headers:
-        lines += ["| part | date | GPU | driver | torch / CUDA | Lucebox commit | copy GB/s (read + write) |",
+        lines += ["| part | date | GPU | driver | torch / CUDA or HIP | Lucebox commit | copy GB/s (read + write) |",
                   "| --- | --- | --- | --- | --- | --- | ---: |"]
         for h in headers:
             copy = f"{h['copy_gb_s']:,.0f}" if h.get("copy_gb_s") else "–"
+            runtime = f"HIP {h['hip']}" if h.get("hip", "-") != "-" else h.get("cuda")
             lines.append(f"| {h.get('part') or '–'} | {h.get('date_utc')} | {h.get('gpu')} | {h.get('driver')} "
-                         f"| {h.get('torch')} / {h.get('cuda')} | `{h.get('commit')}` | {copy} |")
+                         f"| {h.get('torch')} / {runtime} | `{h.get('commit')}` | {copy} |")
         lines.append("")
     lucebox_rows = [r for r in rows if r["engine"] == "lucebox"]
     setups = sorted({f"{r.get('backend')}, {r.get('activations')} activations, KV {r.get('kv_types')}"
@@ -660,7 +662,9 @@ def _default_backend() -> str | None:
         return None
     import torch
 
-    return "cuda" if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"  # a ROCm build reports AMD GPUs as cuda
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -669,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("model")
-        p.add_argument("--backend", help="kernel backend (default: cuda when a GPU is present, else the default)")
+        p.add_argument("--backend", help="kernel backend (default: cuda on an NVIDIA GPU, hip on an AMD one, else the default)")
         p.add_argument("--device", help="torch device, e.g. cpu")
         p.add_argument("--json", help="write the rows here (rewritten after each one) instead of stdout")
 

@@ -28,7 +28,7 @@ DEPTH_REPS=${DEPTH_REPS:-3}
 SKIP=" ${SKIP:-} "
 DEADLINE=${DEADLINE:-560}  # seconds from the start: no step runs past it (a device call ends at 600)
 LLAMA_BENCH=${LLAMA_BENCH:-/tmp/llamacpp/build/bin/llama-bench}
-BACKEND=${BACKEND:-cuda}
+BACKEND=${BACKEND:-cuda}  # hip on an AMD GPU (scripts/bench_amd.sh sets it)
 SMALL=${SMALL:-0.8b} BIG=${BIG:-27b}  # dry runs on a CPU: SMALL=tiny BIG=tiny BACKEND=torch SKIP=memory
 SMALL_TESTS=${SMALL_TESTS:-pp512,pp4096,tg128,tg128@d8192,tg128@d32768}
 BIG_TESTS=${BIG_TESTS:-pp512,pp4096,tg128}
@@ -37,9 +37,10 @@ PY="python3 scripts/bench_vs_llamacpp.py"
 mkdir -p "$OUT" "$W" "$RES"
 SECONDS=0
 
-if ! python3 -c 'import lucebox_core, lucebox_qwen35, lucebox_cuda' 2>/dev/null; then
+if ! python3 -c "import lucebox_core, lucebox_qwen35, lucebox_cuda$([ "$BACKEND" = hip ] && echo ', lucebox_hip')" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . plugins/qwen35 backends/cuda || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . plugins/qwen35 backends/cuda \
+    $([ "$BACKEND" = hip ] && echo backends/hip) || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export LUCEBOX_HOME=${LUCEBOX_HOME:-/tmp/lh}
@@ -89,7 +90,9 @@ llama() {  # size label llama-bench args...
 export W RES PY LLAMA_BENCH BACKEND LUCEBOX_KV=${LUCEBOX_KV:-}
 export -f model synth lucebox llama
 
-echo "part $PART: bench_vs_llamacpp on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)"
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+[ -n "$gpu" ] || gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name(), "HIP", torch.version.hip)' 2>&1 | tail -1)
+echo "part $PART: bench_vs_llamacpp ($BACKEND backend) on $gpu"
 need_llama=0
 for s in llama-08b llama-08b-depth llama-27b llama-27b-depth; do skipped "$s" || need_llama=1; done
 if [ $need_llama = 1 ] && ! skipped build && [ ! -x "$LLAMA_BENCH" ]; then

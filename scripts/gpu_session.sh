@@ -22,6 +22,10 @@
 #                                        #   engines.                                 carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh demo-train  # ~9.5 min: train the demo pair (#22), its acceptance on the H200, the
 #                                        #   31B's speculative step profile.          carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh hip-check  # ~2-3 min: the HIP backend's kernels (the shared sources built with the HIP
+#                                        #   arithmetic, -DLUCEBOX_PORTABLE_GENERIC) against torch on this GPU:
+#                                        #   scripts/hip_shared_source_check.py, then the pytest that runs it.
+#                                        #                                          carry: .whl
 #   bash scripts/gpu_session.sh same-call  # ~8 min: before/after in one call: same_call_bench.py on 27b
 #                                        #   Q4_K_M (pp512, pp4096, tg128, forced DDTree 8.3 at -n 256 -r 3) for
 #                                        #   the tree in .baseline (an older commit, `git archive`), then this
@@ -47,7 +51,7 @@ DEADLINE=${DEADLINE:-570}  # seconds: no step runs past this (the device call's 
 install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site \
-      . plugins/qwen35 plugins/gemma4 backends/cuda || return 1
+      . plugins/qwen35 plugins/gemma4 backends/cuda backends/hip || return 1
   export PYTHONPATH=/tmp/site
   python3 -c 'import gguf, lucebox_core, lucebox_qwen35, lucebox_gemma4, lucebox_cuda, torch, triton
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)'
@@ -142,6 +146,12 @@ core() {
   step synth-08b 30 synth 0.8b
   step determinism-08b 90 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
   step bench-08b 60 python3 -m lucebox_core.cli bench -m "$(model 0.8b)" -p 512 -n 64 -r 2 --json
+}
+
+hip_check() {  # the HIP backend's arithmetic on an NVIDIA GPU (no AMD card is reachable): see the header
+  step hip-shared-source 420 python3 scripts/hip_shared_source_check.py
+  step hip-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_hip_shared_source.py \
+    tests/test_hip_plugin.py -x
 }
 
 same_call() {
@@ -414,6 +424,7 @@ session() {
     spec) spec ;;
     core) core ;;
     same-call) same_call ;;
+    hip-check) hip_check ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
     bench-probe) bench_probe ;;

@@ -27,7 +27,8 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight
 
 from . import catalogue
-from .nvrtc import CudaModule, Float, Int, Int64, KernelProgram, Pointer, compile_program, ensure_context, launch
+from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgram, Pointer, compile_program, ensure_context,
+                    launch)
 
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
@@ -48,6 +49,8 @@ class CudaBackend(TorchBackend):
     """Ops for one NVIDIA GPU. `dtype` is the activation dtype (bf16 by default; f16 and f32 work too)."""
 
     name = "cuda"
+    # NVRTC options of every kernel (scripts/hip_shared_source_check.py adds -DLUCEBOX_PORTABLE_GENERIC).
+    compile_options: tuple[str, ...] = DEFAULT_OPTIONS
 
     def __init__(
         self,
@@ -57,14 +60,18 @@ class CudaBackend(TorchBackend):
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda":
-            raise LuceboxError(f"the cuda backend runs on a CUDA device, not {str(device)!r}")
+            raise LuceboxError(f"the {self.name} backend runs on a CUDA device, not {str(device)!r}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(device, dtype, weight_cache_bytes)
-        self.arch = device_arch(self.device)
+        self.arch = self.device_arch()
         self._modules: dict[KernelProgram, CudaModule] = {}
         self._functions: dict[str, Any] = {}
         self._device_weights: dict[int, tuple[QuantTensor, QuantTensor]] = {}  # id -> (host, device copy)
+
+    def device_arch(self) -> str:
+        """The target the kernels are compiled for (`sm_90`; the HIP backend's: `gfx1100`)."""
+        return device_arch(self.device)
 
     def __repr__(self) -> str:
         return f"CudaBackend(device={str(self.device)!r}, arch={self.arch}, dtype={self.dtype})"
@@ -77,11 +84,15 @@ class CudaBackend(TorchBackend):
         if function is None:
             module = self._modules.get(program)
             if module is None:
-                module = self._modules[program] = CudaModule(compile_program(program, self.arch), self.device.index)
+                module = self._modules[program] = CudaModule(
+                    compile_program(program, self.arch, self.compile_options), self.device.index)
             function = self._functions[name] = module.function(name)
         return function
 
-    def _launch(self, kernel: tuple[KernelProgram, str], grid: int, block: int, *args: Any) -> None:
+    def _launch(self, kernel: tuple[KernelProgram, str], grid: int | tuple[int, int, int], block: int,
+                *args: Any) -> None:
+        """Launch a kernel of `program` on the device's current torch stream (the HIP backend's override
+        launches through HIP; the kernels' Python callers are the same)."""
         function = self.kernel(*kernel)
         ensure_context(self.device.index)
         launch(function, grid, block, args, stream=torch.cuda.current_stream(self.device).cuda_stream)
@@ -227,12 +238,9 @@ class CudaBackend(TorchBackend):
         if pairs == 0:
             return out
         data = self.device_weight(experts).data
-        program, name = catalogue.moe_matvec(weight_format, catalogue.ACTIVATIONS[x.dtype])
-        ensure_context(self.device.index)
-        launch(self.kernel(program, name), (-(-rows // 4), pairs, 1), 128,
-               [Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
-                Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group)],
-               stream=torch.cuda.current_stream(self.device).cuda_stream)
+        self._launch(catalogue.moe_matvec(weight_format, catalogue.ACTIVATIONS[x.dtype]), (-(-rows // 4), pairs, 1), 128,
+                     Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
+                     Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group))
         return out
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,

@@ -41,6 +41,9 @@ def availability() -> tuple[bool, str]:
         return False, "torch is not installed"
     import torch
 
+    if getattr(torch.version, "hip", None):
+        # A ROCm build reports AMD GPUs through torch.cuda; the kernels here are NVIDIA's (lucebox-hip runs them).
+        return False, f"torch {torch.__version__} is a ROCm (HIP {torch.version.hip}) build: AMD GPUs take the hip backend"
     if not torch.cuda.is_available():
         built_for = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
         return False, f"no CUDA GPU visible to torch {torch.__version__} ({built_for})"

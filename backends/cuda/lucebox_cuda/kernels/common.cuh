@@ -1,6 +1,8 @@
 // Shared by every Lucebox CUDA kernel. NVRTC compiles these with no system or toolkit headers at all,
-// so the few types and conversions needed are defined here (fp16/bf16 through PTX `cvt`).
+// so the few types and conversions needed are defined here; what CUDA and HIP spell differently (16-bit
+// conversions, shuffles) is in portable.cuh, so the HIP backend builds these same sources.
 #pragma once
+#include "portable.cuh"
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -14,11 +16,7 @@ typedef float f32;
 struct f16 { u16 bits; };
 struct bf16 { u16 bits; };
 
-__device__ __forceinline__ float half_bits_to_float(u16 bits) {
-    float out;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(bits));
-    return out;
-}
+__device__ __forceinline__ float half_bits_to_float(u16 bits) { return lucebox_half_bits_to_float(bits); }
 
 __device__ __forceinline__ float bf16_bits_to_float(u16 bits) {
     return __uint_as_float(static_cast<u32>(bits) << 16);
@@ -30,16 +28,8 @@ __device__ __forceinline__ float to_float(bf16 v) { return bf16_bits_to_float(v.
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ f32 from_float<f32>(float v) { return v; }
-template <> __device__ __forceinline__ f16 from_float<f16>(float v) {
-    f16 out;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
-    return out;
-}
-template <> __device__ __forceinline__ bf16 from_float<bf16>(float v) {
-    bf16 out;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
-    return out;
-}
+template <> __device__ __forceinline__ f16 from_float<f16>(float v) { return f16{lucebox_float_to_half_bits(v)}; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float v) { return bf16{lucebox_float_to_bf16_bits(v)}; }
 
 // Unaligned-safe little-endian loads of GGUF block fields (blocks of 34 or 210 bytes are only 2-byte
 // aligned, so wider loads would fault).
@@ -105,6 +95,6 @@ template <int count> struct ActivationLoad<bf16, count> : HalfActivationLoad<bf1
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+    for (int offset = LUCEBOX_WARP / 2; offset > 0; offset >>= 1) v += lucebox_shfl_xor(v, offset);
     return v;
 }

@@ -4,6 +4,9 @@
 // See matvec_mma.cu for why and how the exact 16-bit products work.
 #pragma once
 #include "gguf_blocks.cuh"
+#if LUCEBOX_HIP
+#error "the tensor-core kernels (mma.sync, cp.async, prmt) are CUDA-only; the HIP backend runs matvec.cu"
+#endif
 
 // -- 16-bit element types of the mma ------------------------------------------------------------------
 
