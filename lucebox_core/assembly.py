@@ -36,6 +36,7 @@ class EngineOptions:
     spec_type: str = "ddtree"  # --spec-type NAME: the verifier
     tree_budget: int | str = 22  # --tree-budget N|auto
     draft_block_size: int | None = None  # --draft-block-size; None: the drafter's
+    no_draft: bool = False  # --no-draft: the default model without the drafter it ships with
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -45,7 +46,7 @@ class EngineOptions:
             "prefill_chunk": "ubatch_size", "parallel": "parallel", "chat_template_file": "chat_template_file",
             "kv_policy": "kv_policy", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
             "model_draft": "model_draft", "spec_type": "spec_type", "tree_budget": "tree_budget",
-            "draft_block_size": "draft_block_size",
+            "draft_block_size": "draft_block_size", "no_draft": "no_draft",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -138,6 +139,21 @@ def load_drafter(path: str, target: Any, backend: Any = None) -> Any:
     return _drafter_spec(path).create(GGUFFile(path), target, backend=backend)
 
 
+def with_default_model(options: EngineOptions) -> EngineOptions:
+    """The options with the default model's file (and, unless -md names another or --no-draft, its drafter)
+    filled in when no -m is given: written or reassembled once, announced on stderr."""
+    if options.model is not None:
+        return options
+    from .loading import default_draft_path, default_model_path
+
+    model = str(default_model_path())
+    draft = options.model_draft
+    if draft is None and not options.no_draft:
+        found = default_draft_path()
+        draft = None if found is None else str(found)
+    return attrs.evolve(options, model=model, model_draft=draft)
+
+
 def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | None = None) -> Any:
     """The `SpeculativeDecoder` the options ask for (drafter from `-md`, verifier from `--spec-type`), or None."""
     if options.model_draft is None:
@@ -159,6 +175,8 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     from .engine import Engine
     from .loading import load_model
 
+    default_model = options.model is None
+    options = with_default_model(options)
     choices = check_options(options)
     model_options: dict[str, Any] = {"kv_policy": choices.kv_policy}
     if choices.cache_type_k is not None:
@@ -169,7 +187,7 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
                         chat_template_file=options.chat_template_file, **model_options)
     speculative = build_speculative(options, loaded, choices)
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
-                          default_model=options.model is None)
+                          default_model=default_model)
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
                     speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend)
     return AssembledEngine(loaded, engine, options, context)

@@ -205,7 +205,7 @@ def _assemble(args: argparse.Namespace, **overrides: Any) -> Any:
 
     options = EngineOptions.from_args(args, **overrides)
     force = getattr(args, "force_accept", None)
-    if force is not None and options.model_draft is None:
+    if force is not None and options.model_draft is None and (options.model is not None or options.no_draft):
         raise LuceboxError("--force-accept needs a drafter (-md/--model-draft FILE)")
     if force is not None and force < 0:
         raise LuceboxError(f"--force-accept must be >= 0, got {force}")

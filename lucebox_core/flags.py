@@ -67,6 +67,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser, *, force: bool) -> Non
                    help="drafted nodes per ddtree verify (default 22), or 'auto': from the measured verify-cost "
                         "curve and the drafter's confidence")
     p.add_argument("--draft-block-size", type=int, help="positions per draft block (default: the draft's, 16)")
+    p.add_argument("--no-draft", action="store_true",
+                   help="with no -m: the default model without the drafter it ships with (plain decoding)")
     if force:
         p.add_argument("--force-accept", type=float, metavar="K",
                        help="benchmark aid: replace the first K drafts per step by the target's own greedy "

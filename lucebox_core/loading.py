@@ -26,8 +26,8 @@ def lucebox_home() -> Path:
     return Path(cache) / "lucebox"
 
 
-def default_model_path(announce: bool = True) -> Path:
-    """The embedded default model, written on first use by whichever family plugin offers one."""
+def default_model() -> Any:
+    """The `DefaultModel` spec of the first installed plugin that offers one."""
     from .plugins import registry
 
     defaults = registry().default_models()
@@ -36,11 +36,26 @@ def default_model_path(announce: bool = True) -> Path:
             "no model given (-m FILE) and no installed plugin provides a default model; "
             "install lucebox-qwen (pip install lucebox-qwen) or pass -m"
         )
-    default = defaults[0]
+    return defaults[0]
+
+
+def default_model_path(announce: bool = True) -> Path:
+    """The embedded default model, written (or reassembled) on first use by the plugin that offers it."""
+    default = default_model()
     path = default.path(lucebox_home())
     if announce:
         weights = "RANDOM WEIGHTS: its output is noise" if default.random_weights else default.description
         print(f"note: no -m given; using the default model {default.name} at {path} ({weights})", file=sys.stderr)
+    return path
+
+
+def default_draft_path(announce: bool = True) -> Path | None:
+    """The default model's own drafter, when it ships one (None otherwise)."""
+    default = default_model()
+    path = default.draft_path(lucebox_home())
+    if path is not None and announce:
+        print(f"note: with its DFlash drafter at {path} (speculative decoding; --no-draft turns it off)",
+              file=sys.stderr)
     return path
 
 

@@ -228,10 +228,13 @@ class Converter:
 
 @attrs.frozen(kw_only=True)
 class DefaultModel:
-    """A model used when the user names none; `provider(home)` returns its path, creating it once."""
+    """A model used when the user names none; `provider(home)` returns its path, creating it once, and
+    `draft_provider(home)`, when the model ships with a drafter, the draft file's (speculative decoding on
+    unless the user turns it off)."""
 
     name: str
     provider: Target
+    draft_provider: Target | None = None
     random_weights: bool = False
     description: str = ""
     kind = "default_model"
@@ -241,6 +244,9 @@ class DefaultModel:
 
     def path(self, home: Path) -> Path:
         return Path(resolve(self.provider)(home))
+
+    def draft_path(self, home: Path) -> Path | None:
+        return None if self.draft_provider is None else Path(resolve(self.draft_provider)(home))
 
 
 @attrs.frozen(kw_only=True)

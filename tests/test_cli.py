@@ -149,14 +149,24 @@ def test_generate_ubatch_size_chunks_the_prefill(tiny_model):
     assert_one_line_error(lucebox(*args, "-ub", "0"), "--ubatch-size")
 
 
-def test_default_model_is_written_once_and_announced(tmp_path):
+def test_default_model_is_reassembled_once_and_announced_with_its_drafter(tmp_path):
     env = {"LUCEBOX_HOME": str(tmp_path)}
-    result = lucebox("generate", "-p", "Hello", "-n", "3", "--temp", "0", "--json", env=env)
+    result = lucebox("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json", env=env)
     assert result.returncode == 0, result.stderr
-    assert "RANDOM WEIGHTS" in result.stderr
-    models = list((tmp_path / "models").glob("*.gguf"))
-    assert len(models) == 1
-    assert len(json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]) <= 3
+    assert "trained on the Python standard library" in result.stderr
+    assert "speculative decoding; --no-draft turns it off" in result.stderr
+    models = sorted((tmp_path / "models").glob("*.gguf"))
+    assert [m.name for m in models] == ["lucebox-demo-qwen35-stdlib-dflash-draft-q8_0.gguf",
+                                        "lucebox-demo-qwen35-stdlib-q8_0.gguf"]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(answer["token_ids"]) <= 3 and answer["speculative"]
+    stamps = [m.stat().st_mtime_ns for m in models]
+    plain = lucebox("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json", "--no-draft", env=env)
+    assert plain.returncode == 0, plain.stderr
+    assert "--no-draft turns it off" not in plain.stderr
+    assert [m.stat().st_mtime_ns for m in models] == stamps  # reused, not joined again
+    plain_answer = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert not plain_answer["speculative"] and plain_answer["token_ids"] == answer["token_ids"]
 
 
 def test_bench_json(tiny_model):

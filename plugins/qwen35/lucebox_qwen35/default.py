@@ -1,16 +1,18 @@
-"""The default model: today the tiny synthetic qwen35, written once under the Lucebox home; tomorrow the trained
-demo pair (issue #22), reassembled from the package's parts.
+"""The default model: the trained demo pair (issue #22), a small qwen35 code model trained on the Python standard
+library's source and its DFlash drafter, reassembled under the Lucebox home from the package's parts; and the
+tiny synthetic qwen35 with random weights (`provide`), which tests and examples still write.
 
-Q8_0 because it is the smallest type that keeps every matrix in one simple block format (the tiny
-model's 248,320 x 256 tied embedding dominates the file: 67 MB instead of 254 MB in F32), and a
-Q8_0 matrix dequantizes or runs natively everywhere. The file is deterministic (seed 0), so every
-machine gets the same weights and the same outputs.
+The trained pair (`scripts/train_demo.py` on the H200: 12 layers, hidden 96, the real 248,320-token vocabulary
+tied, Q8_0, 38.6 MB; the drafter 3 layers, 1.4 MB) ships as parts under 16 MiB each in `data/demo/`, with a
+`manifest.json` holding the sha256 of every part and of every whole file (`scripts/demo_export.split_into_parts`
+writes both) and `expected_greedy.json`, the greedy tokens the files gave for held-out prompts when they were
+trained (the test suite's regression check). `reassemble` joins them under the Lucebox home once, checking
+every checksum; `provide_trained` / `provide_trained_draft` are the providers the plugin's `DefaultModel`
+names.
 
-The trained pair (`scripts/train_demo.py`: a small code model trained on the Python standard library and its
-DFlash drafter) ships as parts under 16 MiB each in `data/demo/`, with a `manifest.json` holding the sha256 of
-every part and of every whole file (`scripts/demo_export.split_into_parts` writes both). `reassemble` joins
-them under the Lucebox home once, checking every checksum; `provide_trained` / `provide_trained_draft` are the
-providers a `DefaultModel` record names once the parts are committed.
+The synthetic model is Q8_0 because it is the smallest type that keeps every matrix in one simple block format
+(its 248,320 x 256 tied embedding dominates the file: 67 MB instead of 254 MB in F32); it is deterministic
+(seed 0), so every machine gets the same weights and the same outputs.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def reassemble(name: str, dest_folder: Path, parts_folder: Path | None = None) -
 
 
 def provide_trained(home: Path) -> Path:
-    """The trained demo target, reassembled under `home` (not yet the registered default: see the module doc)."""
+    """The trained demo target, reassembled under `home`: the default model."""
     return reassemble(DEMO_TARGET, Path(home) / "models")
 
 

@@ -25,8 +25,10 @@ lucebox_converters = provides(
 )
 
 lucebox_default_models = provides(
-    DefaultModel(name="qwen35-tiny-random", provider="lucebox_qwen35.default:provide", random_weights=True,
-                 description="tiny synthetic qwen35 model with random weights, written on first use")
+    DefaultModel(name="lucebox-demo-qwen35-stdlib", provider="lucebox_qwen35.default:provide_trained",
+                 draft_provider="lucebox_qwen35.default:provide_trained_draft",
+                 description="a small code model trained on the Python standard library, with its DFlash drafter: "
+                             "Lucebox's demo, it continues Python code; pass -m for a real model")
 )
 
 lucebox_response_parsers = provides(
