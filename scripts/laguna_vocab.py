@@ -7,6 +7,10 @@ the model's config names (`〈|EOS|〉` 2 is BOS and an end token, the padding t
 other control ids and the merges (trained here on this repository's text, a few thousand) are Lucebox's own;
 the converters pad the table to the model's 100,352 entries.
 
+It also writes tokenizer test vectors for it, in llama.cpp's test-tokenizer-0 form (`laguna-vocab.inp`: inputs
+separated by lines `__ggml_vocab_test__`; `.out`: the ids of each, no BOS, special text not parsed), made by
+transformers' own tokenizer of `tokenizer.json` over llama.cpp's tokenizer test inputs and chat/code samples.
+
 usage: python scripts/laguna_vocab.py [OUT_DIR]   (default: plugins/laguna/lucebox_laguna/data)
 """
 
@@ -58,6 +62,28 @@ def build() -> Tokenizer:
     return tokenizer
 
 
+LLAMA_CPP_INPUTS = ROOT.parent / "shared" / "fixtures" / "vocab" / "ggml-vocab-qwen35.gguf.inp"
+SEPARATOR = "\n__ggml_vocab_test__\n"
+SAMPLES = [
+    "<user>\nWhat is 2+2?\n</user>\n<assistant>\n</think>",
+    "def add(a, b):\n    return a + b\n\n\n\nprint(add(1, 2))\r\n",
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+    "It's 3.14159 — naïve café, 東京, Привет мир! 🚀🚀",
+    "   leading spaces\t\ttabs\n\n\nand\n \n newlines   ",
+]
+
+
+def write_vectors(out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    inputs = LLAMA_CPP_INPUTS.read_bytes().decode("utf-8").split(SEPARATOR) if LLAMA_CPP_INPUTS.is_file() else []
+    inputs = [text for text in inputs if text] + SAMPLES
+    ids = [tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] for text in inputs]
+    (out / "laguna-vocab.inp").write_text(SEPARATOR.join(inputs), encoding="utf-8")
+    (out / "laguna-vocab.out").write_text("".join(" ".join(map(str, row)) + "\n" for row in ids), encoding="utf-8")
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "plugins/laguna/lucebox_laguna/data"
     out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +97,7 @@ def main() -> None:
         "clean_up_tokenization_spaces": False, "model_max_length": 131072,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_vectors(out)
     print(f"wrote {out}/tokenizer.json ({tokenizer.get_vocab_size()} tokens)")
 
 
