@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
-__all__ = ["MAX_DEPTH", "admitted_types", "coerce_value", "is_text_parameter", "item_schema", "member_schema", "pointer",
-           "resolve", "value_type"]
+__all__ = ["MAX_DEPTH", "admitted_types", "coerce_value", "is_text_parameter", "item_schema", "member_schema",
+           "pointer", "resolve", "value_type"]
 
 MAX_DEPTH = 32  # how far references and nesting are followed
 

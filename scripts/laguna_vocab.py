@@ -96,7 +96,8 @@ def main() -> None:
         "bos_token": "〈|EOS|〉", "eos_token": "〈|EOS|〉", "pad_token": "〈|PAD|〉", "unk_token": None,
         "clean_up_tokenization_spaces": False, "model_max_length": 131072,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
     write_vectors(out)
     print(f"wrote {out}/tokenizer.json ({tokenizer.get_vocab_size()} tokens)")
 

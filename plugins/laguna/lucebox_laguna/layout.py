@@ -8,11 +8,11 @@ Laguna in llama.cpp's terms, with the GGUF key each is stored under (`laguna.` p
 
 | field | meaning | GGUF key |
 | --- | --- | --- |
-| `n_head` | per layer: query heads (48 on full layers, 64 on sliding ones in XS.2) | `attention.head_count` (array) |
-| `sliding_window` | sliding layers' window; layer i is full iff i % 4 == 0 (llama.cpp's fixed pattern) | `attention.sliding_window` |
-| `rope_theta` / `rope_dim` | full layers' RoPE base and rotated dims (YaRN) | `rope.freq_base` / `rope.dimension_count` |
-| `rope_theta_swa` / `rope_dim_swa` | sliding layers' plain RoPE | `rope.freq_base_swa` / `rope.dimension_count_swa` |
-| `yarn_*` | the full layers' YaRN scaling | `rope.scaling.{type,factor,original_context_length,yarn_beta_fast,yarn_beta_slow}` |
+| `n_head` | per layer: query heads (XS.2: 48 on full layers, 64 on sliding ones) | `attention.head_count` (array) |
+| `sliding_window` | sliding layers' window; layer i is full iff i % 4 == 0 (fixed) | `attention.sliding_window` |
+| `rope_theta` / `rope_dim` | full layers' RoPE base and rotated dims (YaRN) | `rope.freq_base` / `dimension_count` |
+| `rope_theta_swa` / `rope_dim_swa` | sliding layers' plain RoPE | `rope.freq_base_swa` / `dimension_count_swa` |
+| `yarn_*` | the full layers' YaRN scaling | `rope.scaling.{type,factor,original_context_length,...}` |
 | `n_dense_lead` | leading layers with a dense SwiGLU MLP instead of the MoE block | `leading_dense_block_count` |
 | `expert_weights_scale` | the routed experts' sum is multiplied by it (2.5) | `expert_weights_scale` |
 """
@@ -164,7 +164,8 @@ class LagunaConfig:
                             "layout with sliding layers is supported")
         gating = int(get("expert_gating_func", SIGMOID_GATING))
         if gating != SIGMOID_GATING:
-            raise GGUFError(f"{source}: {k}expert_gating_func = {gating}: Laguna's router is sigmoid ({SIGMOID_GATING})")
+            raise GGUFError(f"{source}: {k}expert_gating_func = {gating}: Laguna's router is sigmoid "
+                            f"({SIGMOID_GATING})")
         if not bool(get("expert_weights_norm", True)):
             raise GGUFError(f"{source}: {k}expert_weights_norm is false: Laguna renormalises the chosen weights")
         scaling = str(get("rope.scaling.type", "none"))

@@ -39,7 +39,8 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> LagunaModel:
         a = "layers.{i}.self_attn."
         attention = LagunaAttention(
             ops, layer_index=i, q_proj=src.weight(a + "q_proj", i), k_proj=src.weight(a + "k_proj", i),
-            v_proj=src.weight(a + "v_proj", i), o_proj=src.weight(a + "o_proj", i), g_proj=src.weight(a + "g_proj", i),
+            v_proj=src.weight(a + "v_proj", i), o_proj=src.weight(a + "o_proj", i),
+            g_proj=src.weight(a + "g_proj", i),
             q_norm=src.vector(a + "q_norm", i), k_norm=src.vector(a + "k_norm", i), num_heads=config.n_head[i],
             num_kv_heads=config.n_head_kv, head_dim=config.head_dim, inv_freq=swa_freq if sliding else full_freq,
             attention_factor=1.0 if sliding else config.yarn_attention_factor,
@@ -47,8 +48,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> LagunaModel:
         )
         m = "layers.{i}.mlp."
         if config.is_moe(i):
-            shared = LagunaMLP(ops, src.weight(m + "shared_experts.gate_proj", i),
-                               src.weight(m + "shared_experts.up_proj", i), src.weight(m + "shared_experts.down_proj", i))
+            shared = LagunaMLP(ops, *(src.weight(m + f"shared_experts.{part}_proj", i) for part in ("gate", "up", "down")))
             mlp: LagunaMLP | LagunaMoE = LagunaMoE(
                 ops, router=src.weight(m + "gate.weight", i),
                 selection_bias=src.vector(m + "gate.e_score_correction_bias", i, dtype=torch.float32),

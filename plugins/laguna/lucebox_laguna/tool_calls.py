@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lucebox_core.json_schema import coerce_value, is_text_parameter, member_schema
-from lucebox_core.parsing import Event, PlainContent, ReasoningParser, StreamedCall, StreamingToolCallParser, partial_suffix
+from lucebox_core.parsing import (Event, PlainContent, ReasoningParser, StreamedCall, StreamingToolCallParser,
+                                  partial_suffix)
 
 __all__ = ["LagunaToolCallParser", "create_parser"]
 
