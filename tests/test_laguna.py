@@ -173,7 +173,7 @@ def test_synthetic_tiny_generates_through_the_engine(tiny_file):
 
 
 @pytest.mark.slow
-def test_cli_synth_and_generate(tmp_path, tiny_file):
+def test_cli_synth_convert_and_generate(tmp_path, tiny_file, hf_pair):
     out = tmp_path / "cli.gguf"
     run = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "synth", "--arch", "laguna", "--size", "tiny",
                           "--type", "q8_0", "--seed", "5", "-o", str(out)], capture_output=True, text=True)
@@ -184,6 +184,11 @@ def test_cli_synth_and_generate(tmp_path, tiny_file):
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 6
+    _, _, converted = hf_pair
+    run = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "convert", str(converted.parent), "-o",
+                          str(tmp_path / "c.gguf"), "--type", "f16"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert GGUFFile(tmp_path / "c.gguf").tensor("blk.2.ffn_down_exps.weight").ggml_type.name == "F16"
     bad = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "synth", "--arch", "laguna", "--size", "huge",
                           "-o", str(tmp_path / "x.gguf")], capture_output=True, text=True)
     assert bad.returncode == 2 and "tiny, xs2" in bad.stderr
