@@ -6,8 +6,10 @@ and refusals of what the layout cannot hold."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +252,22 @@ def test_routed_expert_kernel_matches_the_reference(tokens):
     assert ops.moe_experts_swiglu.choice(x, gate, up, down, weights, ids) == "cuda.moe_experts_swiglu"
     expected = LAGUNA_OPS.references["moe_experts_swiglu"](ops, x, gate, up, down, weights, ids)
     torch.testing.assert_close(ops.moe_experts_swiglu(x, gate, up, down, weights, ids), expected, atol=1e-4, rtol=1e-3)
+
+
+LLAMA_SERVER = os.environ.get("LUCEBOX_LLAMA_SERVER", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="set LUCEBOX_LLAMA_SERVER to a llama-server binary "
+                    "(a CPU build of the llama.cpp in ../shared/tools/llamacpp) to compare with llama.cpp")
+def test_greedy_tokens_match_llama_cpp_on_the_cpu(tmp_path):
+    """llama.cpp on the CPU (f32 KV, flash attention off) and Lucebox give the same 24 greedy tokens (argmax over
+    every row, padding included, as llama.cpp's greedy is) on the tiny f32 file, prompts past the window."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import llamacpp_crosscheck as crosscheck
+
+    path = synth.write(tmp_path / "tiny-f32.gguf", size="tiny", type="f32", seed=1)
+    prompts = crosscheck.PROMPTS_BY_ARCH["laguna"]
+    theirs = crosscheck.llama_tokens(LLAMA_SERVER, path, prompts, port=8957, ngl=0)
+    ours, _ = crosscheck.argmax_tokens(path, prompts, "cpu")
+    assert ours == theirs

@@ -224,10 +224,12 @@ SIZES: dict[str, LagunaConfig] = {
     # Synthetic, for tests: rows a multiple of 256 (K-quants apply), five layers (full, three sliding, full)
     # with a 16-position window so the rings wrap in short tests, more query heads on the sliding layers than
     # on the full ones as in XS.2, YaRN on the full layers, 16 experts top-4; the Laguna-style vocabulary.
+    # YaRN's beta_fast is 32 here, not XS.2's 64: llama.cpp's laguna loader (0c1e570) does not read
+    # `rope.scaling.yarn_beta_fast` and always uses 32, so with 32 its greedy tokens are a check of the rest.
     "tiny": LagunaConfig(
         n_layer=5, hidden=256, ffn=512, n_head=(4, 8, 8, 8, 4), n_head_kv=2, head_dim=64, sliding_window=16,
-        rope_dim=32, rope_dim_swa=64, yarn_factor=32.0, n_expert=16, n_expert_used=4, expert_ffn=256,
-        shared_ffn=256,
+        rope_dim=32, rope_dim_swa=64, yarn_factor=32.0, yarn_beta_fast=32.0, n_expert=16, n_expert_used=4,
+        expert_ffn=256, shared_ffn=256,
     ),
     # poolside/Laguna-XS.2 (models.md 1.4).
     "xs2": LagunaConfig(
