@@ -271,3 +271,15 @@ def test_greedy_tokens_match_llama_cpp_on_the_cpu(tmp_path):
     theirs = crosscheck.llama_tokens(LLAMA_SERVER, path, prompts, port=8957, ngl=0)
     ours, _ = crosscheck.argmax_tokens(path, prompts, "cpu")
     assert ours == theirs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_backend_decodes_like_the_reference(tmp_path):
+    """The tiny f32 file on the CUDA backend (its kernels, the routed-expert products, the decode step recorded
+    as a graph) gives the torch reference's greedy tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import llamacpp_crosscheck as crosscheck
+
+    path = synth.write(tmp_path / "tiny-f32.gguf", size="tiny", type="f32", seed=1)
+    prompts = crosscheck.PROMPTS_BY_ARCH["laguna"]
+    assert crosscheck.argmax_tokens(path, prompts, "cuda")[0] == crosscheck.argmax_tokens(path, prompts, "cpu")[0]
