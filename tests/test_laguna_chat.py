@@ -4,6 +4,7 @@ synthetic Laguna served over HTTP to the OpenAI SDK."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import openai
@@ -125,13 +126,70 @@ def test_text_that_is_no_call_stays_content():
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "use <tool_call><b>not a call</b> here"
 
 
+# -- calls held to their schemas --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_required_tool_choice_forces_a_parsable_call(tokenizer, thinking):
+    import jsonschema
+    from tool_call_helpers import RICH_SCHEMA, RICH_TOOLS, checked_calls, drive
+
+    from lucebox_laguna.tool_grammar import tool_choice_constraint
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in RICH_TOOLS}
+    finished = 0
+    for seed in range(4):
+        constraint = tool_choice_constraint(tokenizer, schemas, "required", thinking=thinking)
+        prefix = "Let me see.</think>\n" if thinking else ""
+        chosen, done = drive(constraint, tokenizer, seed, 150, prefix, padded_logits=16)
+        if not done:
+            continue
+        finished += 1
+        text = tokenizer.decode([t for t in chosen if not tokenizer.is_eog(t)])
+        events = _events(text, RICH_TOOLS, thinking)
+        calls = checked_calls(events, text)
+        assert calls and not "".join(e.text for e in events if isinstance(e, ContentDelta)).strip(), text
+        for name, arguments in calls:
+            jsonschema.validate(arguments, RICH_SCHEMA if name == "get_weather" else {})
+    assert finished >= 2
+
+
+def test_a_named_choice_allows_only_that_function_and_auto_holds_opened_calls(tokenizer):
+    import jsonschema
+    from tool_call_helpers import RICH_SCHEMA, RICH_TOOLS, assert_tool_choice_is_checked, checked_calls, drive_auto
+
+    from lucebox_laguna.tool_grammar import tool_choice_constraint
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in RICH_TOOLS}
+    constraint = tool_choice_constraint(tokenizer, schemas, {"type": "function", "function": {"name": "noop"}})
+    constraint.accept(tokenizer.token_to_id("<tool_call>"))
+    allowed = constraint.allowed(tokenizer.vocab_size)
+    assert allowed[tokenizer.encode("no", add_bos=False)[0]] and not allowed[tokenizer.encode("get", add_bos=False)[0]]
+    assert_tool_choice_is_checked(tool_choice_constraint, create_parser(tools=RICH_TOOLS), tokenizer, schemas)
+
+    parser = create_parser(tools=RICH_TOOLS)
+    auto = parser.constraint_for("auto", tokenizer)
+    assert auto.dormant and auto.allowed(tokenizer.vocab_size) is None
+    chosen, ended = drive_auto(auto, tokenizer, [tokenizer.token_to_id("<tool_call>")], seed=7)
+    text = tokenizer.decode(chosen)
+    whole = checked_calls(_events(text, RICH_TOOLS, False), text)[:ended]
+    assert ended >= 2 and len(whole) == ended, text
+    for name, arguments in whole:
+        jsonschema.validate(arguments, RICH_SCHEMA if name == "get_weather" else {"type": "object"})
+
+
+def _events(text, tools, thinking):
+    parser = create_parser(tools=tools, thinking=thinking)
+    return parser.feed(text) + parser.finish()
+
+
 # -- served -------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     model = synth.write(tmp_path_factory.mktemp("laguna") / "tiny-q8_0.gguf", size="tiny", type="q8_0", seed=3)
-    yield from loaded_service(tmp_path_factory, model=str(model), ctx_size=256, parallel=1)
+    yield from loaded_service(tmp_path_factory, model=str(model), ctx_size=512, parallel=1)
 
 
 def test_served_laguna_answers_the_openai_sdk(oai, service):
@@ -147,7 +205,12 @@ def test_served_laguna_answers_the_openai_sdk(oai, service):
     assert stream[-1].choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
-def test_a_forced_tool_call_is_refused_clearly(oai):
-    with pytest.raises(openai.BadRequestError, match="no tool-call grammar"):
-        oai.chat.completions.create(model="laguna", messages=[{"role": "user", "content": "Weather?"}],
-                                    tools=TOOLS, tool_choice="required", max_tokens=4)
+def test_a_forced_tool_call_comes_back_parsed(oai):
+    reply = oai.chat.completions.create(
+        model="laguna", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80)
+    choice = reply.choices[0]  # greedy on a fixed random model: the grammar's shortest way out is a call
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) <= {"city", "days", "units"} and isinstance(arguments.get("days", 0), int)

@@ -48,7 +48,8 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> LagunaModel:
         )
         m = "layers.{i}.mlp."
         if config.is_moe(i):
-            shared = LagunaMLP(ops, *(src.weight(m + f"shared_experts.{part}_proj", i) for part in ("gate", "up", "down")))
+            shared = LagunaMLP(ops, *(src.weight(m + f"shared_experts.{part}_proj", i)
+                                      for part in ("gate", "up", "down")))
             mlp: LagunaMLP | LagunaMoE = LagunaMoE(
                 ops, router=src.weight(m + "gate.weight", i),
                 selection_bias=src.vector(m + "gate.e_score_correction_bias", i, dtype=torch.float32),

@@ -15,8 +15,8 @@ Arguments stream as JSON fragments: a string parameter's text as it arrives, oth
 function name is known; before that, the text is given back as content. Reasoning is a leading
 `<think>…</think>` block (the template opens the answer with `</think>` when thinking is off).
 
-No grammar holds calls to their schemas yet: `tool_choice` "required" or a named function is refused with a
-clear error by the server (the parser's `constraint_for` gives None), "auto" reads whatever the model writes.
+The grammar that holds calls to the tools' schemas (`tool_grammar.py`) writes values the same way, so the
+parser reads back exactly what the grammar allowed.
 """
 
 from __future__ import annotations
@@ -75,8 +75,13 @@ class LagunaToolCallParser(StreamingToolCallParser):
         self._held_space = ""
         return events
 
-    def constraint_for(self, tool_choice: Any, tokenizer: Any, **_: Any) -> None:
-        return None  # no call grammar for Laguna yet (see the module docstring)
+    def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False,
+                       shadow: Callable[[], Any] | None = None) -> Any:
+        """The constraint that holds the output to `tool_choice` and the tools' schemas (`tool_grammar`);
+        `shadow` makes a fresh parser of the whole response, for "auto"."""
+        from .tool_grammar import tool_choice_constraint
+
+        return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking, shadow=shadow)
 
     def fresh(self) -> LagunaToolCallParser:
         return LagunaToolCallParser(self.tools)
