@@ -153,6 +153,29 @@ def test_the_xs2_size_is_laguna_xs2():
     assert layout.LagunaConfig.from_gguf_metadata(metadata, tensor_names=shapes) == cfg
 
 
+def test_an_xs2_style_config_converts_to_the_xs2_size():
+    """Laguna-XS.2's config.json shape (models.md 1.4), with YaRN's factor and original context at the top level
+    of `rope_parameters` as XS.2 stores them, reads as the `xs2` layout."""
+    n = 40
+    config = {
+        "model_type": "laguna", "vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": n, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+        "num_attention_heads_per_layer": [48 if i % 4 == 0 else 64 for i in range(n)],
+        "layer_types": ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)],
+        "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1), "sliding_window": 512, "gating": True,
+        "rope_parameters": {
+            "factor": 32.0, "original_max_position_embeddings": 4096,
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
+                               "beta_fast": 64.0, "beta_slow": 1.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "moe_routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    }
+    assert convert.config_from_hf(config, tied_output=False) == layout.size("xs2")
+
+
 @pytest.fixture(scope="module")
 def tiny_file(tmp_path_factory):
     return synth.write(tmp_path_factory.mktemp("laguna") / "tiny-q8_0.gguf", size="tiny", type="q8_0", seed=5)
