@@ -29,12 +29,10 @@ from lucebox_core.json_schema import coerce_value, is_text_parameter, member_sch
 from lucebox_core.parsing import (Event, PlainContent, ReasoningParser, StreamedCall, StreamingToolCallParser,
                                   partial_suffix)
 
-__all__ = ["LagunaToolCallParser", "create_parser"]
+from .markup import CALL_CLOSE, CALL_OPEN, KEY_CLOSE, KEY_OPEN, NAME_LIMIT, VALUE_CLOSE, VALUE_OPEN
+from .tool_grammar import tool_choice_constraint
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
-VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
-_NAME_LIMIT = 256  # a "name" longer than this is not a call after all
+__all__ = ["LagunaToolCallParser", "create_parser"]
 
 
 def create_parser(*, tools: Iterable[Mapping[str, Any]] | None = None, thinking: bool = False,
@@ -79,8 +77,6 @@ class LagunaToolCallParser(StreamingToolCallParser):
                        shadow: Callable[[], Any] | None = None) -> Any:
         """The constraint that holds the output to `tool_choice` and the tools' schemas (`tool_grammar`);
         `shadow` makes a fresh parser of the whole response, for "auto"."""
-        from .tool_grammar import tool_choice_constraint
-
         return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking, shadow=shadow)
 
     def fresh(self) -> LagunaToolCallParser:
@@ -105,10 +101,10 @@ class LagunaToolCallParser(StreamingToolCallParser):
     def _in_function_name(self, events: list[Event], final: bool) -> bool:
         ends = [i for i in (self._buffer.find("\n"), self._buffer.find("<")) if i >= 0]
         end = min(ends) if ends else -1
-        if end < 0 and not final and len(self._buffer) <= _NAME_LIMIT:
+        if end < 0 and not final and len(self._buffer) <= NAME_LIMIT:
             return False
         name = (self._buffer if end < 0 else self._buffer[:end]).strip()
-        if not name or len(name) > _NAME_LIMIT or any(c in name for c in "<>"):
+        if not name or len(name) > NAME_LIMIT or any(c in name for c in "<>"):
             self._abandon_call(events)
             return True
         self._take(len(self._buffer) if end < 0 else end)

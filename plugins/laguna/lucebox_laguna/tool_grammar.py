@@ -22,9 +22,7 @@ from lucebox_core.parsing import tool_call_constraint
 from lucebox_core.schema_grammar import (JsonSyntax, SchemaGrammar, SchemaNotSupported, StringShape, ValueSyntax,
                                          checked, containing, lark_string, regex_item)
 
-from .tool_calls import CALL_CLOSE, CALL_OPEN, KEY_CLOSE, KEY_OPEN, VALUE_CLOSE, VALUE_OPEN
-
-_NAME_LIMIT = 256
+from .markup import CALL_CLOSE, CALL_OPEN, KEY_CLOSE, KEY_OPEN, NAME_LIMIT, VALUE_CLOSE, VALUE_OPEN
 
 
 class _TextValues(ValueSyntax):
@@ -47,7 +45,7 @@ class _TextValues(ValueSyntax):
 
 
 def _bad_name(name: str) -> bool:
-    return not name or name != name.strip() or len(name) > _NAME_LIMIT or any(c in name for c in "<>\n")
+    return not name or name != name.strip() or len(name) > NAME_LIMIT or any(c in name for c in "<>\n")
 
 
 def _parameters(tokenizer: Any, function: str, schema: Mapping[str, Any], index: int, *,
