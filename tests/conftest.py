@@ -25,13 +25,19 @@ def tiny_target_and_draft(tmp_path_factory):
 # -- a served model, for the modules that drive the HTTP server -------------------------------------------
 # A module defines its own `service` fixture (through `loaded_service`); `url`, `oai` and `claude` serve it.
 
-SERVED_FAMILIES = ["qwen35", "gemma4"]
+SERVED_FAMILIES = ["qwen35", "gemma4", "laguna"]
 
 
 def tiny_family_model(family: str, tmp_path_factory) -> str | None:
-    """The model a served-family test runs: qwen35's is the default model (None), gemma4's a tiny Q8_0 file."""
+    """The model a served-family test runs: qwen35's is the default model (None), gemma4's and laguna's a tiny
+    Q8_0 file."""
     if family == "qwen35":
         return None
+    if family == "laguna":
+        from lucebox_laguna import synth as laguna_synth
+
+        return str(laguna_synth.write(tmp_path_factory.mktemp("laguna") / "tiny-q8_0.gguf", size="tiny",
+                                      type="q8_0", seed=3))
     from lucebox_gemma4 import synth
 
     return str(synth.write(tmp_path_factory.mktemp("gemma4") / "tiny-q8_0.gguf", size="tiny", type="q8_0", seed=3))

@@ -65,8 +65,9 @@ def test_lucebox_model_families_qwen35_and_install_hints():
     family = registry.family_for("qwen35")
     assert family.name == "qwen35"
     assert registry.family_for("gemma4").name == "gemma4"
-    with pytest.raises(PluginError, match=r"'laguna'.*install lucebox-laguna"):
-        registry.family_for("laguna", "model.gguf")
+    assert registry.family_for("laguna").name == "laguna"
+    with pytest.raises(PluginError, match=r"'laguna'.*lucebox-laguna is installed but not loaded"):
+        discover(allowed="qwen35").family_for("laguna", "model.gguf")
     with pytest.raises(PluginError, match="'gemma4'.*lucebox-gemma4 is installed but not loaded"):
         discover(allowed="qwen35").family_for("gemma4")
     with pytest.raises(PluginError, match="'qwen35'.*lucebox-qwen is installed but not loaded"):

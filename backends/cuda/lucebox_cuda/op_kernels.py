@@ -357,7 +357,7 @@ def conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch
 
 
 
-# -- mixture-of-experts products (the names of a family's ops: Gemma-4's `moe_experts`) -------------------
+# -- mixture-of-experts products (families' op names: Gemma-4's `moe_experts`, Laguna's `moe_experts_swiglu`) --
 
 # Routed (token, expert) pairs up to which the experts run on the pair kernel (each pair reads its expert's
 # blocks: decode and speculative verify, which must share the decode step's kernel to get its bits); beyond
@@ -411,16 +411,47 @@ def _expert_view(ops: Any, stack: QuantTensor, expert: int) -> QuantTensor:
     return views[key][1]
 
 
-def _moe_by_expert(ops: Any, x, gate_up_exps, down_exps, weights, ids) -> torch.Tensor:
+def _moe_by_expert(ops: Any, x, gate_up_exps, down_exps, weights, ids, up_exps=None, activation=None) -> torch.Tensor:
+    """Each expert any token chose, once, on its tokens (a host sync: prefill only). The first products are
+    one fused `[gate | up]` stack (Gemma-4, GeGLU), or a gate and an up stack (`up_exps`, with `activation`)."""
     inter = down_exps.shape[2]
+    activation = activation or ops.gelu_tanh_mul
     out = torch.zeros(x.shape[0], down_exps.shape[1], dtype=torch.float32, device=x.device)
     for expert in torch.unique(ids).tolist():  # a host sync: prefill is not recorded
         token, slot = torch.where(ids == expert)
-        gate_up = ops.linear(x[token], _expert_view(ops, gate_up_exps, expert))
-        act = ops.gelu_tanh_mul(gate_up[:, :inter], gate_up[:, inter:])
+        rows = x[token]
+        if up_exps is None:
+            gate_up = ops.linear(rows, _expert_view(ops, gate_up_exps, expert))
+            act = activation(gate_up[:, :inter], gate_up[:, inter:])
+        else:
+            act = activation(ops.linear(rows, _expert_view(ops, gate_up_exps, expert)),
+                             ops.linear(rows, _expert_view(ops, up_exps, expert)))
         y = ops.linear(act, _expert_view(ops, down_exps, expert))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
+
+
+def accepts_moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: Any, up_exps: Any, down_exps: Any,
+                               weights: torch.Tensor, ids: torch.Tensor) -> bool:
+    return accepts_moe_experts(ops, x, gate_exps, down_exps, weights, ids) and _expert_stack(ops, up_exps)
+
+
+def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exps: QuantTensor,
+                       down_exps: QuantTensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over separate gate and up stacks (Laguna's
+    layout; any family's op of this name and signature). Few pairs: the same expert products as
+    `moe_experts`, reading only the chosen experts' blocks, ids on the device; many: each chosen expert on
+    its tokens (no grouped SwiGLU product yet)."""
+    tokens, top_k = ids.shape
+    hidden = down_exps.shape[1]
+    if tokens * top_k > EXPERT_PAIR_LIMIT:
+        return _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
+    flat = ids.reshape(-1)
+    act = ops.silu_mul(ops.expert_matvec(x, gate_exps, flat, top_k), ops.expert_matvec(x, up_exps, flat, top_k))
+    down = ops.expert_matvec(act, down_exps, flat, 1)  # [T * k, hidden]
+    if triton_moe() is not None:
+        return triton_moe().combine_pairs(down, weights)
+    return (down.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
 
 
 def _dense_decodable(stack: QuantTensor) -> bool:

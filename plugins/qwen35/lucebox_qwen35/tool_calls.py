@@ -25,12 +25,11 @@ the parser reads back exactly what the grammar allowed.
 
 from __future__ import annotations
 
-import ast
 import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from lucebox_core.json_schema import admitted_types, member_schema, value_type
+from lucebox_core.json_schema import coerce_value, is_text_parameter, member_schema  # noqa: F401 (coerce_value: the module's API)
 from lucebox_core.parsing import chosen_tool_name, tool_parameters  # noqa: F401 (tool_parameters: the module's API)
 from lucebox_core.parsing import (
     Event,
@@ -65,45 +64,6 @@ def create_parser(
     """
     content = QwenToolCallParser(tools, call_id=call_id) if tools else PlainContent()
     return ReasoningParser(content, thinking=thinking)
-
-
-def is_text_parameter(schema: Any, root: Any = None) -> bool:
-    """Whether a parameter's value is written as bare text (its schema admits strings only) rather than JSON."""
-    return schema is None or admitted_types(schema, root) == {"string"}
-
-
-def coerce_value(text: str, schema: Mapping[str, Any] | None, root: Any = None) -> Any:
-    """A parameter's text as the value its schema asks for; text that does not parse stays a string.
-
-    `root`: the tool's whole parameters schema, which `$ref`s in `schema` point into.
-    """
-    if is_text_parameter(schema, root):
-        return text
-    types = admitted_types(schema, root)
-    stripped = text.strip()
-    if types is not None and "null" in types and stripped in ("null", "None"):
-        return None
-    if types is not None and "boolean" in types and stripped.lower() in ("true", "false"):
-        return stripped.lower() == "true"  # the template renders Python's True/False
-    try:
-        value = json.loads(stripped)
-    except ValueError:
-        value = text
-        if types is not None and types & {"object", "array"}:  # a Python literal ({'a': 1}) is a common slip
-            try:
-                value = ast.literal_eval(stripped)
-            except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
-                value = text
-            if not isinstance(value, (dict, list)):  # a set, a tuple, bytes...: not JSON, so the text
-                value = text
-    if types is None:
-        return value
-    if "integer" in types and "number" not in types and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    kind = value_type(value)
-    if "string" in types and kind not in types and not (kind == "integer" and "number" in types):
-        return text  # not one of the other types it may be: the text it was
-    return value
 
 
 class _Call(StreamedCall):

@@ -1,0 +1,1 @@
+"""Lucebox plugin for Poolside Laguna (GGUF architecture `laguna`)."""

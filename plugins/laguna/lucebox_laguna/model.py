@@ -1,0 +1,301 @@
+"""Laguna (GGUF architecture `laguna`, Poolside Laguna-XS.2): the forward pass, written against backend ops.
+
+    h = embed_tokens(ids)
+    for each decoder layer:
+        x = input_layernorm(h)
+        h = h + o_proj(attention(q, k, v) * softplus(g_proj(x)) per head)
+        x = post_attention_layernorm(h)
+        h = h + (mlp(x) if a leading dense layer else 2.5 * routed_experts(x) + shared_expert(x))
+    logits = lm_head(norm(h))
+
+Attention: per-layer query head counts (XS.2: 48 on full layers, 64 on sliding ones), 8 KV heads of 128,
+q_norm and k_norm per head, scale 1/sqrt(128). Layer i is full attention iff i % 4 == 0: YaRN RoPE (base 5e5)
+on the first 64 dims of each head, those dims (only) multiplied by YaRN's attention factor 0.1 ln 32 + 1;
+the other layers slide over 512 positions with plain RoPE (base 1e4) on the whole head. The MoE router is a
+sigmoid over the experts; `exp_probs_b` only biases which 8 are chosen; the chosen scores are renormalised
+to sum 1. Names follow transformers' `modeling_laguna.py`; GGUF names are in `GGUF_NAMES`.
+
+Sliding layers' K/V live in a ring of `window` rows (`KVLayerShape.window`), full layers' in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
+from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
+
+from .layout import LagunaConfig
+
+ARCHITECTURE = "laguna"
+
+GGUF_NAMES: dict[str, str] = {
+    "embed_tokens": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "layers.{i}.input_layernorm": "blk.{i}.attn_norm.weight",
+    "layers.{i}.self_attn.q_proj": "blk.{i}.attn_q.weight",
+    "layers.{i}.self_attn.k_proj": "blk.{i}.attn_k.weight",
+    "layers.{i}.self_attn.v_proj": "blk.{i}.attn_v.weight",
+    "layers.{i}.self_attn.o_proj": "blk.{i}.attn_output.weight",
+    "layers.{i}.self_attn.q_norm": "blk.{i}.attn_q_norm.weight",
+    "layers.{i}.self_attn.k_norm": "blk.{i}.attn_k_norm.weight",
+    "layers.{i}.self_attn.g_proj": "blk.{i}.attn_gate.weight",
+    "layers.{i}.post_attention_layernorm": "blk.{i}.ffn_norm.weight",
+    "layers.{i}.mlp.gate_proj": "blk.{i}.ffn_gate.weight",
+    "layers.{i}.mlp.up_proj": "blk.{i}.ffn_up.weight",
+    "layers.{i}.mlp.down_proj": "blk.{i}.ffn_down.weight",
+    "layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+    "layers.{i}.mlp.gate.e_score_correction_bias": "blk.{i}.exp_probs_b.bias",
+    "layers.{i}.mlp.experts.gate_proj": "blk.{i}.ffn_gate_exps.weight",
+    "layers.{i}.mlp.experts.up_proj": "blk.{i}.ffn_up_exps.weight",
+    "layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+    "layers.{i}.mlp.shared_experts.gate_proj": "blk.{i}.ffn_gate_shexp.weight",
+    "layers.{i}.mlp.shared_experts.up_proj": "blk.{i}.ffn_up_shexp.weight",
+    "layers.{i}.mlp.shared_experts.down_proj": "blk.{i}.ffn_down_shexp.weight",
+}
+
+Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tensor
+
+
+@attrs.define
+class LagunaAttention:
+    """transformers' `LagunaAttention` for one layer (sliding or full)."""
+
+    ops: Any
+    layer_index: int
+    q_proj: Weight
+    k_proj: Weight
+    v_proj: Weight
+    o_proj: Weight
+    g_proj: Weight  # [heads, hidden]: one gate per head
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inv_freq: torch.Tensor  # [rotated dims / 2] fp32
+    attention_factor: float  # YaRN's scale of the rotated dims (1 on sliding layers)
+    sliding_window: int  # 0 for full layers
+    eps: float
+
+    @property
+    def kv_shape(self) -> KVLayerShape:
+        return KVLayerShape(self.num_kv_heads, self.head_dim, self.head_dim, window=self.sliding_window)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q `[B, T, H, D]`, k and v `[B, T, Hkv, D]` and the gate `[B, T, H]` of `x` at `positions` `[T]`."""
+        ops = self.ops
+        batch, tokens, _ = x.shape
+        query = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, self.head_dim)
+        key = ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        value = ops.linear(x, self.v_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        gate = ops.linear(x, self.g_proj)
+        query, key = ops.qk_norm_rope_scaled(query, key, self.q_norm, self.k_norm, positions, self.inv_freq,
+                                             self.attention_factor, self.eps)
+        return query, key, value, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        batch, tokens = out.shape[:2]
+        gated = self.ops.softplus_head_gate(out, gate)
+        return self.ops.linear(gated.reshape(batch, tokens, -1), self.o_proj)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
+        """Eager: `x` at positions `past ..`; K/V appended to the cache, attention over what each query sees."""
+        query, key, value, gate = self.project(x, positions)
+        first = window_start(self.kv_shape, past)
+        keys, values = kv.append(self.layer_index, key[0], value[0])
+        keys, values = keys[None].to(query.dtype), values[None].to(query.dtype)
+        if not self.sliding_window:
+            return self.output(self.ops.attention(query, keys, values, scale=self.scale, causal_offset=past), gate)
+        key_positions = torch.arange(first, first + keys.shape[1], device=x.device)
+        age = positions[:, None] - key_positions[None, :]
+        visible = (age >= 0) & (age < self.sliding_window)  # key seen iff 0 <= q - k < window
+        return self.output(self.ops.attention(query, keys, values, scale=self.scale, mask=visible), gate)
+
+    def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int,
+                      one_node: torch.Tensor) -> torch.Tensor:
+        """One token at the device position `position` `[1]`: K/V written there, then the generic
+        `tree_attention` with one node over a fixed window of the cache (a sliding layer's ring: its slots),
+        the node's rows passed beside the cache, as Gemma-4's decode step does."""
+        query, key, value, gate = self.project(x, position)
+        kv.write(self.layer_index, position, key[0], value[0])
+        keys, values = kv.gather(self.layer_index, window)
+        node_k, node_v = kv.as_stored(key[0], value[0])
+        out = self.ops.tree_attention(query, keys, values, position, one_node, scale=self.scale, node_k=node_k,
+                                      node_v=node_v, ring=self.sliding_window or 0)
+        return self.output(out, gate)
+
+
+@attrs.define
+class LagunaMLP:
+    """A SwiGLU block: the leading dense layers' MLP and each MoE layer's shared expert."""
+
+    ops: Any
+    gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)), self.down_proj)
+
+
+@attrs.define
+class LagunaMoE:
+    """transformers' `LagunaSparseMoeBlock`: sigmoid router with a selection bias, top-k SwiGLU experts whose
+    renormalised sum is scaled, and one always-on shared expert."""
+
+    ops: Any
+    router: Weight  # [E, hidden]
+    selection_bias: torch.Tensor  # [E] fp32 (`e_score_correction_bias`)
+    gate_exps: Weight  # [E, I, hidden]
+    up_exps: Weight  # [E, I, hidden]
+    down_exps: Weight  # [E, hidden, I]
+    shared_expert: LagunaMLP
+    top_k: int
+    routed_scale: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = ops.sigmoid_route(flat, self.router, self.selection_bias, self.top_k, self.routed_scale)
+        routed = ops.moe_experts_swiglu(flat, self.gate_exps, self.up_exps, self.down_exps, weights, ids)
+        return routed.reshape(x.shape) + self.shared_expert(x)
+
+
+@attrs.define
+class LagunaDecoderLayer:
+    index: int
+    self_attn: LagunaAttention
+    mlp: LagunaMLP | LagunaMoE
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+
+
+@attrs.define
+class LagunaState:
+    """What one sequence carries between forward calls: its K/V (sliding layers in rings), its length and
+    its static decode step."""
+
+    kv: KVCache
+    length: int = 0
+    captured: dict[int, torch.Tensor] = attrs.Factory(dict)
+    features: torch.Tensor | None = None  # no drafter feature ring (no Laguna drafter yet)
+    decode: StaticStep | None = None
+
+
+class LagunaModel:
+    def __init__(self, config: LagunaConfig, ops: Any, embed_tokens: Weight, layers: list[LagunaDecoderLayer],
+                 norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
+                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
+                 source: str = "") -> None:
+        """`ops`: the backend with the family's ops bound (`LAGUNA_OPS.bind(backend)`)."""
+        self.config = config
+        self.ops = ops
+        self.kv_policy = kv_policy
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.kv_dtype = kv_dtype or ops.dtype
+        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
+        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
+        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
+        self.vocab_size = int(lm_head.shape[0])
+        self.context_length = int(config.context_length)
+        self.source = source
+        self.decode_graphs = ops.graphs_enabled()
+        self.decode_min_window = MIN_WINDOW
+        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
+
+    def __repr__(self) -> str:
+        full = sum(1 for layer in self.layers if not layer.self_attn.sliding_window)
+        return (f"LagunaModel({self.source or 'in memory'}: {len(self.layers)} layers ({len(self.layers) - full} "
+                f"sliding, {full} full), {self.config.n_expert} experts top-{self.config.n_expert_used}, "
+                f"vocab {self.vocab_size})")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden
+
+    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
+        return {layer.index: layer.self_attn.kv_shape for layer in self.layers}
+
+    def new_state(self, max_tokens: int | None = None) -> LagunaState:
+        max_tokens = self.context_length if max_tokens is None else max_tokens
+        return LagunaState(kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=self.ops.dtype,
+                                                    device=self.ops.device, k_type=self.cache_type_k,
+                                                    v_type=self.cache_type_v))
+
+    def reset_state(self, state: LagunaState) -> None:
+        """Empty `state` for a new sequence, keeping its buffers and recordings."""
+        state.kv.rollback(0)
+        state.length = 0
+        state.captured = {}
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[T, hidden]` (Laguna does not scale them)."""
+        return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
+
+    def forward(self, state: LagunaState, token_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
+                capture: Any = (), last_only: bool = False) -> torch.Tensor:
+        """Run `token_ids` `[T]` after what `state` holds; return logits `[T, vocab]` (`[1, vocab]` with
+        `last_only`) and advance the state. `capture`: layers whose outputs go to `state.captured`."""
+        ops = self.ops
+        token_ids = token_ids.reshape(-1)
+        if self.decode_graphs and token_ids.shape[0] == 1 and positions is None and not capture:
+            return self.decode_step(state, token_ids)
+        tokens = token_ids.shape[0]
+        if positions is None:
+            positions = torch.arange(state.length, state.length + tokens, device=ops.device)
+        state.kv.ensure_room(tokens)
+        past = state.kv.length
+        state.captured = {}
+
+        def tap(layer: LagunaDecoderLayer, output: torch.Tensor) -> None:
+            if layer.index in capture:
+                state.captured[layer.index] = output[0]
+
+        hidden = self._run_layers(self.embed(token_ids)[None],
+                                  lambda layer, x: layer.self_attn(x, positions, state.kv, past), tap,
+                                  last_only=last_only)
+        state.length += tokens
+        return ops.linear(hidden, self.lm_head)[0]
+
+    __call__ = forward
+
+    def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, *,
+                    last_only: bool = False) -> torch.Tensor:
+        """The decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states; `attend(layer,
+        x)` runs a layer's attention (the forward pass and the decode step differ only there)."""
+        ops, eps = self.ops, self.config.eps
+        normed = ops.rms_norm(hidden, self.layers[0].input_layernorm, eps)
+        for i, layer in enumerate(self.layers):
+            mlp_in, hidden = ops.add_rms_norm(attend(layer, normed), hidden, layer.post_attention_layernorm, eps)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            normed, hidden = ops.add_rms_norm(layer.mlp(mlp_in), hidden, next_norm, eps)
+            if tap is not None:
+                tap(layer, hidden)
+        return normed[:, -1:] if last_only else normed
+
+    # -- the static decode step ------------------------------------------------------------------------
+
+    def decode_step(self, state: LagunaState, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+        """One token at position `state.length` through the static-shape step (recorded as a graph per KV
+        window where the backend records); the same logits and state as `forward` for one token."""
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
+
+    def _static_step(self, state: LagunaState, inputs: StaticInputs, window: int) -> torch.Tensor:
+        one_node = torch.ones(1, 1, dtype=torch.bool, device=inputs.position.device)
+        hidden = self._run_layers(
+            inputs.embedded,
+            lambda layer, x: layer.self_attn.decode_static(x, inputs.position, state.kv, window, one_node))
+        return self.ops.linear(hidden, self.lm_head)[0]
