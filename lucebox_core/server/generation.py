@@ -59,6 +59,7 @@ class Conversation:
     thinking: bool | None = None  # None: the server's default
     template_kwargs: dict = attrs.Factory(dict)
     param: str = "messages"  # the request field the conversation came in (errors name it)
+    pinned_arguments: dict | None = None  # --force-tool-call NAME=ARGS: the schema the forced call is held to
 
 
 @attrs.define(kw_only=True)
