@@ -50,6 +50,9 @@ def add_serve_parser(commands: Any) -> None:
     p.add_argument("--force-tool-call", action="append", metavar="NAME[=JSON]", default=[],
                    help="TESTING ONLY: when a request offers tool NAME and holds no tool result yet, force a call "
                         "to it (JSON pins its arguments); after a tool result, forbid tools. Repeatable")
+    p.add_argument("--short-answers", type=int, metavar="CHARS",
+                   help="TESTING ONLY: hold every plain text answer to at most CHARS characters, then end it "
+                        "(a random-weight model's answers then end with 'stop'); thinking off")
     add_speculative_arguments(p, force=False)
     p.set_defaults(run=cmd_serve)
 
@@ -93,8 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **attrs.asdict(engine_options, recurse=False), host=args.host, port=args.port, model_name=args.model_name,
         api_key=args.api_key, n_predict=args.n_predict, think_max_tokens=args.think_max_tokens,
         thinking_default=args.reasoning == "on", request_log=args.log_requests,
-        force_tool_calls=tuple(args.force_tool_call),
+        force_tool_calls=tuple(args.force_tool_call), short_answers=args.short_answers,
     )
+    if args.short_answers is not None and args.short_answers < 1:
+        raise LuceboxError(f"--short-answers must be at least 1, got {args.short_answers}")
     from .forced_tool import parse_forced_tools
 
     parse_forced_tools(config.force_tool_calls)  # a malformed value is an error line before the socket opens

@@ -9,7 +9,13 @@ ARGUMENTS (a JSON object) pins the call's arguments: the grammar is then built f
 property is that value (`const`), so the client runs a known, harmless command. Several NAMEs may be given
 (the flag repeats); the first one a request offers is used. Requests without such a tool are untouched.
 
-Never use it for real work: it overrides what the client asked for.
+`lucebox serve --short-answers CHARS` (testing, with or without the flag above): every answer not forced to
+be a tool call is plain text (even when tools are offered), held by a grammar to at most CHARS characters of letters, digits, spaces and punctuation, after which the
+model must end it, so a random-weight model's answer ends with `stop` instead of running into the token
+limit (which agent clients report as an error, or retry). Both flags turn thinking off for the requests
+they touch: a random model's thought never closes.
+
+Never use either for real work: they override what the client asked for.
 """
 
 from __future__ import annotations
@@ -68,9 +74,14 @@ def apply_forced_tool(forced: tuple[ForcedTool, ...], conversation: Any) -> Any:
     if chosen is None:
         return conversation
     if conversation.messages and conversation.messages[-1].get("role") == "tool":
-        return attrs.evolve(conversation, tool_choice=ToolChoice(mode="none"))
-    return attrs.evolve(conversation, tool_choice=ToolChoice(mode="required", name=chosen.name),
+        return attrs.evolve(conversation, tool_choice=ToolChoice(mode="none"), thinking=False)
+    return attrs.evolve(conversation, tool_choice=ToolChoice(mode="required", name=chosen.name), thinking=False,
                         pinned_arguments=chosen.pinned_schema() if chosen.arguments is not None else None)
+
+
+def short_answer_grammar(chars: int) -> str:
+    """A lark grammar: 1 to `chars` characters of plain text, then the end."""
+    return f"start: /[A-Za-z0-9 ,.!?'-]{{1,{int(chars)}}}/\n"
 
 
 def tools_with_pinned_arguments(conversation: Any) -> list[dict]:

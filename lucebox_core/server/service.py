@@ -37,6 +37,7 @@ class ServeConfig(EngineOptions):
     responses_kept: int = 256  # recent /v1/responses kept for previous_response_id
     request_log: str | None = None  # --log-requests: a JSON line per request, its shape (request_log.py)
     force_tool_calls: tuple[str, ...] = ()  # --force-tool-call (testing only; forced_tool.py)
+    short_answers: int | None = None  # --short-answers CHARS (testing only; forced_tool.py)
 
 
 class ModelService:
