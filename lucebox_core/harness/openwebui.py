@@ -1,0 +1,1 @@
+"""Open WebUI (placeholder while being written)."""
