@@ -179,6 +179,8 @@ def _opencode_configure(client: Client, folder: Path, base_url: str, model: str)
         }},
         "model": f"lucebox/{model}", "small_model": f"lucebox/{model}",
         "autoupdate": False, "share": "disabled",
+        # `opencode run` turns every permission question into a refusal: allow reading, forbid changes.
+        "permission": {"read": "allow", "external_directory": "allow", "edit": "deny", "bash": "deny"},
     }
     (folder / "opencode.json").write_text(json.dumps(config, indent=2) + "\n")
     # Its provider package is fetched from npm on first use into XDG_CACHE_HOME, kept across runs.
