@@ -212,6 +212,8 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
                   fmt(totals["mean_ttft_s"]), fmt(totals["mean_decode_tps"], 1), fmt(totals["mean_prefill_tps"], 1),
                   fmt(totals["total_s"]), f"{fmt(totals['overall_output_tps'], 1)} tok/s", style="bold")
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # a log file or pipe: wide enough that the columns do not wrap
     console.print(table)
     if not all(t.usage_reported for t in timings):
         console.print("* the server sent no usage: tokens counted as content chunks")
