@@ -65,8 +65,7 @@ def apply_forced_tool(forced: tuple[ForcedTool, ...], conversation: Any) -> Any:
     """`conversation` (a generation.Conversation) with its tool_choice overridden as the module says, and the
     forced tool's schema pinned when the flag gave arguments. `forced_tool_schema` on the result keeps the
     original tools for rendering the prompt (the client's definitions, as it sent them)."""
-    from .generation import ToolChoice
-
+    ToolChoice = type(conversation.tool_choice)  # generation.ToolChoice (imported there: no import cycle)
     if not forced or not conversation.tools:
         return conversation
     offered = {tool["function"]["name"] for tool in conversation.tools}
