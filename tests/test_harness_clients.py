@@ -8,6 +8,7 @@ reason. Open WebUI's install is large (its own virtual environment, ~3 minutes),
 reason, where that has not been done. Screenshots of the browser are copied to `artifacts/`.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from lucebox_core.harness.clients import CLIENTS
 from lucebox_core.harness.runner import HarnessRun, default_work, installed_versions, npm_install
 
 pytestmark = [pytest.mark.clients, pytest.mark.slow]
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
 
 # What each client's follow-up request (the one carrying the tool's result) looks like, by API.
 EXPECTED = {
@@ -31,7 +33,8 @@ EXPECTED = {
 
 @pytest.fixture(scope="session")
 def harness_work():
-    work = default_work()
+    # The repository's .harness-work (where `.ci/run` installs), wherever pytest is started from.
+    work = default_work() if "LUCEBOX_HARNESS_WORK" in os.environ else ROOT / ".harness-work"
     names = list(CLIENTS)
     reason = {}
     if set(installed_versions(work, names)) != set(names):
