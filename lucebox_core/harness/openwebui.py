@@ -46,7 +46,7 @@ def installed_version(work: Path) -> str | None:
     if not (work / "npm" / "node_modules" / "playwright-core" / "package.json").exists():
         return None
     found = list((venv(work) / "lib").glob("python*/site-packages/open_webui-*.dist-info"))
-    return found[0].name.split("-")[1] if found else "?"
+    return found[0].name[len("open_webui-"):-len(".dist-info")] if found else "?"
 
 
 def missing_reason(work: Path) -> str | None:
