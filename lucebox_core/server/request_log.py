@@ -86,7 +86,7 @@ class RequestLog:
                 await app(scope, receive, send)
                 return
             chunks: list[bytes] = []
-            status: list[int] = []
+            written: list[bool] = []
             started = time.time()
 
             async def reading() -> Any:
@@ -95,15 +95,22 @@ class RequestLog:
                     chunks.append(message.get("body", b""))
                 return message
 
+            def note(status: int | None) -> None:
+                if not written:
+                    written.append(True)
+                    self.write(self._entry(scope, b"".join(chunks), status, started))
+
             async def answering(message: Any) -> None:
                 if message["type"] == "http.response.start":
-                    status.append(message["status"])
+                    # Written before the client gets the status: once it has its answer, the line is there
+                    # (a stream is logged as it starts).
+                    note(message["status"])
                 await send(message)
 
             try:
                 await app(scope, reading, answering)
             finally:
-                self.write(self._entry(scope, b"".join(chunks), status[0] if status else None, started))
+                note(None)  # no response started (the connection dropped first)
 
         return logged
 
