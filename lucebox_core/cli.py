@@ -417,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.cli import add_serve_parser  # the server's subcommand lives with the server
 
     add_serve_parser(commands)
+    from .bench_server import add_bench_server_parser
+    from .harness.cli import add_harness_parser
+
+    add_bench_server_parser(commands)
+    add_harness_parser(commands)
     return parser
 
 

@@ -14,6 +14,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from .. import __version__
 from . import anthropic, info, openai_chat, openai_completions, responses
 from .errors import APIError, error_response, handle_exception
+from .request_log import RequestLog
 from .service import ModelService, ServeConfig
 
 # Reachable without the API key: orchestrators probe /health; the schema describes the API.
@@ -88,7 +89,8 @@ def create_app(config: ServeConfig, service: ModelService | None = None, *, load
         dependencies={"service": Provide(lambda: service, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         before_request=_api_key_guard(config.api_key) if config.api_key else None,
-        middleware=[_count_requests(service, KNOWN_PATHS)],
+        middleware=[_count_requests(service, KNOWN_PATHS)]
+        + ([RequestLog(config.request_log).middleware] if config.request_log else []),
         cors_config=CORSConfig(allow_origins=["*"], allow_headers=["*"], expose_headers=["*"]),
         openapi_config=OpenAPIConfig(title="Lucebox", version=__version__,
                                      description="OpenAI-, Responses- and Anthropic-compatible LLM server"),

@@ -44,6 +44,15 @@ def add_serve_parser(commands: Any) -> None:
                    help="thinking when a request does not say (default off)")
     p.add_argument("--think-max-tokens", type=int, help="close a thought after this many tokens")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-requests", metavar="FILE",
+                   help="append one JSON line per request to FILE: its path, status and shape (fields, tools, "
+                        "message roles; never the text)")
+    p.add_argument("--force-tool-call", action="append", metavar="NAME[=JSON]", default=[],
+                   help="TESTING ONLY: when a request offers tool NAME and holds no tool result yet, force a call "
+                        "to it (JSON pins its arguments); after a tool result, forbid tools. Repeatable")
+    p.add_argument("--short-answers", type=int, metavar="CHARS",
+                   help="TESTING ONLY: hold every plain text answer to at most CHARS characters, then end it "
+                        "(a random-weight model's answers then end with 'stop'); thinking off")
     add_speculative_arguments(p, force=False)
     p.set_defaults(run=cmd_serve)
 
@@ -86,8 +95,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         **attrs.asdict(engine_options, recurse=False), host=args.host, port=args.port, model_name=args.model_name,
         api_key=args.api_key, n_predict=args.n_predict, think_max_tokens=args.think_max_tokens,
-        thinking_default=args.reasoning == "on",
+        thinking_default=args.reasoning == "on", request_log=args.log_requests,
+        force_tool_calls=tuple(args.force_tool_call), short_answers=args.short_answers,
     )
+    if args.short_answers is not None and args.short_answers < 1:
+        raise LuceboxError(f"--short-answers must be at least 1, got {args.short_answers}")
+    from .forced_tool import parse_forced_tools
+
+    parse_forced_tools(config.force_tool_calls)  # a malformed value is an error line before the socket opens
     listener = listening_socket(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     failure: list[BaseException] = []

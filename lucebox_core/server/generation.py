@@ -59,6 +59,7 @@ class Conversation:
     thinking: bool | None = None  # None: the server's default
     template_kwargs: dict = attrs.Factory(dict)
     param: str = "messages"  # the request field the conversation came in (errors name it)
+    pinned_arguments: dict | None = None  # --force-tool-call NAME=ARGS: the schema the forced call is held to
 
 
 @attrs.define(kw_only=True)
@@ -228,10 +229,16 @@ def generation_request(service: ModelService, prompt: Prompt, options: Options, 
             "(or start the server with a larger -c/--ctx-size)", param=prompt.param, code="context_length_exceeded",
         )
     room = ctx - len(prompt.ids)
-    if options.max_tokens is not None and options.max_tokens > room:
+    requested = options.max_tokens
+    if requested is not None and service.config.n_predict is not None:
+        # The server's limit (-n) applies first, as llama-server's does: a client that always asks for more
+        # than the context holds (Claude Code asks for 32000) works against a server started with -n.
+        requested = min(requested, service.config.n_predict)
+    if requested is not None and requested > room:
         raise invalid(
-            f"`{options.max_tokens_param}` is {options.max_tokens} but only {room} tokens fit in the context "
-            f"({ctx}) after the {len(prompt.ids)}-token prompt", param=options.max_tokens_param,
+            f"`{options.max_tokens_param}` is {requested} but only {room} tokens fit in the context "
+            f"({ctx}) after the {len(prompt.ids)}-token prompt; ask for fewer (or start the server with "
+            "-n N to cap every request, or a larger -c)", param=options.max_tokens_param,
             code="context_length_exceeded",
         )
     max_tokens = options.max_tokens if options.max_tokens is not None else room

@@ -12,8 +12,11 @@ from litestar import Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
+import attrs
+
 from ..errors import LuceboxError
 from . import sse
+from .forced_tool import apply_forced_tool, short_answer_grammar, tools_with_pinned_arguments
 from .errors import APIError, invalid
 from .generation import (
     Collected, Conversation, Done, Generation, Options, TextDelta, TokenLogprob, ToolCallDelta, ToolCallStart,
@@ -148,6 +151,9 @@ async def start_chat(service: ModelService, conversation: Conversation, options:
     """Render, validate (off the event loop) and submit a chat generation (shared by every chat-shaped
     endpoint)."""
     service.require_ready()
+    conversation = apply_forced_tool(service.forced_tools, conversation)
+    if service.config.short_answers and conversation.tool_choice.mode != "required":
+        conversation = attrs.evolve(conversation, thinking=False)  # --short-answers: see forced_tool.py
     prompt, request, parser = await off_loop(prepare_chat, service, conversation, options)
     return Generation(service, prompt, request, parser)
 
@@ -156,6 +162,8 @@ def prepare_chat(service: ModelService, conversation: Conversation, options: Opt
     """The prompt, the engine request and the response parser of a chat; blocking (rendering, tokenizing,
     compiling a grammar)."""
     prompt = render_chat(service, conversation)
+    if conversation.pinned_arguments is not None:  # --force-tool-call: the prompt shows the client's tools
+        conversation = attrs.evolve(conversation, tools=tools_with_pinned_arguments(conversation))
     parser = make_parser(service, conversation, prompt)
     constraint = None
     choice = conversation.tool_choice
@@ -177,6 +185,12 @@ def prepare_chat(service: ModelService, conversation: Conversation, options: Opt
         if constraint is None:
             raise invalid(f"this model family ({service.architecture}) has no tool-call grammar, so a tool call "
                           "cannot be forced; use tool_choice 'auto'", param="tool_choice")
+    short = service.config.short_answers
+    if short and choice.mode != "required" and not structured and not prompt.in_reasoning:
+        # --short-answers (testing): plain text of bounded length, then the end (forced_tool.py says why).
+        from ..constraints import lark_constraint
+
+        constraint = lark_constraint(service.loaded.tokenizer, short_answer_grammar(short))
     return prompt, generation_request(service, prompt, options, constraint), parser
 
 

@@ -35,6 +35,9 @@ class ServeConfig(EngineOptions):
     think_max_tokens: int | None = None  # close a thought that runs longer than this
     thinking_default: bool = False  # thinking when the request does not say (Lucebox's default: off)
     responses_kept: int = 256  # recent /v1/responses kept for previous_response_id
+    request_log: str | None = None  # --log-requests: a JSON line per request, its shape (request_log.py)
+    force_tool_calls: tuple[str, ...] = ()  # --force-tool-call (testing only; forced_tool.py)
+    short_answers: int | None = None  # --short-answers CHARS (testing only; forced_tool.py)
 
 
 class ModelService:
@@ -56,6 +59,9 @@ class ModelService:
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
         self.tool_replay = ToolCallReplay()
+        from .forced_tool import parse_forced_tools
+
+        self.forced_tools = parse_forced_tools(config.force_tool_calls)
         self._on_load_error = on_load_error
         self._lock = threading.Lock()
 
