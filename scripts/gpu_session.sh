@@ -51,9 +51,9 @@ DEADLINE=${DEADLINE:-570}  # seconds: no step runs past this (the device call's 
 install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site \
-      . plugins/qwen35 plugins/gemma4 backends/cuda backends/hip || return 1
+      . plugins/qwen35 plugins/gemma4 plugins/laguna backends/cuda backends/hip || return 1
   export PYTHONPATH=/tmp/site
-  python3 -c 'import gguf, lucebox_core, lucebox_qwen35, lucebox_gemma4, lucebox_cuda, torch, triton
+  python3 -c 'import gguf, lucebox_core, lucebox_qwen35, lucebox_gemma4, lucebox_laguna, lucebox_cuda, torch, triton
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)'
 }
 
@@ -146,6 +146,10 @@ core() {
   step synth-08b 30 synth 0.8b
   step determinism-08b 90 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_default.json"
   step bench-08b 60 python3 -m lucebox_core.cli bench -m "$(model 0.8b)" -p 512 -n 64 -r 2 --json
+}
+
+laguna_cuda() {  # ~1 min: Laguna on the CUDA backend (routed-expert kernel vs reference, greedy tokens vs torch)
+  step laguna-cuda 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_laguna_cuda.py
 }
 
 hip_check() {  # the HIP backend's arithmetic on an NVIDIA GPU (no AMD card is reachable): see the header
@@ -425,6 +429,7 @@ session() {
     core) core ;;
     same-call) same_call ;;
     hip-check) hip_check ;;
+    laguna-cuda) laguna_cuda ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
     bench-probe) bench_probe ;;
