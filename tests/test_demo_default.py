@@ -6,6 +6,7 @@ products, Gated DeltaNet, attention, sampler, drafter, verifiers) against what t
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 
@@ -21,14 +22,17 @@ RECORDS = json.loads((PARTS / "expected_greedy.json").read_text())
 def test_every_shipped_part_matches_its_manifest_checksum():
     names = {entry["name"] for entry in MANIFEST["files"]}
     assert names == {default.DEMO_TARGET, default.DEMO_DRAFT}
+    assert MANIFEST["encoding"] == "gzip"
     for entry in MANIFEST["files"]:
-        whole = hashlib.sha256()
+        stored = b""
         for part in entry["parts"]:
             data = (PARTS / part["name"]).read_bytes()
             assert len(data) == part["bytes"] and len(data) <= 16 * 1024 * 1024
             assert hashlib.sha256(data).hexdigest() == part["sha256"], part["name"]
-            whole.update(data)
-        assert whole.hexdigest() == entry["sha256"]
+            stored += data
+        assert len(stored) == entry["stored_bytes"]
+        whole = gzip.decompress(stored)
+        assert len(whole) == entry["bytes"] and hashlib.sha256(whole).hexdigest() == entry["sha256"]
     target = next(e for e in MANIFEST["files"] if e["name"] == default.DEMO_TARGET)
     assert RECORDS["target_sha256"] == target["sha256"]  # the records are of this very file
 

@@ -5,6 +5,7 @@ carry the files and the default model's reassembly of them; the acceptance scrip
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib
 import json
@@ -93,7 +94,7 @@ def test_parts_carry_the_files_with_checksums(demo_run):
         data = (out / entry["name"]).read_bytes()
         assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
         joined = b"".join((out / "parts" / p["name"]).read_bytes() for p in entry["parts"])
-        assert joined == data
+        assert len(joined) == entry["stored_bytes"] and gzip.decompress(joined) == data
         assert all(p["bytes"] <= demo_export.PART_BYTES for p in entry["parts"])
 
 
@@ -414,17 +415,19 @@ def test_default_model_parts_reassemble_with_checksums(tmp_path):
     original.write_bytes(os.urandom(40_000))
     parts = tmp_path / "parts"
     manifest = demo_export.split_into_parts([original], parts, part_bytes=16_384)
-    assert [p["bytes"] for p in manifest["files"][0]["parts"]] == [16_384, 16_384, 40_000 - 2 * 16_384]
+    stored = manifest["files"][0]["stored_bytes"]  # random bytes do not shrink: a few more than 40,000
+    assert manifest["encoding"] == "gzip" and stored > 2 * 16_384
+    assert [p["bytes"] for p in manifest["files"][0]["parts"]] == [16_384, 16_384, stored - 2 * 16_384]
     home = tmp_path / "home"
     joined = default.reassemble("model.gguf", home, parts)
     assert joined.read_bytes() == original.read_bytes()
     assert default.reassemble("model.gguf", home, parts).stat().st_mtime_ns == joined.stat().st_mtime_ns  # reused
 
-    damaged = bytearray((parts / "model.gguf.part01").read_bytes())
+    damaged = bytearray((parts / "model.gguf.gz.part01").read_bytes())
     damaged[100] ^= 1
-    (parts / "model.gguf.part01").write_bytes(bytes(damaged))
+    (parts / "model.gguf.gz.part01").write_bytes(bytes(damaged))
     joined.unlink()
-    with pytest.raises(LuceboxError, match=r"model.gguf.part01: part of model.gguf is damaged"):
+    with pytest.raises(LuceboxError, match=r"model.gguf.gz.part01: part of model.gguf is damaged"):
         default.reassemble("model.gguf", home, parts)
     assert not list(home.iterdir())  # nothing half-written is left
     with pytest.raises(LuceboxError, match="lists no file 'other.gguf'"):
