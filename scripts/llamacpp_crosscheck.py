@@ -110,7 +110,7 @@ def argmax_tokens(model: Path, prompts: list[list[int]], device: str) -> tuple[l
     token at a time."""
     from lucebox_core.loading import load_model
 
-    loaded = load_model(model, device=device)
+    loaded = load_model(model, device=device, backend="torch" if device == "cpu" else None)  # the reference on the CPU
     tokens, gaps = [], []
     for prompt in prompts:
         state = loaded.model.new_state(4096)
