@@ -12,6 +12,8 @@ import torch
 
 from lucebox_laguna import synth
 
+NEAR_TIE = 0.05  # logits: bf16 rounding over the tiny model's layers stays well below this
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -48,4 +50,11 @@ def test_the_cuda_backend_decodes_like_the_reference(tmp_path):
 
     path = synth.write(tmp_path / "tiny-f32.gguf", size="tiny", type="f32", seed=1)
     prompts = crosscheck.PROMPTS_BY_ARCH["laguna"]
-    assert crosscheck.argmax_tokens(path, prompts, "cuda")[0] == crosscheck.argmax_tokens(path, prompts, "cpu")[0]
+    ours, _ = crosscheck.argmax_tokens(path, prompts, "cuda")
+    reference, gaps = crosscheck.argmax_tokens(path, prompts, "cpu")
+    # The CUDA backend computes in bf16, the reference in fp32: the random weights' greedy paths may part only
+    # where the reference's top two logits are nearly tied (the near-tie rule of scripts/cuda_check.py).
+    for prompt, (a, b, gap) in enumerate(zip(ours, reference, gaps)):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is not None:
+            assert first > 0 and gap[first] < NEAR_TIE, (prompt, first, gap[first], a, b)
