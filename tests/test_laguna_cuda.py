@@ -54,7 +54,10 @@ def test_the_cuda_backend_decodes_like_the_reference(tmp_path):
     reference, gaps = crosscheck.argmax_tokens(path, prompts, "cpu")
     # The CUDA backend computes in bf16, the reference in fp32: the random weights' greedy paths may part only
     # where the reference's top two logits are nearly tied (the near-tie rule of scripts/cuda_check.py).
+    agreed = []
     for prompt, (a, b, gap) in enumerate(zip(ours, reference, gaps)):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if first is not None:
-            assert first > 0 and gap[first] < NEAR_TIE, (prompt, first, gap[first], a, b)
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        if first < len(a):
+            assert gap[first] < NEAR_TIE, (prompt, first, gap[first], a, b)
+        agreed.append(first)
+    assert max(agreed) >= 8, agreed  # not every prompt starts on a tie
