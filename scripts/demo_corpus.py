@@ -190,6 +190,38 @@ def encode_chat(tokenizer, text: str, cache: dict[str, list[int]] | None = None)
 
 # -- token streams ----------------------------------------------------------------------------------
 
+
+def docstring_ends(tokenizer, stream: np.ndarray, sources: list[str], starts: list[int]) -> np.ndarray:
+    """Positions `p` of `stream` (files `sources` tokenized from `starts`) where `stream[:p]` ends exactly at
+    the end of a function's docstring line, newline included. Found by bytes: each token's byte length, summed
+    along a file, meets the docstring line's byte offset (a token that straddles it gives no position)."""
+    lengths = np.zeros(int(stream.max()) + 1 if stream.size else 1, dtype=np.int64)
+    for token in np.unique(stream):
+        lengths[token] = len(tokenizer.token_bytes(int(token)))
+    found = []
+    for source, start, end in zip(sources, starts, [*starts[1:], None]):
+        tokens = stream[start:(end - 1 if end is not None else None)]  # the file's own, not its <|endoftext|>
+        if end is None:
+            tokens = tokens[: _file_length(tokens, tokenizer)]
+        reached = np.cumsum(lengths[tokens])
+        line_ends = np.cumsum([len(line.encode("utf-8")) for line in source.splitlines(keepends=True)])
+        for f in functions(source, ""):
+            doc_end = f.line - 1 + f.prompt.count("\n")  # lines of the file up to the docstring's last
+            if not 0 < doc_end <= len(line_ends):
+                continue
+            index = int(np.searchsorted(reached, line_ends[doc_end - 1]))
+            if index < len(reached) and reached[index] == line_ends[doc_end - 1]:
+                found.append(start + index + 1)
+    return np.unique(np.asarray(found, dtype=np.int64))
+
+
+def _file_length(tokens: np.ndarray, tokenizer) -> int:
+    """The last file's tokens end at its <|endoftext|> (the chat documents may follow)."""
+    eot = tokenizer.token_to_id(END_OF_TEXT)
+    where = np.nonzero(tokens == eot)[0]
+    return int(where[0]) if where.size else len(tokens)
+
+
 _WORKER_TOKENIZER = None  # the tokenizer a forked worker inherits (set just before the pool forks)
 PARALLEL_FROM = 64  # texts: fewer are tokenized in this process
 
@@ -226,6 +258,9 @@ class Corpus:
     heldout_files: list[str]
     chat_documents: int
     info: dict  # python version, stdlib path, counts: what the metadata records
+    # Positions of the training stream just after a function's docstring line: a prompt ending there is what the
+    # acceptance benchmark asks (a signature and docstring, the body to come), on training files.
+    docstring_ends: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
     def build(cls, tokenizer, cache_dir: Path, *, include_tests: bool = False, heldout_permille: int = 50,
@@ -239,7 +274,7 @@ class Corpus:
         if max_files:
             files = sorted(sorted(files, key=path_hash)[:max_files])
         train_files, heldout_files = split_heldout(files, heldout_permille)
-        key_text = json.dumps([sys.version, str(root), files, include_tests, heldout_permille,
+        key_text = json.dumps(["v2", sys.version, str(root), files, include_tests, heldout_permille,
                                chat_count if chat is not None else 0, tokenizer_id])
         key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
         cache = cache_dir / f"corpus-{key}"
@@ -248,20 +283,25 @@ class Corpus:
             info = json.loads(info_path.read_text())
             log(f"corpus: cached token arrays {cache}")
             return cls(np.load(cache / "train.npy"), np.load(cache / "heldout.npy"), info["train_files"],
-                       info["heldout_files"], info["chat_documents"], info)
+                       info["heldout_files"], info["chat_documents"], info, np.load(cache / "docstring_ends.npy"))
         start = time.perf_counter()
         eot = tokenizer.token_to_id(END_OF_TEXT)
         if eot is None:
             raise ValueError(f"the tokenizer has no {END_OF_TEXT} token")
 
-        def stream(texts: list[str], special: bool) -> np.ndarray:
+        def stream(texts: list[str], special: bool, starts: list[int] | None = None) -> np.ndarray:
             ids: list[int] = []
             for encoded in _encode_all(tokenizer, texts, special):
+                if starts is not None:
+                    starts.append(len(ids))
                 ids.extend(encoded)
                 ids.append(eot)
             return np.asarray(ids, dtype=np.uint32)
 
-        train = stream([read_source(root, f) for f in train_files], False)
+        train_sources = [read_source(root, f) for f in train_files]
+        file_starts: list[int] = []
+        train = stream(train_sources, False, file_starts)
+        ends = docstring_ends(tokenizer, train, train_sources, file_starts)
         heldout = stream([read_source(root, f) for f in heldout_files], False)
         documents = chat_documents(root, train_files, chat, chat_count) if chat is not None and chat_count else []
         if documents:
@@ -270,14 +310,15 @@ class Corpus:
             "python": platform.python_version(), "stdlib": str(root), "include_tests": include_tests,
             "files": len(files), "train_files": train_files, "heldout_files": heldout_files,
             "heldout_permille": heldout_permille, "chat_documents": len(documents),
-            "train_tokens": int(train.size), "heldout_tokens": int(heldout.size),
+            "train_tokens": int(train.size), "heldout_tokens": int(heldout.size), "docstring_ends": int(ends.size),
             "source_bytes": sum((root / f).stat().st_size for f in files),
         }
         cache.mkdir(parents=True, exist_ok=True)
         np.save(cache / "train.npy", train)
         np.save(cache / "heldout.npy", heldout)
+        np.save(cache / "docstring_ends.npy", ends)
         info_path.write_text(json.dumps(info, indent=1))
         log(f"corpus: {len(files)} files ({len(heldout_files)} held out), {len(documents)} chat documents, "
             f"{train.size:,} training and {heldout.size:,} held-out tokens, tokenized in "
             f"{time.perf_counter() - start:.1f} s")
-        return cls(train, heldout, train_files, heldout_files, len(documents), info)
+        return cls(train, heldout, train_files, heldout_files, len(documents), info, ends)

@@ -207,7 +207,8 @@ class Trainer:
 
     @torch.no_grad()
     def make_pool(self, target: demo_models.Qwen35Trainable, tokens: np.ndarray, count: int, seed: int,
-                  deadline: float, capture: tuple[int, ...], batch: int) -> list[PoolChunk]:
+                  deadline: float, capture: tuple[int, ...], batch: int,
+                  prompt_ends: np.ndarray | None = None) -> list[PoolChunk]:
         """The target's greedy continuations of `count` prompts cut from `tokens`, `batch` at a time (the
         prompt length taking turns through `--prompt-lens`), with its captured layers over each whole
         sequence; stops at `deadline`."""
@@ -222,7 +223,14 @@ class Trainer:
             prompt_len = args.prompt_lens[index % len(args.prompt_lens)]
             index += 1
             size = min(batch, count - made)
-            offsets = torch.from_numpy(rng.integers(0, stream.numel() - prompt_len, size=size)).to(device)
+            starts = rng.integers(0, stream.numel() - prompt_len, size=size)
+            ends = prompt_ends[prompt_ends >= prompt_len] if prompt_ends is not None else np.zeros(0, dtype=np.int64)
+            if ends.size and args.function_prompt_share > 0:
+                # A share of the prompts end just after a training function's docstring (the benchmark's kind of
+                # prompt: the body comes next), the rest at random positions of the stream.
+                chosen = rng.random(size) < args.function_prompt_share
+                starts[chosen] = rng.choice(ends, size=int(chosen.sum())) - prompt_len
+            offsets = torch.from_numpy(starts).to(device)
             prompts = stream[offsets[:, None] + torch.arange(prompt_len, device=device)]
             began = time.perf_counter()
             with self.autocast():
@@ -264,7 +272,7 @@ class Trainer:
         self.heldout_pool = self.make_pool(target, corpus.heldout, args.heldout_gen_seqs, args.seed + 2,
                                            start + seconds / 6, capture, heldout_batch)
         pool = self.make_pool(target, corpus.train, args.gen_seqs, args.seed + 3, start + seconds / 3, capture,
-                              args.gen_batch)
+                              args.gen_batch, prompt_ends=corpus.docstring_ends)
         generated = sum(c.count for c in pool)
         gen_seconds = time.perf_counter() - start
         self.log(f"drafter data: {generated} continuations of {args.gen_tokens} tokens ({len(pool)} batches) and "

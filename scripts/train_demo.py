@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gen-batch", type=int, default=8192)
     g.add_argument("--gen-tokens", type=int, default=256)
     g.add_argument("--prompt-lens", type=_ints, default=[32, 64, 128, 256])
+    g.add_argument("--function-prompt-share", type=float, default=0.5,
+                   help="share of the drafter's training prompts that end just after a training function's docstring "
+                        "(the acceptance benchmark's kind of prompt); the rest end at random positions")
     g.add_argument("--heldout-gen-seqs", type=int, default=64)
     g = p.add_argument_group("records")
     g.add_argument("--record-prompts", type=int, default=3, help="held-out prompts whose greedy text is recorded")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -354,6 +355,29 @@ def test_functions_are_cut_after_their_docstring():
     method = found["method"]
     assert method.prompt == 'async def method(self):\n    """Wait."""\n'  # dedented out of its class
     assert demo_corpus.functions("def broken(:\n", "x.py") == []
+
+
+def test_docstring_ends_are_the_positions_after_each_docstring_line():
+    """In a stream of two files and their <|endoftext|>, every found position's prefix decodes to text that ends
+    with a function's docstring line, and each function with a clean token boundary there is found."""
+    tokenizer, _, _ = train_demo.load_tokenizer()
+    other = 'x = 1\n\n\ndef f(y):\n    """Twice y."""\n    return 2 * y\n'
+    sources = [SOURCE, other]
+    eot = tokenizer.token_to_id(demo_corpus.END_OF_TEXT)
+    ids, starts = [], []
+    for text in sources:
+        starts.append(len(ids))
+        ids += tokenizer.encode(text, add_bos=False) + [eot]
+    stream = np.asarray(ids, dtype=np.uint32)
+    ends = demo_corpus.docstring_ends(tokenizer, stream, sources, starts)
+    assert len(ends) == 3  # documented, method, f
+    texts = []
+    for end in ends:
+        file = 0 if end < starts[1] else 1
+        texts.append(tokenizer.decode(stream[starts[file]:end].tolist()))
+    assert texts[0].endswith('\n    Longer text.\n    """\n') and "total" not in texts[0]
+    assert texts[1].endswith('        """Wait."""\n')
+    assert texts[2] == 'x = 1\n\n\ndef f(y):\n    """Twice y."""\n'
 
 
 def test_heldout_split_depends_on_the_path_alone():
