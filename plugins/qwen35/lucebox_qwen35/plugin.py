@@ -27,7 +27,10 @@ lucebox_synthesizers = provides(
 
 lucebox_converters = provides(
     Converter(name="qwen35", model_types=["qwen3_5", "qwen3_5_text"], writer="lucebox_qwen35.convert:convert",
-              types=CONVERTED_TYPES, description="transformers Qwen3.5/3.6 checkpoint to GGUF (llama.cpp conventions)")
+              types=CONVERTED_TYPES, description="transformers Qwen3.5/3.6 checkpoint to GGUF (llama.cpp conventions)"),
+    Converter(name="qwen35moe", model_types=["qwen3_5_moe", "qwen3_5_moe_text"],
+              writer="lucebox_qwen35.convert:convert_moe", types=CONVERTED_TYPES,
+              description="transformers Qwen3.5/3.6 MoE checkpoint to a qwen35moe GGUF (llama.cpp conventions)"),
 )
 
 lucebox_default_models = provides(
