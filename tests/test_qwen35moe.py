@@ -18,7 +18,7 @@ from lucebox_core.ggufio import GGUFFile
 from lucebox_core.loading import load_model
 from lucebox_core.sampling import SamplingParams
 from lucebox_core.speculative import SpeculativeDecoder, dflash
-from lucebox_qwen35 import layout
+from lucebox_qwen35 import layout, layout_moe
 from lucebox_qwen35.layout_moe import MOE_SIZES, Qwen35MoeConfig
 from lucebox_qwen35.moe import SparseMoeBlock
 
@@ -35,7 +35,7 @@ def _params(shapes: dict[str, tuple[int, ...]], keep=lambda name: True) -> int:
 
 def test_35b_a3b_shapes_match_llama_cpp():
     # models.md 1.2 and llama.cpp's qwen35moe loader (numpy order: rows = out, cols = in).
-    cfg = layout.size("35b-a3b", "qwen35moe")
+    cfg = layout_moe.size("35b-a3b")
     s = layout.tensor_shapes(cfg)
     assert s["blk.0.ffn_gate_inp.weight"] == (256, 2048)
     assert s["blk.0.ffn_gate_exps.weight"] == s["blk.0.ffn_up_exps.weight"] == (256, 512, 2048)
@@ -71,7 +71,7 @@ def test_configs_round_trip_through_metadata_and_bad_ones_are_refused():
 
 
 def test_tiny_size_is_k_quant_friendly():
-    tiny = layout.size("tiny", "qwen35moe")
+    tiny = layout_moe.size("tiny")
     assert tiny.n_expert_used < tiny.n_expert and tiny.full_layers and tiny.ssm_n_group < tiny.ssm_dt_rank
     for name, shape in layout.tensor_shapes(tiny).items():
         assert stays_f32(name, shape) or shape[-1] % 256 == 0, name

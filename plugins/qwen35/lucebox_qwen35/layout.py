@@ -319,11 +319,8 @@ SIZES: dict[str, Qwen35Config] = {
 }
 
 
-def size(name: str, arch: str = ARCH) -> Qwen35Config:
-    """The named size `name` of `arch` (`qwen35` or `qwen35moe`)."""
-    from .layout_moe import MOE_SIZES
-
-    return named_size(MOE_SIZES if arch == MOE_ARCH else SIZES, name, arch)
+def size(name: str) -> Qwen35Config:
+    return named_size(SIZES, name, ARCH)
 
 
 # -- tensors -----------------------------------------------------------------------------------

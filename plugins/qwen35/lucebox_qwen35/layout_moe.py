@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import attrs
 
+from lucebox_core.synthetic import named_size
+
 from .layout import MOE_ARCH, Qwen35Config
 
 
@@ -98,3 +100,7 @@ MOE_SIZES: dict[str, Qwen35Config] = {
         n_expert=256, n_expert_used=8, expert_ffn=512, shared_expert_ffn=512,
     ),
 }
+
+
+def size(name: str) -> Qwen35Config:
+    return named_size(MOE_SIZES, name, MOE_ARCH)

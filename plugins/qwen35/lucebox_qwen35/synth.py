@@ -24,7 +24,7 @@ from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.specs import SYNTHESIZED_TYPES
 from lucebox_core.synthetic import WEIGHT_STD, RandomWeights, write_random_model
 
-from . import layout
+from . import layout, layout_moe
 from . import vocab as vocab_source
 
 # WEIGHT_STD (the matrices' scale) and RandomWeights (their data) are the core's, named here for the tests.
@@ -84,7 +84,7 @@ def write_moe(
 
 def _write(path: str | Path, arch: str, *, size: str, type: str, seed: int, vocab: str | Path | None) -> Path:
     try:
-        cfg = layout.size(size, arch)
+        cfg = layout_moe.size(size) if arch == layout.MOE_ARCH else layout.size(size)
         file_type(type, TYPES)
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
