@@ -4,8 +4,10 @@ and DDTree verification) giving exactly plain greedy's tokens."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +162,21 @@ def test_forced_acceptance_equals_plain_greedy(loaded, drafter, spec_type):
     result = _greedy(_engine(loaded, drafter, spec_type), prompt, n, force_accept=accept, force_reference=reference)
     assert result.token_ids == reference[:n]
     assert result.timings.accepted_lengths[:2] == [accept + 1] * 2
+
+
+LLAMA_SERVER = os.environ.get("LUCEBOX_LLAMA_SERVER", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="set LUCEBOX_LLAMA_SERVER to a llama-server binary "
+                    "(a CPU build of the llama.cpp in ../shared/tools/llamacpp) to compare with llama.cpp")
+def test_greedy_tokens_match_llama_cpp_on_the_cpu(files):
+    """llama.cpp on the CPU (f32 KV, flash attention off) and Lucebox give the same 24 greedy tokens (argmax over
+    every row, as llama.cpp's greedy is) on the synthesized tiny f32 qwen35moe file."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import llamacpp_crosscheck as crosscheck
+
+    prompts = crosscheck.PROMPTS_BY_ARCH["qwen35moe"][:3]
+    theirs = crosscheck.llama_tokens(LLAMA_SERVER, files[0], prompts, port=8959, ngl=0)
+    ours, _ = crosscheck.argmax_tokens(files[0], prompts, "cpu")
+    assert ours == theirs
