@@ -296,6 +296,21 @@ class TorchBackend:
         """SwiGLU's middle: `silu(gate) * up`."""
         return self.silu(gate) * up
 
+    def moe_experts_swiglu(self, x: torch.Tensor, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
+                           weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed SwiGLU experts over separate gate and up stacks `[E, inter, hidden]` and a down stack
+        `[E, hidden, inter]`: `sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`, `e = ids[t, k]`,
+        x `[T, hidden]`, weights `[T, k]` fp32. The reference dequantizes the stacks (kept by the weight cache)
+        and runs each expert that any token picked on the tokens that picked it."""
+        gate, up, down = self.dense(gate_exps), self.dense(up_exps), self.dense(down_exps)
+        out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+        for expert in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == expert)
+            rows = x[token]
+            y = F.linear(self.silu_mul(F.linear(rows, gate[expert]), F.linear(rows, up[expert])), down[expert])
+            out.index_add_(0, token, y.float() * weights[token, slot, None])
+        return out.to(x.dtype)
+
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """An output gate: `x * sigmoid(gate)`."""
         return x * self.sigmoid(gate)

@@ -357,7 +357,7 @@ def conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch
 
 
 
-# -- mixture-of-experts products (families' op names: Gemma-4's `moe_experts`, Laguna's `moe_experts_swiglu`) --
+# -- mixture-of-experts products (Gemma-4's own `moe_experts`; the core's generic `moe_experts_swiglu`) --
 
 # Routed (token, expert) pairs up to which the experts run on the pair kernel (each pair reads its expert's
 # blocks: decode and speculative verify, which must share the decode step's kernel to get its bits); beyond
@@ -438,8 +438,8 @@ def accepts_moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: Any, up_exp
 
 def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exps: QuantTensor,
                        down_exps: QuantTensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over separate gate and up stacks (Laguna's
-    layout; any family's op of this name and signature). Few pairs: the same expert products as
+    """`sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over separate gate and up stacks (the core's
+    generic op: Laguna's and Qwen3.5-MoE's experts). Few pairs: the same expert products as
     `moe_experts`, reading only the chosen experts' blocks, ids on the device; many: each chosen expert on
     its tokens (no grouped SwiGLU product yet)."""
     tokens, top_k = ids.shape

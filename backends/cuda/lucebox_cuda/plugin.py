@@ -15,13 +15,13 @@ MIN_CAPABILITY = (8, 0)
 GENERIC_KERNEL_OPS = (
     "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm",
     "qk_norm_rope", "attention", "decode_attention", "tree_attention",
+    "moe_experts_swiglu",  # routed SwiGLU experts over separate gate and up stacks (Laguna, Qwen3.5-MoE)
 )
 FAMILY_KERNEL_OPS = (
     "gated_delta_rule_recurrent", "gated_delta_rule_chunked", "gated_delta_rule_tree", "gated_delta_decode_",
     "gated_delta_tree", "causal_conv1d", "causal_conv1d_step", "causal_conv1d_tree", "conv_silu_update_",
     "conv_silu_tree",
     "moe_experts",  # Gemma-4's (and any family's of that name and signature) routed experts, GeGLU
-    "moe_experts_swiglu",  # Laguna's: SwiGLU over separate gate and up stacks
 )
 # A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route")

@@ -2,7 +2,8 @@
 
 They are named ops (`lucebox_core.ops`): the model calls them on `LAGUNA_OPS.bind(backend)`; each reference
 takes `ops` first, so its calls to generic ops (`linear`, `rms_norm`, `silu_mul`...) go to the backend's
-kernels. Conventions: token-major `[B, T, H, D]`; expert stacks `[E, rows, cols]` as in the GGUF.
+kernels. Conventions: token-major `[B, T, H, D]`; expert stacks `[E, rows, cols]` as in the GGUF. The routed
+SwiGLU experts are the core's generic `moe_experts_swiglu` (Qwen3.5-MoE runs the same products).
 """
 
 from __future__ import annotations
@@ -60,19 +61,3 @@ def sigmoid_route(ops: Any, x: torch.Tensor, proj: Any, selection_bias: torch.Te
     _, ids = torch.topk(scores + selection_bias.float(), top_k, dim=-1)
     weights = scores.gather(-1, ids)
     return weights / weights.sum(dim=-1, keepdim=True) * scale, ids
-
-
-@LAGUNA_OPS.reference
-def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: Any, up_exps: Any, down_exps: Any,
-                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts: `sum_k weights[t, k] * down_e(silu(gate_e(x)) * up_e(x))`, `e = ids[t, k]`, x
-    `[T, hidden]`. The reference dequantizes the stacks (kept by the backend's weight cache) and runs each
-    expert that any token picked on the tokens that picked it."""
-    gate, up, down = ops.dense(gate_exps), ops.dense(up_exps), ops.dense(down_exps)
-    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
-    for expert in torch.unique(ids).tolist():
-        token, slot = torch.where(ids == expert)
-        rows = x[token]
-        y = F.linear(ops.silu_mul(F.linear(rows, gate[expert]), F.linear(rows, up[expert])), down[expert])
-        out.index_add_(0, token, y.float() * weights[token, slot, None])
-    return out.to(x.dtype)

@@ -1,4 +1,4 @@
-"""Convert a transformers Qwen3.5 / Qwen3.6 dense checkpoint folder to a qwen35 GGUF.
+"""Convert a transformers Qwen3.5 / Qwen3.6 checkpoint folder to a qwen35 GGUF (dense) or a qwen35moe one (MoE).
 
 Follows llama.cpp's converter (`conversion/qwen.py`, `Qwen3_5TextModel`) so the result loads in
 llama.cpp and in Lucebox alike:
@@ -11,6 +11,10 @@ llama.cpp and in Lucebox alike:
   order (`layout.reorder_v_heads`) in the V rows of `attn_qkv`, `attn_gate`, `ssm_beta`,
   `ssm_alpha`, `ssm_a`, `ssm_dt.bias`, the conv's V channels and the columns of `ssm_out`.
 
+In a MoE checkpoint the per-expert `mlp.experts.{e}.{gate,up,down}_proj` are stacked into
+`ffn_{gate,up,down}_exps`, the router `mlp.gate` is `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its
+gate `mlp.shared_expert_gate` (`[1, hidden]`) the vector `ffn_gate_inp_shexp`.
+
 Transforms run in float32 (llama.cpp runs them in the checkpoint dtype, so for bf16 checkpoints its
 `1 + w` is rounded to bf16 where ours is not). Vision (`model.visual.*`) and MTP (`mtp.*`) weights
 are skipped. Tensors are read, transformed and written one at a time.
@@ -18,22 +22,28 @@ are skipped. Tensors are read, transformed and written one at a time.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lucebox_core.checkpoint import (Checkpoint, TensorSource, Transform, check_output_type, check_sources,
-                                     converted_data, identity, read_hf_config, write_converted)
+                                     converted_data, encoded_bytes, identity, read_hf_config, write_converted)
 from lucebox_core.errors import LuceboxError
+from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.specs import CONVERTED_TYPES
 
 from . import layout
 from . import vocab as vocab_source
+from .layout_moe import Qwen35MoeConfig
 from .synth import tensor_plans
 
 TYPES = CONVERTED_TYPES
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+_EXPERT_PARTS = ("gate", "up", "down")
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 
@@ -91,37 +101,69 @@ def _sources(cfg: layout.Qwen35Config, prefix: str) -> dict[str, TensorSource]:
             add(blk + "attn_output.weight", sa + "o_proj.weight")
             add(blk + "attn_q_norm.weight", sa + "q_norm.weight", _plus_one)
             add(blk + "attn_k_norm.weight", sa + "k_norm.weight", _plus_one)
-        add(blk + "ffn_gate.weight", hf + "mlp.gate_proj.weight")
-        add(blk + "ffn_up.weight", hf + "mlp.up_proj.weight")
-        add(blk + "ffn_down.weight", hf + "mlp.down_proj.weight")
+        if isinstance(cfg, Qwen35MoeConfig):
+            add(blk + "ffn_gate_inp.weight", hf + "mlp.gate.weight")
+            add(blk + "ffn_gate_inp_shexp.weight", hf + "mlp.shared_expert_gate.weight", lambda w: w.reshape(-1),
+                (1, cfg.hidden))
+            for part in _EXPERT_PARTS:
+                add(blk + f"ffn_{part}_shexp.weight", hf + f"mlp.shared_expert.{part}_proj.weight")
+        else:
+            for part in _EXPERT_PARTS:
+                add(blk + f"ffn_{part}.weight", hf + f"mlp.{part}_proj.weight")
     add("output_norm.weight", prefix + "norm.weight", _plus_one)
     if not cfg.tied_output:
         add("output.weight", "lm_head.weight")
     return sources
 
 
-def _read_config(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    config, text = read_hf_config(hf_dir, MODEL_TYPES, "a dense Qwen3.5")
-    if text is not config and text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+def _expert_stacks(cfg: layout.Qwen35Config, prefix: str) -> dict[str, list[TensorSource]]:
+    """Each expert stack's per-expert sources, in expert order (none for a dense model)."""
+    if not isinstance(cfg, Qwen35MoeConfig):
+        return {}
+    shapes = layout.tensor_shapes(cfg)
+    stacks: dict[str, list[TensorSource]] = {}
+    for il in range(cfg.n_layer):
+        for part in _EXPERT_PARTS:
+            name = f"blk.{il}.ffn_{part}_exps.weight"
+            stacks[name] = [TensorSource(f"{prefix}layers.{il}.mlp.experts.{e}.{part}_proj.weight", shapes[name][1:],
+                                         identity) for e in range(cfg.n_expert)]
+    return stacks
+
+
+def _read_config(hf_dir: Path, model_types: tuple[str, ...], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    config, text = read_hf_config(hf_dir, model_types, what)
+    text_type = model_types[-1]  # the text model's type: `qwen3_5_text` or `qwen3_5_moe_text`
+    if text is not config and text.get("model_type", text_type) != text_type:
         raise LuceboxError(
-            f"{hf_dir / 'config.json'}: text_config.model_type {text.get('model_type')!r} is not qwen3_5_text"
+            f"{hf_dir / 'config.json'}: text_config.model_type {text.get('model_type')!r} is not {text_type}"
         )
     return config, text
 
 
 def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: str | Path | None = None) -> Path:
-    """Convert the checkpoint in `hf_dir` to a `type` (f32, f16, bf16, q8_0) GGUF at `path`.
+    """Convert the dense checkpoint in `hf_dir` to a `type` (f32, f16, bf16, q8_0) qwen35 GGUF at `path`.
 
     The vocabulary comes from `vocab` (a GGUF to copy `tokenizer.*` keys from) when given, else
     from the folder's `tokenizer.json`; it is padded with `[PAD{i}]` tokens to the model's size.
     """
-    hf_dir = Path(hf_dir)
+    return _convert(Path(hf_dir), path, type=type, vocab=vocab, model_types=MODEL_TYPES, what="a dense Qwen3.5",
+                    config_class=layout.Qwen35Config)
+
+
+def convert_moe(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: str | Path | None = None) -> Path:
+    """Convert the MoE checkpoint in `hf_dir` (`Qwen3_5MoeForCausalLM`) to a qwen35moe GGUF; the rest as `convert`."""
+    return _convert(Path(hf_dir), path, type=type, vocab=vocab, model_types=MOE_MODEL_TYPES,
+                    what="a Qwen3.5 MoE", config_class=Qwen35MoeConfig)
+
+
+def _convert(hf_dir: Path, path: str | Path, *, type: str, vocab: str | Path | None, model_types: tuple[str, ...],
+             what: str, config_class: type[layout.Qwen35Config]) -> Path:
     check_output_type(type, TYPES)
-    config, text = _read_config(hf_dir)
+    config, text = _read_config(hf_dir, model_types, what)
     checkpoint = Checkpoint(hf_dir)
     prefix = checkpoint.text_prefix(hf_dir)
     try:
-        cfg = layout.Qwen35Config.from_hf_config(text, tied_output="lm_head.weight" not in checkpoint)
+        cfg = config_class.from_hf_config(text, tied_output="lm_head.weight" not in checkpoint)
     except ValueError as exc:
         raise LuceboxError(f"{hf_dir / 'config.json'}: {exc}") from None
 
@@ -132,15 +174,25 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
         raise LuceboxError(f"{vocab or hf_dir / 'tokenizer.json'}: {exc} (vocab_size {cfg.vocab})") from None
 
     sources = _sources(cfg, prefix)
-    check_sources(checkpoint, sources, prefix, hf_dir, family="qwen35", skipped=_SKIPPED_PREFIXES)
+    stacks = _expert_stacks(cfg, prefix)
+    expert_sources = {f"{name}[{e}]": source for name, parts in stacks.items() for e, source in enumerate(parts)}
+    check_sources(checkpoint, sources | expert_sources, prefix, hf_dir, family=cfg.arch, skipped=_SKIPPED_PREFIXES)
     plans = tensor_plans(cfg, type)
+    converted = converted_data(checkpoint, sources)
+
+    def data(plan: TensorPlan) -> Iterator[np.ndarray]:
+        if plan.name in stacks:  # one expert stack: the experts read one by one, stacked in float32
+            stacked = torch.stack([checkpoint.tensor(s.key).to(torch.float32) for s in stacks[plan.name]])
+            yield encoded_bytes(stacked.reshape(plan.shape), plan.ggml_type)
+        else:
+            yield from converted(plan)
 
     def add_metadata(writer: Any) -> None:
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_converted(path, hf_dir, config, arch=layout.ARCH, type=type, tensors=plans,
-                           data=converted_data(checkpoint, sources), add_metadata=add_metadata)
+    return write_converted(path, hf_dir, config, arch=cfg.arch, type=type, tensors=plans, data=data,
+                           add_metadata=add_metadata)
 
 
 def _vocabulary(hf_dir: Path, vocab: str | Path | None) -> vocab_source.Vocab:

@@ -1,4 +1,4 @@
-"""Random-weight DFlash drafters (`qwen35-dflash-draft`) that fit a given qwen35 target GGUF.
+"""Random-weight DFlash drafters (`qwen35-dflash-draft`) that fit a given qwen35 or qwen35moe target GGUF.
 
 The drafter's hidden size is the target's (it reads the target's embeddings and output head); the
 captured layers follow Lucebox's default rule. `full` has the published Qwen3.5-27B drafter's shape
@@ -17,6 +17,7 @@ from lucebox_core.speculative.dflash import DraftConfig, default_target_layers
 from lucebox_core.speculative.draft_writer import TYPES, write_random_draft  # noqa: F401 (TYPES: the plugin's list)
 
 from . import layout
+from .layout_moe import Qwen35MoeConfig
 from .model import QWEN35_MASK_TOKEN_ID
 
 ARCH = "qwen35-dflash-draft"
@@ -49,17 +50,20 @@ def draft_config(target: layout.Qwen35Config, size: str) -> DraftConfig:
 
 def _target_config(target: str | Path) -> layout.Qwen35Config:
     target_file = GGUFFile(target)
+    config_class = {layout.ARCH: layout.Qwen35Config, layout.MOE_ARCH: Qwen35MoeConfig}.get(target_file.architecture)
+    if config_class is None:
+        raise LuceboxError(f"{target}: architecture {target_file.architecture!r} is not a qwen35 or qwen35moe target")
     # Every key but the token arrays' (the vocabulary size comes from `qwen35.vocab_size` or their length).
     metadata = {key: target_file.get(key) for key in target_file.keys()
                 if not key.startswith("tokenizer.") or key == "tokenizer.ggml.tokens"}
-    return layout.Qwen35Config.from_gguf_metadata(metadata, source=str(target))
+    return config_class.from_gguf_metadata(metadata, source=str(target))
 
 
 def write(path: str | Path, *, size: str = "tiny", type: str = "f32", seed: int = 0, vocab: str | Path | None = None,
           target: str | Path | None = None) -> Path:
     """Write a random DFlash drafter for the qwen35 GGUF `target` to `path`."""
     if target is None:
-        raise LuceboxError(f"--arch {ARCH} needs --target FILE: the qwen35 GGUF the drafter is for")
+        raise LuceboxError(f"--arch {ARCH} needs --target FILE: the qwen35 or qwen35moe GGUF the drafter is for")
     cfg = draft_config(_target_config(target), size)
     return write_random_draft(path, cfg, type=type, seed=seed, size=size,
                               name=f"DFlash draft {size} RANDOM WEIGHTS (synthetic, seed {seed}) for {Path(target).name}")

@@ -21,8 +21,8 @@ Qwen3.5 vocabulary terms used below, with the GGUF key each is stored under:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
 
 import attrs
 from gguf import GGUFValueType
@@ -34,6 +34,7 @@ from lucebox_core.ggufio import ArchMetadata, float32_decimal
 from lucebox_core.synthetic import named_size
 
 ARCH = "qwen35"
+MOE_ARCH = "qwen35moe"
 # llama.cpp's converter keeps the Gated DeltaNet convolution kernels F32 in every file type.
 keep_f32("ssm_conv1d")
 
@@ -48,6 +49,7 @@ def _default_recurrent(self: Qwen35Config) -> tuple[bool, ...]:
 class Qwen35Config:
     """Hyper-parameters of a dense Qwen3.5 / Qwen3.6 text model, as llama.cpp reads them."""
 
+    arch: ClassVar[str] = ARCH  # the GGUF architecture, also the metadata keys' prefix
     n_layer: int
     hidden: int  # n_embd
     ffn: int  # SwiGLU intermediate size
@@ -112,12 +114,12 @@ class Qwen35Config:
 
     def to_gguf_metadata(self) -> dict[str, Any]:
         """The `qwen35.*` keys llama.cpp reads (values as Python scalars/lists; see `METADATA_TYPES`)."""
-        k = f"{ARCH}."
+        k = f"{self.arch}."
         return {
             k + "block_count": self.n_layer,
             k + "context_length": self.context_length,
             k + "embedding_length": self.hidden,
-            k + "feed_forward_length": self.ffn,
+            **{k + key: value for key, value in self._ffn_metadata().items()},
             k + "attention.head_count": self.n_head,
             k + "attention.head_count_kv": self.n_head_kv,
             k + "attention.key_length": self.head_dim,
@@ -136,6 +138,28 @@ class Qwen35Config:
             k + "vocab_size": self.vocab,
         }
 
+    # -- the feed-forward block: what the MoE variant overrides ------------------------------------
+
+    def _ffn_metadata(self) -> dict[str, Any]:
+        return {"feed_forward_length": self.ffn}
+
+    @classmethod
+    def _ffn_fields(cls, get: Callable[..., Any]) -> dict[str, Any]:
+        """The FFN's config fields from GGUF metadata (`get(key)`, key without the arch prefix)."""
+        return {"ffn": int(get("feed_forward_length"))}
+
+    @classmethod
+    def _ffn_fields_from_hf(cls, need: Callable[[str], Any], text: Mapping[str, Any]) -> dict[str, Any]:
+        return {"ffn": int(need("intermediate_size"))}
+
+    def ffn_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The FFN tensors of one layer (names after `blk.N.`): the dense SwiGLU."""
+        return {
+            "ffn_gate.weight": (self.ffn, self.hidden),
+            "ffn_up.weight": (self.ffn, self.hidden),
+            "ffn_down.weight": (self.hidden, self.ffn),
+        }
+
     @classmethod
     def from_gguf_metadata(
         cls,
@@ -149,8 +173,8 @@ class Qwen35Config:
         `tensor_names`, when given, decides `tied_output` (no `output.weight`). `source` names the
         file in error messages.
         """
-        k = f"{ARCH}."
-        keys = ArchMetadata(md, ARCH, source)
+        k = f"{cls.arch}."
+        keys = ArchMetadata(md, cls.arch, source)
         get = keys.get
         vocab = keys.vocab_size()
         n_layer = int(get("block_count"))
@@ -173,7 +197,7 @@ class Qwen35Config:
             return cls(
                 n_layer=n_layer,
                 hidden=int(get("embedding_length")),
-                ffn=int(get("feed_forward_length")),
+                **cls._ffn_fields(get),
                 n_head=int(get("attention.head_count")),
                 n_head_kv=int(get("attention.head_count_kv")),
                 head_dim=key_length,
@@ -237,7 +261,7 @@ class Qwen35Config:
         return cls(
             n_layer=n_layer,
             hidden=hidden,
-            ffn=int(need("intermediate_size")),
+            **cls._ffn_fields_from_hf(need, text),
             n_head=n_head,
             n_head_kv=int(need("num_key_value_heads")),
             head_dim=head_dim,
@@ -269,7 +293,7 @@ METADATA_TYPES: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {
 
 def add_metadata(writer: Any, cfg: Qwen35Config) -> None:
     """Write `cfg.to_gguf_metadata()` into a `gguf.GGUFWriter` with llama.cpp's value types."""
-    add_arch_metadata(writer, ARCH, cfg.to_gguf_metadata(), METADATA_TYPES)
+    add_arch_metadata(writer, cfg.arch, cfg.to_gguf_metadata(), METADATA_TYPES)
 
 
 # -- the named sizes ---------------------------------------------------------------------------
@@ -303,9 +327,9 @@ def size(name: str) -> Qwen35Config:
 
 
 def tensor_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
-    """Every GGUF tensor of a qwen35 model and its shape (numpy order), in file order.
+    """Every GGUF tensor of a qwen35 (or qwen35moe) model and its shape (numpy order), in file order.
 
-    Matches llama.cpp's `llama_model_qwen35::load_arch_tensors` (without the optional MTP block).
+    Matches llama.cpp's `llama_model_qwen35{,moe}::load_arch_tensors` (without the optional MTP block).
     """
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab, cfg.hidden)}
     for il in range(cfg.n_layer):
@@ -330,9 +354,7 @@ def tensor_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
             shapes[blk + "attn_q_norm.weight"] = (cfg.head_dim,)
             shapes[blk + "attn_k_norm.weight"] = (cfg.head_dim,)
         shapes[blk + "post_attention_norm.weight"] = (cfg.hidden,)
-        shapes[blk + "ffn_gate.weight"] = (cfg.ffn, cfg.hidden)
-        shapes[blk + "ffn_up.weight"] = (cfg.ffn, cfg.hidden)
-        shapes[blk + "ffn_down.weight"] = (cfg.hidden, cfg.ffn)
+        shapes.update({blk + name: shape for name, shape in cfg.ffn_shapes().items()})
     shapes["output_norm.weight"] = (cfg.hidden,)
     if not cfg.tied_output:
         shapes["output.weight"] = (cfg.vocab, cfg.hidden)

@@ -1,5 +1,6 @@
-"""Building a `Qwen35Model` from a GGUF: every tensor checked against the layout, weights kept in their GGUF
-types, the projections that share an input stacked where the backend gains from it."""
+"""Building a `Qwen35Model` from a GGUF (`qwen35`, or `qwen35moe` with its MoE FFN): every tensor checked against
+the layout, weights kept in their GGUF types, the projections that share an input stacked where the backend
+gains from it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from lucebox_core.ggufio import MetadataView
 from lucebox_core.loading import KV_OPTIONS, LayoutTensors, start_family_load
 
-from .layout import Qwen35Config, tensor_shapes
+from .layout import MOE_ARCH, Qwen35Config, tensor_shapes
+from .layout_moe import Qwen35MoeConfig
 from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model
+from .moe import MOE_GGUF_NAMES, SparseMoeBlock
 from .ops import QWEN35_OPS
 
 _OPTIONS = KV_OPTIONS | {"gdn_chunk_size"}
@@ -24,15 +27,25 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     storage types, `f32`, `f16`, `bf16` or `q8_0`, each independently, as the policy stores them; default
     `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
     """
+    return _load(gguf_file, backend, options, family="qwen35", architecture=ARCHITECTURE, config_class=Qwen35Config)
+
+
+def load_moe(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
+    """Build a `Qwen35Model` with the MoE FFN from a `qwen35moe` GGUF; the options are `load`'s."""
+    return _load(gguf_file, backend, options, family="qwen35moe", architecture=MOE_ARCH, config_class=Qwen35MoeConfig)
+
+
+def _load(gguf_file: Any, backend: Any, options: dict[str, Any], *, family: str, architecture: str,
+          config_class: type[Qwen35Config]) -> Qwen35Model:
     # Bad options and cache types fail before any weight is read.
-    start = start_family_load(gguf_file, backend, options, family="qwen35", architecture=ARCHITECTURE,
+    start = start_family_load(gguf_file, backend, options, family=family, architecture=architecture,
                               known_options=_OPTIONS)
     gguf_file = start.gguf
-    config = Qwen35Config.from_gguf_metadata(
+    config = config_class.from_gguf_metadata(
         MetadataView(gguf_file), tensor_names=gguf_file.tensors, source=str(gguf_file.path)
     )
     ops = QWEN35_OPS.bind(start.backend)  # the backend's ops and the family's own, each on a kernel where one takes it
-    src = LayoutTensors(gguf_file, tensor_shapes(config), GGUF_NAMES, ops, family="qwen35")
+    src = LayoutTensors(gguf_file, tensor_shapes(config), GGUF_NAMES | MOE_GGUF_NAMES, ops, family=family)
     chunk_size = int(options.get("gdn_chunk_size", 64))
 
     embed_tokens = src.weight("embed_tokens")
@@ -43,12 +56,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
             index=i,
             input_layernorm=src.vector("layers.{i}.input_layernorm", i),
             post_attention_layernorm=src.vector("layers.{i}.post_attention_layernorm", i),
-            mlp=MLP(
-                ops,
-                gate_proj=src.weight("layers.{i}.mlp.gate_proj", i),
-                up_proj=src.weight("layers.{i}.mlp.up_proj", i),
-                down_proj=src.weight("layers.{i}.mlp.down_proj", i),
-            ),
+            mlp=_load_moe(src, config, i) if isinstance(config, Qwen35MoeConfig) else _load_mlp(src, "mlp.", i),
         )
         if config.is_recurrent(i):
             layer.linear_attn = _load_gated_delta_net(src, config, i, chunk_size)
@@ -62,6 +70,25 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
     return Qwen35Model(
         config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head, **start.kv,
         source=str(gguf_file.path),
+    )
+
+
+def _load_mlp(src: LayoutTensors, prefix: str, i: int) -> MLP:
+    p = "layers.{i}." + prefix
+    return MLP(src.ops, *(src.weight(p + f"{part}_proj", i) for part in ("gate", "up", "down")))
+
+
+def _load_moe(src: LayoutTensors, c: Qwen35MoeConfig, i: int) -> SparseMoeBlock:
+    p = "layers.{i}.mlp."
+    return SparseMoeBlock(
+        src.ops,
+        router=src.weight(p + "gate", i),
+        gate_exps=src.weight(p + "experts.gate_proj", i),
+        up_exps=src.weight(p + "experts.up_proj", i),
+        down_exps=src.weight(p + "experts.down_proj", i),
+        shared_expert=_load_mlp(src, "mlp.shared_expert.", i),
+        shared_expert_gate=src.vector(p + "shared_expert_gate", i),
+        top_k=c.n_expert_used,
     )
 
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 dense (GGUF architecture `qwen35`): the forward pass, written against backend ops.
+"""Qwen3.5 / Qwen3.6 (GGUF architectures `qwen35` and `qwen35moe`): the forward pass, written against backend ops.
 
 A stack of decoder layers, three Gated DeltaNet layers then one gated full-attention layer, repeated:
 
@@ -8,7 +8,8 @@ A stack of decoder layers, three Gated DeltaNet layers then one gated full-atten
 
 where the mixer is `GatedDeltaNet` (linear attention with a decaying, delta-rule-updated fp32 state per
 value head, after a short causal convolution) or `GatedAttention` (softmax attention with q/k RMSNorm,
-partial NeoX RoPE and a sigmoid output gate). Names follow transformers' `modeling_qwen3_5.py`; the
+partial NeoX RoPE and a sigmoid output gate), and the mlp a SwiGLU `MLP` (dense) or the MoE block of
+`moe.py` (qwen35moe: routed experts and a gated shared expert). Names follow transformers' `modeling_qwen3_5.py`; the
 GGUF names are in `GGUF_NAMES`. The mixer's own maths (the gated delta rule, the short convolution) are the
 family's named ops in `ops.py`, which a backend may run as kernels; `self.ops` is the backend with them
 bound. The target side of speculative decoding (the drafter's feature capture, tree verification, commit)
@@ -338,7 +339,7 @@ class DecoderLayer:
     index: int
     input_layernorm: torch.Tensor
     post_attention_layernorm: torch.Tensor
-    mlp: MLP
+    mlp: Any  # `MLP` (dense), or `moe.SparseMoeBlock` (qwen35moe): called alike, `mlp(x)`
     linear_attn: GatedDeltaNet | None = None
     self_attn: GatedAttention | None = None
 

@@ -276,3 +276,16 @@ def gated_delta_rule_chunked(
 
     out = outputs.reshape(batch, heads, chunks * chunk_size, value_dim)[:, :, :tokens]
     return out.transpose(1, 2).to(input_dtype), state
+
+
+# -- the MoE router (qwen35moe) ------------------------------------------------------------------------------
+
+
+@QWEN35_OPS.reference
+def softmax_topk_route(ops: Any, x: torch.Tensor, proj: Any, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5-MoE's router on the normed input `x` `[T, hidden]`: probabilities `softmax(x proj^T)` in fp32, the
+    `top_k` largest kept and renormalised to sum 1 (transformers always renormalises; llama.cpp's `norm_w`).
+    Weights `[T, top_k]` fp32 and expert ids `[T, top_k]` long."""
+    probs = torch.softmax(ops.linear(x, proj).float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids

@@ -6,7 +6,11 @@ from lucebox_core.specs import CONVERTED_TYPES, SYNTHESIZED_TYPES, dflash_draft_
 lucebox_model_families = provides(
     ModelFamily(name="qwen35", architectures=["qwen35"], loader="lucebox_qwen35.loader:load",
                 ops="lucebox_qwen35.ops:QWEN35_OPS",
-                description="Qwen3.5 / Qwen3.6 dense: Gated DeltaNet + gated attention hybrid")
+                description="Qwen3.5 / Qwen3.6 dense: Gated DeltaNet + gated attention hybrid"),
+    ModelFamily(name="qwen35moe", architectures=["qwen35moe"], loader="lucebox_qwen35.loader:load_moe",
+                ops="lucebox_qwen35.ops:QWEN35_OPS",
+                description="Qwen3.5 / Qwen3.6 MoE (35B-A3B): the hybrid with softmax top-k experts and a gated "
+                            "shared expert"),
 )
 
 # The family's own draft files (written by `lucebox synth --arch qwen35-dflash-draft`) are DFlash drafters:
@@ -16,12 +20,17 @@ lucebox_drafters = provides(dflash_drafter("qwen35-dflash-draft", "DFlash drafte
 lucebox_synthesizers = provides(
     Synthesizer(name="qwen35", writer="lucebox_qwen35.synth:write", sizes=["tiny", "0.8b", "27b"],
                 types=SYNTHESIZED_TYPES, description="random-weight qwen35 GGUF with llama.cpp's exact layout"),
+    Synthesizer(name="qwen35moe", writer="lucebox_qwen35.synth:write_moe", sizes=["tiny", "35b-a3b"],
+                types=SYNTHESIZED_TYPES, description="random-weight qwen35moe GGUF with llama.cpp's exact layout"),
     dflash_draft_synthesizer("qwen35", writer="lucebox_qwen35.draft_synth:write"),
 )
 
 lucebox_converters = provides(
     Converter(name="qwen35", model_types=["qwen3_5", "qwen3_5_text"], writer="lucebox_qwen35.convert:convert",
-              types=CONVERTED_TYPES, description="transformers Qwen3.5/3.6 checkpoint to GGUF (llama.cpp conventions)")
+              types=CONVERTED_TYPES, description="transformers Qwen3.5/3.6 checkpoint to GGUF (llama.cpp conventions)"),
+    Converter(name="qwen35moe", model_types=["qwen3_5_moe", "qwen3_5_moe_text"],
+              writer="lucebox_qwen35.convert:convert_moe", types=CONVERTED_TYPES,
+              description="transformers Qwen3.5/3.6 MoE checkpoint to a qwen35moe GGUF (llama.cpp conventions)"),
 )
 
 lucebox_default_models = provides(

@@ -1,4 +1,4 @@
-"""Random-weight qwen35 GGUF files with llama.cpp's exact layout, metadata and type mixes.
+"""Random-weight qwen35 and qwen35moe GGUF files with llama.cpp's exact layout, metadata and type mixes.
 
 Weights look like a fresh initialisation: matrices zero-mean with std 0.02, norms in [0.9, 1.1], GDN decay
 `ssm_a` in [-16, -1] and `ssm_dt.bias` = softplus^-1 of dt in [1e-3, 0.1] (Qwen3.5's own init
@@ -24,11 +24,11 @@ from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.specs import SYNTHESIZED_TYPES
 from lucebox_core.synthetic import WEIGHT_STD, RandomWeights, write_random_model
 
-from . import layout
+from . import layout, layout_moe
 from . import vocab as vocab_source
 
 # WEIGHT_STD (the matrices' scale) and RandomWeights (their data) are the core's, named here for the tests.
-__all__ = ["TYPES", "WEIGHT_STD", "RandomWeights", "tensor_plans", "write"]
+__all__ = ["TYPES", "WEIGHT_STD", "RandomWeights", "tensor_plans", "write", "write_moe"]
 
 TYPES = SYNTHESIZED_TYPES
 
@@ -51,6 +51,9 @@ def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
         return np.log(np.expm1(dt))
     if name.endswith(".ssm_conv1d.weight"):
         return rng.uniform(-0.5, 0.5, n)
+    if name.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")):
+        # The MoE router and the shared expert's gate (kept F32) are matrices like the others.
+        return rng.normal(0.0, WEIGHT_STD, n)
     raise ValueError(f"no synthetic rule for small tensor {name}")
 
 
@@ -64,8 +67,24 @@ def write(
 ) -> Path:
     """Write a random-weight qwen35 GGUF of `size` (tiny, 0.8b, 27b) and `type` (f32, f16, q8_0,
     q4_k_m) to `path`; `vocab` is a GGUF to take the vocabulary from (default: the packaged one)."""
+    return _write(path, layout.ARCH, size=size, type=type, seed=seed, vocab=vocab)
+
+
+def write_moe(
+    path: str | Path,
+    *,
+    size: str = "tiny",
+    type: str = "f32",
+    seed: int = 0,
+    vocab: str | Path | None = None,
+) -> Path:
+    """Write a random-weight qwen35moe GGUF of `size` (tiny, 35b-a3b); the rest as `write`."""
+    return _write(path, layout.MOE_ARCH, size=size, type=type, seed=seed, vocab=vocab)
+
+
+def _write(path: str | Path, arch: str, *, size: str, type: str, seed: int, vocab: str | Path | None) -> Path:
     try:
-        cfg = layout.size(size)
+        cfg = layout_moe.size(size) if arch == layout.MOE_ARCH else layout.size(size)
         file_type(type, TYPES)
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
@@ -75,5 +94,6 @@ def write(
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_random_model(path, tensor_plans(cfg, type), arch=layout.ARCH, title="Qwen3.5", size=size, type=type,
+    title = "Qwen3.5 MoE" if arch == layout.MOE_ARCH else "Qwen3.5"
+    return write_random_model(path, tensor_plans(cfg, type), arch=arch, title=title, size=size, type=type,
                               seed=seed, small_tensor=_small_tensor, add_metadata=add_metadata)

@@ -1,0 +1,57 @@
+"""The mixture-of-experts FFN of Qwen3.5 / Qwen3.6 MoE (GGUF `qwen35moe`; transformers' `Qwen3_5MoeSparseMoeBlock`).
+
+    weights, experts = top_k(softmax(router(x)))   renormalised to sum 1
+    y = sum_k weights_k * expert_k(x) + sigmoid(shared_expert_gate . x) * shared_expert(x)
+
+Every expert, routed or shared, is a SwiGLU MLP. The model is the dense one (`model.py`) with this block in
+place of each layer's `MLP`: the decoder stack calls `layer.mlp(x)` either way. The routed products are the
+core's generic `moe_experts_swiglu` (separate gate and up stacks, as in the GGUF), the router the family's
+`softmax_topk_route`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from .model import MLP, Weight
+
+# transformers name -> GGUF tensor name of the MoE block's tensors (the model's `GGUF_NAMES` has the rest).
+MOE_GGUF_NAMES: dict[str, str] = {
+    "layers.{i}.mlp.gate": "blk.{i}.ffn_gate_inp.weight",
+    "layers.{i}.mlp.experts.gate_proj": "blk.{i}.ffn_gate_exps.weight",  # the first half of `gate_up_proj`
+    "layers.{i}.mlp.experts.up_proj": "blk.{i}.ffn_up_exps.weight",  # the second half
+    "layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+    "layers.{i}.mlp.shared_expert_gate": "blk.{i}.ffn_gate_inp_shexp.weight",
+    "layers.{i}.mlp.shared_expert.gate_proj": "blk.{i}.ffn_gate_shexp.weight",
+    "layers.{i}.mlp.shared_expert.up_proj": "blk.{i}.ffn_up_shexp.weight",
+    "layers.{i}.mlp.shared_expert.down_proj": "blk.{i}.ffn_down_shexp.weight",
+}
+
+
+@attrs.define
+class SparseMoeBlock:
+    """Softmax top-k routed SwiGLU experts plus one shared expert behind a per-token sigmoid gate."""
+
+    ops: Any
+    router: Weight  # [n_expert, hidden]
+    gate_exps: Weight  # [n_expert, expert_ffn, hidden]
+    up_exps: Weight  # [n_expert, expert_ffn, hidden]
+    down_exps: Weight  # [n_expert, hidden, expert_ffn]
+    shared_expert: MLP
+    shared_expert_gate: torch.Tensor  # [hidden]: one logit per token
+    top_k: int
+
+    def fuse_projections(self) -> None:
+        self.shared_expert.fuse_projections()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = ops.softmax_topk_route(flat, self.router, self.top_k)
+        routed = ops.moe_experts_swiglu(flat, self.gate_exps, self.up_exps, self.down_exps, weights, ids)
+        gate = ops.sigmoid(flat.float() @ self.shared_expert_gate.float())  # [T], in fp32: a dot product over hidden
+        shared = self.shared_expert(flat) * gate[:, None].to(x.dtype)
+        return (routed + shared).reshape(x.shape)
