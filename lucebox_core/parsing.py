@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import attrs
 
 from .errors import LuceboxError
+from .json_schema import coerce_value
 from .specs import ResponseParser
 
 __all__ = [
@@ -413,3 +414,71 @@ class StreamingToolCallParser:
         self._call, self._state = None, "content"
         self._held_space = call.space_before
         self._content("".join(call.raw), events)
+
+
+class ParameterCall(StreamedCall):
+    """A call whose arguments arrive as named parameters, each value text in the family's markup."""
+
+    def __init__(self, index: int, opening: str, *, space_before: str) -> None:
+        super().__init__(index, opening, space_before=space_before)
+        self.parameter_schema: Mapping[str, Any] | None = None  # the schema of the parameter being read
+
+
+class ParameterToolCallParser(StreamingToolCallParser):
+    """The part of a streaming parser that families whose calls carry named text parameters share (Qwen's
+    `<parameter=...>`, Laguna's `<arg_key>`/`<arg_value>`): how a response ends, how a value is closed (a
+    string value streamed as it arrives; any other value read as its schema says, JSON or text, then sent
+    whole), how a call ends, and content right after a call losing its leading whitespace. The family's
+    subclass holds the state machine of its markup."""
+
+    _call: ParameterCall | None
+
+    def __init__(
+        self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None
+    ) -> None:
+        super().__init__(tools, call_id=call_id)
+        self._after_call = False  # content right after a call loses its leading whitespace
+
+    def finish(self) -> list[Event]:
+        events = self._drain(final=True)
+        if self._call is not None:
+            if self._call.name:  # cut off inside the call: it ends where the text does
+                self._take(len(self._buffer))
+                self._end_call(events)
+            else:  # never got as far as a name: it was text
+                self._abandon_call(events)
+        if self._buffer:
+            self._content(self._buffer, events)
+            self._buffer = ""
+        self._held_space = ""
+        return events
+
+    def fresh(self) -> ParameterToolCallParser:
+        return type(self)(self.tools)
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        super()._content(text, events)
+
+    def _close_value(self, events: list[Event]) -> None:
+        call = self._call
+        assert call is not None
+        if call.streams_string:
+            self._arguments(events, '"')
+        else:
+            value = coerce_value("".join(call.value), call.parameter_schema, self.schemas.get(call.name, {}))
+            self._arguments(events, json.dumps(value, ensure_ascii=False))
+
+    def _end_call(self, events: list[Event], *, arguments_done: bool = False) -> None:
+        call = self._call
+        assert call is not None
+        if self._state in ("value_start", "value"):
+            self._close_value(events)
+        if not arguments_done:
+            self._arguments(events, "}" if call.fragments else "{}")
+        self._close_call(events)
+        self._after_call = True

@@ -25,9 +25,8 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from lucebox_core.json_schema import coerce_value, is_text_parameter, member_schema
-from lucebox_core.parsing import (Event, PlainContent, ReasoningParser, StreamedCall, StreamingToolCallParser,
-                                  partial_suffix)
+from lucebox_core.json_schema import is_text_parameter, member_schema
+from lucebox_core.parsing import Event, ParameterCall, ParameterToolCallParser, PlainContent, ReasoningParser, partial_suffix
 
 from .markup import CALL_CLOSE, CALL_OPEN, KEY_CLOSE, KEY_OPEN, NAME_LIMIT, VALUE_CLOSE, VALUE_OPEN
 from .tool_grammar import tool_choice_constraint
@@ -43,44 +42,14 @@ def create_parser(*, tools: Iterable[Mapping[str, Any]] | None = None, thinking:
     return ReasoningParser(content, thinking=thinking)
 
 
-class _Call(StreamedCall):
-    def __init__(self, index: int, opening: str, *, space_before: str) -> None:
-        super().__init__(index, opening, space_before=space_before)
-        self.parameter_schema: Mapping[str, Any] | None = None
-
-
-class LagunaToolCallParser(StreamingToolCallParser):
+class LagunaToolCallParser(ParameterToolCallParser):
     """The content parser for Laguna's `<tool_call>` calls (see the module docstring)."""
-
-    _call: _Call | None
-
-    def __init__(self, tools: Iterable[Mapping[str, Any]] | None, *,
-                 call_id: Callable[[int], str] | None = None) -> None:
-        super().__init__(tools, call_id=call_id)
-        self._after_call = False  # content right after a call loses its leading whitespace
-
-    def finish(self) -> list[Event]:
-        events = self._drain(final=True)
-        if self._call is not None:
-            if self._call.name:  # cut off inside the call: it ends where the text does
-                self._take(len(self._buffer))
-                self._end_call(events)
-            else:
-                self._abandon_call(events)
-        if self._buffer:
-            self._content(self._buffer, events)
-            self._buffer = ""
-        self._held_space = ""
-        return events
 
     def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False,
                        shadow: Callable[[], Any] | None = None) -> Any:
         """The constraint that holds the output to `tool_choice` and the tools' schemas (`tool_grammar`);
         `shadow` makes a fresh parser of the whole response, for "auto"."""
         return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking, shadow=shadow)
-
-    def fresh(self) -> LagunaToolCallParser:
-        return LagunaToolCallParser(self.tools)
 
     # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
 
@@ -92,7 +61,7 @@ class LagunaToolCallParser(StreamingToolCallParser):
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return False
         self._content(self._buffer[:at], events)
-        self._call = _Call(self._calls, CALL_OPEN, space_before=self._held_space)
+        self._call = ParameterCall(self._calls, CALL_OPEN, space_before=self._held_space)
         self._held_space = ""
         self._buffer = self._buffer[at + len(CALL_OPEN) :]
         self._state = "function_name"
@@ -174,31 +143,3 @@ class LagunaToolCallParser(StreamingToolCallParser):
         self._close_value(events)
         self._state = "parameters"
         return True
-
-    # --- helpers ---
-
-    def _content(self, text: str, events: list[Event]) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        super()._content(text, events)
-
-    def _close_value(self, events: list[Event]) -> None:
-        call = self._call
-        assert call is not None
-        if call.streams_string:
-            self._arguments(events, '"')
-        else:
-            value = coerce_value("".join(call.value), call.parameter_schema, self.schemas.get(call.name, {}))
-            self._arguments(events, json.dumps(value, ensure_ascii=False))
-
-    def _end_call(self, events: list[Event]) -> None:
-        call = self._call
-        assert call is not None
-        if self._state in ("value_start", "value"):
-            self._close_value(events)
-        self._arguments(events, "}" if call.fragments else "{}")
-        self._close_call(events)
-        self._after_call = True

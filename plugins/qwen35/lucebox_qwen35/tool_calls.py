@@ -35,8 +35,8 @@ from lucebox_core.parsing import (
     Event,
     PlainContent,
     ReasoningParser,
-    StreamedCall,
-    StreamingToolCallParser,
+    ParameterCall,
+    ParameterToolCallParser,
     partial_suffix,
     tool_call_constraint,
 )
@@ -66,49 +66,14 @@ def create_parser(
     return ReasoningParser(content, thinking=thinking)
 
 
-class _Call(StreamedCall):
-    """One tool call being read."""
-
-    def __init__(self, index: int, opening: str, *, space_before: str) -> None:
-        super().__init__(index, opening, space_before=space_before)
-        self.parameter_schema: Mapping[str, Any] | None = None
-
-
-class QwenToolCallParser(StreamingToolCallParser):
+class QwenToolCallParser(ParameterToolCallParser):
     """The content parser for Qwen's XML tool calls (see the module docstring)."""
-
-    _call: _Call | None
-
-    def __init__(
-        self, tools: Iterable[Mapping[str, Any]] | None, *, call_id: Callable[[int], str] | None = None
-    ) -> None:
-        super().__init__(tools, call_id=call_id)
-        self._after_call = False  # content right after a call loses its leading whitespace
-
-    # --- the ContentParser protocol (`feed` is the machinery's) ---
-
-    def finish(self) -> list[Event]:
-        events = self._drain(final=True)
-        if self._call is not None:
-            if self._call.name:  # cut off inside the call: it ends where the text does
-                self._take(len(self._buffer))
-                self._end_call(events)
-            else:  # never got as far as a name: it was text
-                self._abandon_call(events)
-        if self._buffer:
-            self._content(self._buffer, events)
-            self._buffer = ""
-        self._held_space = ""
-        return events
 
     def constraint_for(self, tool_choice: Any, tokenizer: Any, *, thinking: bool = False,
                        shadow: Callable[[], Any] | None = None) -> Any:
         """The constraint that holds the output to `tool_choice` and the tools' schemas (see
         `tool_choice_constraint`); `shadow` makes a fresh parser of the whole response, for "auto"."""
         return tool_choice_constraint(tokenizer, self.schemas, tool_choice, thinking=thinking, shadow=shadow)
-
-    def fresh(self) -> QwenToolCallParser:
-        return QwenToolCallParser(self.tools)
 
     # --- the state machine: each step consumes from the buffer, returns whether it made progress ---
 
@@ -121,7 +86,7 @@ class QwenToolCallParser(StreamingToolCallParser):
             return False
         at, tag = min(starts)
         self._content(self._buffer[:at], events)
-        self._call = _Call(self._calls, tag, space_before=self._held_space)
+        self._call = ParameterCall(self._calls, tag, space_before=self._held_space)
         self._held_space = ""  # whitespace before a call is dropped (given back if it is no call)
         self._buffer = self._buffer[at + len(tag) :]
         self._state = "call_open" if tag == CALL_OPEN else "function_name"
@@ -254,35 +219,6 @@ class QwenToolCallParser(StreamingToolCallParser):
             return False
         self._abandon_call(events)  # two closing tags and neither ends valid JSON: not a call
         return True
-
-    # --- helpers ---
-
-    def _content(self, text: str, events: list[Event]) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-        super()._content(text, events)
-
-    def _close_value(self, events: list[Event]) -> None:
-        call = self._call
-        assert call is not None
-        if call.streams_string:
-            self._arguments(events, '"')
-        else:
-            value = coerce_value("".join(call.value), call.parameter_schema, self.schemas.get(call.name, {}))
-            self._arguments(events, json.dumps(value, ensure_ascii=False))
-
-    def _end_call(self, events: list[Event], *, arguments_done: bool = False) -> None:
-        call = self._call
-        assert call is not None
-        if self._state in ("value_start", "value"):
-            self._close_value(events)
-        if not arguments_done:
-            self._arguments(events, "}" if call.fragments else "{}")
-        self._close_call(events)
-        self._after_call = True
 
 
 # --- tool_choice ------------------------------------------------------------------------------------
