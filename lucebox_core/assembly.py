@@ -34,7 +34,7 @@ class EngineOptions:
     cache_type_v: str | None = None  # -ctv
     model_draft: str | None = None  # -md: a draft GGUF turns speculative decoding on
     spec_type: str = "ddtree"  # --spec-type NAME: the verifier
-    tree_budget: int | str = 22  # --tree-budget N|auto
+    tree_budget: int | str | None = None  # --tree-budget N|auto; None: the default model's, else DEFAULT_TREE_BUDGET
     draft_block_size: int | None = None  # --draft-block-size; None: the drafter's
     no_draft: bool = False  # --no-draft: the default model without the drafter it ships with
 
@@ -51,6 +51,9 @@ class EngineOptions:
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
         return cls(**{**values, **overrides})
+
+
+DEFAULT_TREE_BUDGET = 22  # drafted nodes per DDTree verify when neither the user nor the default model says
 
 
 @attrs.frozen
@@ -90,7 +93,8 @@ def check_options(options: EngineOptions) -> Choices:
     verifier = drafter = None
     if options.model_draft is not None:
         verifier = registry().verifier(options.spec_type)
-        if options.tree_budget != "auto" and (not isinstance(options.tree_budget, int) or options.tree_budget < 1):
+        budget = options.tree_budget
+        if budget is not None and budget != "auto" and (not isinstance(budget, int) or budget < 1):
             raise LuceboxError(f"--tree-budget must be a positive integer or 'auto', got {options.tree_budget!r}")
         if options.draft_block_size is not None and not 2 <= options.draft_block_size <= 64:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {options.draft_block_size}")
@@ -144,14 +148,16 @@ def with_default_model(options: EngineOptions) -> EngineOptions:
     filled in when no -m is given: written or reassembled once, announced on stderr."""
     if options.model is not None:
         return options
-    from .loading import default_draft_path, default_model_path
+    from .loading import default_draft_path, default_model, default_model_path
 
     model = str(default_model_path())
-    draft = options.model_draft
+    draft, budget = options.model_draft, options.tree_budget
     if draft is None and not options.no_draft:
         found = default_draft_path()
         draft = None if found is None else str(found)
-    return attrs.evolve(options, model=model, model_draft=draft)
+        if found is not None and budget is None:
+            budget = default_model().tree_budget  # the budget its drafter was measured best with
+    return attrs.evolve(options, model=model, model_draft=draft, tree_budget=budget)
 
 
 def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | None = None) -> Any:
@@ -163,7 +169,8 @@ def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | No
 
     choices = choices if choices is not None else check_options(options)
     drafter = choices.drafter.create(GGUFFile(options.model_draft), loaded.model, backend=loaded.backend)
-    verifier = choices.verifier.create(loaded.model, budget=options.tree_budget, top_k=trees.DEFAULT_TOP_K,
+    budget = options.tree_budget if options.tree_budget is not None else DEFAULT_TREE_BUDGET
+    verifier = choices.verifier.create(loaded.model, budget=budget, top_k=trees.DEFAULT_TOP_K,
                                       backend=loaded.backend)
     return SpeculativeDecoder(loaded.model, drafter, verifier, block_size=options.draft_block_size,
                               backend=loaded.backend)

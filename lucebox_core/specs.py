@@ -235,6 +235,7 @@ class DefaultModel:
     name: str
     provider: Target
     draft_provider: Target | None = None
+    tree_budget: int | str | None = None  # with its drafter, unless --tree-budget says: e.g. "auto"
     random_weights: bool = False
     description: str = ""
     kind = "default_model"

@@ -162,6 +162,12 @@ def test_default_model_is_reassembled_once_and_announced_with_its_drafter(tmp_pa
                                         "lucebox-demo-qwen35-stdlib-q8_0.gguf"]
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(answer["token_ids"]) <= 3 and answer["speculative"]
+    assert answer["speculative"]["tree_budget"] == "auto"  # the demo model's own budget, unless one is asked
+    chosen = lucebox("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json", "--tree-budget", "5",
+                     env=env)
+    assert chosen.returncode == 0, chosen.stderr
+    chosen_answer = json.loads(chosen.stdout.strip().splitlines()[-1])
+    assert chosen_answer["speculative"]["tree_budget"] == 5 and chosen_answer["token_ids"] == answer["token_ids"]
     stamps = [m.stat().st_mtime_ns for m in models]
     plain = lucebox("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json", "--no-draft", env=env)
     assert plain.returncode == 0, plain.stderr

@@ -35,7 +35,7 @@ lucebox_converters = provides(
 
 lucebox_default_models = provides(
     DefaultModel(name="lucebox-demo-qwen35-stdlib", provider="lucebox_qwen35.default:provide_trained",
-                 draft_provider="lucebox_qwen35.default:provide_trained_draft",
+                 draft_provider="lucebox_qwen35.default:provide_trained_draft", tree_budget="auto",
                  description="a small code model trained on the Python standard library, with its DFlash drafter: "
                              "Lucebox's demo, it continues Python code; pass -m for a real model")
 )
