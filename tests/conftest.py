@@ -1,6 +1,7 @@
 """Test-session setup shared by every test module."""
 
 import os
+import shutil
 
 import pytest
 
@@ -9,6 +10,35 @@ import pytest
 # whole session here: without a GPU, the interpreter. (A GPU run can export TRITON_INTERPRET=0.)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# -- disk: a module's temporary folders go when the module ends -------------------------------------------
+# The tiny qwen35 model is ~300 MB in f32 (its real 248k-token vocabulary), and some fifty modules and tests
+# write one: kept to the session's end they fill a CI disk (a run stopped at 9.5 GB with ENOSPC). A passing
+# test's own `tmp_path` goes at once (`tmp_path_retention_policy = "failed"` in pyproject); this removes the
+# folders a module's fixtures made with `tmp_path_factory.mktemp` once its last test is torn down. Session
+# fixtures name theirs "session-..." and keep them; a module with a failure keeps everything, to look at.
+SESSION_PREFIX = "session-"
+_module_failed: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _module_failed.add(item.module.__name__)
+    return report
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    module = item.module.__name__
+    if (nextitem is None or nextitem.module is not item.module) and module not in _module_failed:
+        base = item.config._tmp_path_factory.getbasetemp()
+        for folder in base.iterdir():
+            if folder.is_dir() and not folder.is_symlink() and not folder.name.startswith(SESSION_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
+    return result
+
 
 @pytest.fixture(scope="session")
 def tiny_target_and_draft(tmp_path_factory):
@@ -16,7 +46,7 @@ def tiny_target_and_draft(tmp_path_factory):
     once for every module that only needs some such pair."""
     from lucebox_qwen35 import draft_synth, synth
 
-    folder = tmp_path_factory.mktemp("tiny-pair")
+    folder = tmp_path_factory.mktemp(SESSION_PREFIX + "tiny-pair")
     target = synth.write(folder / "target.gguf", size="tiny", type="f32", seed=41)
     draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f32", seed=42, target=target)
     return target, draft
