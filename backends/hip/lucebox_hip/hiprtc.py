@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from lucebox_core.errors import LuceboxError
-from lucebox_cuda.nvrtc import KernelProgram, kernel_sources
+from lucebox_cuda.nvrtc import KernelProgram, _write_atomically, kernel_sources
 
 # The CUDA backend's `.cu` files that build for HIP: the CUDA-core (plain FMA) matrix-vector kernel, the
 # mixture-of-experts product on the same body, the dequantize-tile kernel and RMSNorm. The tensor-core ones
@@ -135,18 +133,6 @@ def _compile(program: KernelProgram, arch: str, options: Sequence[str]) -> bytes
         return bytes(code)
     finally:
         hiprtc.hiprtcDestroyProgram(handle.createRef())  # takes a hiprtcProgram*, as in C
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write via a temporary file and a rename, so concurrent processes never read half a code object."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only or full cache only costs a recompile next time
 
 
 # -- loading and launching (needs an AMD GPU) ------------------------------------------------------------
