@@ -37,6 +37,10 @@ class EngineOptions:
     tree_budget: int | str | None = None  # --tree-budget N|auto; None: the default model's, else DEFAULT_TREE_BUDGET
     draft_block_size: int | None = None  # --draft-block-size; None: the drafter's
     no_draft: bool = False  # --no-draft: the default model without the drafter it ships with
+    prefix_cache_slots: int = 0  # --prefix-cache-slots (serve's default is 8): RAM snapshots; 0 and no dir: off
+    prefix_cache_min_tokens: int | None = None  # --prefix-cache-min-tokens; None: prefix_cache.DEFAULT_MIN_TOKENS
+    kv_cache_dir: str | None = None  # --kv-cache-dir: the prefix cache's disk tier
+    kv_cache_budget: str | int = "4G"  # --kv-cache-budget
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -47,6 +51,8 @@ class EngineOptions:
             "kv_policy": "kv_policy", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
             "model_draft": "model_draft", "spec_type": "spec_type", "tree_budget": "tree_budget",
             "draft_block_size": "draft_block_size", "no_draft": "no_draft",
+            "prefix_cache_slots": "prefix_cache_slots", "prefix_cache_min_tokens": "prefix_cache_min_tokens",
+            "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -75,13 +81,22 @@ def check_options(options: EngineOptions) -> Choices:
 
     for flag, value in (("-c/--ctx-size", 1 if options.ctx_size is None else options.ctx_size),
                         ("-np/--parallel", options.parallel),
-                        ("-ub/--ubatch-size", 1 if options.prefill_chunk is None else options.prefill_chunk)):
+                        ("-ub/--ubatch-size", 1 if options.prefill_chunk is None else options.prefill_chunk),
+                        ("--prefix-cache-slots", options.prefix_cache_slots + 1),
+                        ("--prefix-cache-min-tokens", 1 if options.prefix_cache_min_tokens is None
+                         else options.prefix_cache_min_tokens)):
         if value < 1:
             raise LuceboxError(f"{flag} must be at least 1, got {value}")
     for flag, path in (("-m/--model", options.model), ("-md/--model-draft", options.model_draft),
                        ("--chat-template-file", options.chat_template_file)):
         if path is not None and not os.path.isfile(path):
             raise LuceboxError(f"{path}: no such file ({flag})")
+    if options.kv_cache_dir is not None:
+        from .prefix_cache import parse_size
+
+        parse_size(options.kv_cache_budget)
+        if os.path.exists(options.kv_cache_dir) and not os.path.isdir(options.kv_cache_dir):
+            raise LuceboxError(f"--kv-cache-dir {options.kv_cache_dir}: exists and is not a folder")
     if options.model is not None:
         _model_family(options.model)
     if options.chat_template_file is not None:
@@ -196,5 +211,31 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
-                    speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend)
+                    speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend,
+                    prefix_cache=build_prefix_cache(options, loaded))
     return AssembledEngine(loaded, engine, options, context)
+
+
+def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:
+    """The prefix cache the options ask for (None when off). Its fingerprint names what makes a snapshot
+    valid here: the weights (target and drafter files), how KV is stored, the backend and device, and this
+    version of the code (kernels may round differently from one version to the next)."""
+    from . import __version__
+    from .prefix_cache import PrefixCache, PrefixCacheConfig, fingerprint, file_identity, parse_size
+    from .prefix_cache import DEFAULT_MIN_TOKENS
+
+    config = PrefixCacheConfig(
+        slots=options.prefix_cache_slots, directory=options.kv_cache_dir,
+        min_tokens=DEFAULT_MIN_TOKENS if options.prefix_cache_min_tokens is None else options.prefix_cache_min_tokens,
+        disk_budget=parse_size(options.kv_cache_budget))
+    if not config.enabled:
+        return None
+    model = loaded.model
+    parts = {
+        "lucebox": __version__, "family": loaded.family.name, "model": file_identity(loaded.path),
+        "draft": file_identity(options.model_draft) if options.model_draft else None,
+        "backend": loaded.backend_name, "device": str(getattr(loaded.backend, "device", "cpu")),
+        "dtype": str(getattr(loaded.backend, "dtype", "")), "kv_policy": options.kv_policy,
+        "cache_type_k": getattr(model, "cache_type_k", None), "cache_type_v": getattr(model, "cache_type_v", None),
+    }
+    return PrefixCache(config, fingerprint(parts))

@@ -16,6 +16,7 @@ the model's ops by default).
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 import time
@@ -29,8 +30,11 @@ import torch
 
 from .errors import LuceboxError
 from .mask_ahead import MaskAhead
+from .prefix_cache import PrefixCache, turn_boundaries
 from .sampling import Sampler, SamplingParams, StopMatcher
 from .speculative.loop import ForcedStep, forced_accept_counts
+
+log = logging.getLogger("lucebox.engine")
 
 
 class CausalLM(Protocol):
@@ -89,8 +93,9 @@ class Step:
 
 @attrs.define
 class Timings:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens run through the model (not those restored from the prefix cache)
     prompt_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     # Speculative decoding: per verify step, the tokens it produced (accepted drafts + the bonus).
@@ -152,7 +157,7 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, ctx_size: int | None = None,
                  prefill_chunk: int | None = None, speculative: Any = None, idle_sequences: int = 1,
-                 backend: Any = None):
+                 backend: Any = None, prefix_cache: PrefixCache | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.backend = backend if backend is not None else getattr(model, "ops", None)
@@ -174,6 +179,11 @@ class Engine:
         self._idle: list[Sequence] = []
         self._idle_lock = threading.Lock()
         self._mask_workers: ThreadPoolExecutor | None = None  # constraints' masks, computed ahead (made on first use)
+        # The prefix cache (`prefix_cache`), for models whose states can be snapshotted.
+        if prefix_cache is not None and not hasattr(model, "restore_state"):
+            log.warning("the prefix cache is off: %s cannot snapshot its state", type(model).__name__)
+            prefix_cache = None
+        self.prefix_cache = prefix_cache
 
     def new_sequence(self) -> Sequence:
         """An empty sequence: a released one emptied for reuse where there is one, else a new state."""
@@ -210,7 +220,13 @@ class Engine:
             self.backend.synchronize()
 
     def prefill(self, sequence: Sequence, token_ids: Seq[int], timings: Timings | None = None) -> None:
-        """Run new prompt tokens through the model in chunks; keep the last position's logits."""
+        """Run new prompt tokens through the model in chunks; keep the last position's logits.
+
+        The prompt is split at its turn boundaries (after each end-of-turn token) as well as every
+        `prefill_chunk` tokens, cache or no cache: a state snapshotted at a boundary is then exactly the state
+        any later prefill of the same tokens passes through (see `prefix_cache`). A fresh sequence first
+        restores the longest cached boundary prefix of the prompt, and a new boundary worth keeping is
+        snapshotted on the way."""
         if sequence.length + len(token_ids) > self.ctx_size:
             raise LuceboxError(
                 f"the prompt needs {sequence.length + len(token_ids)} positions but the context holds "
@@ -221,21 +237,67 @@ class Engine:
         if not token_ids:
             return
         start = time.perf_counter()
+        boundaries = turn_boundaries(token_ids, self.eog_ids)
+        fresh = not sequence.tokens
+        done = self._restore_prefix(sequence, token_ids, boundaries) if fresh else 0
+        snapshot_at = self._snapshot_point(token_ids, boundaries, done) if fresh else None
         logits = None
-        for begin in range(0, len(token_ids), self.prefill_chunk):
-            chunk = list(token_ids[begin : begin + self.prefill_chunk])
+        for begin, end in self._prefill_pieces(done, len(token_ids), boundaries):
+            chunk = list(token_ids[begin:end])
             tensor = torch.tensor(chunk, dtype=torch.long)
             if self._last_only:
                 logits = self.model.forward(sequence.state, tensor, last_only=True)
             else:
                 logits = self.model.forward(sequence.state, tensor)
             sequence.tokens.extend(chunk)
+            if end == snapshot_at:
+                self._take_snapshot(sequence)
         assert logits is not None
         sequence.pending_logits = logits[-1]
         self._synchronize()
         if timings is not None:
-            timings.prompt_tokens += len(token_ids)
+            timings.prompt_tokens += len(token_ids) - done
+            timings.cached_tokens += done
             timings.prompt_seconds += time.perf_counter() - start
+
+    def _prefill_pieces(self, begin: int, end: int, boundaries: Seq[int]) -> Iterator[tuple[int, int]]:
+        """Spans of the prefill from `begin` to `end`: cut at each turn boundary, then every `prefill_chunk`."""
+        cuts = [b for b in boundaries if begin < b < end] + [end]
+        for cut in cuts:
+            for piece in range(begin, cut, self.prefill_chunk):
+                yield piece, min(piece + self.prefill_chunk, cut)
+            begin = cut
+
+    def _restore_prefix(self, sequence: Sequence, token_ids: list[int], boundaries: list[int]) -> int:
+        """Restore the longest cached boundary prefix of `token_ids` into the (empty) sequence; its length."""
+        if self.prefix_cache is None:
+            return 0
+        snapshot = self.prefix_cache.lookup(token_ids, boundaries)
+        if snapshot is None:
+            return 0
+        try:
+            self.model.restore_state(sequence.state, snapshot.tensors, snapshot.length)
+        except LuceboxError as exc:  # another configuration's snapshot: computed afresh instead
+            log.warning("prefix cache: a cached prefix of %d tokens does not fit this sequence (%s)", snapshot.length, exc)
+            return 0
+        sequence.tokens = list(snapshot.tokens)
+        return snapshot.length
+
+    def _snapshot_point(self, token_ids: list[int], boundaries: list[int], done: int) -> int | None:
+        """The boundary this prefill snapshots at: its last new one, when worth keeping and not cached yet."""
+        cache = self.prefix_cache
+        candidates = [b for b in boundaries if done < b < len(token_ids)]
+        if cache is None or not candidates or not cache.worth_keeping(candidates[-1]):
+            return None
+        return None if cache.contains(token_ids[: candidates[-1]]) else candidates[-1]
+
+    def _take_snapshot(self, sequence: Sequence) -> None:
+        try:
+            tensors = self.model.snapshot_state(sequence.state)
+        except LuceboxError as exc:
+            log.warning("prefix cache: no snapshot taken (%s)", exc)
+            return
+        self.prefix_cache.store(sequence.tokens, tensors)
 
     def stream(self, sequence: Sequence, request: GenerationRequest, timings: Timings | None = None) -> Iterator[Step]:
         """Prefill `request.prompt_ids` onto `sequence`, then yield one `Step` per generated token."""

@@ -54,6 +54,23 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
                         "the CPU); smaller takes less memory for activations and prefills more slowly")
 
 
+def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The prefix cache's flags (`serve`): RAM slots, the smallest prefix kept, the disk tier and its budget."""
+    from .prefix_cache import DEFAULT_MIN_TOKENS, DEFAULT_SLOTS
+
+    p.add_argument("--prefix-cache-slots", type=int, default=DEFAULT_SLOTS, metavar="N",
+                   help=f"conversation prefixes kept in RAM, their state snapshotted at a turn boundary, so the next "
+                        f"turn prefills only its new tokens (default {DEFAULT_SLOTS}; 0: none)")
+    p.add_argument("--prefix-cache-min-tokens", type=int, default=DEFAULT_MIN_TOKENS, metavar="N",
+                   help=f"shortest prefix worth a snapshot (default {DEFAULT_MIN_TOKENS})")
+    p.add_argument("--kv-cache-dir", metavar="DIR",
+                   help="also keep the snapshots on disk, one file each under DIR/<model fingerprint>/, found "
+                        "again after a restart (default: RAM only)")
+    p.add_argument("--kv-cache-budget", default="4G", metavar="SIZE",
+                   help="most bytes the snapshot files of --kv-cache-dir may take, least recently used out first "
+                        "(default 4G; K, M, G, T are binary units)")
+
+
 def add_speculative_arguments(p: argparse.ArgumentParser, *, force: bool) -> None:
     """The speculative-decoding flags: -md, --spec-type, --tree-budget, --draft-block-size (and, for
     generate and bench, --force-accept)."""

@@ -205,6 +205,10 @@ class KVCache(Protocol):
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None: ...
     def commit(self, length: int) -> None: ...
     def rollback(self, length: int) -> None: ...
+    # Optional (the prefix cache uses them when a policy has them): the rows of the first `length`
+    # positions as stored, by name, and writing such rows back into an empty cache.
+    def export_rows(self, length: int) -> dict[str, torch.Tensor]: ...
+    def import_rows(self, rows: Mapping[str, torch.Tensor], length: int, *, check_only: bool = False) -> None: ...
 
 
 class FullKVCache:
@@ -408,3 +412,38 @@ class FullKVCache:
                 )
         for layer, held in self._lengths.items():
             self._lengths[layer] = min(held, length)
+
+    # -- snapshots (the prefix cache) --------------------------------------------------------------------
+
+    def export_rows(self, length: int) -> dict[str, torch.Tensor]:
+        """The rows positions `0 .. length - 1` occupy, as stored, per layer (`"<layer>.k"`, `"<layer>.v"`):
+        views, which the caller copies. A ring layer gives its slots in slot order, all it holds."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot export {length} positions of a cache holding {self.length}")
+        rows: dict[str, torch.Tensor] = {}
+        for layer in self.shapes:
+            held = min(length, self._rows[layer])
+            rows[f"{layer}.k"], rows[f"{layer}.v"] = self._keys[layer][:held], self._values[layer][:held]
+        return rows
+
+    def import_rows(self, rows: Mapping[str, torch.Tensor], length: int, *, check_only: bool = False) -> None:
+        """Write what `export_rows(length)` gave into this (empty) cache, in place, and hold `length`
+        positions; with `check_only`, only check that it fits (a LuceboxError naming the tensor if not)."""
+        expected = {f"{layer}.{role}" for layer in self.shapes for role in "kv"}
+        if set(rows) != expected or length > self.max_context:
+            raise LuceboxError(f"these KV rows ({len(rows)} tensors, {length} positions) are not this cache's "
+                               f"({len(expected)} tensors, at most {self.max_context} positions)")
+        for layer in self.shapes:
+            held = min(length, self._rows[layer])
+            for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
+                saved = rows[f"{layer}.{role}"]
+                if tuple(saved.shape) != (held, *buffer.shape[1:]) or saved.dtype != buffer.dtype:
+                    raise LuceboxError(f"KV rows {layer}.{role} are {tuple(saved.shape)} {saved.dtype}; this cache "
+                                       f"stores {(held, *buffer.shape[1:])} {buffer.dtype}")
+        if check_only:
+            return
+        for layer in self.shapes:
+            held = min(length, self._rows[layer])
+            self._keys[layer][:held].copy_(rows[f"{layer}.k"], non_blocking=True)
+            self._values[layer][:held].copy_(rows[f"{layer}.v"], non_blocking=True)
+            self._lengths[layer] = length

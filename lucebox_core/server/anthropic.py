@@ -179,11 +179,15 @@ class MessageBuilder:
         reason = "tool_use" if self.calls and done.finish_reason != "length" else _STOP_REASONS[done.finish_reason]
         self.message["stop_reason"] = reason
         self.message["usage"]["output_tokens"] = done.usage.completion_tokens
+        # Anthropic counts cache reads apart: input_tokens are the prompt tokens that were processed.
+        self.message["usage"]["input_tokens"] = done.usage.prompt_tokens - done.usage.cached_tokens
+        self.message["usage"]["cache_read_input_tokens"] = done.usage.cached_tokens
         self.message["usage"]["timings"] = done.usage.timings()  # Lucebox's addition: speeds, accepted lengths
         events.append(sse.event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
-            "usage": {"output_tokens": done.usage.completion_tokens, "input_tokens": done.usage.prompt_tokens,
-                      "timings": done.usage.timings()},
+            "usage": {"output_tokens": done.usage.completion_tokens,
+                      "input_tokens": done.usage.prompt_tokens - done.usage.cached_tokens,
+                      "cache_read_input_tokens": done.usage.cached_tokens, "timings": done.usage.timings()},
         }))
         events.append(sse.event("message_stop", {"type": "message_stop"}))
         return events

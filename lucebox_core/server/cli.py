@@ -24,7 +24,7 @@ from ..errors import LuceboxError
 
 def add_serve_parser(commands: Any) -> None:
     """Add `serve` to the `lucebox` subcommands (an argparse subparsers object)."""
-    from ..flags import add_model_arguments, add_speculative_arguments
+    from ..flags import add_model_arguments, add_prefix_cache_arguments, add_speculative_arguments
 
     p = commands.add_parser("serve", help="serve the OpenAI, Responses and Anthropic HTTP APIs")
     from ..flags import CTX_HELP
@@ -54,6 +54,7 @@ def add_serve_parser(commands: Any) -> None:
                    help="TESTING ONLY: hold every plain text answer to at most CHARS characters, then end it "
                         "(a random-weight model's answers then end with 'stop'); thinking off")
     add_speculative_arguments(p, force=False)
+    add_prefix_cache_arguments(p)
     p.set_defaults(run=cmd_serve)
 
 

@@ -382,6 +382,7 @@ class Usage:
     prompt_ms: float
     decode_ms: float
     accepted_lengths: tuple[int, ...] = ()  # per speculative step: accepted drafts + bonus
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled (of prompt_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -390,7 +391,8 @@ class Usage:
     def timings(self) -> dict:
         decode_s = self.decode_ms / 1000
         timings = {
-            "prompt_n": self.prompt_tokens, "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_n": self.prompt_tokens - self.cached_tokens, "cache_n": self.cached_tokens,
+            "prompt_ms": round(self.prompt_ms, 3),
             "predicted_n": self.completion_tokens, "predicted_ms": round(self.decode_ms, 3),
             "predicted_per_second": round(self.completion_tokens / decode_s, 3) if decode_s > 0 else 0.0,
         }
@@ -404,6 +406,7 @@ class Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "timings": self.timings(),
         }
@@ -478,10 +481,12 @@ class Generation:
             reasoning_tokens = min(generated, len(tokenizer.encode(
                 "".join(self.raw_text)[: reasoning_chars + 16], add_bos=False)))
         usage = Usage(len(self.prompt.ids), generated, reasoning_tokens,
-                      timings.prompt_seconds * 1000, timings.decode_seconds * 1000, tuple(timings.accepted_lengths))
+                      timings.prompt_seconds * 1000, timings.decode_seconds * 1000, tuple(timings.accepted_lengths),
+                      timings.cached_tokens)
         for accepted in timings.accepted_lengths:
             metrics.accepted_length.observe(accepted)
         metrics.prompt_tokens.inc(timings.prompt_tokens)
+        metrics.cached_prompt_tokens.inc(timings.cached_tokens)
         metrics.generated_tokens.inc(generated)
         if self.job.first_token_at is not None:
             metrics.ttft.observe(self.job.first_token_at - self.job.submitted)

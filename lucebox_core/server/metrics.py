@@ -88,9 +88,12 @@ class Histogram:
 class ServerMetrics:
     """Everything `/metrics` reports."""
 
-    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]):
+    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float],
+                 prefix_cache: Callable[[], dict] = dict):
         self.requests = Counter("requests_total", "HTTP requests handled, by endpoint and status")
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
+        self.cached_prompt_tokens = Counter("prompt_tokens_cached_total",
+                                            "prompt tokens restored from the prefix cache instead of prefilled")
         self.generated_tokens = Counter("generated_tokens_total", "tokens generated")
         self.cancelled = Counter("cancelled_generations_total", "generations stopped because the client left")
         self.ttft = Histogram(
@@ -111,10 +114,23 @@ class ServerMetrics:
         )
         self.queue_depth = Gauge("queue_depth", "generations waiting for a free slot", queue_depth)
         self.running = Gauge("running_generations", "generations in progress", running)
+        # The prefix cache's figures (`PrefixCache.describe`), read at scrape time; 0 while it is off.
+        self.prefix_cache = [
+            Gauge(f"prefix_cache_{key}", text, lambda key=key: float(prefix_cache().get(key) or 0))
+            for key, text in (("lookups", "prompts looked up in the prefix cache"),
+                              ("hits", "prompts that restored a cached prefix"),
+                              ("disk_hits", "of those, restored from a file of --kv-cache-dir"),
+                              ("tokens_reused", "prompt tokens restored instead of prefilled"),
+                              ("held", "snapshots held in RAM"), ("ram_bytes", "bytes of the snapshots held in RAM"),
+                              ("disk_files", "snapshot files in --kv-cache-dir"),
+                              ("disk_bytes", "bytes of the snapshot files in --kv-cache-dir"),
+                              ("rejected_files", "corrupt or foreign snapshot files skipped"))
+        ]
 
     def render(self) -> str:
         lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
-                       self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running):
+        for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
+                       self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running,
+                       *self.prefix_cache):
             lines += metric.render()
         return "\n".join(lines) + "\n"

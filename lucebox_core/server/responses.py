@@ -219,7 +219,7 @@ class ResponseBuilder:
         events = self._close()
         usage = done.usage
         self.response["usage"] = {
-            "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens,

@@ -29,6 +29,7 @@ class ServeConfig(EngineOptions):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    prefix_cache_slots: int = 8  # a server keeps conversation prefixes (prefix_cache.DEFAULT_SLOTS)
     model_name: str | None = None  # the id reported to clients (default: the file's stem)
     api_key: str | None = None
     n_predict: int | None = None  # most tokens one request generates (None: what fits in the context)
@@ -56,6 +57,7 @@ class ModelService:
         self.metrics = ServerMetrics(
             queue_depth=lambda: self.scheduler.queue_depth if self.scheduler else 0,
             running=lambda: self.scheduler.running if self.scheduler else 0,
+            prefix_cache=self.prefix_cache_info,
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
         self.tool_replay = ToolCallReplay()
@@ -99,9 +101,17 @@ class ModelService:
         speculative = self.engine.speculative if self.engine is not None else None
         return speculative.describe() if speculative is not None else None
 
+    def prefix_cache_info(self) -> dict[str, Any]:
+        """What `/props` and `/metrics` report about the prefix cache ({} while it is off)."""
+        cache = self.engine.prefix_cache if self.engine is not None else None
+        return {"enabled": True, **cache.describe()} if cache is not None else {}
+
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        cache = self.engine.prefix_cache if self.engine is not None else None
+        if cache is not None:
+            cache.close()  # the snapshot files being written are finished first
 
     def require_ready(self) -> None:
         if self.status == "loading":

@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
+from lucebox_core.state_snapshot import StateSnapshots
 from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
 from .layout import Gemma4Config
@@ -257,7 +258,7 @@ class Gemma4State:
     verify: StaticStep | None = None  # the static verify pass (speculative decoding)
 
 
-class Gemma4Model(Gemma4SpeculativeTarget):
+class Gemma4Model(Gemma4SpeculativeTarget, StateSnapshots):
     def __init__(self, config: Gemma4Config, ops: Any, embed_tokens: Weight, layers: list[Gemma4DecoderLayer],
                  norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
                  cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
+from lucebox_core.state_snapshot import StateSnapshots
 from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
 from .layout import LagunaConfig
@@ -192,7 +193,7 @@ class LagunaState:
     decode: StaticStep | None = None
 
 
-class LagunaModel:
+class LagunaModel(StateSnapshots):
     def __init__(self, config: LagunaConfig, ops: Any, embed_tokens: Weight, layers: list[LagunaDecoderLayer],
                  norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
                  cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,

@@ -33,6 +33,7 @@ import attrs
 import torch
 
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type
+from lucebox_core.state_snapshot import StateSnapshots
 from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
 from .layout import Qwen35Config
@@ -378,7 +379,7 @@ class Qwen35State:
 # -- the model -------------------------------------------------------------------------------------------
 
 
-class Qwen35Model(SpeculativeTarget):
+class Qwen35Model(SpeculativeTarget, StateSnapshots):
     def __init__(
         self,
         config: Qwen35Config,
@@ -453,6 +454,13 @@ class Qwen35Model(SpeculativeTarget):
         state.captured = {}
         if state.features is not None:
             state.features.zero_()
+
+    def recurrent_state_tensors(self, state: Qwen35State) -> dict[str, torch.Tensor]:
+        """The Gated DeltaNet layers' conv and recurrent state (the prefix cache snapshots them)."""
+        tensors = {}
+        for index, linear in state.linear.items():
+            tensors[f"{index}.conv"], tensors[f"{index}.recurrent"] = linear.conv, linear.recurrent
+        return tensors
 
     def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
         return {
