@@ -384,8 +384,9 @@ class FullKVCache:
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What reading `k` and `v` back would give once stored, without storing them (speculative verify:
         the nodes must see their own K/V exactly as plain decoding will). Appending the result again
-        stores the same bits (Q8_0 and Q4_0 re-quantize their own output exactly; TQ3_0 too but for float
-        rounding in the rotation, which can move a value sitting on a threshold)."""
+        stores the same values (Q8_0 and Q4_0 re-quantize their own output to the same bits, but the sign of
+        an all-zero Q4_0 block's scale; TQ3_0 too but for float rounding in the rotation, which can move a value
+        sitting on a threshold)."""
         return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
 
     # -- the static path (recorded steps) ---------------------------------------------------------------
