@@ -67,8 +67,8 @@ V_FLAG = "-ctv/--cache-type-v"
 
 
 def kv_cache_type(value: str | torch.dtype, flag: str = "KV cache type") -> str:
-    """The cache type name (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `tq3_0`) for a name or a torch dtype; a LuceboxError naming
-    `flag` for anything else."""
+    """The cache type name (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `tq3_0`) for a name or a torch dtype; a
+    LuceboxError naming `flag` for anything else."""
     if isinstance(value, torch.dtype):
         if value in _NAME_OF_DTYPE:
             return _NAME_OF_DTYPE[value]

@@ -246,6 +246,6 @@ def dequantize_tq3_0(data: torch.Tensor, dtype: torch.dtype = torch.float32, *, 
     domain, as Lucebox's kernels read it, with `rotated`), by default rotated back to the original domain."""
     index, norm = tq3_0_indices(data)
     *lead, dim = index.shape
-    values = _constant(TQ3_0_CENTROIDS, data.device, torch.float32)[index].reshape(*lead, dim // QUANT_BLOCK, QUANT_BLOCK) * norm[..., None]
-    values = values.reshape(*lead, dim)
+    centroids = _constant(TQ3_0_CENTROIDS, data.device, torch.float32)[index]
+    values = (centroids.reshape(*lead, dim // QUANT_BLOCK, QUANT_BLOCK) * norm[..., None]).reshape(*lead, dim)
     return (values if rotated else rotate_tq3(values, inverse=True)).to(dtype)

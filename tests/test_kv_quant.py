@@ -327,6 +327,13 @@ def test_bytes_per_token_of_the_new_types():
     assert cache.nbytes == 10 * cache.bytes_per_token == 10 * (448 + 576)
     keys, values = cache.gather(3, 10)
     assert tuple(keys.shape) == (10, 4, 8, 14) and tuple(values.shape) == (10, 4, 8, 18)
+    # Lucebox's figures for Qwen3.5-27B at 128K (its PR #21): KV 1792 MiB in TQ3_0, 2304 MiB in Q4_0.
+    from lucebox_qwen35 import layout
+    from lucebox_qwen35.memory import estimate_memory
+
+    config = layout.size("27b")
+    for kind, mib in (("tq3_0", 1792), ("q4_0", 2304)):
+        assert estimate_memory(config, 131072, weight_bytes=0, cache_type_k=kind, cache_type_v=kind).kv == mib * 2**20
 
 
 def test_tq3_0_k_with_f32_v_is_refused_with_the_allowed_pairs():
@@ -401,6 +408,7 @@ def f32_run(tiny_path, prompt):
     return logits, tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("k_type", "v_type"), MODEL_PAIRS)
 def test_tiny_model_decodes_with_the_new_types(tiny_path, prompt, f32_run, k_type, v_type):
     from lucebox_qwen35.loader import load
@@ -422,6 +430,7 @@ def test_tiny_model_decodes_with_the_new_types(tiny_path, prompt, f32_run, k_typ
     torch.testing.assert_close(torch.cat([s.reshape(1, -1) for s in steps]), ours[1:4], atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_speculative_verify_and_commit_with_tq3_0(tiny_path, prompt):
     from lucebox_qwen35.loader import load
 
@@ -450,6 +459,7 @@ def _lucebox(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_takes_the_new_cache_types(tiny_path):
     base = ["generate", "-m", str(tiny_path), "--prompt-ids", "1,2,3,4", "-n", "3", "--temp", "0", "--json",
             "--ignore-eos", "-c", "64"]

@@ -425,7 +425,8 @@ def _path_attention_split_kernel(
             acc, running_max, running_sum = _path_key_block(
                 acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len, rows,
                 k_ptr, v_ptr, node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt, stride_nkt,
-                stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_FORMAT, V_FORMAT, NODE_ROWS, RING)
+                stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_FORMAT, V_FORMAT, NODE_ROWS,
+                RING)
     else:  # the interpreter: a fixed trip count and a skip (it cannot take a loop bound read from memory)
         for block in range(STATIC_TRIPS):
             block_start = start + block * BLOCK_N
@@ -492,10 +493,11 @@ def tree_attention(
 ) -> torch.Tensor:
     """`TorchBackend.tree_attention` (and, with one node that sees itself, `decode_attention`): q
     `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of the cache; rows `position + i`
-    hold node i, unless `node_k`/`node_v` `[N, Hkv, D|Dv]` hold them), each values or a quantized cache's raw rows
-    (uint8 Q8_0 `[W, Hkv, D / 32 * 34]`, Q4_0 / TQ3_0 `[W, Hkv, D / 32, 18 | 14]`, decoded in registers; node
-    rows are values; over TQ3_0 K the query is rotated forward first, over TQ3_0 V the output back after); `position` `[1]` long and
-    `visible` bool `[N, N]` (ancestors and self), both on q's device -> `[1, N, Hq, Dv]` in q's dtype. Node n
+    hold node i, unless `node_k`/`node_v` `[N, Hkv, D|Dv]` hold them), each values or a quantized cache's raw
+    rows (uint8 Q8_0 `[W, Hkv, D / 32 * 34]`, Q4_0 / TQ3_0 `[W, Hkv, D / 32, 18 | 14]`, decoded in registers;
+    node rows are values; over TQ3_0 K the query is rotated forward first, over TQ3_0 V the output back
+    after); `position` `[1]` long and `visible` bool `[N, N]` (ancestors and self), both on q's device ->
+    `[1, N, Hq, Dv]` in q's dtype. Node n
     sees the committed rows `< position` and its path. `ring` (with node rows): the cache is a sliding
     layer's ring of that many slots (position p in slot p % ring), each node seeing the last `ring` positions.
 
@@ -706,22 +708,27 @@ def _tree_rows(device: torch.device, oracle: Any, reference: dict[torch.dtype, A
 
 
 def _decode_rows(device: torch.device, oracle: Any, reference: dict, failures: list[str]) -> None:
-    """The decode step's attention (one node) at 27B heads, plain and Q8_0 windows, bf16."""
-    from lucebox_core.kv import quantize_q8_0
+    """The decode step's attention (one node) at 27B heads, plain and quantized windows (Q8_0, Q4_0, TQ3_0
+    K/V, read in place), bf16."""
+    from lucebox_core.kv import FullKVCache, KVLayerShape
 
     print(f"{'decode (27B heads, bf16)':<34} {'rel err':>9} {'ms':>8} {'torch ms':>8}")
     scale = HEAD_DIM_27B**-0.5
-    for window, position, q8 in ((4096, 3000, False), (32768, 32767, False), (32768, 1000, False),
-                                 (32768, 30000, True)):
+    for window, position, kind in ((4096, 3000, None), (32768, 32767, None), (32768, 1000, None),
+                                   (32768, 30000, "q8_0"), (32768, 30000, "q4_0"), (32768, 30000, "tq3_0")):
         q = torch.randn(1, 1, Q_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
         k = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
         v = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
-        if q8:
-            k, v = quantize_q8_0(k), quantize_q8_0(v)
+        if kind is not None:  # the window as the cache stores it
+            cache = FullKVCache({0: KVLayerShape(KV_HEADS_27B, HEAD_DIM_27B, HEAD_DIM_27B)}, window,
+                                dtype=torch.bfloat16, device=device, k_type=kind, v_type=kind)
+            cache.write(0, torch.arange(window, device=device), k, v)
+            k, v = cache.gather(0, window)
         at = torch.tensor([position], device=device)
-        expected = oracle.decode_attention(q.float(), k if q8 else k.float(), v if q8 else v.float(), at, scale=scale)
+        expected = oracle.decode_attention(q.float(), k if kind else k.float(), v if kind else v.float(), at,
+                                           scale=scale)
         out = torch.full_like(q, float("nan"))
-        label = f"window {window} position {position}" + (" Q8_0 K/V" if q8 else "")
+        label = f"window {window} position {position}" + (f" {kind.upper()} K/V" if kind else "")
         error = _check(f"decode_attention {label}", torch.bfloat16,
                        decode_attention(q, k, v, at, scale=scale, out=out), expected, failures)
         ms = _median_ms(functools.partial(decode_attention, q, k, v, at, scale=scale, out=out))
