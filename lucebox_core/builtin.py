@@ -26,7 +26,7 @@ lucebox_kv_policies = provides(
     KVPolicy(
         name="full",
         factory="lucebox_core.kv:FullKVCache",
-        cache_types=["f32", "f16", "bf16", "q8_0"],
+        cache_types=["f32", "f16", "bf16", "q8_0", "q4_0", "tq3_0"],
         description="every position's K and V kept, contiguous per sequence (slot = position)",
     )
 )

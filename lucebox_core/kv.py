@@ -13,9 +13,19 @@ the fill pointer. It knows nothing of a model family: each layer declares its ow
 
 K and V each have a storage type of their own (llama.cpp's `-ctk` / `-ctv`): `f32`, `f16`, `bf16` are
 plain dtypes; `q8_0` is GGUF's Q8_0 block layout along the head dim (per 32 values, an fp16 scale and 32
-int8s: 34 bytes, 1.0625 bytes a value), quantized like ggml's `quantize_row_q8_0_ref`. Reads for eager
-attention hand back floats (a quantized store decodes to the cache's `dtype`); `gather` hands the rows as
-stored to kernels that read Q8_0 themselves.
+int8s: 34 bytes, 1.0625 bytes a value), quantized like ggml's `quantize_row_q8_0_ref`; `q4_0` is GGUF's Q4_0
+(18 bytes per 32 values) and `tq3_0` Lucebox's TurboQuant blocks (14 bytes per 32 values, groups of 128
+rotated by a fixed orthogonal transform), both in `kv_quant`. Not every pair goes: a `tq3_0` K takes V
+`f16`, `bf16`, `q4_0`, `q8_0` or `tq3_0` (Lucebox's table; `check_kv_pair`).
+
+Reads for eager attention (`append`, `read`, `as_stored`) hand back floats in the original domain (a
+quantized store decodes to the cache's `dtype`; TQ3_0 rows are rotated back), so a family's attention needs
+no knowledge of any type. `gather` hands the rows as stored to kernels that read the blocks themselves: a
+Q8_0 window is uint8 `[N, H, D / 32 * 34]`, Q4_0 and TQ3_0 windows uint8 `[N, H, D / 32, 18 | 14]` (the block
+dim names the format: `kv_quant.stored_format`). The attention ops' references decode such a window
+(`kv_quant.decode_stored`); a kernel reading TQ3_0 in place scores the forward-rotated query against the
+rotated-domain K and rotates a TQ3_0 V's output back (`kv_quant.rotate_tq3`): both are inside the attention
+op, so the families pass windows along as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +37,15 @@ import attrs
 import torch
 
 from .errors import LuceboxError
+from .kv_quant import (
+    block_bytes,
+    check_kv_pair,
+    dequantize_q4_0,
+    dequantize_tq3_0,
+    head_dim_multiple,
+    quantize_q4_0,
+    quantize_tq3_0,
+)
 
 Q8_0_BLOCK = 32  # values per block
 Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK  # fp16 scale, then 32 int8
@@ -37,6 +56,8 @@ KV_CACHE_TYPES: dict[str, torch.dtype | None] = {
     "f16": torch.float16,
     "bf16": torch.bfloat16,
     "q8_0": None,
+    "q4_0": None,
+    "tq3_0": None,
 }
 _NAME_OF_DTYPE = {dtype: name for name, dtype in KV_CACHE_TYPES.items() if dtype is not None}
 
@@ -46,8 +67,8 @@ V_FLAG = "-ctv/--cache-type-v"
 
 
 def kv_cache_type(value: str | torch.dtype, flag: str = "KV cache type") -> str:
-    """The cache type name (`f32`, `f16`, `bf16`, `q8_0`) for a name or a torch dtype; a LuceboxError naming
-    `flag` for anything else."""
+    """The cache type name (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `tq3_0`) for a name or a torch dtype; a
+    LuceboxError naming `flag` for anything else."""
     if isinstance(value, torch.dtype):
         if value in _NAME_OF_DTYPE:
             return _NAME_OF_DTYPE[value]
@@ -57,10 +78,11 @@ def kv_cache_type(value: str | torch.dtype, flag: str = "KV cache type") -> str:
 
 
 def row_bytes(cache_type: str, values: int) -> int:
-    """Bytes that `values` numbers take in `cache_type` (for q8_0, `values` is a multiple of 32)."""
-    dtype = KV_CACHE_TYPES[kv_cache_type(cache_type)]
+    """Bytes that `values` numbers take in `cache_type` (for a block type, `values` is a multiple of 32)."""
+    name = kv_cache_type(cache_type)
+    dtype = KV_CACHE_TYPES[name]
     if dtype is None:
-        return values // Q8_0_BLOCK * Q8_0_BLOCK_BYTES
+        return values // Q8_0_BLOCK * block_bytes(name)
     return values * dtype.itemsize
 
 
@@ -118,14 +140,29 @@ class _Codec:
     def storage_dtype(self) -> torch.dtype:
         return KV_CACHE_TYPES[self.cache_type] or torch.uint8
 
-    def stored_width(self, head_dim: int) -> int:
-        return row_bytes(self.cache_type, head_dim) if self.quantized else head_dim
+    def stored_shape(self, head_dim: int) -> tuple[int, ...]:
+        """A head's row as stored: values, Q8_0 bytes, or (Q4_0, TQ3_0) blocks x block bytes."""
+        if not self.quantized:
+            return (head_dim,)
+        if self.cache_type == "q8_0":
+            return (row_bytes("q8_0", head_dim),)
+        return (head_dim // Q8_0_BLOCK, block_bytes(self.cache_type))
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize_q8_0(x) if self.quantized else x.to(self.storage_dtype)
+        if not self.quantized:
+            return x.to(self.storage_dtype)
+        if self.cache_type == "q8_0":
+            return quantize_q8_0(x)
+        blocks = quantize_q4_0(x) if self.cache_type == "q4_0" else quantize_tq3_0(x)
+        return blocks.unflatten(-1, (-1, block_bytes(self.cache_type)))
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
-        return dequantize_q8_0(stored, self.read_dtype) if self.quantized else stored
+        if not self.quantized:
+            return stored
+        if self.cache_type == "q8_0":
+            return dequantize_q8_0(stored, self.read_dtype)
+        decoder = dequantize_q4_0 if self.cache_type == "q4_0" else dequantize_tq3_0
+        return decoder(stored.flatten(-2), self.read_dtype)
 
 
 @attrs.frozen
@@ -243,23 +280,27 @@ class FullKVCache:
         self.k_type = kv_cache_type(dtype if k_type is None else k_type, K_FLAG)
         self.v_type = kv_cache_type(dtype if v_type is None else v_type, V_FLAG)
         self._k_codec, self._v_codec = _Codec(self.k_type, dtype), _Codec(self.v_type, dtype)
+        check_kv_pair(self.k_type, self.v_type, tuple(KV_CACHE_TYPES))
         for layer, s in self.shapes.items():
             for codec, role, dim, flag in ((self._k_codec, "K", s.k_head_dim, K_FLAG),
                                            (self._v_codec, "V", s.v_head_dim, V_FLAG)):
-                if codec.quantized and dim % Q8_0_BLOCK:
+                multiple = head_dim_multiple(codec.cache_type)
+                if dim % multiple:
+                    unit = "rotation groups" if codec.cache_type == "tq3_0" else "blocks"
                     raise LuceboxError(
-                        f"{flag} {codec.cache_type}: quantizes blocks of {Q8_0_BLOCK} along the head dim, but "
-                        f"layer {layer}'s {role} head dim is {dim}; choose f16, bf16 or f32"
+                        f"{flag} {codec.cache_type}: quantizes {unit} of {multiple} along the head dim, but "
+                        f"layer {layer}'s {role} head dim is {dim}; choose another type (f16, bf16, f32"
+                        f"{', q8_0 or q4_0' if dim % Q8_0_BLOCK == 0 else ''})"
                     )
         # Rows per layer: every position, or a sliding layer's ring.
         self._rows = {layer: min(max_context, s.window) if s.window else max_context for layer, s in self.shapes.items()}
         self._keys = {
-            layer: torch.zeros(self._rows[layer], s.kv_heads, self._k_codec.stored_width(s.k_head_dim),
+            layer: torch.zeros(self._rows[layer], s.kv_heads, *self._k_codec.stored_shape(s.k_head_dim),
                                dtype=self._k_codec.storage_dtype, device=self.device)
             for layer, s in self.shapes.items()
         }
         self._values = {
-            layer: torch.zeros(self._rows[layer], s.kv_heads, self._v_codec.stored_width(s.v_head_dim),
+            layer: torch.zeros(self._rows[layer], s.kv_heads, *self._v_codec.stored_shape(s.v_head_dim),
                                dtype=self._v_codec.storage_dtype, device=self.device)
             for layer, s in self.shapes.items()
         }
@@ -347,7 +388,9 @@ class FullKVCache:
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What reading `k` and `v` back would give once stored, without storing them (speculative verify:
         the nodes must see their own K/V exactly as plain decoding will). Appending the result again
-        stores the same bits (Q8_0 re-quantizes its own output exactly)."""
+        stores the same values (Q8_0 and Q4_0 re-quantize their own output to the same bits, but the sign of
+        an all-zero Q4_0 block's scale; TQ3_0 too but for float rounding in the rotation, which can move a value
+        sitting on a threshold)."""
         return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
 
     # -- the static path (recorded steps) ---------------------------------------------------------------
@@ -379,9 +422,9 @@ class FullKVCache:
 
     def gather(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions `0 .. size - 1` as stored, whatever they hold (the caller masks those past
-        its own): a plain dtype `[size, heads, dim]`, or uint8 Q8_0 blocks `[size, heads, dim / 32 * 34]`
-        for kernels that decode Q8_0 themselves. Here views of the buffers, no copy. A ring gives at most
-        its `window` slots (see `KVCache`)."""
+        its own): a plain dtype `[size, heads, dim]`, uint8 Q8_0 blocks `[size, heads, dim / 32 * 34]`, or
+        uint8 Q4_0 / TQ3_0 blocks `[size, heads, dim / 32, 18 | 14]`, for kernels that decode them themselves.
+        Here views of the buffers, no copy. A ring gives at most its `window` slots (see `KVCache`)."""
         self._check_window(size)
         size = min(size, self._rows[layer])
         return self._keys[layer][:size], self._values[layer][:size]

@@ -122,6 +122,11 @@ class KVPolicy:
 
                 raise LuceboxError(f"{flag} {name}: the {self.name!r} KV policy stores {', '.join(self.cache_types)}")
             checked.append(name)
+        if None not in checked:  # a pair the kernels cannot read is refused at load, not at the first request
+            from .kv import KV_CACHE_TYPES
+            from .kv_quant import check_kv_pair
+
+            check_kv_pair(checked[0], checked[1], tuple(KV_CACHE_TYPES))
         return checked[0], checked[1]
 
     def is_available(self) -> tuple[bool, str]:

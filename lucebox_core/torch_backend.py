@@ -419,15 +419,15 @@ class TorchBackend:
         decode step that a CUDA graph replays: no host value decides a shape or a mask).
 
         q `[1, 1, Hq, D]`; k `[N, Hkv, D]`, v `[N, Hkv, Dv]`, the first N rows of the cache (rows past
-        `position` may hold anything), each either values or a Q8_0 cache's raw rows (uint8, `D / 32 * 34`
-        bytes a head, decoded here; a kernel reads them as stored); `position` `[1]` long, on the device: the query's position, which
-        sees keys `0 .. position`. Equals `attention(q, k[None], v[None], scale=scale, causal_offset=p)`.
+        `position` may hold anything), each either values or a quantized cache's raw rows (uint8 Q8_0, Q4_0
+        or TQ3_0 blocks, see `kv_quant.stored_format`; decoded here, a kernel reads them as stored);
+        `position` `[1]` long, on the device: the query's position, which sees keys `0 .. position`. Equals `attention(q, k[None], v[None], scale=scale, causal_offset=p)`.
         The products run in q's dtype, so the window is read once rather than upcast; softmax in fp32.
         """
-        from .kv import dequantize_q8_0
+        from .kv_quant import decode_stored
 
-        # A Q8_0 cache's raw rows (uint8 `[N, Hkv, D / 32 * 34]`) are decoded to q's dtype first.
-        k, v = (dequantize_q8_0(t, q.dtype) if t.dtype == torch.uint8 else t for t in (k, v))
+        # A quantized cache's raw rows (uint8, see `kv_quant.stored_format`) are decoded to q's dtype first.
+        k, v = (decode_stored(t, q.dtype) for t in (k, v))
         rows, kv_heads, head_dim = k.shape
         q_heads = q.shape[2]
         # The query heads that share a KV head are the rows of one small matrix product against it.
@@ -461,7 +461,7 @@ class TorchBackend:
         `position` `[1]` long on the device; `visible` bool `[N, N]`, True where node n may see node i
         (its ancestors and itself). Node n sees every committed row and the node rows `visible[n]` allows;
         rows from `position + N` on are never seen. Products in q's dtype, softmax in fp32. k and v may be
-        a Q8_0 cache's raw rows, as for `decode_attention`.
+        a quantized cache's raw rows, as for `decode_attention`.
 
         `node_k`, `node_v` `[N, Hkv, D|Dv]` (values): the nodes' rows, when the tree is not written into the
         cache (which then holds committed rows only). `ring` (with them): the cache is a sliding layer's ring
@@ -469,9 +469,9 @@ class TorchBackend:
         committed positions of the last `ring` (its own included). One node that sees itself, with its own
         rows, is the decode step over such a cache.
         """
-        from .kv import dequantize_q8_0
+        from .kv_quant import decode_stored
 
-        k, v = (dequantize_q8_0(t, q.dtype) if t.dtype == torch.uint8 else t for t in (k, v))
+        k, v = (decode_stored(t, q.dtype) for t in (k, v))
         if (node_k is None) != (node_v is None) or (ring and node_k is None):
             raise ValueError("tree_attention: node_k and node_v come together, and a ring needs them")
         if node_k is not None:

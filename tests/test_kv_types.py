@@ -1,4 +1,5 @@
-"""KV cache types (`-ctk` / `-ctv`): f32, f16, bf16 and GGUF Q8_0, for K and V independently.
+"""KV cache types (`-ctk` / `-ctv`): f32, f16, bf16 and GGUF Q8_0, for K and V independently (q4_0 and
+tq3_0: tests/test_kv_quant.py).
 
 Q8_0 is checked bit for bit against gguf's numpy reference (which mirrors ggml's `quantize_row_q8_0_ref`);
 a tiny synthetic qwen35 model then decodes with each K/V type pair and stays within a stated tolerance of
@@ -39,7 +40,9 @@ STEPS = 16
 # Largest |logit difference| from an f32 cache over the run, relative to the largest |logit| (measured on
 # this model: f16 2e-4, bf16 1.5e-3, q8_0 5.3e-3).
 TOLERANCE = {"f32": 0.0, "f16": 5e-3, "bf16": 5e-3, "q8_0": 2e-2}
-ALL_PAIRS = list(itertools.product(KV_CACHE_TYPES, repeat=2))
+# The types this module decodes a model with; q4_0 and tq3_0 (and their pair rule) are tests/test_kv_quant.py's.
+PLAIN_AND_Q8 = ("f32", "f16", "bf16", "q8_0")
+ALL_PAIRS = list(itertools.product(PLAIN_AND_Q8, repeat=2))
 
 
 def _random_rows(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -98,9 +101,12 @@ def test_cache_bytes_shrink_with_the_type():
     # Qwen3.5-27B's attention layers: 4 KV heads of 256.
     shape = KVLayerShape(4, 256, 256)
     per_token = {t: kv_bytes_per_token(shape, t, t) for t in KV_CACHE_TYPES}
-    assert per_token == {"f32": 8192, "f16": 4096, "bf16": 4096, "q8_0": 2176}  # q8_0: 2 x 32 blocks x 34
+    # q8_0: 2 x 32 blocks x 34 bytes; q4_0: x 18; tq3_0: x 14.
+    assert per_token == {"f32": 8192, "f16": 4096, "bf16": 4096, "q8_0": 2176, "q4_0": 1152, "tq3_0": 896}
     assert kv_bytes_per_token(shape, "q8_0", "f16") == 1088 + 2048
     for k_type, v_type in itertools.product(KV_CACHE_TYPES, repeat=2):
+        if (k_type, v_type) == ("tq3_0", "f32"):  # not a pair (test_kv_quant)
+            continue
         cache = FullKVCache({3: shape, 7: shape}, max_context=10, k_type=k_type, v_type=v_type)
         expected = 2 * 10 * kv_bytes_per_token(shape, k_type, v_type)
         assert cache.nbytes == expected == 10 * cache.bytes_per_token
@@ -108,8 +114,8 @@ def test_cache_bytes_shrink_with_the_type():
 
 def test_bad_cache_types_are_errors_that_name_the_flag():
     assert kv_cache_type("Q8_0") == "q8_0" and kv_cache_type(torch.bfloat16) == "bf16"
-    with pytest.raises(LuceboxError, match=r"-ctk/--cache-type-k: unknown KV cache type 'q4_0'.*q8_0"):
-        kv_cache_type("q4_0", K_FLAG)
+    with pytest.raises(LuceboxError, match=r"-ctk/--cache-type-k: unknown KV cache type 'q4_1'.*q8_0, q4_0, tq3_0"):
+        kv_cache_type("q4_1", K_FLAG)
     with pytest.raises(LuceboxError, match=r"-ctv/--cache-type-v.*torch.int8"):
         FullKVCache({0: KVLayerShape(1, 32, 32)}, 4, v_type=torch.int8)
     with pytest.raises(LuceboxError, match=r"-ctk/--cache-type-k q8_0.*layer 0's K head dim is 40"):
@@ -238,7 +244,7 @@ def test_generate_takes_the_cache_type_flags(tiny_path):
     bad = _lucebox(*base, "--cache-type-v", "q5_1")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
-        "error: -ctv/--cache-type-v: unknown KV cache type 'q5_1'; choose one of f32, f16, bf16, q8_0"
+        "error: -ctv/--cache-type-v: unknown KV cache type 'q5_1'; choose one of f32, f16, bf16, q8_0, q4_0, tq3_0"
     ]
 
 

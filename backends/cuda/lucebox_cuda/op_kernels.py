@@ -129,8 +129,8 @@ def rms_norm(ops: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
 
 def _cache_attention(ops: Any, kernel: Any, reference: Any, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Run an attention kernel over a KV window; a Q8_0 window whose kernel does not build here falls back
-    to the reference (with one warning), as the newest kernel might."""
+    """Run an attention kernel over a KV window; a quantized window (Q8_0, Q4_0, TQ3_0) whose kernel does not
+    build here falls back to the reference (with one warning), as the newest kernel might."""
     backend = getattr(ops, "backend", ops)
     quantized = k.dtype == torch.uint8 or v.dtype == torch.uint8
     if quantized and backend.__dict__.get("_q8_attention_failure"):
@@ -141,22 +141,27 @@ def _cache_attention(ops: Any, kernel: Any, reference: Any, k: torch.Tensor, v: 
         if not quantized or torch.cuda.is_current_stream_capturing():
             raise
         backend.__dict__["_q8_attention_failure"] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"Q8_0 cache attention kernel unavailable, decoding the window instead: {exc}",
+        warnings.warn(f"quantized cache attention kernel unavailable, decoding the window instead: {exc}",
                       RuntimeWarning, stacklevel=3)
         return reference()
 
 
+def _window(*windows: torch.Tensor) -> bool:
+    """KV windows the kernels read: values or Q8_0 rows `[W, Hkv, dim]`, Q4_0 / TQ3_0 blocks `[W, Hkv, B, bytes]`."""
+    return all(t.dim() == 3 or (t.dim() == 4 and t.dtype == torch.uint8) for t in windows)
+
+
 def accepts_decode_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
                              *, scale: float) -> bool:
-    return (triton_attention() is not None and _triton_takes(ops, q, k, v, position) and k.dim() == 3
+    return (triton_attention() is not None and _triton_takes(ops, q, k, v, position) and _window(k, v)
             and q.shape[2] % k.shape[1] == 0)
 
 
 def decode_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *,
                      scale: float) -> torch.Tensor:
     """As a one-node tree verification: the decode step and a speculative verify pass share one kernel and
-    one key partition, so a verified token gets the bits the decode step gives it. A Q8_0 window (uint8
-    rows) is decoded in registers."""
+    one key partition, so a verified token gets the bits the decode step gives it. A quantized window (Q8_0,
+    Q4_0, TQ3_0 blocks) is decoded in registers."""
     return _cache_attention(ops, lambda: triton_attention().decode_attention(q, k, v, position, scale=scale),
                             lambda: TorchBackend.decode_attention(ops, q, k, v, position, scale=scale), k, v)
 
@@ -166,14 +171,14 @@ def accepts_tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.
                            node_v: torch.Tensor | None = None, ring: int = 0) -> bool:
     nodes = () if node_k is None or node_v is None else (node_k, node_v)
     return (triton_attention() is not None and _triton_takes(ops, q, k, v, position, visible, *nodes)
-            and q.dim() == 4 and k.dim() == 3 and q.shape[2] % k.shape[1] == 0)
+            and q.dim() == 4 and _window(k, v) and q.shape[2] % k.shape[1] == 0)
 
 
 def tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
                    visible: torch.Tensor, *, scale: float, node_k: torch.Tensor | None = None,
                    node_v: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Each node over its own path, split over the rows in the decode step's fixed partition
-    (flash-decoding for N nodes); a Q8_0 window is decoded in registers; node rows apart from the cache
+    (flash-decoding for N nodes); a quantized window is decoded in registers; node rows apart from the cache
     and a sliding layer's ring as the reference takes them."""
     extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
     return _cache_attention(ops, lambda: triton_attention().tree_attention(q, k, v, position, visible, scale=scale,

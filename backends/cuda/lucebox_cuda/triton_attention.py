@@ -32,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous, _load_kv_row_ptrs, _load_kv_rows
+from .triton_ops import (
+    KV_FORMATS,
+    _device_scope,
+    _dot_precision,
+    _last_dim_contiguous,
+    _load_kv_row_ptrs,
+    _load_kv_rows,
+)
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 from triton.runtime.errors import TritonError
@@ -300,7 +307,7 @@ def _path_key_block(
     acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len, rows, k_ptr, v_ptr,
     node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt, stride_nkt, stride_nvt,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, NODE_ROWS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, NODE_ROWS: tl.constexpr,
     RING: tl.constexpr,
 ):
     """Logical key positions block_start .. block_start + BLOCK_N of one node's sequence: one step of the
@@ -325,13 +332,13 @@ def _path_key_block(
         # One load of per-row pointers (the node rows are in the cache's storage format): a tile in shared
         # memory as large as the plain path's (two loads and a select would double it).
         k_rows = tl.where(from_node, node_k_ptr + row * stride_nkt, k_ptr + row * stride_kt)
-        k = _load_kv_row_ptrs(k_rows, row_ok, dims, dims < HEAD_DIM, K_Q8)
+        k = _load_kv_row_ptrs(k_rows, row_ok, dims, dims < HEAD_DIM, K_FORMAT)
     else:
         row = tl.where(logical < committed, logical, committed + path_node)
         # A path node past the window (a window shorter than the tree) is not seen; never in the engine.
         row_ok = row_ok & (row < rows)
         row = row.to(tl.int64)
-        k = _load_kv_rows(k_ptr, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_Q8)
+        k = _load_kv_rows(k_ptr, row, row_ok, dims, dims < HEAD_DIM, stride_kt, K_FORMAT)
     # Products in q's dtype: the window is read once, never upcast in memory.
     scores = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST_DOT) * scale  # [G, N] fp32
     scores = tl.where(row_ok[None, :], scores, float("-inf"))
@@ -343,9 +350,9 @@ def _path_key_block(
     running_sum = running_sum * rescale + tl.sum(probs, axis=1)
     if NODE_ROWS:
         v_rows = tl.where(from_node, node_v_ptr + row * stride_nvt, v_ptr + row * stride_vt)
-        v = _load_kv_row_ptrs(v_rows, row_ok, value_dims, value_dims < VALUE_DIM, V_Q8)
+        v = _load_kv_row_ptrs(v_rows, row_ok, value_dims, value_dims < VALUE_DIM, V_FORMAT)
     else:
-        v = _load_kv_rows(v_ptr, row, row_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_Q8)
+        v = _load_kv_rows(v_ptr, row, row_ok, value_dims, value_dims < VALUE_DIM, stride_vt, V_FORMAT)
     acc = acc * rescale[:, None] + _dot(probs.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT)
     return acc, block_max, running_sum
 
@@ -359,7 +366,7 @@ def _path_attention_split_kernel(
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_NODES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    K_Q8: tl.constexpr, V_Q8: tl.constexpr, NODE_ROWS: tl.constexpr, RING: tl.constexpr,
+    K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, NODE_ROWS: tl.constexpr, RING: tl.constexpr,
     STATIC_TRIPS: tl.constexpr,
 ):
     """Partial attention of one node's GROUP query heads (one KV head) over one split of its key sequence.
@@ -418,7 +425,8 @@ def _path_attention_split_kernel(
             acc, running_max, running_sum = _path_key_block(
                 acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len, rows,
                 k_ptr, v_ptr, node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt, stride_nkt,
-                stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8, NODE_ROWS, RING)
+                stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_FORMAT, V_FORMAT, NODE_ROWS,
+                RING)
     else:  # the interpreter: a fixed trip count and a skip (it cannot take a loop bound read from memory)
         for block in range(STATIC_TRIPS):
             block_start = start + block * BLOCK_N
@@ -426,7 +434,7 @@ def _path_attention_split_kernel(
                 acc, running_max, running_sum = _path_key_block(
                     acc, running_max, running_sum, q, block_start, end, committed, rank, other_ok, path_len,
                     rows, k_ptr, v_ptr, node_k_ptr, node_v_ptr, dims, value_dims, scale, stride_kt, stride_vt,
-                    stride_nkt, stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_Q8, V_Q8,
+                    stride_nkt, stride_nvt, HEAD_DIM, VALUE_DIM, BLOCK_N, DOT_PRECISION, UPCAST_DOT, K_FORMAT, V_FORMAT,
                     NODE_ROWS, RING)
 
     # A split past the node's sequence stores max -inf, sum 0 and output 0: the combine adds exact zeros.
@@ -485,9 +493,11 @@ def tree_attention(
 ) -> torch.Tensor:
     """`TorchBackend.tree_attention` (and, with one node that sees itself, `decode_attention`): q
     `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of the cache; rows `position + i`
-    hold node i, unless `node_k`/`node_v` `[N, Hkv, D|Dv]` hold them), each values or a Q8_0 cache's raw rows
-    (uint8 `[W, Hkv, D / 32 * 34]`, decoded in registers; node rows are values); `position` `[1]` long and
-    `visible` bool `[N, N]` (ancestors and self), both on q's device -> `[1, N, Hq, Dv]` in q's dtype. Node n
+    hold node i, unless `node_k`/`node_v` `[N, Hkv, D|Dv]` hold them), each values or a quantized cache's raw
+    rows (uint8 Q8_0 `[W, Hkv, D / 32 * 34]`, Q4_0 / TQ3_0 `[W, Hkv, D / 32, 18 | 14]`, decoded in registers;
+    node rows are values; over TQ3_0 K the query is rotated forward first, over TQ3_0 V the output back
+    after); `position` `[1]` long and `visible` bool `[N, N]` (ancestors and self), both on q's device ->
+    `[1, N, Hq, Dv]` in q's dtype. Node n
     sees the committed rows `< position` and its path. `ring` (with node rows): the cache is a sliding
     layer's ring of that many slots (position p in slot p % ring), each node seeing the last `ring` positions.
 
@@ -498,12 +508,14 @@ def tree_attention(
     `block_n`, `blocks_per_split`: the fixed partition (tests use small ones; decode and verify must use
     the same).
     """
-    k_q8, v_q8 = k.dtype == torch.uint8, v.dtype == torch.uint8
-    rows, kv_heads, head_dim = k.shape
+    from lucebox_core.kv_quant import rotate_tq3, stored_dim, stored_format
+
+    k_format, v_format = stored_format(k), stored_format(v)
+    head_dim, value_dim = stored_dim(k), stored_dim(v)
+    # Q4_0 / TQ3_0 windows `[W, Hkv, blocks, bytes]` are read as byte rows, like Q8_0's.
+    k, v = (t.flatten(2) if t.dim() == 4 else t for t in (k, v))
+    rows, kv_heads = k.shape[:2]
     _, nodes, q_heads, _ = q.shape
-    value_dim = v.shape[2]
-    head_dim = head_dim // 34 * 32 if k_q8 else head_dim
-    value_dim = value_dim // 34 * 32 if v_q8 else value_dim
     node_rows = node_k is not None
     if (q.shape[0] != 1 or q.shape[3] != head_dim or v.shape[:2] != (rows, kv_heads) or q_heads % kv_heads
             or visible.shape != (nodes, nodes) or nodes == 0):
@@ -519,9 +531,14 @@ def tree_attention(
         out = torch.empty(1, nodes, q_heads, value_dim, device=q.device, dtype=q.dtype)
     elif out.shape != (1, nodes, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {(1, nodes, q_heads, value_dim)}")
+    if k_format == "tq3_0":  # the kernel reads TQ3_0 keys in their rotated domain: q . k = Rq . Rk
+        q = rotate_tq3(q)
+    # TQ3_0 values give the output in their rotated domain: the kernels write it here, rotated back below.
+    kernel_out = torch.empty_like(out) if v_format == "tq3_0" else out
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    if node_rows:  # in the cache's storage format (exact: they are rows as the cache reads them back)
-        node_k, node_v = _last_dim_contiguous(_as_stored_like(node_k, k)), _last_dim_contiguous(_as_stored_like(node_v, v))
+    if node_rows:  # in the cache's storage format (they are rows as the cache reads them back)
+        node_k = _last_dim_contiguous(_as_stored_like(node_k, k, k_format))
+        node_v = _last_dim_contiguous(_as_stored_like(node_v, v, v_format))
     else:  # never read
         node_k = node_v = k
     visible = visible.to(torch.bool).view(torch.uint8)  # the kernel reads bytes: 0 or not
@@ -548,24 +565,29 @@ def tree_attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
             BLOCK_NODES=max(16, triton.next_power_of_2(nodes)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            K_Q8=k_q8, V_Q8=v_q8, NODE_ROWS=node_rows, RING=ring,
+            K_FORMAT=KV_FORMATS[k_format], V_FORMAT=KV_FORMATS[v_format], NODE_ROWS=node_rows, RING=ring,
             STATIC_TRIPS=blocks_per_split if interpreted else 0,
             num_warps=PATH_WARPS, num_stages=PATH_STAGES,
         )
         _path_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](
-            split_max, split_sum, split_acc, out, splits, out.stride(1), out.stride(2),
+            split_max, split_sum, split_acc, kernel_out, splits, kernel_out.stride(1), kernel_out.stride(2),
             Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=combine_dims,
         )
+    if kernel_out is not out:
+        out.copy_(rotate_tq3(kernel_out, inverse=True))
     return out
 
 
-def _as_stored_like(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Node rows (values as the cache reads them back) in `cache`'s storage: Q8_0 blocks again (re-quantizing
-    a Q8_0 row's decoded values gives back its bytes) or the cache's dtype (values it holds exactly)."""
-    if cache.dtype == torch.uint8:
-        from lucebox_core.kv import quantize_q8_0
+def _as_stored_like(rows: torch.Tensor, cache: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """Node rows (values as the cache reads them back) in the storage of `cache` (a window as the kernel reads
+    it, blocks as byte rows): blocks of `kind` again (re-quantizing decoded Q8_0 / Q4_0 rows gives back their
+    bytes, TQ3_0's but for float rounding in the rotation) or the cache's dtype (values it holds exactly)."""
+    from lucebox_core.kv import quantize_q8_0
+    from lucebox_core.kv_quant import quantize_q4_0, quantize_tq3_0
 
-        return quantize_q8_0(rows)
+    quantizers = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0, "tq3_0": quantize_tq3_0}
+    if kind is not None:
+        return quantizers[kind](rows)
     return rows.to(cache.dtype)
 
 
@@ -686,22 +708,27 @@ def _tree_rows(device: torch.device, oracle: Any, reference: dict[torch.dtype, A
 
 
 def _decode_rows(device: torch.device, oracle: Any, reference: dict, failures: list[str]) -> None:
-    """The decode step's attention (one node) at 27B heads, plain and Q8_0 windows, bf16."""
-    from lucebox_core.kv import quantize_q8_0
+    """The decode step's attention (one node) at 27B heads, plain and quantized windows (Q8_0, Q4_0, TQ3_0
+    K/V, read in place), bf16."""
+    from lucebox_core.kv import FullKVCache, KVLayerShape
 
     print(f"{'decode (27B heads, bf16)':<34} {'rel err':>9} {'ms':>8} {'torch ms':>8}")
     scale = HEAD_DIM_27B**-0.5
-    for window, position, q8 in ((4096, 3000, False), (32768, 32767, False), (32768, 1000, False),
-                                 (32768, 30000, True)):
+    for window, position, kind in ((4096, 3000, None), (32768, 32767, None), (32768, 1000, None),
+                                   (32768, 30000, "q8_0"), (32768, 30000, "q4_0"), (32768, 30000, "tq3_0")):
         q = torch.randn(1, 1, Q_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
         k = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
         v = torch.randn(window, KV_HEADS_27B, HEAD_DIM_27B, device=device).bfloat16()
-        if q8:
-            k, v = quantize_q8_0(k), quantize_q8_0(v)
+        if kind is not None:  # the window as the cache stores it
+            cache = FullKVCache({0: KVLayerShape(KV_HEADS_27B, HEAD_DIM_27B, HEAD_DIM_27B)}, window,
+                                dtype=torch.bfloat16, device=device, k_type=kind, v_type=kind)
+            cache.write(0, torch.arange(window, device=device), k, v)
+            k, v = cache.gather(0, window)
         at = torch.tensor([position], device=device)
-        expected = oracle.decode_attention(q.float(), k if q8 else k.float(), v if q8 else v.float(), at, scale=scale)
+        expected = oracle.decode_attention(q.float(), k if kind else k.float(), v if kind else v.float(), at,
+                                           scale=scale)
         out = torch.full_like(q, float("nan"))
-        label = f"window {window} position {position}" + (" Q8_0 K/V" if q8 else "")
+        label = f"window {window} position {position}" + (f" {kind.upper()} K/V" if kind else "")
         error = _check(f"decode_attention {label}", torch.bfloat16,
                        decode_attention(q, k, v, at, scale=scale, out=out), expected, failures)
         ms = _median_ms(functools.partial(decode_attention, q, k, v, at, scale=scale, out=out))

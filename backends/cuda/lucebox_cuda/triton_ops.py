@@ -4,8 +4,9 @@ Each wrapper takes the tensors of the reference op of the same name (the qwen35 
 and gives the same result; the kernels accumulate in fp32 whatever the activation dtype. No host value
 depends on device data, so every wrapper can be recorded in a CUDA graph.
 
-- `_load_kv_rows`: rows of one KV head as values or Q8_0 blocks decoded in registers (the attention
-  kernels of `triton_attention`, decode step and tree verification alike, read the cache through it).
+- `_load_kv_rows`: rows of one KV head as values or Q8_0 / Q4_0 / TQ3_0 blocks decoded in registers (the
+  attention kernels of `triton_attention`, decode step and tree verification alike, read the cache through
+  it; TQ3_0 in its rotated domain, which the wrappers account for).
 - `gated_delta_rule_step`: one token of the Gated DeltaNet recurrence, one program per (sequence, value
   head, slice of value dims); the fp32 state slice stays in registers between the decay, the delta
   update and the readout.
@@ -56,26 +57,57 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # -- decode attention ----------------------------------------------------------------------------------
 
 
-@triton.jit
-def _load_kv_rows(base, offsets, row_ok, dims, dim_ok, stride_n, Q8: tl.constexpr):
-    """Rows `offsets` of one KV head as fp32 `[BLOCK_N, BLOCK_D]`: plain values, or Q8_0 blocks decoded in
-    registers (per 32 values: an fp16 scale, then 32 int8; `base` and `stride_n` in bytes)."""
-    return _load_kv_row_ptrs(base + offsets * stride_n, row_ok, dims, dim_ok, Q8)
+# What `_load_kv_rows` reads, by KV cache type (a constexpr of the attention kernels): values, or the blocks of
+# `lucebox_core.kv_quant` decoded in registers.
+KV_FORMATS = {None: 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}
 
 
 @triton.jit
-def _load_kv_row_ptrs(rows, row_ok, dims, dim_ok, Q8: tl.constexpr):
+def _load_kv_rows(base, offsets, row_ok, dims, dim_ok, stride_n, FORMAT: tl.constexpr):
+    """Rows `offsets` of one KV head as fp32 `[BLOCK_N, BLOCK_D]`: plain values, or blocks decoded in registers
+    (`KV_FORMATS`; `base` and `stride_n` in bytes then)."""
+    return _load_kv_row_ptrs(base + offsets * stride_n, row_ok, dims, dim_ok, FORMAT)
+
+
+@triton.jit
+def _block_scale(rows, block_start, mask):
+    """The fp16 at the start of each value's block (a Q8_0/Q4_0 scale, a TQ3_0 norm) as fp32."""
+    low = tl.load(rows + block_start[None, :], mask=mask, other=0).to(tl.uint16)
+    high = tl.load(rows + (block_start + 1)[None, :], mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _load_kv_row_ptrs(rows, row_ok, dims, dim_ok, FORMAT: tl.constexpr):
     """`_load_kv_rows` from a pointer per row (`rows` `[BLOCK_N]`): rows gathered from two tensors of one
     storage format."""
     mask = row_ok[:, None] & dim_ok[None, :]
-    if Q8:
+    within = dims % 32  # a value's place in its block of 32
+    if FORMAT == 1:  # Q8_0: fp16 scale, 32 int8
         block_start = (dims // 32) * 34
         rows = rows[:, None]
-        quants = tl.load(rows + (block_start + 2 + dims % 32)[None, :], mask=mask, other=0)
-        low = tl.load(rows + block_start[None, :], mask=mask, other=0).to(tl.uint16)
-        high = tl.load(rows + (block_start + 1)[None, :], mask=mask, other=0).to(tl.uint16)
-        scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        values = quants.to(tl.int8, bitcast=True).to(tl.float32) * scale
+        quants = tl.load(rows + (block_start + 2 + within)[None, :], mask=mask, other=0)
+        values = quants.to(tl.int8, bitcast=True).to(tl.float32) * _block_scale(rows, block_start, mask)
+    elif FORMAT == 2:  # Q4_0: fp16 scale, byte j = value j (low nibble) and value j + 16 (high nibble)
+        block_start = (dims // 32) * 18
+        rows = rows[:, None]
+        packed = tl.load(rows + (block_start + 2 + within % 16)[None, :], mask=mask, other=0)
+        nibble = (packed >> ((within // 16) * 4)[None, :].to(tl.uint8)) & 15
+        values = (nibble.to(tl.float32) - 8.0) * _block_scale(rows, block_start, mask)
+    elif FORMAT == 3:  # TQ3_0: fp16 norm, 2-bit lows 4 a byte, high bits 8 a byte; values in the rotated domain
+        block_start = (dims // 32) * 14
+        rows = rows[:, None]
+        low = tl.load(rows + (block_start + 2 + within // 4)[None, :], mask=mask, other=0)
+        low = (low >> ((within % 4) * 2)[None, :].to(tl.uint8)) & 3
+        high = tl.load(rows + (block_start + 10 + within // 8)[None, :], mask=mask, other=0)
+        high = (high >> (within % 8)[None, :].to(tl.uint8)) & 1
+        index = (low | (high << 2)).to(tl.int32)
+        # The Lloyd-Max levels (kv_quant.TQ3_0_LEVELS): index 4 + k is +level k, 3 - k is -level k.
+        positive = index >= 4
+        level_index = tl.where(positive, index - 4, 3 - index)
+        level = tl.where(level_index == 0, 0.021460,
+                         tl.where(level_index == 1, 0.065717, tl.where(level_index == 2, 0.117832, 0.190685)))
+        values = tl.where(positive, level, -level) * _block_scale(rows, block_start, mask)
     else:
         values = tl.load(rows[:, None] + dims[None, :], mask=mask, other=0.0)
     return values  # one return: compiled Triton wants a single return type per specialisation
