@@ -22,6 +22,8 @@
 #                                        #   engines.                                 carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh demo-train  # ~9.5 min: train the demo pair (#22), its acceptance on the H200, the
 #                                        #   31B's speculative step profile.          carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh long-context  # ~10 min (not run yet): 27b Q4_K_M decode at depth 8K/32K per KV
+#                                         # type (f16 q8_0 q4_0 tq3_0), Triton q4_0/tq3_0 windows, 2nd-turn TTFT (prefix cache)
 #   bash scripts/gpu_session.sh hip-check  # ~2-3 min: the HIP backend's kernels (the shared sources built with the HIP
 #                                        #   arithmetic, -DLUCEBOX_PORTABLE_GENERIC) against torch on this GPU:
 #                                        #   scripts/hip_shared_source_check.py, then the pytest that runs it.
@@ -150,6 +152,18 @@ core() {
 
 laguna_cuda() {  # ~1 min: Laguna on the CUDA backend (routed-expert kernel vs reference, greedy tokens vs torch)
   step laguna-cuda 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_laguna_cuda.py
+}
+
+long_context() {  # issue 15's rows without KVFlash: KV types' decode at depth, the Triton q4_0/tq3_0 windows,
+  # and the second-turn TTFT with and without the prefix cache (RAM, disk) on a 32K conversation
+  step synth-27b 90 synth 27b
+  step triton-kv 120 python3 -m lucebox_cuda.triton_attention
+  step ttft-32k 240 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
+    --json "$RES/prefix_cache_ttft.json"
+  for kv in f16 q8_0 q4_0 tq3_0; do
+    step "decode-$kv" 200 sh -c "python3 -m lucebox_core.cli bench -m $(model 27b) -p 0 -n 64 -d 8192,32768 -r 2 \
+      -c 33000 -ctk $kv -ctv $kv --json > $RES/decode_$kv.json"
+  done
 }
 
 hip_check() {  # the HIP backend's arithmetic on an NVIDIA GPU (no AMD card is reachable): see the header
@@ -429,6 +443,7 @@ session() {
     core) core ;;
     same-call) same_call ;;
     hip-check) hip_check ;;
+    long-context) long_context ;;
     laguna-cuda) laguna_cuda ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
