@@ -204,3 +204,23 @@ def test_sizes_parse(text, size):
 def test_bad_sizes_name_the_flag(text):
     with pytest.raises(LuceboxError, match="--kv-cache-budget"):
         parse_size(text)
+
+
+def test_the_ttft_benchmark_restores_the_first_turn(tiny_target_and_draft, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_prefix_cache.py"
+    spec = importlib.util.spec_from_file_location("bench_prefix_cache", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["-m", str(tiny_target_and_draft[0]), "--context", "160", "--turn-tokens", "40",
+                       "--answer-tokens", "8", "--new-tokens", "8", "--reps", "1", "-ub", "32",
+                       "--kv-cache-dir", str(tmp_path / "kv"), "--json", str(out)]) == 0
+    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    assert rows["cold"]["restored_tokens"] == 0 and rows["cold"]["prefilled_tokens"] == 160 + 16 + 3
+    for mode in ("ram", "disk"):
+        assert rows[mode]["restored_tokens"] == rows[mode]["expected_restore"] == 157  # up to the open header
+        assert rows[mode]["snapshot_bytes"] > 0
