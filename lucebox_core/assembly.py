@@ -41,6 +41,7 @@ class EngineOptions:
     prefix_cache_min_tokens: int | None = None  # --prefix-cache-min-tokens; None: prefix_cache.DEFAULT_MIN_TOKENS
     kv_cache_dir: str | None = None  # --kv-cache-dir: the prefix cache's disk tier
     kv_cache_budget: str | int = "4G"  # --kv-cache-budget
+    prefix_cache_ram: str | int = "8G"  # --prefix-cache-ram
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -53,6 +54,7 @@ class EngineOptions:
             "draft_block_size": "draft_block_size", "no_draft": "no_draft",
             "prefix_cache_slots": "prefix_cache_slots", "prefix_cache_min_tokens": "prefix_cache_min_tokens",
             "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
+            "prefix_cache_ram": "prefix_cache_ram",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -91,9 +93,10 @@ def check_options(options: EngineOptions) -> Choices:
                        ("--chat-template-file", options.chat_template_file)):
         if path is not None and not os.path.isfile(path):
             raise LuceboxError(f"{path}: no such file ({flag})")
-    if options.kv_cache_dir is not None:
-        from .prefix_cache import parse_size
+    from .prefix_cache import parse_size
 
+    parse_size(options.prefix_cache_ram, "--prefix-cache-ram")
+    if options.kv_cache_dir is not None:
         parse_size(options.kv_cache_budget)
         if os.path.exists(options.kv_cache_dir) and not os.path.isdir(options.kv_cache_dir):
             raise LuceboxError(f"--kv-cache-dir {options.kv_cache_dir}: exists and is not a folder")
@@ -227,7 +230,7 @@ def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:
     config = PrefixCacheConfig(
         slots=options.prefix_cache_slots, directory=options.kv_cache_dir,
         min_tokens=DEFAULT_MIN_TOKENS if options.prefix_cache_min_tokens is None else options.prefix_cache_min_tokens,
-        disk_budget=parse_size(options.kv_cache_budget))
+        disk_budget=parse_size(options.kv_cache_budget), ram_budget=parse_size(options.prefix_cache_ram, "--prefix-cache-ram"))
     if not config.enabled:
         return None
     model = loaded.model

@@ -61,6 +61,8 @@ def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-slots", type=int, default=DEFAULT_SLOTS, metavar="N",
                    help=f"conversation prefixes kept in RAM, their state snapshotted at a turn boundary, so the next "
                         f"turn prefills only its new tokens (default {DEFAULT_SLOTS}; 0: none)")
+    p.add_argument("--prefix-cache-ram", default="8G", metavar="SIZE",
+                   help="most bytes the RAM slots may hold together, least recently used out first (default 8G)")
     p.add_argument("--prefix-cache-min-tokens", type=int, default=DEFAULT_MIN_TOKENS, metavar="N",
                    help=f"shortest prefix worth a snapshot (default {DEFAULT_MIN_TOKENS})")
     p.add_argument("--kv-cache-dir", metavar="DIR",

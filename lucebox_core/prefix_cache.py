@@ -57,6 +57,7 @@ ALIGN = 64
 DEFAULT_SLOTS = 8
 DEFAULT_MIN_TOKENS = 256
 DEFAULT_DISK_BUDGET = 4 * 2**30
+DEFAULT_RAM_BUDGET = 8 * 2**30  # a 27B's 32K-token snapshot is ~2 GiB: 8 slots of those would not fit most hosts
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
                                                        torch.int8, torch.int32, torch.int64)}
@@ -66,7 +67,7 @@ class CacheFileError(LuceboxError):
     """A snapshot file that cannot be used (corrupt, truncated, foreign): skipped, never loaded."""
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, flag: str = "--kv-cache-budget") -> int:
     """Bytes for `4G`, `512M`, `1.5GiB`, `100000` (binary units: K = 1024); a LuceboxError otherwise."""
     if isinstance(text, int):
         value = text
@@ -77,9 +78,9 @@ def parse_size(text: str | int) -> int:
         try:
             value = int(float(number) * scale)
         except ValueError:
-            raise LuceboxError(f"--kv-cache-budget: cannot read {text!r} as a size (e.g. 4G, 512M, 100000)") from None
+            raise LuceboxError(f"{flag}: cannot read {text!r} as a size (e.g. 4G, 512M, 100000)") from None
     if value <= 0:
-        raise LuceboxError(f"--kv-cache-budget must be positive, got {text!r}")
+        raise LuceboxError(f"{flag} must be positive, got {text!r}")
     return value
 
 
@@ -120,6 +121,7 @@ class PrefixCacheConfig:
     min_tokens: int = DEFAULT_MIN_TOKENS  # shorter prefixes are not worth a snapshot
     directory: str | None = None  # --kv-cache-dir
     disk_budget: int = DEFAULT_DISK_BUDGET  # --kv-cache-budget, bytes
+    ram_budget: int = DEFAULT_RAM_BUDGET  # --prefix-cache-ram, bytes the RAM slots may hold together
 
     @property
     def enabled(self) -> bool:
@@ -232,7 +234,8 @@ class PrefixCache:
             ram_bytes = sum(s.nbytes for s in self._ram.values())
             held = len(self._ram)
         disk_files, disk_bytes = self._disk_usage()
-        return {"slots": self.config.slots, "held": held, "ram_bytes": ram_bytes, "min_tokens": self.config.min_tokens,
+        return {"slots": self.config.slots, "held": held, "ram_bytes": ram_bytes, "ram_budget": self.config.ram_budget,
+                "min_tokens": self.config.min_tokens,
                 "directory": str(self.folder) if self.folder else None, "disk_files": disk_files,
                 "disk_bytes": disk_bytes, "disk_budget": self.config.disk_budget if self.folder else None,
                 "fingerprint": self.fingerprint, **attrs.asdict(self.stats)}
@@ -250,11 +253,16 @@ class PrefixCache:
     def _keep_in_ram(self, key: str, snapshot: Snapshot) -> None:
         if self.config.slots <= 0:
             return
+        if snapshot.nbytes > self.config.ram_budget:
+            log.warning("prefix cache: a %d-token snapshot (%d MiB) is larger than --prefix-cache-ram; not kept in "
+                        "RAM", snapshot.length, snapshot.nbytes >> 20)
+            return
         with self._lock:
             self._ram[key] = snapshot
             self._ram.move_to_end(key)
-            while len(self._ram) > self.config.slots:
-                self._ram.popitem(last=False)
+            held = sum(s.nbytes for s in self._ram.values())
+            while len(self._ram) > self.config.slots or held > self.config.ram_budget:
+                held -= self._ram.popitem(last=False)[1].nbytes
 
     # -- disk --------------------------------------------------------------------------------------------
 

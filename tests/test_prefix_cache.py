@@ -224,3 +224,14 @@ def test_the_ttft_benchmark_restores_the_first_turn(tiny_target_and_draft, tmp_p
     for mode in ("ram", "disk"):
         assert rows[mode]["restored_tokens"] == rows[mode]["expected_restore"] == 157  # up to the open header
         assert rows[mode]["snapshot_bytes"] > 0
+
+
+def test_the_ram_budget_holds_and_an_oversized_snapshot_stays_out(caplog):
+    cache = PrefixCache(PrefixCacheConfig(slots=8, min_tokens=1, ram_budget=10_000), "fp")
+    for i in range(3):
+        cache.store((i, 1, 2), {"x": torch.zeros(1000)})  # 4000 bytes each: two fit
+    assert cache.describe()["held"] == 2 and cache.describe()["ram_bytes"] <= 10_000
+    assert cache.lookup([0, 1, 2, 9], [3]) is None and cache.lookup([2, 1, 2, 9], [3]) is not None
+    with caplog.at_level(logging.WARNING, logger="lucebox.prefix_cache"):
+        cache.store((5, 1, 2), {"x": torch.zeros(5000)})
+    assert cache.lookup([5, 1, 2, 9], [3]) is None and "--prefix-cache-ram" in caplog.text
