@@ -96,3 +96,72 @@ def test_protected_spans_survive_whole():
     spans = select_spans(scores, config, protected=[(9, 22)])  # tool definitions, say
     covered = {i for start, end in spans for i in range(start, end)}
     assert set(range(9, 22)) <= covered and set(range(40, 44)) <= covered
+
+
+# -- the chat's structure and FlowKV ------------------------------------------------------------------------
+
+from lucebox_core.chat_compression import ChatCompressor, Piece, plan_messages  # noqa: E402
+
+
+class FirstWords:
+    """A compression policy a plugin might register: keep each unprotected text's first three words. It
+    records what it was handed, so the test can see which pieces were protected."""
+
+    def __init__(self):
+        self.calls: list[list[Piece]] = []
+
+    def compress(self, pieces):
+        self.calls.append(pieces)
+        return [p.text if p.protected else " ".join(p.text.split()[:3]) for p in pieces]
+
+
+LONG = "word " * 50
+
+
+def _chat():
+    return [
+        {"role": "system", "content": "You are terse. " + LONG},
+        {"role": "user", "content": "first question " + LONG},
+        {"role": "assistant", "content": "first answer " + LONG},
+        {"role": "user", "content": "read the file"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                              "function": {"name": "read", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "file body " + LONG},
+        {"role": "user", "content": "second question " + LONG},
+        {"role": "assistant", "content": "second answer " + LONG},
+        {"role": "user", "content": "last question " + LONG},
+    ]
+
+
+def test_only_aged_free_text_may_be_compressed():
+    assert plan_messages(_chat(), hot_window=2) == [False, True, True, True, False, False, True, False, False]
+    assert plan_messages(_chat(), hot_window=0) == [False, True, True, True, False, False, True, True, False]
+
+
+def test_flowkv_compresses_each_aged_message_once_and_reuses_it():
+    policy = FirstWords()
+    chats = ChatCompressor(policy, mode="always", hot_window=2, name="first-words")
+    chat = _chat()
+    first = chats.apply(chat)
+    assert [m["content"] for m in first[1:4]] == ["first question word", "first answer word", "read the file"]
+    assert first[0] is chat[0] and first[5] is chat[5] and first[8] is chat[8]  # untouched: the same objects
+    [pieces] = policy.calls
+    assert [p.protected for p in pieces] == [not c for c in plan_messages(chat, 2)]
+    # The next turn: one more answer and question; what aged before is reused, only messages 7 and 8 are new.
+    later = chat + [{"role": "assistant", "content": "third answer " + LONG}, {"role": "user", "content": "again?"}]
+    second = chats.apply(later)
+    assert [m["content"] for m in second[:7]] == [m["content"] for m in first[:7]]  # the prompt extends turn 1's
+    assert second[7]["content"] == "second answer word" and second[8]["content"] == "last question word"
+    assert [p.protected for p in policy.calls[1]].count(False) == 2
+    assert policy.calls[1][1].text == "first question word"  # reused pieces are shown as compressed
+    described = chats.describe()
+    assert described["messages"] == 6 and described["reused"] == 4 and described["compression_ratio"] < 0.2
+
+
+def test_modes_and_thresholds():
+    chats = ChatCompressor(FirstWords(), mode="auto", threshold=1000)
+    assert not chats.wanted(999) and chats.wanted(1000)
+    assert ChatCompressor(FirstWords(), mode="always").wanted(1)
+    assert not ChatCompressor(FirstWords(), mode="off").wanted(10**9)
+    with pytest.raises(LuceboxError, match="--prefill-compression"):
+        ChatCompressor(FirstWords(), mode="sometimes")
