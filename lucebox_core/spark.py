@@ -1,0 +1,171 @@
+"""Spark: MoE experts that do not all fit on the GPU, kept hot where routing traffic says (foundations).
+
+Three parts, each independent of any family and device:
+
+- `RoutingProfile`: per (layer, expert) routing counts, accumulated from live traffic (`observe`), saved
+  beside the model as `MODEL.gguf.spark.csv` (`layer,expert,count` lines) and loaded at the next start; a
+  malformed file is refused with the line at fault, never half-read.
+- `place_experts`: which experts are resident, under a byte budget: the most used per byte first (counts
+  from a profile; uniform when there is none), at least `min_per_layer` in every layer.
+- `ExpertSlots`: one layer's expert stack as a fixed pool of device slots (raw bytes of the GGUF blocks,
+  one row an expert) filled from a host copy of every expert, with a device lookup table expert -> slot
+  (-1: not resident). `resident_ids(ids)` brings the experts a batch routes to into slots (least recently
+  used out first) and returns the ids mapped to slots, so a routed-expert op runs over the slot stack
+  unchanged: the same bytes, the same arithmetic, the same output as the all-resident stack.
+
+Not wired yet: the families' MoE blocks reading their stacks through `ExpertSlots`, `--spark` /
+`--spark-vram`, the CPU path for a batch-1 miss, and the graphed decode step over the lookup table.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from .errors import LuceboxError
+
+PROFILE_SUFFIX = ".spark.csv"
+
+
+class RoutingProfile:
+    """Routing counts `[layers, experts]` (int64), safe to update from several generation threads."""
+
+    def __init__(self, layers: int, experts: int, counts: torch.Tensor | None = None):
+        self.layers, self.experts = layers, experts
+        self.counts = counts if counts is not None else torch.zeros(layers, experts, dtype=torch.int64)
+        self._lock = threading.Lock()
+
+    def observe(self, layer: int, ids: torch.Tensor) -> None:
+        """Count the experts a batch was routed to (`ids` `[T, k]`, any device)."""
+        bins = torch.bincount(ids.reshape(-1).to("cpu", torch.int64), minlength=self.experts)[: self.experts]
+        with self._lock:
+            self.counts[layer] += bins
+
+    @staticmethod
+    def path_for(model_path: str | os.PathLike) -> Path:
+        return Path(f"{model_path}{PROFILE_SUFFIX}")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `layer,expert,count` lines (non-zero counts) atomically."""
+        out = io.StringIO()
+        out.write("layer,expert,count\n")
+        with self._lock:
+            for layer, expert in torch.nonzero(self.counts).tolist():
+                out.write(f"{layer},{expert},{int(self.counts[layer, expert])}\n")
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(out.getvalue())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, layers: int, experts: int) -> RoutingProfile:
+        """The profile in `path`, for a model of `layers` x `experts`; a LuceboxError naming the line at fault."""
+        counts = torch.zeros(layers, experts, dtype=torch.int64)
+        try:
+            lines = Path(path).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LuceboxError(f"{path}: cannot read the Spark profile ({exc})") from None
+        if not lines or lines[0].strip() != "layer,expert,count":
+            raise LuceboxError(f"{path}: not a Spark profile (its first line must be 'layer,expert,count')")
+        for number, row in enumerate(csv.reader(lines[1:]), start=2):
+            try:
+                layer, expert, count = (int(v) for v in row)
+            except ValueError:
+                raise LuceboxError(f"{path}, line {number}: expected three integers, got {row}") from None
+            if not (0 <= layer < layers and 0 <= expert < experts) or count < 0:
+                raise LuceboxError(f"{path}, line {number}: layer {layer} expert {expert} count {count} does not fit "
+                                   f"a model of {layers} MoE layers and {experts} experts")
+            counts[layer, expert] += count
+        return cls(layers, experts, counts)
+
+
+def place_experts(counts: torch.Tensor, expert_bytes: Sequence[int], budget: int, *,
+                  min_per_layer: int = 1) -> list[list[int]]:
+    """Resident experts per layer under `budget` bytes: `min_per_layer` of each layer's most used first,
+    then the most routed per byte across layers. `expert_bytes[layer]`: one expert's bytes in that layer.
+    Ties go to the lower layer and expert (a stable placement)."""
+    layers, experts = counts.shape
+    chosen: list[list[int]] = [[] for _ in range(layers)]
+    spent = 0
+    order = [sorted(range(experts), key=lambda e, l=l: (-int(counts[l, e]), e)) for l in range(layers)]
+    for layer in range(layers):
+        for expert in order[layer][:min_per_layer]:
+            spent += expert_bytes[layer]
+            chosen[layer].append(expert)
+    if spent > budget:
+        raise LuceboxError(f"the expert budget ({budget / 2**30:.2f} GiB) does not hold {min_per_layer} expert(s) a "
+                           f"layer ({spent / 2**30:.2f} GiB)")
+    rest = [(-int(counts[l, e]) / expert_bytes[l], l, e) for l in range(layers) for e in order[l][min_per_layer:]]
+    for _, layer, expert in sorted(rest):
+        if spent + expert_bytes[layer] > budget:
+            continue
+        spent += expert_bytes[layer]
+        chosen[layer].append(expert)
+    return [sorted(c) for c in chosen]
+
+
+@attrs.define
+class SlotStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_moved: int = 0
+
+
+class ExpertSlots:
+    """One layer's experts in `slots` device rows, filled from `host` `[experts, bytes]` (see the module's
+    docstring). `initial`: the experts placed resident at the start (at most `slots`)."""
+
+    def __init__(self, host: torch.Tensor, slots: int, device: str | torch.device, initial: Sequence[int] = ()):
+        experts = host.shape[0]
+        if host.dim() != 2 or not 0 < slots <= experts:
+            raise LuceboxError(f"an expert pool needs a [experts, bytes] host stack and 1..{experts} slots, got "
+                               f"{tuple(host.shape)} and {slots}")
+        if len(initial) > slots:
+            raise LuceboxError(f"{len(initial)} experts placed resident do not fit {slots} slots")
+        self.host, self.device = host, torch.device(device)
+        self.stack = torch.empty(slots, host.shape[1], dtype=host.dtype, device=self.device)
+        self.slot_of = torch.full((experts,), -1, dtype=torch.long, device=self.device)
+        self._lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
+        self._free = list(range(slots))[::-1]
+        self.stats = SlotStats()
+        for expert in initial:
+            self._bring(int(expert))
+
+    @property
+    def resident(self) -> list[int]:
+        return sorted(self._lru)
+
+    def _bring(self, expert: int) -> None:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted, slot = self._lru.popitem(last=False)
+            self.slot_of[evicted] = -1
+        self.stack[slot].copy_(self.host[expert], non_blocking=True)
+        self.slot_of[expert] = slot
+        self._lru[expert] = slot
+        self.stats.bytes_moved += self.host.shape[1]
+
+    def resident_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` (experts, any shape) mapped to the slots now holding them, after bringing in the missing
+        ones. A batch may not route to more distinct experts than there are slots."""
+        needed = torch.unique(ids).tolist()
+        if len(needed) > self.stack.shape[0]:
+            raise LuceboxError(f"a batch routes to {len(needed)} experts but the pool has {self.stack.shape[0]} slots")
+        for expert in needed:  # hits first, so a miss never evicts an expert this batch needs
+            if expert in self._lru:
+                self._lru.move_to_end(expert)
+                self.stats.hits += 1
+        for expert in needed:
+            if expert not in self._lru:
+                self.stats.misses += 1
+                self._bring(expert)
+        return self.slot_of[ids.to(self.device)]
