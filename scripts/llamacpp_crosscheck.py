@@ -36,6 +36,7 @@ PROMPTS = [
 PROMPTS_BY_ARCH = {
     "qwen35": PROMPTS,
     "qwen35moe": PROMPTS,  # the same Qwen3.5 vocabulary
+    "qwen3": PROMPTS,  # Qwen3's vocabulary has the same ids for these (the Qwen-family BPE, <|im_start|> 151644)
     "laguna": [[2, 12, 300, 301, 302, 13, 23], list(range(500, 540)), [2] + list(range(1000, 1100, 7))],
 }
 N_TOKENS = 24
