@@ -259,7 +259,7 @@ def _write_broken(path: Path, *, drop: str | None = None, reshape: tuple[str, tu
     """A tiny qwen3 file with one tensor left out, one tensor of the wrong shape, or one metadata key missing."""
     import attrs
 
-    from lucebox_core.gguf_out import TensorPlan
+    from lucebox_core.gguf_out import add_arch_metadata
     from lucebox_core.synthetic import write_random_model
 
     cfg = layout_qwen3.size("tiny")
@@ -270,12 +270,9 @@ def _write_broken(path: Path, *, drop: str | None = None, reshape: tuple[str, tu
 
     def add_metadata(writer) -> None:
         metadata = {k: v for k, v in cfg.to_gguf_metadata().items() if k != drop_key}
-        from lucebox_core.gguf_out import add_arch_metadata
-
         add_arch_metadata(writer, "qwen3", metadata, layout_qwen3.METADATA_TYPES)
         tokens.add_to_writer(writer)
 
-    assert all(isinstance(p, TensorPlan) for p in plans)
     return write_random_model(path, plans, arch="qwen3", title="Qwen3", size="tiny", type="f32", seed=1,
                               small_tensor=synth._qwen3_small_tensor, add_metadata=add_metadata)
 

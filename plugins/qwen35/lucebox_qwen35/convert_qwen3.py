@@ -106,7 +106,9 @@ def convert(hf_dir: str | Path, path: str | Path, *, type: str = "f32", vocab: s
     tied = "lm_head.weight" not in checkpoint or bool(text.get("tie_word_embeddings", False))
     try:
         cfg = config_from_hf(text, tied_output=tied)
-    except (ValueError, KeyError) as exc:
+    except KeyError as exc:
+        raise LuceboxError(f"{hf_dir / 'config.json'}: missing field {exc}") from None
+    except ValueError as exc:
         raise LuceboxError(f"{hf_dir / 'config.json'}: {exc}") from None
     sources = _sources(cfg, prefix)
     check_sources(checkpoint, sources, prefix, hf_dir, family="qwen3")
