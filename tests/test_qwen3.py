@@ -396,6 +396,52 @@ def test_the_response_parser_reads_reasoning_and_json_tool_calls():
     assert json.loads(ends[0].arguments_json) == {"city": "Paris", "days": 2}
 
 
+@pytest.mark.parametrize("thinking", [False, True])
+def test_required_calls_are_json_held_to_the_schemas(tiny_file, thinking):
+    """Under "required", random logits write only Qwen3 JSON calls (after the reasoning, when thinking), which
+    the parser reads back with arguments valid against each tool's schema."""
+    import jsonschema
+    from tool_call_helpers import RICH_SCHEMA, RICH_TOOLS, checked_calls, drive
+
+    from lucebox_qwen35.qwen3_tool_calls import create_parser
+
+    tokenizer = Tokenizer.from_gguf(tiny_file)
+    finished = 0
+    for seed in range(3):
+        parser = create_parser(tools=RICH_TOOLS, thinking=thinking)
+        constraint = parser.constraint_for("required", tokenizer)
+        prefix = "Let me see.</think>\n\n" if thinking else ""
+        chosen, done = drive(constraint, tokenizer, seed, 150, prefix)
+        if not done:
+            continue
+        finished += 1
+        text = tokenizer.decode([t for t in chosen if not tokenizer.is_eog(t)])
+        events = parser.feed(text) + parser.finish()
+        calls = checked_calls(events, text, opening="<tool_call>\n{\"name\": \"")
+        assert calls, text
+        for name, arguments in calls:
+            jsonschema.validate(arguments, RICH_SCHEMA if name == "get_weather" else {"type": "object"})
+    assert finished >= 2
+
+
+def test_auto_holds_each_opened_call_to_its_schema(tiny_file):
+    import jsonschema
+    from tool_call_helpers import RICH_SCHEMA, RICH_TOOLS, checked_calls, drive_auto
+
+    from lucebox_qwen35.qwen3_tool_calls import create_parser
+
+    tokenizer = Tokenizer.from_gguf(tiny_file)
+    auto = create_parser(tools=RICH_TOOLS).constraint_for("auto", tokenizer)
+    assert auto.dormant and auto.allowed(tokenizer.vocab_size) is None
+    chosen, ended = drive_auto(auto, tokenizer, [tokenizer.token_to_id("<tool_call>")], seed=7)
+    text = tokenizer.decode(chosen)
+    reader = create_parser(tools=RICH_TOOLS)
+    whole = checked_calls(reader.feed(text) + reader.finish(), text)[:ended]
+    assert ended >= 2 and len(whole) == ended, text
+    for name, arguments in whole:
+        jsonschema.validate(arguments, RICH_SCHEMA if name == "get_weather" else {"type": "object"})
+
+
 # -- serving -------------------------------------------------------------------------------------------
 
 
