@@ -1,4 +1,4 @@
-"""Cross-check synthetic files of a family (qwen35 by default, or `--arch qwen35moe` / `--arch laguna`) against llama.cpp (run on the
+"""Cross-check synthetic files of a family (qwen35 by default, or `--arch qwen35moe` / `--arch laguna` / `--arch qwen3`) against llama.cpp (run on the
 GPU machine, see README there).
 
 1. Writes synthetic files with `lucebox synth` (tiny f32/q8_0/q4_k_m, 0.8b q4_k_m, 27b q4_k_m; timed).

@@ -255,8 +255,9 @@ def test_every_synthesized_type_loads_and_decodes(tmp_path):
 
 
 def _write_broken(path: Path, *, drop: str | None = None, reshape: tuple[str, tuple[int, ...]] | None = None,
-                  drop_key: str | None = None) -> Path:
-    """A tiny qwen3 file with one tensor left out, one tensor of the wrong shape, or one metadata key missing."""
+                  drop_key: str | None = None, override: dict | None = None) -> Path:
+    """A tiny qwen3 file with one tensor left out, one tensor of the wrong shape, one metadata key missing or
+    some keys given other values."""
     import attrs
 
     from lucebox_core.gguf_out import add_arch_metadata
@@ -269,7 +270,7 @@ def _write_broken(path: Path, *, drop: str | None = None, reshape: tuple[str, tu
     tokens = qwen_vocab.qwen3(None, cfg.vocab)
 
     def add_metadata(writer) -> None:
-        metadata = {k: v for k, v in cfg.to_gguf_metadata().items() if k != drop_key}
+        metadata = {k: v for k, v in {**cfg.to_gguf_metadata(), **(override or {})}.items() if k != drop_key}
         add_arch_metadata(writer, "qwen3", metadata, layout_qwen3.METADATA_TYPES)
         tokens.add_to_writer(writer)
 
@@ -289,6 +290,14 @@ def test_a_missing_or_misshaped_tensor_and_a_missing_key_are_named(tmp_path):
     no_layers = _write_broken(tmp_path / "keyless.gguf", drop_key="qwen3.block_count")
     with pytest.raises(LuceboxError, match=r"keyless\.gguf.*qwen3\.block_count"):
         load(no_layers)
+    no_layers.unlink()
+    uneven = _write_broken(tmp_path / "uneven.gguf", override={"qwen3.attention.head_count_kv": 3})
+    with pytest.raises(LuceboxError, match=r"uneven\.gguf.*attention heads 4 not a multiple of KV heads 3"):
+        load(uneven)
+    uneven.unlink()
+    partial = _write_broken(tmp_path / "partial.gguf", override={"qwen3.rope.dimension_count": 16})
+    with pytest.raises(LuceboxError, match=r"partial\.gguf.*qwen3\.rope\.dimension_count 16"):
+        load(partial)
 
 
 def test_converter_errors_name_the_tensor_and_the_field(hf_pair, tmp_path):
