@@ -320,6 +320,7 @@ def test_converter_errors_name_the_tensor_and_the_field(hf_pair, tmp_path):
         convert_qwen3.convert(tmp_path, tmp_path / "x.gguf")
 
 
+@pytest.mark.slow
 def test_cli_synth_and_generate(tmp_path, tiny_file):
     cli = [sys.executable, "-m", "lucebox_core.cli"]
     out = tmp_path / "cli.gguf"
