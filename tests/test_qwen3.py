@@ -166,7 +166,8 @@ def test_the_converted_tokenizer_is_the_checkpoints(hf_pair):
     _, _, gguf = hf_pair
     ours, theirs = Tokenizer.from_gguf(gguf), HFTokenizer.from_file(str(gguf.parent / "tokenizer.json"))
     for text in ("Hello world! It's 2026-12-03, 3.14159 apples.", "  def f(x):\n\treturn x**2\n\n",
-                 "caf\u00e9 \u0928\u092e\u0938\u094d\u0924\u0947 \u4f60\u597d\u4e16\u754c \U0001f600", "<think>\nplan</think>\n\n<tool_call>"):
+                 "caf\u00e9 \u0928\u092e\u0938\u094d\u0924\u0947 \u4f60\u597d\u4e16\u754c \U0001f600",
+                 "<think>\nplan</think>\n\n<tool_call>"):
         assert ours.encode(text, add_bos=False) == theirs.encode(text).ids, text
     assert ours.token_to_id("<think>") == 151667 and ours.token_to_id("</tool_call>") == 151658
     assert ours.token_to_id("<|im_end|>") == 151645 and ours.is_control(151645)
@@ -329,7 +330,8 @@ def test_cli_synth_and_generate(tmp_path, tiny_file):
     assert run.returncode == 0, run.stderr
     assert out.read_bytes() == tiny_file.read_bytes()  # a function of the seed
     run = subprocess.run(cli + ["generate", "-m", str(out), "--chat", "-p", "Hi", "-n", "6", "--temp", "0",
-                                "--ignore-eos", "--json", "-ctk", "q8_0", "-ctv", "f16"], capture_output=True, text=True)
+                                "--ignore-eos", "--json", "-ctk", "q8_0", "-ctv", "f16"],
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert len(json.loads(run.stdout.strip().splitlines()[-1])["token_ids"]) == 6
     bad = subprocess.run(cli + ["synth", "--arch", "qwen3", "--size", "huge", "-o", str(tmp_path / "x.gguf")],
@@ -402,7 +404,8 @@ def test_the_response_parser_reads_reasoning_and_json_tool_calls():
     events += parser.finish()
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     assert reasoning.strip() == "Let me check."
-    starts, ends = [e for e in events if isinstance(e, ToolCallStart)], [e for e in events if isinstance(e, ToolCallEnd)]
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
     assert [s.name for s in starts] == ["get_weather"]
     assert json.loads(ends[0].arguments_json) == {"city": "Paris", "days": 2}
 

@@ -3,8 +3,10 @@ loader, written against backend ops.
 
     h = embed_tokens(ids)
     for each decoder layer:
-        h = h + o_proj(attention(rope(q_norm(q_proj(x))), rope(k_norm(k_proj(x))), v_proj(x)))  x = input_layernorm(h)
-        h = h + down_proj(silu(gate_proj(x)) * up_proj(x))                                       x = post_attention_layernorm(h)
+        x = input_layernorm(h)
+        h = h + o_proj(attention(rope(q_norm(q_proj(x))), rope(k_norm(k_proj(x))), v_proj(x)))
+        x = post_attention_layernorm(h)
+        h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
     logits = lm_head(norm(h))
 
 Attention is grouped-query (query head h reads KV head h // (heads / kv heads)), q_norm and k_norm are plain

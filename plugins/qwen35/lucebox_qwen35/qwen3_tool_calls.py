@@ -17,7 +17,8 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from lucebox_core.parsing import Event, ParameterCall, PlainContent, ReasoningParser, partial_suffix, tool_call_constraint
+from lucebox_core.parsing import (Event, ParameterCall, PlainContent, ReasoningParser, partial_suffix,
+                                  tool_call_constraint)
 from lucebox_core.schema_grammar import JsonSyntax, SchemaGrammar, SchemaNotSupported, checked, lark_string
 
 from .tool_calls import CALL_CLOSE, CALL_OPEN, QwenToolCallParser
