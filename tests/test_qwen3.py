@@ -497,3 +497,20 @@ def test_greedy_tokens_match_llama_cpp_on_the_cpu(tmp_path):
     theirs = crosscheck.llama_tokens(LLAMA_SERVER, path, prompts, port=8958, ngl=0)
     ours, _ = crosscheck.argmax_tokens(path, prompts, "cpu")
     assert ours == theirs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="set LUCEBOX_LLAMA_SERVER to a llama-server binary "
+                    "(a CPU build of the llama.cpp in ../shared/tools/llamacpp) to compare with llama.cpp")
+def test_converted_checkpoints_run_in_llama_cpp_as_in_transformers(hf_pair):
+    """Our converter's file (tied head, and untied) in llama.cpp gives transformers' greedy tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import llamacpp_crosscheck as crosscheck
+
+    hf, _, gguf = hf_pair
+    prompts = crosscheck.PROMPTS_BY_ARCH["qwen3"]
+    theirs = crosscheck.llama_tokens(LLAMA_SERVER, gguf, prompts, port=8959, ngl=0)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=crosscheck.N_TOKENS, do_sample=False,
+                                min_new_tokens=crosscheck.N_TOKENS)[0, len(p):].tolist() for p in prompts]
+    assert theirs == expected
