@@ -1,4 +1,4 @@
-"""Cross-check synthetic files of a family (qwen35 by default, or `--arch qwen35moe` / `--arch laguna`) against llama.cpp (run on the
+"""Cross-check synthetic files of a family (qwen35 by default, or `--arch qwen35moe` / `--arch laguna` / `--arch qwen3`) against llama.cpp (run on the
 GPU machine, see README there).
 
 1. Writes synthetic files with `lucebox synth` (tiny f32/q8_0/q4_k_m, 0.8b q4_k_m, 27b q4_k_m; timed).
@@ -36,6 +36,7 @@ PROMPTS = [
 PROMPTS_BY_ARCH = {
     "qwen35": PROMPTS,
     "qwen35moe": PROMPTS,  # the same Qwen3.5 vocabulary
+    "qwen3": PROMPTS,  # Qwen3's vocabulary has the same ids for these (the Qwen-family BPE, <|im_start|> 151644)
     "laguna": [[2, 12, 300, 301, 302, 13, 23], list(range(500, 540)), [2] + list(range(1000, 1100, 7))],
 }
 N_TOKENS = 24

@@ -66,6 +66,7 @@ def test_lucebox_model_families_qwen35_and_install_hints():
     assert family.name == "qwen35"
     assert registry.family_for("gemma4").name == "gemma4"
     assert registry.family_for("laguna").name == "laguna"
+    assert registry.family_for("qwen3").name == "qwen3"  # dense Qwen3, also in lucebox-qwen
     with pytest.raises(PluginError, match=r"'laguna'.*lucebox-laguna is installed but not loaded"):
         discover(allowed="qwen35").family_for("laguna", "model.gguf")
     with pytest.raises(PluginError, match="'gemma4'.*lucebox-gemma4 is installed but not loaded"):
@@ -73,8 +74,8 @@ def test_lucebox_model_families_qwen35_and_install_hints():
     with pytest.raises(PluginError, match="'qwen35'.*lucebox-qwen is installed but not loaded"):
         discover(allowed="").family_for("qwen35")
     # A plugin that is loaded but does not handle an architecture is not suggested again for it.
-    with pytest.raises(PluginError, match="'qwen3'") as raised:
-        registry.family_for("qwen3")
+    with pytest.raises(PluginError, match="'qwen3next'") as raised:
+        registry.family_for("qwen3next")
     assert "install lucebox-qwen" not in str(raised.value) and "lucebox plugins" in str(raised.value)
 
 

@@ -11,6 +11,9 @@ lucebox_model_families = provides(
                 ops="lucebox_qwen35.ops:QWEN35_OPS",
                 description="Qwen3.5 / Qwen3.6 MoE (35B-A3B): the hybrid with softmax top-k experts and a gated "
                             "shared expert"),
+    ModelFamily(name="qwen3", architectures=["qwen3"], loader="lucebox_qwen35.qwen3:load",
+                ops="lucebox_qwen35.ops:QWEN35_OPS",
+                description="Qwen3 dense (e.g. Qwen3-0.6B): GQA with q/k RMSNorm, NeoX RoPE, SwiGLU"),
 )
 
 # The family's own draft files (written by `lucebox synth --arch qwen35-dflash-draft`) are DFlash drafters:
@@ -22,6 +25,9 @@ lucebox_synthesizers = provides(
                 types=SYNTHESIZED_TYPES, description="random-weight qwen35 GGUF with llama.cpp's exact layout"),
     Synthesizer(name="qwen35moe", writer="lucebox_qwen35.synth:write_moe", sizes=["tiny", "35b-a3b"],
                 types=SYNTHESIZED_TYPES, description="random-weight qwen35moe GGUF with llama.cpp's exact layout"),
+    Synthesizer(name="qwen3", writer="lucebox_qwen35.synth:write_qwen3", sizes=["tiny", "0.6b"],
+                types=SYNTHESIZED_TYPES, description="random-weight qwen3 GGUF with llama.cpp's exact layout "
+                                                     "(Qwen3-0.6B) and Qwen3's tokenizer"),
     dflash_draft_synthesizer("qwen35", writer="lucebox_qwen35.draft_synth:write"),
 )
 
@@ -31,6 +37,9 @@ lucebox_converters = provides(
     Converter(name="qwen35moe", model_types=["qwen3_5_moe", "qwen3_5_moe_text"],
               writer="lucebox_qwen35.convert:convert_moe", types=CONVERTED_TYPES,
               description="transformers Qwen3.5/3.6 MoE checkpoint to a qwen35moe GGUF (llama.cpp conventions)"),
+    Converter(name="qwen3", model_types=["qwen3"], writer="lucebox_qwen35.convert_qwen3:convert",
+              types=CONVERTED_TYPES, description="transformers Qwen3 checkpoint (Qwen3ForCausalLM) to a qwen3 GGUF "
+                                                 "(llama.cpp conventions)"),
 )
 
 lucebox_default_models = provides(
@@ -43,5 +52,8 @@ lucebox_default_models = provides(
 lucebox_response_parsers = provides(
     ResponseParser(name="qwen35", factory="lucebox_qwen35.tool_calls:create_parser",
                    architectures=["qwen35", "qwen35moe"],
-                   description="<think> reasoning and Qwen XML tool calls (<tool_call><function=...><parameter=...>)")
+                   description="<think> reasoning and Qwen XML tool calls (<tool_call><function=...><parameter=...>)"),
+    ResponseParser(name="qwen3", factory="lucebox_qwen35.qwen3_tool_calls:create_parser", architectures=["qwen3"],
+                   description="<think> reasoning and Qwen3's JSON tool calls (<tool_call>{\"name\": ..., "
+                               "\"arguments\": {...}}</tool_call>)"),
 )

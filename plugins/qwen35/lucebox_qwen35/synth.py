@@ -24,11 +24,12 @@ from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.specs import SYNTHESIZED_TYPES
 from lucebox_core.synthetic import WEIGHT_STD, RandomWeights, write_random_model
 
-from . import layout, layout_moe
+from . import layout, layout_moe, layout_qwen3
 from . import vocab as vocab_source
 
 # WEIGHT_STD (the matrices' scale) and RandomWeights (their data) are the core's, named here for the tests.
-__all__ = ["TYPES", "WEIGHT_STD", "RandomWeights", "tensor_plans", "write", "write_moe"]
+__all__ = ["TYPES", "WEIGHT_STD", "RandomWeights", "qwen3_tensor_plans", "tensor_plans", "write", "write_moe",
+           "write_qwen3"]
 
 TYPES = SYNTHESIZED_TYPES
 
@@ -97,3 +98,43 @@ def _write(path: str | Path, arch: str, *, size: str, type: str, seed: int, voca
     title = "Qwen3.5 MoE" if arch == layout.MOE_ARCH else "Qwen3.5"
     return write_random_model(path, tensor_plans(cfg, type), arch=arch, title=title, size=size, type=type,
                               seed=seed, small_tensor=_small_tensor, add_metadata=add_metadata)
+
+
+# -- qwen3 (dense Qwen3, e.g. Qwen3-0.6B) -------------------------------------------------------------------
+
+
+def qwen3_tensor_plans(cfg: layout_qwen3.Qwen3Config, type: str) -> list[TensorPlan]:
+    """The tensors of a `type` qwen3 file of `cfg`, in file order, with their ggml types."""
+    return gguf_out.tensor_plans(layout_qwen3.tensor_shapes(cfg), type, n_layer=cfg.n_layer,
+                                 tied_output=cfg.tied_output)
+
+
+def _qwen3_small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("norm.weight"):  # plain RMSNorm weights (`x * w`), initialised at 1
+        return rng.uniform(0.9, 1.1, int(np.prod(shape)))
+    raise ValueError(f"no synthetic rule for small tensor {name}")
+
+
+def write_qwen3(
+    path: str | Path,
+    *,
+    size: str = "tiny",
+    type: str = "f32",
+    seed: int = 0,
+    vocab: str | Path | None = None,
+) -> Path:
+    """Write a random-weight qwen3 GGUF of `size` (tiny, 0.6b) and `type` (f32, f16, q8_0, q4_k_m) to `path`;
+    the vocabulary is Qwen3's (`vocab.qwen3`), or `vocab`'s (a GGUF to copy the tokenizer from)."""
+    try:
+        cfg = layout_qwen3.size(size)
+        file_type(type, TYPES)
+    except ValueError as exc:
+        raise LuceboxError(str(exc)) from None
+    tokens = vocab_source.qwen3(vocab, cfg.vocab)
+
+    def add_metadata(writer) -> None:
+        layout_qwen3.add_metadata(writer, cfg)
+        tokens.add_to_writer(writer)
+
+    return write_random_model(path, qwen3_tensor_plans(cfg, type), arch=layout_qwen3.ARCH, title="Qwen3", size=size,
+                              type=type, seed=seed, small_tensor=_qwen3_small_tensor, add_metadata=add_metadata)
