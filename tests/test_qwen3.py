@@ -514,3 +514,57 @@ def test_converted_checkpoints_run_in_llama_cpp_as_in_transformers(hf_pair):
         expected = [hf.generate(torch.tensor([p]), max_new_tokens=crosscheck.N_TOKENS, do_sample=False,
                                 min_new_tokens=crosscheck.N_TOKENS)[0, len(p):].tolist() for p in prompts]
     assert theirs == expected
+
+
+# -- PFlash's scorer -------------------------------------------------------------------------------------
+
+
+def test_tail_attention_scores_match_transformers_attention(hf_pair):
+    """PFlash's token importance from our scorer's tail queries and keys equals the same arithmetic on
+    transformers' own attention probabilities (eager attention, `output_attentions`)."""
+    from lucebox_core.prefill_compression import tail_scores
+
+    hf, ours, _ = hf_pair
+    ids, tail = _ids(40, seed=3), 8
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        attentions = hf(ids[None], output_attentions=True).attentions  # per layer [1, H, S, S]
+    running = None
+    for layer in attentions:
+        per_layer = layer[0, :, -tail:, :].amax(dim=0)
+        running = per_layer if running is None else torch.maximum(running, per_layer)
+    expected = torch.nn.functional.avg_pool1d(running.mean(0)[None, None], 13, 1, 6, count_include_pad=False)[0, 0]
+    ours.prefill_chunk = 16  # the head of the prompt in several chunks
+    queries, keys = ours.tail_attention(ids, tail)
+    assert [tuple(q.shape) for q in queries] == [(4, tail, 32)] * 3 and tuple(keys[0].shape) == (2, 40, 32)
+    assert torch.allclose(tail_scores(queries, keys), expected.float(), atol=1e-5)
+
+
+def test_pflash_keeps_protected_messages_and_compresses_aged_text(hf_pair):
+    from lucebox_core.chat_compression import ChatCompressor
+    from lucebox_core.pflash import PFlashCompressor
+    from lucebox_core.prefill_compression import CompressionConfig
+
+    _, ours, gguf = hf_pair
+    from lucebox_core.loading import load_model
+
+    tokenizer = load_model(gguf).tokenizer
+    config = CompressionConfig(keep_ratio=0.25, chunk=8, head_chunks=1, tail_chunks=1, anchor_query_tokens=16)
+    chats = ChatCompressor(PFlashCompressor(ours, tokenizer, config), mode="always", hot_window=1, name="pflash")
+    lines = [f"line {i}: the value of item {i} is {i * 7 % 13} units" for i in range(40)]
+    chat = [{"role": "system", "content": "Answer from the log."},
+            {"role": "user", "content": "\n".join(lines)},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "What is the value of item 17?"}]
+    compressed = chats.apply(chat)
+    assert [m["content"] for m in compressed if m is not compressed[1]] == [m["content"] for m in chat if m is not chat[1]]
+    kept = compressed[1]["content"]
+    original_ids = tokenizer.encode(chat[1]["content"], add_bos=False)
+    kept_ids = tokenizer.encode(kept, add_bos=False)
+    assert 0.1 * len(original_ids) < len(kept_ids) < 0.6 * len(original_ids)
+    assert kept.startswith("line 0:")  # the first chunk of the prompt is always kept
+    # Kept chunks, in their order: the kept text is the original with parts left out.
+    rest = iter(chat[1]["content"])
+    assert all(char in rest for char in kept)
+    assert chats.apply(chat)[1]["content"] == kept  # FlowKV: the same text next time, not rescored
+    assert chats.describe()["messages"] == 2 and chats.describe()["reused"] == 2  # the log and "Noted."

@@ -25,6 +25,7 @@ import torch
 from lucebox_core.ggufio import MetadataView
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type
 from lucebox_core.loading import LayoutTensors, start_family_load
+from lucebox_core.state_snapshot import StateSnapshots
 from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
 from .layout_qwen3 import ARCH, Qwen3Config, tensor_shapes
@@ -105,9 +106,13 @@ class Qwen3Attention:
         batch, tokens = out.shape[:2]
         return self.ops.linear(out.reshape(batch, tokens, -1), self.o_proj)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
-        """Eager: `x` at positions `past ..`; K/V appended to the cache, query `i` sees keys `0 .. past + i`."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int,
+                 queries: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Eager: `x` at positions `past ..`; K/V appended to the cache, query `i` sees keys `0 .. past + i`.
+        `queries`: where to keep this layer's post-RoPE queries `[H, T, D]` (PFlash's scorer)."""
         query, key, value = self.project(x, positions)
+        if queries is not None:
+            queries[self.layer_index] = query[0].transpose(0, 1)
         keys, values = kv.append(self.layer_index, key[0], value[0])
         out = self.ops.attention(query, keys[None].to(query.dtype), values[None].to(query.dtype), scale=self.scale,
                                  causal_offset=past)
@@ -142,7 +147,7 @@ class Qwen3State:
     decode: StaticStep | None = None
 
 
-class Qwen3Model:
+class Qwen3Model(StateSnapshots):
     def __init__(self, config: Qwen3Config, ops: Any, embed_tokens: Weight, layers: list[Qwen3DecoderLayer],
                  norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
                  cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
@@ -227,6 +232,24 @@ class Qwen3Model:
         return ops.linear(hidden, self.lm_head)[0]
 
     __call__ = forward
+
+    def tail_attention(self, token_ids: torch.Tensor, lookahead: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """PFlash's scorer inputs from one prefill of `token_ids` `[S]` in a sequence of its own: per layer, the
+        post-RoPE queries of the last `lookahead` tokens `[H, T, D]` and every token's keys `[H_kv, S, D]` as
+        the cache holds them (see `lucebox_core.pflash`)."""
+        ids = token_ids.reshape(-1).to(self.ops.device)
+        if not 0 < lookahead <= ids.shape[0]:
+            raise ValueError(f"cannot score the last {lookahead} of {ids.shape[0]} tokens")
+        state = self.new_state(ids.shape[0])
+        head = ids.shape[0] - lookahead
+        for start in range(0, head, self.prefill_chunk):
+            self.forward(state, ids[start : min(head, start + self.prefill_chunk)], last_only=True)
+        positions = torch.arange(head, ids.shape[0], device=self.ops.device)
+        past, queries = state.kv.length, {}
+        self._run_layers(self.embed(ids[head:])[None],
+                         lambda layer, x: layer.self_attn(x, positions, state.kv, past, queries), last_only=True)
+        keys = [state.kv.read(layer.self_attn.layer_index)[0].transpose(0, 1) for layer in self.layers]
+        return [queries[layer.self_attn.layer_index] for layer in self.layers], keys
 
     def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, *,
                     last_only: bool = False) -> torch.Tensor:
