@@ -37,18 +37,20 @@ import attrs
 import torch
 
 from .errors import LuceboxError
-from .kv_quant import (
+from .kv_quant import (  # noqa: F401  (the Q8_0 helpers are this module's API too)
+    Q8_0_BLOCK,
+    Q8_0_BLOCK_BYTES,
     block_bytes,
     check_kv_pair,
     dequantize_q4_0,
+    dequantize_q8_0,
     dequantize_tq3_0,
     head_dim_multiple,
     quantize_q4_0,
+    quantize_q8_0,
     quantize_tq3_0,
 )
 
-Q8_0_BLOCK = 32  # values per block
-Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK  # fp16 scale, then 32 int8
 
 # Cache type name -> its plain dtype (None: block-quantized).
 KV_CACHE_TYPES: dict[str, torch.dtype | None] = {
@@ -84,42 +86,6 @@ def row_bytes(cache_type: str, values: int) -> int:
     if dtype is None:
         return values // Q8_0_BLOCK * block_bytes(name)
     return values * dtype.itemsize
-
-
-# -- Q8_0 in torch -------------------------------------------------------------------------------------------
-
-
-def _round_half_away(x: torch.Tensor) -> torch.Tensor:
-    """C's `roundf` (halves away from zero), exactly: `floor(|x| + 0.5)` can round up in float32 for values
-    just under a half, so the half is detected on the exact fractional part instead."""
-    magnitude = x.abs()
-    whole = torch.floor(magnitude)
-    return torch.sign(x) * (whole + torch.floor(2 * (magnitude - whole)))
-
-
-def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """`x` `[..., D]` (D a multiple of 32) -> uint8 `[..., D / 32 * 34]`: GGUF Q8_0 blocks along the last dim.
-
-    As ggml's reference: per block `d = max|x| / 127` (fp32), `q = roundf(x / d)` through `1 / d` (0 for an
-    all-zero block), `d` stored as fp16. No host sync: safe inside a recorded CUDA graph.
-    """
-    *lead, dim = x.shape
-    blocks = x.float().reshape(*lead, dim // Q8_0_BLOCK, Q8_0_BLOCK)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-    quants = _round_half_away(blocks * inverse).to(torch.int8)
-    packed = torch.cat([scale.to(torch.float16).view(torch.uint8), quants.view(torch.uint8)], dim=-1)
-    return packed.reshape(*lead, dim // Q8_0_BLOCK * Q8_0_BLOCK_BYTES)
-
-
-def dequantize_q8_0(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 Q8_0 blocks `[..., B * 34]` -> `[..., B * 32]` in `dtype` (`q * d` in fp32, then cast)."""
-    *lead, nbytes = data.shape
-    blocks = data.reshape(*lead, nbytes // Q8_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES)
-    # Slices of a row are not contiguous, and a dtype view needs them to be.
-    scale = blocks[..., :2].contiguous().view(torch.float16).float()
-    quants = blocks[..., 2:].contiguous().view(torch.int8).float()
-    return (quants * scale).reshape(*lead, nbytes // Q8_0_BLOCK_BYTES * Q8_0_BLOCK).to(dtype)
 
 
 # -- one role's storage (K or V) -------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Snapshots of a sequence's model state at a position, for the prefix cache.
 
 A snapshot is everything a model's per-sequence state holds after `length` positions, as named host
-tensors: the KV policy's rows (`KVCache.export_rows`), the recurrent state a hybrid model carries (Gated
-DeltaNet's conv and recurrent tensors), and the drafter's feature ring rows of the last positions (what a
+tensors: the KV policy's rows (`KVCache.export_rows`), the recurrent state a hybrid model carries (its
+linear-attention layers' convolution and recurrent tensors), and the drafter's feature ring rows of the last positions (what a
 DFlash drafter re-projects its context from). Restoring one writes those tensors back *into the live
 buffers* (in place: recorded decode steps and verify passes hold their addresses) and sets the length, so
 the next forward call continues exactly as if the positions had been prefilled.
