@@ -222,22 +222,48 @@ def bench(lengths: list[int], config: BlockSparseConfig, repeats: int, q_heads: 
     return rows
 
 
+def check(lengths: list[int], config: BlockSparseConfig) -> float:
+    """The kernel against dense attention under the same block mask, on the GPU, in bf16 and fp32 (a few
+    thousand tokens: the dense reference is O(S^2)); one JSON line a case; returns the worst relative error."""
+    worst = 0.0
+    for tokens in lengths:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = structured_inputs(tokens, 16, 8, 128, dtype, "cuda", seed=tokens)
+            mask = block_sparse.block_mask(q, k, config)
+            expected = block_sparse.dense_attention_with_block_mask(q.float(), k.float(), v.float(), mask,
+                                                                    block=config.block)
+            result = block_sparse_attention(q, k, v, config, mask)
+            error = ((result.double() - expected.double()).norm() / expected.double().norm()).item()
+            worst = max(worst, error)
+            print(json.dumps({"check": "block_sparse_attention", "tokens": tokens, "dtype": str(dtype),
+                              "kept_fraction": round(block_sparse.kept_fraction(mask), 4), "relative_error": error}),
+                  flush=True)
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lucebox_cuda.triton_block_sparse",
                                      description="Time dense against block-sparse prefill attention on a GPU "
                                                  "(Qwen3-0.6B's shapes: 16/8 heads, d 128, bf16); one JSON line a row.")
     parser.add_argument("--bench", action="store_true", help="run the benchmark")
+    parser.add_argument("--check", action="store_true",
+                        help="first check the kernel against dense attention under the same mask (bf16, fp32)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072], help="prompt tokens")
     parser.add_argument("--alpha", type=float, default=0.85, help="score threshold (PFlash's server default 0.85)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per shape (the median is printed)")
     args = parser.parse_args(argv)
-    if not args.bench:
+    if not (args.bench or args.check):
         parser.print_help()
         return 0
     if not torch.cuda.is_available():
-        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+        print("the benchmark and the check need a CUDA GPU", file=sys.stderr)
         return 2
-    bench(args.lengths, BlockSparseConfig(alpha=args.alpha), args.repeats)
+    config = BlockSparseConfig(alpha=args.alpha)
+    if args.check and check([1000, 4096], config) > 1e-2:
+        print("block_sparse_attention: the kernel disagrees with dense attention under the same mask", file=sys.stderr)
+        return 1
+    if args.bench:
+        bench(args.lengths, config, args.repeats)
     return 0
 
 
