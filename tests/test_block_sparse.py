@@ -295,3 +295,53 @@ def test_bench_entry_point_parses_its_arguments_without_a_gpu():
     refused = subprocess.run([sys.executable, "-m", "lucebox_cuda.triton_block_sparse", "--bench", "--lengths", "x"],
                              capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode == 2 and "invalid int value" in refused.stderr
+
+
+def test_triton_kernel_walks_a_block_in_several_key_tiles():
+    """Blocks of 32 tokens read as two tiles of 16 keys (the GPU's 128-token blocks are two tiles of 64)."""
+    q, k, v = structured(150, 4, 2, 16, 16, 32, seed=37)
+    config = BlockSparseConfig(block=32, sink=1, window=1, last_full=0, alpha=0.8)
+    mask = bs.block_mask(q, k, config)
+    expected = bs.dense_attention_with_block_mask(q, k, v, mask, block=32)
+    result = triton_block_sparse.block_sparse_attention(q, k, v, config, block_n=16)
+    assert (result - expected).abs().max().item() < KERNEL_BOUND
+    with pytest.raises(ValueError, match="block_n must be a power of two from 16 up to the block"):
+        triton_block_sparse.block_sparse_attention(q, k, v, config, block_n=64)
+
+
+# Compiled for real GPUs in a child process (this module's kernels are interpreted; the compiler needs the
+# jitted ones): Qwen3-0.6B's shape in bf16 with 128-token blocks, the 256-dim tile, and fp32.
+COMPILE_SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lucebox_cuda import triton_block_sparse as module
+
+kernel = module._block_sparse_kernel
+for capability in map(int, sys.argv[1:]):
+    for act, block, block_n, dim, warps, stages in (("bf16", 128, 64, 128, 8, 3), ("bf16", 128, 32, 256, 8, 2),
+                                                    ("fp32", 64, 64, 128, 4, 1)):
+        pointer = "*" + act
+        types = dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, out_ptr=pointer, kept_ptr="*i32",
+                     count_ptr="*i32", qk_scale="fp32")
+        constants = dict(GROUP=2, HEAD_DIM=dim, VALUE_DIM=dim, BLOCK=block, BLOCK_N=block_n, BLOCK_D=dim,
+                         BLOCK_DV=dim, DOT_PRECISION="ieee" if act == "fp32" else "tf32", UPCAST_DOT=False,
+                         STATIC_TRIPS=0)
+        signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+        binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                                target=GPUTarget("cuda", capability, 32),
+                                options=dict(num_warps=warps, num_stages=stages))
+        assert binary.asm["cubin"][:4] == b"\\x7fELF"
+        assert binary.metadata.shared <= 227 * 1024, binary.metadata.shared
+        print("compiled", act, dim, f"sm_{capability}")
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_each_gpu_architecture(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 2 * 3

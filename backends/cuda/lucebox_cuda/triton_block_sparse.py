@@ -10,8 +10,9 @@ sequence's end. Online softmax in fp32 (`triton_attention._softmax_step`), produ
 Under the interpreter (the CPU tests) a loop bound cannot be a loaded value (see `triton_attention`), so the
 key loop has a fixed trip count there that skips past the kept count; on the GPU it is a runtime `range`.
 
-`python -m lucebox_cuda.triton_block_sparse --bench` times dense against block-sparse attention at
-32K/64K/128K tokens on Qwen3-0.6B's shapes (16 query heads, 8 KV heads, d 128, bf16).
+`python -m lucebox_cuda.triton_block_sparse --check --bench` checks the kernel against dense attention under
+the same mask on a GPU, then times dense against block-sparse attention at 32K/64K/128K tokens on
+Qwen3-0.6B's shapes (16 query heads, 8 KV heads, d 128, bf16).
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ def kept_block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _key_block(acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, rows, row_ok, dims, value_dims,
-               tokens, qk_scale, stride_kt, stride_vt,
-               HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, DIAGONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               UPCAST_DOT: tl.constexpr):
-    """Keys key_start .. key_start + BLOCK for the query rows `rows`. DIAGONAL: the causal rule and the end
+def _key_tile(acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, rows, row_ok, dims, value_dims,
+              tokens, qk_scale, stride_kt, stride_vt,
+              HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, DIAGONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              UPCAST_DOT: tl.constexpr):
+    """Keys key_start .. key_start + BLOCK_N for the query rows `rows`. DIAGONAL: the causal rule and the end
     of the sequence apply; below the diagonal every row sees every key of a (whole) block."""
-    keys = key_start + tl.arange(0, BLOCK)
+    keys = key_start + tl.arange(0, BLOCK_N)
     key_rows = keys.to(tl.int64)
     dim_ok = dims[None, :] < HEAD_DIM
     value_ok = value_dims[None, :] < VALUE_DIM
@@ -78,14 +79,30 @@ def _key_block(acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, rows, 
                          UPCAST_DOT)
 
 
+@triton.jit
+def _diagonal_block(acc, running_max, running_sum, q, block_start, k_ptr, v_ptr, rows, row_ok, dims, value_dims,
+                    tokens, qk_scale, stride_kt, stride_vt,
+                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    UPCAST_DOT: tl.constexpr):
+    """The query block's own key block, in tiles of BLOCK_N keys, with the causal rule and the sequence's end.
+    The first tile holds each row's first key, so no row's running max is still -inf after it."""
+    for tile in range(0, BLOCK // BLOCK_N):  # a loop, not unrolled: unrolled tiles spill registers
+        acc, running_max, running_sum = _key_tile(
+            acc, running_max, running_sum, q, block_start + tile * BLOCK_N, k_ptr, v_ptr, rows, row_ok, dims,
+            value_dims, tokens, qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV,
+            True, DOT_PRECISION, UPCAST_DOT)
+    return acc, running_max, running_sum
+
+
 @triton.jit(do_not_specialize=["tokens", "blocks"])
 def _block_sparse_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, kept_ptr, count_ptr,
     tokens, blocks, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, STATIC_TRIPS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, STATIC_TRIPS: tl.constexpr,
 ):
     """Query block m (rows m * BLOCK ..) of query head h over its kept key blocks, then its diagonal."""
     # Late query blocks keep the most key blocks: start them first so that short ones fill the tail.
@@ -106,24 +123,27 @@ def _block_sparse_kernel(
     running_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+    # The kept blocks below the diagonal as one flat run of BLOCK_N-key tiles (no unrolled inner loop: the
+    # tiles of one block would be live together and spill registers).
+    TILES: tl.constexpr = BLOCK // BLOCK_N
     if STATIC_TRIPS == 0:
-        for i in range(0, count):
-            n = tl.load(list_ptr + i)
-            acc, running_max, running_sum = _key_block(
-                acc, running_max, running_sum, q, n * BLOCK, k_ptr, v_ptr, rows, row_ok, dims, value_dims, tokens,
-                qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK, BLOCK_D, BLOCK_DV, False, DOT_PRECISION,
-                UPCAST_DOT)
+        for t in range(0, count * TILES):
+            key_start = tl.load(list_ptr + t // TILES) * BLOCK + (t % TILES) * BLOCK_N
+            acc, running_max, running_sum = _key_tile(
+                acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, rows, row_ok, dims, value_dims, tokens,
+                qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False,
+                DOT_PRECISION, UPCAST_DOT)
     else:
-        for i in range(STATIC_TRIPS):
-            if i < count:
-                n = tl.load(list_ptr + i)
-                acc, running_max, running_sum = _key_block(
-                    acc, running_max, running_sum, q, n * BLOCK, k_ptr, v_ptr, rows, row_ok, dims, value_dims,
-                    tokens, qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK, BLOCK_D, BLOCK_DV, False,
+        for t in range(STATIC_TRIPS):
+            if t < count * TILES:
+                key_start = tl.load(list_ptr + t // TILES) * BLOCK + (t % TILES) * BLOCK_N
+                acc, running_max, running_sum = _key_tile(
+                    acc, running_max, running_sum, q, key_start, k_ptr, v_ptr, rows, row_ok, dims, value_dims,
+                    tokens, qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK_N, BLOCK_D, BLOCK_DV, False,
                     DOT_PRECISION, UPCAST_DOT)
-    acc, running_max, running_sum = _key_block(
+    acc, running_max, running_sum = _diagonal_block(
         acc, running_max, running_sum, q, m * BLOCK, k_ptr, v_ptr, rows, row_ok, dims, value_dims, tokens,
-        qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK, BLOCK_D, BLOCK_DV, True, DOT_PRECISION,
+        qk_scale, stride_kt, stride_vt, HEAD_DIM, VALUE_DIM, BLOCK, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
         UPCAST_DOT)
     # Every valid row sees at least itself; padding rows (never stored) divide by 1.
     out = acc / tl.where(row_ok, running_sum, 1.0)[:, None]
@@ -132,11 +152,13 @@ def _block_sparse_kernel(
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: BlockSparseConfig | None = None,
-                           mask: torch.Tensor | None = None, *, scale: float | None = None,
+                           mask: torch.Tensor | None = None, *, scale: float | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """`lucebox_core.block_sparse.block_sparse_attention` with the attention in Triton: q `[T, Hq, D]`,
     k `[T, Hkv, D]`, v `[T, Hkv, Dv]` (any strides but a contiguous last dim) -> `[T, Hq, Dv]` in q's dtype.
-    The mask (given, or the config's selection in torch) is cut to the causal blocks, diagonal kept."""
+    The mask (given, or the config's selection in torch) is cut to the causal blocks, diagonal kept.
+    `block_n`: keys per tile inside a block (default 64, 32 for dims over 128), `num_warps` / `num_stages`:
+    for tuning."""
     config = config or BlockSparseConfig()
     block_sparse.check_inputs(q, k, v)
     if not kernel_takes(q, k, v, config):
@@ -153,18 +175,26 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     blocks = mask.shape[-1]
     interpreted = not q.is_cuda
     wide = max(head_dim, value_dim) > 128
+    if block_n is None:
+        # 128 query rows x 64 keys is the dense prefill's tile at d 128 (ptxas -v, sm_90: 380 bytes of spills
+        # here against its 424); at d 256, 32 keys keep the spills near that.
+        block_n = min(config.block, 32 if wide else 64)
+    if block_n < 16 or config.block % block_n or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two from 16 up to the block ({config.block}), not {block_n}")
     if num_warps is None:
-        num_warps = 4 if config.block <= 64 else 8
+        num_warps = 8 if config.block >= 128 or wide else 4
     if num_stages is None:
-        num_stages = 1 if (wide and config.block == 128) or q.dtype == torch.float32 else 2
+        num_stages = 1 if q.dtype == torch.float32 else 2 if wide else 3
     with _device_scope(q):
         _block_sparse_kernel[(blocks, q_heads)](
             q, k, v, out, kept, counts, tokens, blocks, scale * LOG2_E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             GROUP=q_heads // k.shape[1], HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK=config.block,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+            BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            STATIC_TRIPS=blocks if interpreted else 0, num_warps=num_warps, num_stages=num_stages,
+            STATIC_TRIPS=blocks * (config.block // block_n) if interpreted else 0,
+            num_warps=num_warps, num_stages=num_stages,
         )
     return out
 
