@@ -412,6 +412,16 @@ class TorchBackend:
         out = out.reshape(batch, q_heads, q_len, -1).transpose(1, 2)
         return out.to(q.dtype)
 
+    def block_sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: Any = None,
+                               mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        """Causal prefill attention of one sequence over FlashPrefill's kept key blocks only: q `[T, Hq, D]`,
+        k `[T, Hkv, D]`, v `[T, Hkv, Dv]` -> `[T, Hq, Dv]`. `config`: a `block_sparse.BlockSparseConfig`
+        (default its defaults); `mask`: bool `[Hq, blocks, blocks]`, else the config's selection. See
+        `lucebox_core.block_sparse`."""
+        from . import block_sparse
+
+        return block_sparse.block_sparse_attention(q, k, v, config, mask, scale=scale)
+
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float
     ) -> torch.Tensor:

@@ -48,6 +48,7 @@ triton_attention = functools.cache(lambda: _optional("triton_attention"))
 triton_gdn = functools.cache(lambda: _optional("triton_gdn"))
 triton_fused = functools.cache(lambda: _optional("triton_fused"))
 triton_moe = functools.cache(lambda: _optional("triton_moe"))
+triton_block_sparse = functools.cache(lambda: _optional("triton_block_sparse"))
 
 
 def _triton_takes(ops: Any, *tensors: torch.Tensor) -> bool:
@@ -185,6 +186,24 @@ def tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                                                            **extra),
                             lambda: TorchBackend.tree_attention(ops, q, k, v, position, visible, scale=scale,
                                                                 **extra), k, v)
+
+
+def accepts_block_sparse_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: Any = None,
+                                   mask: torch.Tensor | None = None, scale: float | None = None) -> bool:
+    from lucebox_core.block_sparse import BlockSparseConfig
+
+    module = triton_block_sparse()
+    tensors = (q, k, v) + (() if mask is None else (mask,))
+    return (module is not None and _triton_takes(ops, *tensors)
+            and module.kernel_takes(q, k, v, config or BlockSparseConfig()))
+
+
+def block_sparse_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: Any = None,
+                           mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """The selection in torch (block mean-K and scores are small products), the attention over the kept
+    blocks in Triton: one program per (query block, head) walks its kept key blocks, unmasked below the
+    diagonal."""
+    return triton_block_sparse().block_sparse_attention(q, k, v, config, mask, scale=scale)
 
 
 def accepts_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
