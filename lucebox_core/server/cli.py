@@ -55,6 +55,18 @@ def add_serve_parser(commands: Any) -> None:
                         "(a random-weight model's answers then end with 'stop'); thinking off")
     add_speculative_arguments(p, force=False)
     add_prefix_cache_arguments(p)
+    p.add_argument("--prefill-compression", choices=("off", "auto", "always"), default="off",
+                   help="PFlash: a small scorer model keeps the parts of aged chat messages that matter to the "
+                        "question (never the system prompt, tools, tool calls and results, or the last user "
+                        "message); auto: prompts of at least --prefill-threshold tokens (default off)")
+    p.add_argument("--prefill-threshold", type=int, default=32768, metavar="N",
+                   help="prompt tokens from which --prefill-compression auto compresses (default 32768)")
+    p.add_argument("--prefill-keep-ratio", type=float, default=0.05, metavar="F",
+                   help="fraction of 32-token chunks kept (default 0.05)")
+    p.add_argument("--prefill-curve", nargs="+", default=[], metavar="T:R",
+                   help="keep ratio against prompt tokens, linear between points, e.g. 32768:0.1 131072:0.02")
+    p.add_argument("--prefill-drafter", metavar="FILE",
+                   help="the scorer GGUF (a qwen3 model such as Qwen3-0.6B; default: the one beside -m)")
     p.set_defaults(run=cmd_serve)
 
 
@@ -98,7 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, n_predict=args.n_predict, think_max_tokens=args.think_max_tokens,
         thinking_default=args.reasoning == "on", request_log=args.log_requests,
         force_tool_calls=tuple(args.force_tool_call), short_answers=args.short_answers,
+        prefill_compression=args.prefill_compression, prefill_threshold=args.prefill_threshold,
+        prefill_keep_ratio=args.prefill_keep_ratio, prefill_curve=tuple(args.prefill_curve),
+        prefill_drafter=args.prefill_drafter,
     )
+    _check_prefill_flags(config)
     if args.short_answers is not None and args.short_answers < 1:
         raise LuceboxError(f"--short-answers must be at least 1, got {args.short_answers}")
     from .forced_tool import parse_forced_tools
@@ -132,3 +148,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not server.started:
         raise LuceboxError(f"the server on {host}:{port} did not start")
     return 0
+
+
+def _check_prefill_flags(config: Any) -> None:
+    """PFlash's numbers and files, checked before the socket opens."""
+    from ..prefill_compression import CompressionConfig, parse_curve
+
+    CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
+    if config.prefill_threshold < 1:
+        raise LuceboxError(f"--prefill-threshold must be at least 1, got {config.prefill_threshold}")
+    if config.prefill_drafter is not None and not os.path.isfile(config.prefill_drafter):
+        raise LuceboxError(f"{config.prefill_drafter}: no such file (--prefill-drafter)")
+

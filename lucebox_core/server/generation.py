@@ -189,10 +189,19 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
         messages = service.tool_replay.restore(one_system_message(conversation.messages))
         rendered = render_chat_text(template, loaded.tokenizer, decode_tool_arguments(messages),
                                     tools=tools or None, add_generation_prompt=True, **kwargs)
+        ids = rendered.encode(loaded.tokenizer)
+        compressor = service.chat_compressor
+        if compressor is not None and compressor.wanted(len(ids)):
+            # PFlash: aged free text shortened by the scorer (never the system prompt, tools, tool calls and
+            # results, or the last user message), then the chat rendered again.
+            shorter = compressor.apply(messages)
+            if shorter is not messages:
+                rendered = render_chat_text(template, loaded.tokenizer, decode_tool_arguments(shorter),
+                                            tools=tools or None, add_generation_prompt=True, **kwargs)
+                ids = rendered.encode(loaded.tokenizer)
     except LuceboxError as exc:
         raise invalid(f"the conversation cannot be rendered: {exc}", param=param) from None
     refuse_certainly_too_long(service, rendered.text, param)
-    ids = rendered.encode(loaded.tokenizer)
     opening = service.parser_spec.reasoning_tags[0] if service.parser_spec is not None else "<think>"
     return Prompt(ids, rendered.text, in_reasoning=rendered.text.rstrip().endswith(opening.rstrip()), param=param)
 

@@ -89,7 +89,7 @@ class ServerMetrics:
     """Everything `/metrics` reports."""
 
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float],
-                 prefix_cache: Callable[[], dict] = dict):
+                 prefix_cache: Callable[[], dict] = dict, prefill_compression: Callable[[], dict] = dict):
         self.requests = Counter("requests_total", "HTTP requests handled, by endpoint and status")
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
         self.cached_prompt_tokens = Counter("prompt_tokens_cached_total",
@@ -115,6 +115,14 @@ class ServerMetrics:
         self.queue_depth = Gauge("queue_depth", "generations waiting for a free slot", queue_depth)
         self.running = Gauge("running_generations", "generations in progress", running)
         # The prefix cache's figures (`PrefixCache.describe`), read at scrape time; 0 while it is off.
+        self.prefill_compression = [
+            Gauge(f"prefill_compression_{key}", text, lambda key=key: float(prefill_compression().get(key) or 0))
+            for key, text in (("requests", "chats PFlash compressed"),
+                              ("messages", "aged messages compressed by the scorer (each once)"),
+                              ("reused", "messages given their earlier compressed text (FlowKV)"),
+                              ("compression_ratio", "characters kept of those compressed"),
+                              ("seconds", "seconds spent in the scorer"))
+        ]
         self.prefix_cache = [
             Gauge(f"prefix_cache_{key}", text, lambda key=key: float(prefix_cache().get(key) or 0))
             for key, text in (("lookups", "prompts looked up in the prefix cache"),
@@ -131,6 +139,6 @@ class ServerMetrics:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
                        self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running,
-                       *self.prefix_cache):
+                       *self.prefix_cache, *self.prefill_compression):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -11,11 +11,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from ..assembly import EngineOptions
+from ..errors import LuceboxError
 from .errors import APIError
 from .metrics import ServerMetrics
 from .replay import ToolCallReplay
@@ -39,6 +41,12 @@ class ServeConfig(EngineOptions):
     request_log: str | None = None  # --log-requests: a JSON line per request, its shape (request_log.py)
     force_tool_calls: tuple[str, ...] = ()  # --force-tool-call (testing only; forced_tool.py)
     short_answers: int | None = None  # --short-answers CHARS (testing only; forced_tool.py)
+    # PFlash prefill compression of chats (chat_compression.py, pflash.py): off unless asked.
+    prefill_compression: str = "off"  # --prefill-compression off|auto|always
+    prefill_threshold: int = 32768  # --prefill-threshold: auto compresses prompts of at least this many tokens
+    prefill_keep_ratio: float = 0.05  # --prefill-keep-ratio
+    prefill_curve: tuple[str, ...] = ()  # --prefill-curve T:R ...
+    prefill_drafter: str | None = None  # --prefill-drafter: the scorer GGUF (default: a qwen3 file beside -m)
 
 
 class ModelService:
@@ -52,12 +60,13 @@ class ModelService:
         self.engine: Any = None
         self.context: Any = None  # lucebox_core.context.ContextChoice, once loaded
         self.scheduler: Any = None
+        self.chat_compressor: Any = None  # a ChatCompressor while --prefill-compression is on
         self.parser_spec: Any = None  # the family's ResponseParser spec
         self.started = time.time()
         self.metrics = ServerMetrics(
             queue_depth=lambda: self.scheduler.queue_depth if self.scheduler else 0,
             running=lambda: self.scheduler.running if self.scheduler else 0,
-            prefix_cache=self.prefix_cache_info,
+            prefix_cache=self.prefix_cache_info, prefill_compression=self.prefill_compression_info,
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
         self.tool_replay = ToolCallReplay()
@@ -82,6 +91,7 @@ class ModelService:
             assembled = build_engine(self.config)
             loaded, engine = assembled.loaded, assembled.engine
             self.parser_spec = _parser_for(loaded)
+            self.chat_compressor = build_chat_compressor(self.config, loaded)
             self.loaded, self.engine, self.context = loaded, engine, assembled.context
             self.scheduler = Scheduler(engine, self.config.parallel)
             self.status = "ok"
@@ -100,6 +110,10 @@ class ModelService:
         """What `/props` reports about speculative decoding (None without a drafter)."""
         speculative = self.engine.speculative if self.engine is not None else None
         return speculative.describe() if speculative is not None else None
+
+    def prefill_compression_info(self) -> dict[str, Any]:
+        """What `/props` and `/metrics` report about PFlash ({} while it is off)."""
+        return self.chat_compressor.describe() if self.chat_compressor is not None else {}
 
     def prefix_cache_info(self) -> dict[str, Any]:
         """What `/props` and `/metrics` report about the prefix cache ({} while it is off)."""
@@ -163,3 +177,42 @@ def _parser_for(loaded: Any) -> Any:
     from ..parsing import response_parser_for
 
     return response_parser_for(loaded.gguf.architecture)
+
+
+def build_chat_compressor(config: ServeConfig, loaded: Any) -> Any:
+    """The PFlash `ChatCompressor` the config asks for (None when off): the scorer from --prefill-drafter,
+    else the one qwen3 GGUF beside the model; a LuceboxError saying what to pass when there is none."""
+    if config.prefill_compression == "off":
+        return None
+    from ..chat_compression import ChatCompressor
+    from ..loading import load_model
+    from ..pflash import PFlashCompressor
+    from ..prefill_compression import CompressionConfig, parse_curve
+
+    settings = CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
+    path = config.prefill_drafter or find_scorer_beside(loaded.path)
+    if path is None:
+        raise LuceboxError(f"--prefill-compression {config.prefill_compression} needs a scorer: pass --prefill-drafter "
+                           f"FILE (a qwen3 GGUF such as Qwen3-0.6B) or put one beside {loaded.path}")
+    scorer = load_model(path, backend=config.backend, device=config.device)
+    if not hasattr(scorer.model, "tail_attention"):
+        raise LuceboxError(f"--prefill-drafter {path}: a {scorer.family.name} model cannot score prompts (PFlash "
+                           f"needs a model with tail_attention, e.g. the qwen3 family)")
+    log.info("PFlash scorer %s (%s), keep ratio %s", path, scorer.family.name, config.prefill_keep_ratio)
+    return ChatCompressor(PFlashCompressor(scorer.model, scorer.tokenizer, settings), mode=config.prefill_compression,
+                          threshold=config.prefill_threshold, name=f"pflash:{Path(path).name}")
+
+
+def find_scorer_beside(model_path: Any) -> str | None:
+    """The one qwen3 GGUF in the model's folder (its header read only), if there is exactly one."""
+    from ..ggufio import GGUFFile
+
+    found = []
+    for candidate in sorted(Path(model_path).parent.glob("*.gguf")):
+        try:
+            if candidate != Path(model_path) and GGUFFile(candidate).architecture == "qwen3":
+                found.append(str(candidate))
+        except Exception:  # not a GGUF we read: not a scorer
+            continue
+    return found[0] if len(found) == 1 else None
+
