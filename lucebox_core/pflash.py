@@ -5,7 +5,7 @@ Across tokenizers through text: the scorer's vocabulary differs from every targe
 end), and each compressible piece is given back as the text of its kept tokens, in order. Protected pieces
 are scored as context but never cut, and their chunks are kept whole (`select_spans(protected=...)`).
 
-The scorer is any model with `tail_attention(token_ids, lookahead) -> (queries, keys)`: per scored layer,
+The scorer is any model with `tail_attention(token_ids, lookahead, sparse=...) -> (queries, keys)`: per scored layer,
 the post-RoPE queries of the last `lookahead` tokens `[H, T, d]` and the keys of every token `[H_kv, S, d]`.
 """
 
@@ -20,8 +20,11 @@ from .prefill_compression import CompressionConfig, select_spans, tail_scores
 
 
 class PFlashCompressor:
-    def __init__(self, scorer: Any, tokenizer: Any, config: CompressionConfig | None = None):
-        self.scorer, self.tokenizer = scorer, tokenizer
+    def __init__(self, scorer: Any, tokenizer: Any, config: CompressionConfig | None = None, *,
+                 sparse: Any = None):
+        """`sparse`: a `block_sparse.BlockSparseConfig` for the scorer's attention over long prompts
+        (FlashPrefill; `--prefill-alpha`), or None for dense attention."""
+        self.scorer, self.tokenizer, self.sparse = scorer, tokenizer, sparse
         self.config = config if config is not None else CompressionConfig()
 
     def compress(self, pieces: list[Piece]) -> list[str]:
@@ -34,7 +37,7 @@ class PFlashCompressor:
         if not ids or all(p.protected for p in pieces):
             return [p.text for p in pieces]
         lookahead = min(self.config.lookahead, len(ids))
-        queries, keys = self.scorer.tail_attention(torch.tensor(ids, dtype=torch.long), lookahead)
+        queries, keys = self.scorer.tail_attention(torch.tensor(ids, dtype=torch.long), lookahead, sparse=self.sparse)
         scores = tail_scores(queries, keys, self.config.pool)
         protected = [r for r, p in zip(ranges, pieces) if p.protected and r[1] > r[0]]
         kept = select_spans(scores, self.config, token_ids=ids, protected=protected)

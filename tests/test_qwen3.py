@@ -534,10 +534,23 @@ def test_tail_attention_scores_match_transformers_attention(hf_pair):
         per_layer = layer[0, :, -tail:, :].amax(dim=0)
         running = per_layer if running is None else torch.maximum(running, per_layer)
     expected = torch.nn.functional.avg_pool1d(running.mean(0)[None, None], 13, 1, 6, count_include_pad=False)[0, 0]
-    ours.prefill_chunk = 16  # the head of the prompt in several chunks
     queries, keys = ours.tail_attention(ids, tail)
     assert [tuple(q.shape) for q in queries] == [(4, tail, 32)] * 3 and tuple(keys[0].shape) == (2, 40, 32)
     assert torch.allclose(tail_scores(queries, keys), expected.float(), atol=1e-5)
+
+
+def test_block_sparse_scoring_keeps_every_block_at_alpha_zero_and_fewer_above(hf_pair):
+    from lucebox_core.block_sparse import BlockSparseConfig, block_mask
+    from lucebox_core.prefill_compression import tail_scores
+
+    _, ours, _ = hf_pair
+    ids = _ids(150, seed=4)  # ten 16-token blocks
+    dense = tail_scores(*ours.tail_attention(ids, 8))
+    every = tail_scores(*ours.tail_attention(ids, 8, sparse=BlockSparseConfig(block=16, alpha=0.0)))
+    assert torch.allclose(every, dense, atol=1e-5)
+    config = BlockSparseConfig(block=16, sink=1, window=1, last_full=0, alpha=0.99)
+    sparse = tail_scores(*ours.tail_attention(ids, 8, sparse=config))
+    assert sparse.shape == dense.shape and not torch.allclose(sparse, dense, atol=1e-5)  # blocks were skipped
 
 
 def test_pflash_keeps_protected_messages_and_compresses_aged_text(hf_pair):

@@ -47,6 +47,7 @@ class ServeConfig(EngineOptions):
     prefill_keep_ratio: float = 0.05  # --prefill-keep-ratio
     prefill_curve: tuple[str, ...] = ()  # --prefill-curve T:R ...
     prefill_drafter: str | None = None  # --prefill-drafter: the scorer GGUF (default: a qwen3 file beside -m)
+    prefill_alpha: float = 0.85  # --prefill-alpha: the scorer's block-sparse attention keeps score >= alpha x max
 
 
 class ModelService:
@@ -199,7 +200,11 @@ def build_chat_compressor(config: ServeConfig, loaded: Any) -> Any:
         raise LuceboxError(f"--prefill-drafter {path}: a {scorer.family.name} model cannot score prompts (PFlash "
                            f"needs a model with tail_attention, e.g. the qwen3 family)")
     log.info("PFlash scorer %s (%s), keep ratio %s", path, scorer.family.name, config.prefill_keep_ratio)
-    return ChatCompressor(PFlashCompressor(scorer.model, scorer.tokenizer, settings), mode=config.prefill_compression,
+    from ..block_sparse import BlockSparseConfig
+
+    sparse = BlockSparseConfig(alpha=config.prefill_alpha)
+    return ChatCompressor(PFlashCompressor(scorer.model, scorer.tokenizer, settings, sparse=sparse),
+                          mode=config.prefill_compression,
                           threshold=config.prefill_threshold, name=f"pflash:{Path(path).name}")
 
 

@@ -106,13 +106,9 @@ class Qwen3Attention:
         batch, tokens = out.shape[:2]
         return self.ops.linear(out.reshape(batch, tokens, -1), self.o_proj)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int,
-                 queries: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """Eager: `x` at positions `past ..`; K/V appended to the cache, query `i` sees keys `0 .. past + i`.
-        `queries`: where to keep this layer's post-RoPE queries `[H, T, D]` (PFlash's scorer)."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
+        """Eager: `x` at positions `past ..`; K/V appended to the cache, query `i` sees keys `0 .. past + i`."""
         query, key, value = self.project(x, positions)
-        if queries is not None:
-            queries[self.layer_index] = query[0].transpose(0, 1)
         keys, values = kv.append(self.layer_index, key[0], value[0])
         out = self.ops.attention(query, keys[None].to(query.dtype), values[None].to(query.dtype), scale=self.scale,
                                  causal_offset=past)
@@ -233,23 +229,35 @@ class Qwen3Model(StateSnapshots):
 
     __call__ = forward
 
-    def tail_attention(self, token_ids: torch.Tensor, lookahead: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """PFlash's scorer inputs from one prefill of `token_ids` `[S]` in a sequence of its own: per layer, the
-        post-RoPE queries of the last `lookahead` tokens `[H, T, D]` and every token's keys `[H_kv, S, D]` as
-        the cache holds them (see `lucebox_core.pflash`)."""
-        ids = token_ids.reshape(-1).to(self.ops.device)
-        if not 0 < lookahead <= ids.shape[0]:
-            raise ValueError(f"cannot score the last {lookahead} of {ids.shape[0]} tokens")
-        state = self.new_state(ids.shape[0])
-        head = ids.shape[0] - lookahead
-        for start in range(0, head, self.prefill_chunk):
-            self.forward(state, ids[start : min(head, start + self.prefill_chunk)], last_only=True)
-        positions = torch.arange(head, ids.shape[0], device=self.ops.device)
-        past, queries = state.kv.length, {}
-        self._run_layers(self.embed(ids[head:])[None],
-                         lambda layer, x: layer.self_attn(x, positions, state.kv, past, queries), last_only=True)
-        keys = [state.kv.read(layer.self_attn.layer_index)[0].transpose(0, 1) for layer in self.layers]
-        return [queries[layer.self_attn.layer_index] for layer in self.layers], keys
+    def tail_attention(self, token_ids: torch.Tensor, lookahead: int, *,
+                       sparse: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """PFlash's scorer inputs from one pass over `token_ids` `[S]` (no sequence state): per layer, the
+        post-RoPE queries of the last `lookahead` tokens `[H, T, D]` and every token's keys `[H_kv, S, D]` (see
+        `lucebox_core.pflash`). `sparse`: a `block_sparse.BlockSparseConfig`; a prompt longer than two of its
+        blocks then runs FlashPrefill's block-sparse attention (`ops.block_sparse_attention`) instead of dense."""
+        ops = self.ops
+        ids = token_ids.reshape(-1).to(ops.device)
+        length = ids.shape[0]
+        if not 0 < lookahead <= length:
+            raise ValueError(f"cannot score the last {lookahead} of {length} tokens")
+        positions = torch.arange(length, device=ops.device)
+        queries: dict[int, torch.Tensor] = {}
+        keys: dict[int, torch.Tensor] = {}
+        block_sparse = sparse is not None and length > 2 * sparse.block
+
+        def attend(layer: Qwen3DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+            attn = layer.self_attn
+            query, key, value = attn.project(x, positions)
+            queries[layer.index] = query[0, -lookahead:].transpose(0, 1)
+            keys[layer.index] = key[0].transpose(0, 1)
+            if block_sparse:
+                out = ops.block_sparse_attention(query[0], key[0], value[0], config=sparse, scale=attn.scale)[None]
+            else:
+                out = ops.attention(query, key, value, scale=attn.scale, causal_offset=0)
+            return attn.output(out)
+
+        self._run_layers(self.embed(ids)[None], attend, last_only=True)
+        return [queries[layer.index] for layer in self.layers], [keys[layer.index] for layer in self.layers]
 
     def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, *,
                     last_only: bool = False) -> torch.Tensor:
