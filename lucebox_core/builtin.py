@@ -1,7 +1,7 @@
 """What the core provides itself, registered through the same hooks as any plugin."""
 
 from . import provides
-from .specs import CONVERTED_TYPES, Converter, KernelBackend, KVPolicy, Verifier, dflash_drafter
+from .specs import CONVERTED_TYPES, Converter, KernelBackend, KVPolicy, PrefillCompressor, Verifier, dflash_drafter
 
 
 def _torch_available() -> tuple[bool, str]:
@@ -56,5 +56,14 @@ lucebox_converters = provides(
         writer="lucebox_core.speculative.dflash:convert_zlab",
         types=CONVERTED_TYPES,
         description="z-lab DFlash drafter checkpoint (safetensors + config.json) to a dflash-draft GGUF",
+    )
+)
+
+lucebox_prefill_compressors = provides(
+    PrefillCompressor(
+        name="pflash",
+        factory="lucebox_core.pflash:from_config",
+        description="a scorer model (qwen3, e.g. Qwen3-0.6B: --prefill-drafter) keeps the chunks of aged messages "
+                    "its last tokens attend to",
     )
 )

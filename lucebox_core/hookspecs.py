@@ -59,3 +59,8 @@ def lucebox_response_parsers():
 @hookspec
 def lucebox_op_kernels():
     """Kernels a backend offers for named ops (generic or a family's), each with its check of what it takes."""
+
+
+@hookspec
+def lucebox_prefill_compressors():
+    """Prefill compressors (`--prefill-compressor`): shorten a chat's aged messages before its prefill (PFlash)."""

@@ -11,15 +11,19 @@ the post-RoPE queries of the last `lookahead` tokens `[H, T, d]` and the keys of
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .chat_compression import Piece
+from .errors import LuceboxError
 from .prefill_compression import CompressionConfig, select_spans, tail_scores
 
 
 class PFlashCompressor:
+    name = "pflash"
+
     def __init__(self, scorer: Any, tokenizer: Any, config: CompressionConfig | None = None, *,
                  sparse: Any = None):
         """`sparse`: a `block_sparse.BlockSparseConfig` for the scorer's attention over long prompts
@@ -49,3 +53,41 @@ class PFlashCompressor:
             keep = [i for s, e in kept for i in range(max(s, start), min(e, end))]
             out.append(self.tokenizer.decode([ids[i] for i in keep]))
         return out
+
+
+def from_config(config: Any, loaded: Any) -> PFlashCompressor:
+    """The builtin `pflash` prefill compressor for a server (`ServeConfig`) over the target `loaded`: the scorer
+    from --prefill-drafter, else the one qwen3 GGUF beside the model; a LuceboxError saying what to pass when
+    there is none, or when the file's family cannot score."""
+    from .block_sparse import BlockSparseConfig
+    from .loading import load_model
+    from .prefill_compression import CompressionConfig, parse_curve
+
+    settings = CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
+    path = config.prefill_drafter or find_scorer_beside(loaded.path)
+    if path is None:
+        raise LuceboxError(f"--prefill-compression {config.prefill_compression} needs a scorer: pass --prefill-drafter "
+                           f"FILE (a qwen3 GGUF such as Qwen3-0.6B) or put one beside {loaded.path}")
+    scorer = load_model(path, backend=config.backend, device=config.device)
+    if not hasattr(scorer.model, "tail_attention"):
+        raise LuceboxError(f"--prefill-drafter {path}: a {scorer.family.name} model cannot score prompts (PFlash "
+                           f"needs a model with tail_attention, e.g. the qwen3 family)")
+    compressor = PFlashCompressor(scorer.model, scorer.tokenizer, settings,
+                                  sparse=BlockSparseConfig(alpha=config.prefill_alpha))
+    compressor.name = f"pflash:{Path(path).name}"
+    return compressor
+
+
+def find_scorer_beside(model_path: Any) -> str | None:
+    """The one qwen3 GGUF in the model's folder (its header read only), if there is exactly one."""
+    from .ggufio import GGUFFile
+
+    found = []
+    for candidate in sorted(Path(model_path).parent.glob("*.gguf")):
+        try:
+            if candidate != Path(model_path) and GGUFFile(candidate).architecture == "qwen3":
+                found.append(str(candidate))
+        except Exception:  # not a GGUF this reads: not a scorer
+            continue
+    return found[0] if len(found) == 1 else None
+

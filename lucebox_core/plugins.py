@@ -141,6 +141,10 @@ class Registry:
         """The verifier `--spec-type NAME` names."""
         return self.named("lucebox_verifiers", name, "verifier (--spec-type)")
 
+    def prefill_compressor(self, name: str) -> Any:
+        """The prefill compressor `--prefill-compressor NAME` names."""
+        return self.named("lucebox_prefill_compressors", name, "prefill compressor (--prefill-compressor)")
+
     def kv_policy(self, name: str) -> Any:
         """The KV policy `--kv-policy NAME` names."""
         return self.named("lucebox_kv_policies", name, "KV policy (--kv-policy)")

@@ -280,6 +280,25 @@ class ResponseParser:
 
 
 @attrs.frozen(kw_only=True)
+class PrefillCompressor:
+    """A prefill compressor, chosen by name (`--prefill-compressor NAME`): `factory(config, loaded)` (the
+    server's `ServeConfig` and the target's `LoadedModel`) returns an object with `compress(pieces) -> texts`
+    (see `lucebox_core.chat_compression`), which the server runs on chats that `--prefill-compression`
+    selects."""
+
+    name: str
+    factory: Target
+    description: str = ""
+    kind = "prefill_compressor"
+
+    def is_available(self) -> tuple[bool, str]:
+        return target_available(self.factory)
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve(self.factory)(*args, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
 class OpKernel:
     """A backend's kernel for one named op (generic, or a family's own): see `lucebox_core.ops`.
 
@@ -337,4 +356,5 @@ ALL_KINDS = {
     "lucebox_default_models": DefaultModel,
     "lucebox_response_parsers": ResponseParser,
     "lucebox_op_kernels": OpKernel,
+    "lucebox_prefill_compressors": PrefillCompressor,
 }

@@ -118,7 +118,7 @@ import os
 
 import torch
 
-from lucebox_core import Drafter, KernelBackend, KVPolicy, ModelFamily, OpKernel, Verifier, hookimpl
+from lucebox_core import Drafter, KernelBackend, KVPolicy, ModelFamily, OpKernel, PrefillCompressor, Verifier, hookimpl
 from lucebox_core.kv import K_FLAG, KV_CACHE_TYPES, V_FLAG, kv_bytes_per_token, kv_cache_type
 from lucebox_core.speculative import Verdict
 from lucebox_core.torch_backend import TorchBackend
@@ -339,15 +339,43 @@ def lucebox_verifiers():
 @hookimpl
 def lucebox_kv_policies():
     return [KVPolicy(name="toy-paged", factory=ReversedPagesKV, cache_types=["f32", "f16", "bf16"])]
+
+
+class FirstWords:
+    \"\"\"A prefill compression policy without a scorer: each compressible text keeps its first three words.\"\"\"
+
+    name = "toy-first-words"
+
+    def __init__(self, config, loaded):
+        self.target = loaded
+
+    def compress(self, pieces):
+        return [p.text if p.protected else " ".join(p.text.split()[:3]) for p in pieces]
+
+
+@hookimpl
+def lucebox_prefill_compressors():
+    return [PrefillCompressor(name="toy-first-words", factory=FirstWords)]
 '''
 
 USE_TOY = '''
 import json, sys
 import torch
+from lucebox_core.chat_compression import ChatCompressor
 from lucebox_core.ggufio import GGUFFile
 from lucebox_core.plugins import registry
 import lucebox_toy
 r = registry()
+
+
+def _compressed(r):
+    # The server's path: the compressor named by --prefill-compressor, under a ChatCompressor.
+    chats = ChatCompressor(r.prefill_compressor("toy-first-words").create(None, None), mode="always", hot_window=0)
+    chat = [{"role": "system", "content": "be brief and exact"}, {"role": "user", "content": "one two three four"},
+            {"role": "assistant", "content": "five six seven eight"}, {"role": "user", "content": "nine ten eleven"}]
+    return [m["content"] for m in chats.apply(chat)]
+
+
 backend_spec = r.kernel_backend()
 ops = backend_spec.create(device="cpu")
 ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
@@ -368,6 +396,7 @@ print(json.dumps({
     "drafter": r.drafter_for("toy-lookup-draft").name,
     "verifier": r.verifier("toy-chain").name,
     "kv_policy": r.kv_policy("toy-paged").name,
+    "compressed": _compressed(r),
 }))
 '''
 
@@ -425,7 +454,9 @@ def test_third_party_plugin_is_discovered_and_broken_one_reported(toy_site):
     assert by_name["toy"]["version"] == "4.5.6"
     provided = {(i["kind"], i["name"]) for i in by_name["toy"]["provides"]}
     assert provided == {("backend", "toy"), ("model", "toy"), ("drafter", "toy-lookup"), ("verifier", "toy-chain"),
-                        ("kv_policy", "toy-paged"), ("kernel", "toy.causal_conv1d_step")}
+                        ("kv_policy", "toy-paged"), ("kernel", "toy.causal_conv1d_step"),
+                        ("prefill_compressor", "toy-first-words")}
+    assert ("prefill_compressor", "pflash") in {(i["kind"], i["name"]) for i in by_name["builtin"]["provides"]}
     assert "toy plugin is broken on purpose" in by_name["broken"]["error"]
     assert "qwen35" in by_name, "a broken plugin must not hide the others"
 
@@ -477,6 +508,8 @@ def test_third_party_backend_kernel_family_and_plugins_are_found(toy_site, tmp_p
         "drafter": "toy-lookup",
         "verifier": "toy-chain",
         "kv_policy": "toy-paged",
+        # lucebox_prefill_compressors: the system prompt and the last message untouched, the rest cut short.
+        "compressed": ["be brief and exact", "one two three", "five six seven", "nine ten eleven"],
     }
     info = _run(toy_site, ["-m", "lucebox_core.cli", "info", str(path), "--json"])
     assert info.returncode == 0, info.stderr

@@ -75,3 +75,16 @@ def test_off_by_default(tmp_path_factory):
         assert service.chat_compressor is None
         prompt = render_request(service, Conversation(messages=CHAT, tools=TOOLS)).text
         assert LOG in prompt
+
+
+def test_an_unknown_compressor_or_bad_number_fails_before_the_socket_opens():
+    import subprocess
+    import sys
+
+    for args, needle in ((["--prefill-compression", "always", "--prefill-compressor", "nope"],
+                          "no installed plugin provides the prefill compressor (--prefill-compressor) 'nope'"),
+                         (["--prefill-keep-ratio", "0"], "--prefill-keep-ratio must be in (0, 1]"),
+                         (["--prefill-curve", "lots"], "--prefill-curve: 'lots' is not TOKENS:RATIO")):
+        run = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "serve", "--port", "0", *args],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and needle in run.stderr, run.stderr

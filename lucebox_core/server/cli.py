@@ -65,6 +65,8 @@ def add_serve_parser(commands: Any) -> None:
                    help="fraction of 32-token chunks kept (default 0.05)")
     p.add_argument("--prefill-curve", nargs="+", default=[], metavar="T:R",
                    help="keep ratio against prompt tokens, linear between points, e.g. 32768:0.1 131072:0.02")
+    p.add_argument("--prefill-compressor", default="pflash", metavar="NAME",
+                   help="the prefill compressor (default pflash; `lucebox plugins` lists those installed)")
     p.add_argument("--prefill-alpha", type=float, default=0.85, metavar="F",
                    help="the scorer's block-sparse attention over prompts longer than 256 tokens keeps a 128-token "
                         "key block when its score is at least F x its row's best (FlashPrefill; default 0.85)")
@@ -116,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_compression=args.prefill_compression, prefill_threshold=args.prefill_threshold,
         prefill_keep_ratio=args.prefill_keep_ratio, prefill_curve=tuple(args.prefill_curve),
         prefill_drafter=args.prefill_drafter, prefill_alpha=args.prefill_alpha,
+        prefill_compressor=args.prefill_compressor,
     )
     _check_prefill_flags(config)
     if args.short_answers is not None and args.short_answers < 1:
@@ -158,6 +161,10 @@ def _check_prefill_flags(config: Any) -> None:
     from ..prefill_compression import CompressionConfig, parse_curve
 
     CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
+    if config.prefill_compression != "off":
+        from ..plugins import registry
+
+        registry().prefill_compressor(config.prefill_compressor)  # a typo fails before the socket opens
     if not 0 <= config.prefill_alpha <= 1:
         raise LuceboxError(f"--prefill-alpha must be between 0 and 1, got {config.prefill_alpha}")
     if config.prefill_threshold < 1:

@@ -47,6 +47,7 @@ class ServeConfig(EngineOptions):
     prefill_keep_ratio: float = 0.05  # --prefill-keep-ratio
     prefill_curve: tuple[str, ...] = ()  # --prefill-curve T:R ...
     prefill_drafter: str | None = None  # --prefill-drafter: the scorer GGUF (default: a qwen3 file beside -m)
+    prefill_compressor: str = "pflash"  # --prefill-compressor NAME (the prefill compressor hook)
     prefill_alpha: float = 0.85  # --prefill-alpha: the scorer's block-sparse attention keeps score >= alpha x max
 
 
@@ -181,43 +182,14 @@ def _parser_for(loaded: Any) -> Any:
 
 
 def build_chat_compressor(config: ServeConfig, loaded: Any) -> Any:
-    """The PFlash `ChatCompressor` the config asks for (None when off): the scorer from --prefill-drafter,
-    else the one qwen3 GGUF beside the model; a LuceboxError saying what to pass when there is none."""
+    """The `ChatCompressor` the config asks for (None when off), its compressor made through the prefill
+    compressor hook (`--prefill-compressor`, default pflash)."""
     if config.prefill_compression == "off":
         return None
     from ..chat_compression import ChatCompressor
-    from ..loading import load_model
-    from ..pflash import PFlashCompressor
-    from ..prefill_compression import CompressionConfig, parse_curve
+    from ..plugins import registry
 
-    settings = CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
-    path = config.prefill_drafter or find_scorer_beside(loaded.path)
-    if path is None:
-        raise LuceboxError(f"--prefill-compression {config.prefill_compression} needs a scorer: pass --prefill-drafter "
-                           f"FILE (a qwen3 GGUF such as Qwen3-0.6B) or put one beside {loaded.path}")
-    scorer = load_model(path, backend=config.backend, device=config.device)
-    if not hasattr(scorer.model, "tail_attention"):
-        raise LuceboxError(f"--prefill-drafter {path}: a {scorer.family.name} model cannot score prompts (PFlash "
-                           f"needs a model with tail_attention, e.g. the qwen3 family)")
-    log.info("PFlash scorer %s (%s), keep ratio %s", path, scorer.family.name, config.prefill_keep_ratio)
-    from ..block_sparse import BlockSparseConfig
-
-    sparse = BlockSparseConfig(alpha=config.prefill_alpha)
-    return ChatCompressor(PFlashCompressor(scorer.model, scorer.tokenizer, settings, sparse=sparse),
-                          mode=config.prefill_compression,
-                          threshold=config.prefill_threshold, name=f"pflash:{Path(path).name}")
-
-
-def find_scorer_beside(model_path: Any) -> str | None:
-    """The one qwen3 GGUF in the model's folder (its header read only), if there is exactly one."""
-    from ..ggufio import GGUFFile
-
-    found = []
-    for candidate in sorted(Path(model_path).parent.glob("*.gguf")):
-        try:
-            if candidate != Path(model_path) and GGUFFile(candidate).architecture == "qwen3":
-                found.append(str(candidate))
-        except Exception:  # not a GGUF we read: not a scorer
-            continue
-    return found[0] if len(found) == 1 else None
-
+    spec = registry().prefill_compressor(config.prefill_compressor)
+    compressor = spec.create(config, loaded)
+    return ChatCompressor(compressor, mode=config.prefill_compression, threshold=config.prefill_threshold,
+                          name=getattr(compressor, "name", spec.name))
