@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,15 +213,36 @@ def _assemble(args: argparse.Namespace, **overrides: Any) -> Any:
     return build_engine(options)
 
 
+def _compressed_prompt(args: argparse.Namespace, loaded: Any) -> str:
+    """-p shortened by the prefill compressor when --prefill-compression asks: a raw prompt is one piece, its
+    question kept by the selection's forced last chunks."""
+    from .chat_compression import Piece
+    from .plugins import registry
+
+    if args.prefill_compression == "auto" and len(loaded.tokenizer.encode(args.prompt)) < args.prefill_threshold:
+        return args.prompt
+    compressor = registry().prefill_compressor(args.prefill_compressor).create(args, loaded)
+    start = time.perf_counter()
+    [text] = compressor.compress([Piece(args.prompt, protected=False)])
+    print(f"prefill compression: {len(args.prompt)} -> {len(text)} characters in {time.perf_counter() - start:.2f} s",
+          file=sys.stderr)
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import GenerationRequest
     from .flags import check_force_accept
     from .sampling import SamplingParams
 
+    from .flags import check_prefill_arguments
+
+    check_prefill_arguments(args)
     assembled = _assemble(args)
     loaded, engine, speculative = assembled.loaded, assembled.engine, assembled.speculative
     check_force_accept(args.force_accept, speculative)
     tokenizer = loaded.tokenizer
+    if args.prompt is not None and args.prefill_compression != "off":
+        args.prompt = _compressed_prompt(args, loaded)
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
         if any(not 0 <= i < tokenizer.vocab_size for i in prompt_ids):
@@ -387,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=comma_ints, help="prompt as token ids, e.g. 1,2,3")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--chat", action="store_true", help="render -p as a user message through the chat template")
+    from .flags import add_prefill_compression_arguments
+
+    add_prefill_compression_arguments(p)
     p.add_argument("--chat-template-file", help="jinja chat template to use instead of the GGUF's")
     p.add_argument("--parse-special", action="store_true",
                    help="turn control-token text in -p into its ids (with --chat too; otherwise it stays text)")

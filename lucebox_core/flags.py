@@ -107,3 +107,47 @@ def check_force_accept(force: float | None, speculative: Any) -> None:
         raise LuceboxError(f"--force-accept must be >= 0, got {force}")
     if force > speculative.block_size - 1:
         raise LuceboxError(f"--force-accept {force} exceeds the {speculative.block_size - 1} drafts of a block")
+
+
+def add_prefill_compression_arguments(p: argparse.ArgumentParser) -> None:
+    """PFlash's flags (`serve` and `generate`)."""
+    p.add_argument("--prefill-compression", choices=("off", "auto", "always"), default="off",
+                   help="PFlash: a small scorer model keeps the parts of the prompt that matter to the question: "
+                        "of a chat, only aged messages (never the system prompt, tools, tool calls and results, "
+                        "or the last user message); of a raw prompt, all but its last chunks; auto: prompts of "
+                        "at least --prefill-threshold tokens (default off)")
+    p.add_argument("--prefill-threshold", type=int, default=32768, metavar="N",
+                   help="prompt tokens from which --prefill-compression auto compresses (default 32768)")
+    p.add_argument("--prefill-keep-ratio", type=float, default=0.05, metavar="F",
+                   help="fraction of 32-token chunks kept (default 0.05)")
+    p.add_argument("--prefill-curve", nargs="+", default=[], metavar="T:R",
+                   help="keep ratio against prompt tokens, linear between points, e.g. 32768:0.1 131072:0.02")
+    p.add_argument("--prefill-compressor", default="pflash", metavar="NAME",
+                   help="the prefill compressor (default pflash; `lucebox plugins` lists those installed)")
+    p.add_argument("--prefill-alpha", type=float, default=0.85, metavar="F",
+                   help="the scorer's block-sparse attention over prompts longer than 256 tokens keeps a 128-token "
+                        "key block when its score is at least F x its row's best (FlashPrefill; default 0.85)")
+    p.add_argument("--prefill-drafter", metavar="FILE",
+                   help="the scorer GGUF (a qwen3 model such as Qwen3-0.6B; default: the one beside -m)")
+
+
+def check_prefill_arguments(config: Any) -> None:
+    """PFlash's numbers, files and compressor name, checked before anything is loaded (`config`: argparse
+    namespace or ServeConfig: the same names)."""
+    import os
+
+    from .errors import LuceboxError
+    from .prefill_compression import CompressionConfig, parse_curve
+
+    CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
+    if config.prefill_compression != "off":
+        from .plugins import registry
+
+        registry().prefill_compressor(config.prefill_compressor)  # a typo fails before the weights load
+    if not 0 <= config.prefill_alpha <= 1:
+        raise LuceboxError(f"--prefill-alpha must be between 0 and 1, got {config.prefill_alpha}")
+    if config.prefill_threshold < 1:
+        raise LuceboxError(f"--prefill-threshold must be at least 1, got {config.prefill_threshold}")
+    if config.prefill_drafter is not None and not os.path.isfile(config.prefill_drafter):
+        raise LuceboxError(f"{config.prefill_drafter}: no such file (--prefill-drafter)")
+

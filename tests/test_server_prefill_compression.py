@@ -88,3 +88,33 @@ def test_an_unknown_compressor_or_bad_number_fails_before_the_socket_opens():
         run = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "serve", "--port", "0", *args],
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and needle in run.stderr, run.stderr
+
+
+def test_generate_compresses_a_raw_prompt_and_keeps_its_question(scorer, tmp_path):
+    import subprocess
+    import sys
+
+    from lucebox_qwen35 import synth
+
+    target = synth.write_qwen3(tmp_path / "target.gguf", size="tiny", type="f32", seed=5)
+    question = "Which worker processed batch 74?"
+    run = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "generate", "-m", str(target), "-p", LOG + "\n" +
+                          question, "-n", "2", "--temp", "0", "--prefill-compression", "always", "--prefill-drafter",
+                          scorer, "--prefill-keep-ratio", "0.3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    line = next(line for line in run.stderr.splitlines() if line.startswith("prefill compression:"))
+    before, after = (int(n) for n in line.split(":")[1].split("characters")[0].split("->"))
+    assert before == len(LOG + "\n" + question) and after < 0.6 * before
+    # In process, the same compression: the question (the prompt's last chunk) is kept whole.
+    from lucebox_core.chat_compression import Piece
+    from lucebox_core.loading import load_model
+    from lucebox_core.pflash import PFlashCompressor
+    from lucebox_core.prefill_compression import CompressionConfig
+
+    from lucebox_core.block_sparse import BlockSparseConfig
+
+    loaded = load_model(scorer)
+    [text] = PFlashCompressor(loaded.model, loaded.tokenizer, CompressionConfig(keep_ratio=0.3),
+                              sparse=BlockSparseConfig(alpha=0.85)).compress(
+        [Piece(LOG + "\n" + question, protected=False)])
+    assert text.endswith(question) and len(text) == after

@@ -24,7 +24,8 @@ from ..errors import LuceboxError
 
 def add_serve_parser(commands: Any) -> None:
     """Add `serve` to the `lucebox` subcommands (an argparse subparsers object)."""
-    from ..flags import add_model_arguments, add_prefix_cache_arguments, add_speculative_arguments
+    from ..flags import (add_model_arguments, add_prefill_compression_arguments, add_prefix_cache_arguments,
+                         add_speculative_arguments)
 
     p = commands.add_parser("serve", help="serve the OpenAI, Responses and Anthropic HTTP APIs")
     from ..flags import CTX_HELP
@@ -55,23 +56,7 @@ def add_serve_parser(commands: Any) -> None:
                         "(a random-weight model's answers then end with 'stop'); thinking off")
     add_speculative_arguments(p, force=False)
     add_prefix_cache_arguments(p)
-    p.add_argument("--prefill-compression", choices=("off", "auto", "always"), default="off",
-                   help="PFlash: a small scorer model keeps the parts of aged chat messages that matter to the "
-                        "question (never the system prompt, tools, tool calls and results, or the last user "
-                        "message); auto: prompts of at least --prefill-threshold tokens (default off)")
-    p.add_argument("--prefill-threshold", type=int, default=32768, metavar="N",
-                   help="prompt tokens from which --prefill-compression auto compresses (default 32768)")
-    p.add_argument("--prefill-keep-ratio", type=float, default=0.05, metavar="F",
-                   help="fraction of 32-token chunks kept (default 0.05)")
-    p.add_argument("--prefill-curve", nargs="+", default=[], metavar="T:R",
-                   help="keep ratio against prompt tokens, linear between points, e.g. 32768:0.1 131072:0.02")
-    p.add_argument("--prefill-compressor", default="pflash", metavar="NAME",
-                   help="the prefill compressor (default pflash; `lucebox plugins` lists those installed)")
-    p.add_argument("--prefill-alpha", type=float, default=0.85, metavar="F",
-                   help="the scorer's block-sparse attention over prompts longer than 256 tokens keeps a 128-token "
-                        "key block when its score is at least F x its row's best (FlashPrefill; default 0.85)")
-    p.add_argument("--prefill-drafter", metavar="FILE",
-                   help="the scorer GGUF (a qwen3 model such as Qwen3-0.6B; default: the one beside -m)")
+    add_prefill_compression_arguments(p)
     p.set_defaults(run=cmd_serve)
 
 
@@ -120,7 +105,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_drafter=args.prefill_drafter, prefill_alpha=args.prefill_alpha,
         prefill_compressor=args.prefill_compressor,
     )
-    _check_prefill_flags(config)
+    from ..flags import check_prefill_arguments
+
+    check_prefill_arguments(config)
     if args.short_answers is not None and args.short_answers < 1:
         raise LuceboxError(f"--short-answers must be at least 1, got {args.short_answers}")
     from .forced_tool import parse_forced_tools
@@ -154,21 +141,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not server.started:
         raise LuceboxError(f"the server on {host}:{port} did not start")
     return 0
-
-
-def _check_prefill_flags(config: Any) -> None:
-    """PFlash's numbers and files, checked before the socket opens."""
-    from ..prefill_compression import CompressionConfig, parse_curve
-
-    CompressionConfig(keep_ratio=config.prefill_keep_ratio, curve=parse_curve(config.prefill_curve))
-    if config.prefill_compression != "off":
-        from ..plugins import registry
-
-        registry().prefill_compressor(config.prefill_compressor)  # a typo fails before the socket opens
-    if not 0 <= config.prefill_alpha <= 1:
-        raise LuceboxError(f"--prefill-alpha must be between 0 and 1, got {config.prefill_alpha}")
-    if config.prefill_threshold < 1:
-        raise LuceboxError(f"--prefill-threshold must be at least 1, got {config.prefill_threshold}")
-    if config.prefill_drafter is not None and not os.path.isfile(config.prefill_drafter):
-        raise LuceboxError(f"{config.prefill_drafter}: no such file (--prefill-drafter)")
 
