@@ -128,6 +128,21 @@ class ChatCompressor:
                 out.append(message)
         return out
 
+    def apply_text(self, text: str) -> str:
+        """A raw prompt (no chat structure to go by) compressed whole: the selection's forced last chunks keep
+        its question. Not cached: a raw prompt has no turns to reuse."""
+        import time
+
+        start = time.perf_counter()
+        [out] = self.compressor.compress([Piece(text, protected=False)])
+        with self._lock:
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.requests += 1
+            self.stats.messages += 1
+            self.stats.chars_in += len(text)
+            self.stats.chars_out += len(out)
+        return out
+
     def describe(self) -> dict[str, Any]:
         with self._lock:
             stats = attrs.asdict(self.stats)

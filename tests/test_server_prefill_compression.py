@@ -118,3 +118,10 @@ def test_generate_compresses_a_raw_prompt_and_keeps_its_question(scorer, tmp_pat
                               sparse=BlockSparseConfig(alpha=0.85)).compress(
         [Piece(LOG + "\n" + question, protected=False)])
     assert text.endswith(question) and len(text) == after
+
+
+def test_a_raw_completions_prompt_is_compressed_whole(service, oai):
+    question = "\nWhich worker processed batch 74? Answer:"
+    full = len(service.loaded.tokenizer.encode(LOG + question, parse_special=True))
+    answer = oai.completions.create(model="m", prompt=LOG + question, max_tokens=2, temperature=0)
+    assert answer.usage.prompt_tokens < 0.6 * full

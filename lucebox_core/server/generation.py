@@ -215,7 +215,12 @@ def tokenize_prompt(service: ModelService, prompt: Any, param: str = "prompt") -
     tokenizer = service.loaded.tokenizer
     if isinstance(prompt, str):
         refuse_certainly_too_long(service, prompt, param)
-        return Prompt(tokenizer.encode(prompt, parse_special=True), prompt, param=param)
+        ids = tokenizer.encode(prompt, parse_special=True)
+        compressor = service.chat_compressor
+        if compressor is not None and compressor.wanted(len(ids)):
+            prompt = compressor.apply_text(prompt)  # PFlash, whole: its last chunks (the question) kept
+            ids = tokenizer.encode(prompt, parse_special=True)
+        return Prompt(ids, prompt, param=param)
     if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         bad = [i for i in prompt if not 0 <= i < tokenizer.vocab_size]
         if bad:
