@@ -305,14 +305,21 @@ for capability in map(int, sys.argv[1:]):
                   max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
              dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
                   BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_Q8=False, V_Q8=False, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
+                  UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
             # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
             (attention._path_attention_split_kernel,
              dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
                   max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
              dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
                   BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_Q8=True, V_Q8=True, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
+                  UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
+            # Q4_0 K and TQ3_0 V blocks, decoded in registers.
+            (attention._path_attention_split_kernel,
+             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
+                  max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+                  UPCAST_DOT=False, K_FORMAT=2, V_FORMAT=3, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
             # Gemma-4: the nodes' rows beside the cache; a full layer's 512-dim heads, a sliding layer's ring
             # of 1024 slots over a Q8_0 cache (the node rows in its storage format).
             (attention._path_attention_split_kernel,
@@ -321,14 +328,14 @@ for capability in map(int, sys.argv[1:]):
                   scale="fp32"),
              dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
                   BLOCK_D=512, BLOCK_DV=512, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_Q8=False, V_Q8=False, NODE_ROWS=True, RING=0, STATIC_TRIPS=0)),
+                  UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=True, RING=0, STATIC_TRIPS=0)),
             (attention._path_attention_split_kernel,
              dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", node_k_ptr="*u8", node_v_ptr="*u8",
                   position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
                   scale="fp32"),
              dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
                   BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_Q8=True, V_Q8=True, NODE_ROWS=True, RING=1024, STATIC_TRIPS=0)),
+                  UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=True, RING=1024, STATIC_TRIPS=0)),
             (attention._path_attention_combine_kernel,
              dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
              dict(Q_HEADS=24, VALUE_DIM=256, BLOCK_S=128, BLOCK_DV=64)),
@@ -353,4 +360,4 @@ def test_kernels_compile_for_each_gpu_architecture(tmp_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90", "120"], env=env,
                             capture_output=True, check=False, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 3 * 2 * 7  # 3 architectures x 2 dtypes x 7 kernel variants
+    assert result.stdout.count("compiled") == 3 * 2 * 8  # 3 architectures x 2 dtypes x 8 kernel variants
