@@ -42,6 +42,8 @@ class EngineOptions:
     kv_cache_dir: str | None = None  # --kv-cache-dir: the prefix cache's disk tier
     kv_cache_budget: str | int = "4G"  # --kv-cache-budget
     prefix_cache_ram: str | int = "8G"  # --prefix-cache-ram
+    spark: bool = False  # --spark: MoE experts behind a bounded pool of device slots (spark.py)
+    spark_vram: str | int | None = None  # --spark-vram SIZE: bytes for resident experts (default: half of them)
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -54,7 +56,7 @@ class EngineOptions:
             "draft_block_size": "draft_block_size", "no_draft": "no_draft",
             "prefix_cache_slots": "prefix_cache_slots", "prefix_cache_min_tokens": "prefix_cache_min_tokens",
             "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
-            "prefix_cache_ram": "prefix_cache_ram",
+            "prefix_cache_ram": "prefix_cache_ram", "spark": "spark", "spark_vram": "spark_vram",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -96,6 +98,8 @@ def check_options(options: EngineOptions) -> Choices:
     from .prefix_cache import parse_size
 
     parse_size(options.prefix_cache_ram, "--prefix-cache-ram")
+    if options.spark_vram is not None:
+        parse_size(options.spark_vram, "--spark-vram")
     if options.kv_cache_dir is not None:
         parse_size(options.kv_cache_budget)
         if os.path.exists(options.kv_cache_dir) and not os.path.isdir(options.kv_cache_dir):
@@ -148,6 +152,7 @@ class AssembledEngine:
     engine: Any  # lucebox_core.engine.Engine
     options: EngineOptions
     context: Any = None  # lucebox_core.context.ContextChoice: the context and how it was chosen
+    spark: Any = None  # lucebox_core.spark.Spark with --spark
 
     @property
     def speculative(self) -> Any:
@@ -210,13 +215,20 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
         model_options["cache_type_v"] = choices.cache_type_v
     loaded = load_model(options.model, backend=options.backend, device=options.device,
                         chat_template_file=options.chat_template_file, **model_options)
+    spark = None
+    if options.spark:
+        from .prefix_cache import parse_size
+        from .spark import attach_spark
+
+        budget = None if options.spark_vram is None else parse_size(options.spark_vram, "--spark-vram")
+        spark = attach_spark(loaded.model, budget, model_path=loaded.path)
     speculative = build_speculative(options, loaded, choices)
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
                     speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend,
                     prefix_cache=build_prefix_cache(options, loaded))
-    return AssembledEngine(loaded, engine, options, context)
+    return AssembledEngine(loaded, engine, options, context, spark)
 
 
 def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:

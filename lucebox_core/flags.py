@@ -49,6 +49,12 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
                    help=f"KV cache type of K: {types}, as the KV policy stores them (default: the backend's dtype)")
     p.add_argument("-ctv", "--cache-type-v", metavar="TYPE",
                    help=f"KV cache type of V: {types}, as the KV policy stores them (default: the backend's dtype)")
+    p.add_argument("--spark", action="store_true", default=None,
+                   help="MoE models: keep only the most routed experts on the device, the rest in host memory, "
+                        "brought into a bounded pool of slots on demand; the routing profile is kept beside the "
+                        "model as MODEL.gguf.spark.csv")
+    p.add_argument("--spark-vram", metavar="SIZE",
+                   help="bytes for the resident experts with --spark (default: half of the experts' bytes)")
     p.add_argument("-ub", "--ubatch-size", type=int, metavar="N",
                    help="prompt tokens per prefill forward pass (default: the model's, 4096 on a GPU, 512 on "
                         "the CPU); smaller takes less memory for activations and prefills more slowly")

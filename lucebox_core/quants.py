@@ -193,6 +193,8 @@ class QuantTensor:
     ggml_type: GGMLQuantizationType = attrs.field(converter=T)
     shape: tuple[int, ...] = attrs.field(converter=lambda dims: tuple(int(d) for d in dims))
     data: torch.Tensor
+    # Bytes that change in place (Spark's expert slots): backends must not keep a dequantized copy.
+    volatile: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.data.dtype != torch.uint8 or self.data.dim() != 1:

@@ -13,8 +13,16 @@ Three parts, each independent of any family and device:
   used out first) and returns the ids mapped to slots, so a routed-expert op runs over the slot stack
   unchanged: the same bytes, the same arithmetic, the same output as the all-resident stack.
 
-Not wired yet: the families' MoE blocks reading their stacks through `ExpertSlots`, `--spark` /
-`--spark-vram`, the CPU path for a batch-1 miss, and the graphed decode step over the lookup table.
+`OffloadedExperts` puts one MoE layer's three stacks (gate, up, down) behind such pools and runs the
+routed-expert op over them; a batch that routes to more experts than the pool holds runs in groups of
+experts that fit, summed in fp32 (then not bit-identical to the all-resident sum: greedy tokens are what
+the tests hold equal). `attach_spark` gives every MoE block of a model (any family whose MoE block has
+`gate_exps`, `up_exps`, `down_exps`, `top_k` and an `offload` slot, and calls `run_experts`) its pools, sized by
+`place_experts` from a profile under a byte budget.
+
+Not done yet: loading the cold experts straight into host memory (today the model is loaded whole, then
+its experts move: a model that does not fit the GPU at load still does not), the CPU path for a batch-1
+miss, and the graphed decode step over the lookup tables.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -169,3 +178,121 @@ class ExpertSlots:
                 self.stats.misses += 1
                 self._bring(expert)
         return self.slot_of[ids.to(self.device)]
+
+
+# -- wiring: a model's MoE blocks behind slot pools -------------------------------------------------------
+
+STACKS = ("gate_exps", "up_exps", "down_exps")
+
+
+def run_experts(ops: Any, block: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A MoE block's routed experts: the op over its stacks, or through its Spark pools when it has them."""
+    if block.offload is None:
+        return ops.moe_experts_swiglu(x, block.gate_exps, block.up_exps, block.down_exps, weights, ids)
+    return block.offload(ops, x, weights, ids)
+
+
+class OffloadedExperts:
+    """One MoE layer's gate, up and down stacks behind `ExpertSlots` pools of `slots` experts each."""
+
+    def __init__(self, layer: int, stacks: Sequence[Any], slots: int, resident: Sequence[int],
+                 profile: RoutingProfile | None = None):
+        self.layer, self.profile = layer, profile
+        self.slots = slots
+        self.pools, self.views = [], []
+        for stack in stacks:
+            experts = stack.shape[0]
+            device = stack.data.device
+            host = stack.data.reshape(experts, -1).to("cpu")
+            if device.type == "cuda":
+                host = host.pin_memory()  # copies into the slots overlap the step's work
+            pool = ExpertSlots(host, slots, device, initial=resident)
+            self.pools.append(pool)
+            self.views.append(attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
+                                           data=pool.stack.reshape(-1), volatile=True))
+
+    def __call__(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.profile is not None:
+            self.profile.observe(self.layer, ids)
+        needed = torch.unique(ids)
+        if needed.numel() <= self.slots:
+            return self._run(ops, x, weights, ids)
+        # More experts than slots (a long prefill chunk): groups of experts that fit, in expert order.
+        out = torch.zeros(x.shape[0], self.views[2].shape[1], dtype=torch.float32, device=x.device)
+        for start in range(0, needed.numel(), self.slots):
+            group = needed[start : start + self.slots]
+            chosen = torch.isin(ids, group)
+            part_ids = torch.where(chosen, ids, group[0])
+            out += self._run(ops, x, weights * chosen, part_ids).float()
+        return out.to(x.dtype)
+
+    def _run(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        mapped = [pool.resident_ids(ids) for pool in self.pools]
+        return ops.moe_experts_swiglu(x, *self.views, weights, mapped[0])
+
+    def describe(self) -> dict[str, Any]:
+        stats = self.pools[0].stats
+        moved = sum(pool.stats.bytes_moved for pool in self.pools)
+        return {"layer": self.layer, "slots": self.slots, "experts": self.pools[0].host.shape[0],
+                "hits": stats.hits, "misses": stats.misses, "bytes_moved": moved}
+
+
+@attrs.define
+class Spark:
+    """What `attach_spark` did to a model: its layers' pools, the profile they count into, and where it is saved."""
+
+    layers: list[OffloadedExperts]
+    profile: RoutingProfile
+    profile_path: Path | None
+    budget: int
+    expert_bytes: int  # of every layer's stacks, all experts
+
+    def describe(self) -> dict[str, Any]:
+        per_layer = [layer.describe() for layer in self.layers]
+        hits = sum(d["hits"] for d in per_layer)
+        misses = sum(d["misses"] for d in per_layer)
+        resident = sum(d["slots"] for d in per_layer) / max(1, sum(d["experts"] for d in per_layer))
+        return {"enabled": True, "budget_bytes": self.budget, "expert_bytes": self.expert_bytes,
+                "residency": round(resident, 4), "hits": hits, "misses": misses,
+                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+                "bytes_moved": sum(d["bytes_moved"] for d in per_layer),
+                "profile": str(self.profile_path) if self.profile_path else None}
+
+    def save_profile(self) -> None:
+        if self.profile_path is not None:
+            self.profile.save(self.profile_path)
+
+
+def moe_blocks(model: Any) -> list[tuple[int, Any]]:
+    """(layer index, MoE block) of a model whose layers' `mlp` may be a MoE block (see `attach_spark`)."""
+    return [(i, layer.mlp) for i, layer in enumerate(getattr(model, "layers", []))
+            if all(hasattr(layer.mlp, name) for name in (*STACKS, "top_k", "offload"))]
+
+
+def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.PathLike | None = None,
+                 share: float = 0.5) -> Spark:
+    """Put every MoE block of `model` behind slot pools: resident experts chosen by the profile beside
+    `model_path` (uniform when there is none) under `budget` bytes (default: `share` of the experts' bytes),
+    at least `top_k` a layer."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise LuceboxError(f"--spark: {type(model).__name__} has no MoE layers to offload")
+    experts = blocks[0][1].gate_exps.shape[0]
+    per_expert = [sum(getattr(block, name).nbytes for name in STACKS) // experts for _, block in blocks]
+    total = sum(per_expert) * experts
+    budget = int(total * share) if budget is None else budget
+    path = RoutingProfile.path_for(model_path) if model_path is not None else None
+    profile = (RoutingProfile.load(path, len(blocks), experts) if path is not None and path.is_file()
+               else RoutingProfile(len(blocks), experts))
+    top_k = max(block.top_k for _, block in blocks)
+    placed = place_experts(profile.counts, per_expert, budget, min_per_layer=top_k)
+    layers = []
+    for moe_index, ((layer, block), resident) in enumerate(zip(blocks, placed)):
+        offload = OffloadedExperts(moe_index, [getattr(block, name) for name in STACKS], len(resident), resident,
+                                   profile)
+        block.offload = offload
+        for name in STACKS:  # the full stacks leave the device: the pools hold what is resident
+            setattr(block, name, offload.views[STACKS.index(name)])
+        layers.append(offload)
+    return Spark(layers, profile, path, budget, total)
+

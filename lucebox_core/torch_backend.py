@@ -160,7 +160,7 @@ class TorchBackend:
             return cached
         tensor = self._dequantize(weight)
         size = tensor.numel() * tensor.element_size()
-        if self._cached_bytes + size <= self.weight_cache_bytes:
+        if not getattr(weight, "volatile", False) and self._cached_bytes + size <= self.weight_cache_bytes:
             # The entry holds `weight` itself so that its id cannot be reused by another object.
             self._weight_cache[id(weight)] = (weight, tensor)
             self._cached_bytes += size

@@ -91,3 +91,84 @@ def test_least_recently_used_experts_leave_first():
     assert torch.equal(pool.stack[int(mapped[0])], torch.arange(20, 24, dtype=torch.uint8))
     with pytest.raises(LuceboxError, match="routes to 4 experts but the pool has 3 slots"):
         pool.resident_ids(torch.tensor([1, 2, 3, 4]))
+
+
+# -- wired into the families ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["laguna", "qwen35moe"])
+def moe_file(request, tmp_path_factory):
+    from lucebox_core.plugins import registry
+
+    folder = tmp_path_factory.mktemp(f"spark-{request.param}")
+    synth = registry().named("lucebox_synthesizers", request.param, "synth")
+    return synth.write(folder / f"{request.param}.gguf", size="tiny", type="q8_0", seed=7)
+
+
+def _greedy(options, prompt, n=12):
+    from lucebox_core.assembly import build_engine
+    from lucebox_core.engine import GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+
+    assembled = build_engine(options)
+    request = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0), ignore_eos=True)
+    return assembled.engine.generate(request).token_ids, assembled
+
+
+def test_offloaded_experts_decode_as_the_all_resident_model(moe_file):
+    from lucebox_core.assembly import EngineOptions
+
+    prompt = torch.randint(10, 5000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain, _ = _greedy(EngineOptions(model=str(moe_file), ctx_size=128), prompt)
+    offloaded, assembled = _greedy(EngineOptions(model=str(moe_file), ctx_size=128, spark=True), prompt)
+    assert offloaded == plain  # the 40-token prefill ran in expert groups, the decode steps through the pool
+    described = assembled.spark.describe()
+    assert 0 < described["residency"] < 1 and described["misses"] > 0 and described["hits"] > 0
+    assert described["bytes_moved"] > 0
+    # The profile counted every routed token: 51 positions (40 prompt + 11 fed) x top_k, in every MoE layer.
+    from lucebox_core.spark import moe_blocks
+
+    counts = assembled.spark.profile.counts
+    top_k = moe_blocks(assembled.loaded.model)[0][1].top_k
+    assert (counts.sum(dim=1) == (40 + 11) * top_k).all()
+    assembled.spark.save_profile()
+    assert RoutingProfile.path_for(moe_file).is_file()
+    # The next start places the most routed experts first (before any request moves them).
+    from lucebox_core.assembly import build_engine
+
+    again = build_engine(EngineOptions(model=str(moe_file), ctx_size=128, spark=True))
+    hottest = int(counts[0].argmax())
+    assert hottest in again.spark.layers[0].pools[0].resident
+    RoutingProfile.path_for(moe_file).unlink()
+
+
+def test_spark_needs_moe_layers_and_a_budget_that_holds_top_k(tiny_target_and_draft, moe_file):
+    from lucebox_core.assembly import EngineOptions, build_engine
+
+    with pytest.raises(LuceboxError, match="no MoE layers"):
+        build_engine(EngineOptions(model=str(tiny_target_and_draft[0]), ctx_size=64, spark=True))
+    with pytest.raises(LuceboxError, match="expert budget"):
+        build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_vram="1K"))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    from conftest import loaded_service
+    from lucebox_laguna import synth
+
+    model = synth.write(tmp_path_factory.mktemp("spark-served") / "laguna.gguf", size="tiny", type="q8_0", seed=9)
+    yield from loaded_service(tmp_path_factory, model=str(model), ctx_size=256, spark=True)
+
+
+def test_the_server_reports_residency_and_saves_the_profile(service, oai, url):
+    import httpx
+
+    oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=4,
+                                temperature=0)
+    spark = httpx.get(f"{url}/props").json()["spark"]
+    assert spark["enabled"] and 0 < spark["residency"] < 1 and spark["hits"] + spark["misses"] > 0
+    assert spark["profile"].endswith(".gguf.spark.csv")
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "lucebox_spark_residency " in metrics and "lucebox_spark_bytes_moved " in metrics
+    service.spark.save_profile()  # what closing the server does
+    assert RoutingProfile.load(spark["profile"], len(service.spark.layers), service.spark.profile.experts).counts.sum() > 0

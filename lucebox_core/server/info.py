@@ -105,6 +105,7 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
         "response_parser": service.parser_spec.name if service.parser_spec else None,
         "prefix_cache": service.prefix_cache_info() or {"enabled": False},
         "prefill_compression": service.prefill_compression_info() or {"mode": "off"},
+        "spark": service.spark.describe() if service.spark is not None else {"enabled": False},
         "tool_replay": {"max_entries": service.tool_replay.max_entries, "max_bytes": service.tool_replay.max_bytes,
                         "current_entries": len(service.tool_replay), "current_bytes": service.tool_replay.nbytes},
     })

@@ -89,7 +89,8 @@ class ServerMetrics:
     """Everything `/metrics` reports."""
 
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float],
-                 prefix_cache: Callable[[], dict] = dict, prefill_compression: Callable[[], dict] = dict):
+                 prefix_cache: Callable[[], dict] = dict, prefill_compression: Callable[[], dict] = dict,
+                 spark: Callable[[], dict] = dict):
         self.requests = Counter("requests_total", "HTTP requests handled, by endpoint and status")
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
         self.cached_prompt_tokens = Counter("prompt_tokens_cached_total",
@@ -123,6 +124,13 @@ class ServerMetrics:
                               ("compression_ratio", "characters kept of those compressed"),
                               ("seconds", "seconds spent in the scorer"))
         ]
+        self.spark = [
+            Gauge(f"spark_{key}", text, lambda key=key: float(spark().get(key) or 0))
+            for key, text in (("residency", "fraction of MoE experts resident on the device (--spark)"),
+                              ("hits", "expert lookups served by a resident slot"),
+                              ("misses", "experts brought into a slot from host memory"),
+                              ("bytes_moved", "bytes copied into expert slots"))
+        ]
         self.prefix_cache = [
             Gauge(f"prefix_cache_{key}", text, lambda key=key: float(prefix_cache().get(key) or 0))
             for key, text in (("lookups", "prompts looked up in the prefix cache"),
@@ -139,6 +147,6 @@ class ServerMetrics:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
                        self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running,
-                       *self.prefix_cache, *self.prefill_compression):
+                       *self.prefix_cache, *self.prefill_compression, *self.spark):
             lines += metric.render()
         return "\n".join(lines) + "\n"

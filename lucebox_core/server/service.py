@@ -63,12 +63,14 @@ class ModelService:
         self.context: Any = None  # lucebox_core.context.ContextChoice, once loaded
         self.scheduler: Any = None
         self.chat_compressor: Any = None  # a ChatCompressor while --prefill-compression is on
+        self.spark: Any = None  # lucebox_core.spark.Spark with --spark
         self.parser_spec: Any = None  # the family's ResponseParser spec
         self.started = time.time()
         self.metrics = ServerMetrics(
             queue_depth=lambda: self.scheduler.queue_depth if self.scheduler else 0,
             running=lambda: self.scheduler.running if self.scheduler else 0,
             prefix_cache=self.prefix_cache_info, prefill_compression=self.prefill_compression_info,
+            spark=lambda: self.spark.describe() if self.spark is not None else {},
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
         self.tool_replay = ToolCallReplay()
@@ -94,6 +96,7 @@ class ModelService:
             loaded, engine = assembled.loaded, assembled.engine
             self.parser_spec = _parser_for(loaded)
             self.chat_compressor = build_chat_compressor(self.config, loaded)
+            self.spark = assembled.spark
             self.loaded, self.engine, self.context = loaded, engine, assembled.context
             self.scheduler = Scheduler(engine, self.config.parallel)
             self.status = "ok"
@@ -128,6 +131,8 @@ class ModelService:
         cache = self.engine.prefix_cache if self.engine is not None else None
         if cache is not None:
             cache.close()  # the snapshot files being written are finished first
+        if self.spark is not None:
+            self.spark.save_profile()  # the routing traffic served, for the next start's placement
 
     def require_ready(self) -> None:
         if self.status == "loading":

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
+from lucebox_core.spark import run_experts
 from lucebox_core.state_snapshot import StateSnapshots
 from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
 
@@ -163,12 +164,13 @@ class LagunaMoE:
     shared_expert: LagunaMLP
     top_k: int
     routed_scale: float
+    offload: Any = None  # Spark's `OffloadedExperts` for this layer's stacks (`spark.attach_spark`), or None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.sigmoid_route(flat, self.router, self.selection_bias, self.top_k, self.routed_scale)
-        routed = ops.moe_experts_swiglu(flat, self.gate_exps, self.up_exps, self.down_exps, weights, ids)
+        routed = run_experts(ops, self, flat, weights, ids)
         return routed.reshape(x.shape) + self.shared_expert(x)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import attrs
 import torch
 
+from lucebox_core.spark import run_experts
+
 from .model import MLP, Weight
 
 # transformers name -> GGUF tensor name of the MoE block's tensors (the model's `GGUF_NAMES` has the rest).
@@ -43,6 +45,7 @@ class SparseMoeBlock:
     shared_expert: MLP
     shared_expert_gate: torch.Tensor  # [hidden]: one logit per token
     top_k: int
+    offload: Any = None  # Spark's `OffloadedExperts` for this layer's stacks (`spark.attach_spark`), or None
 
     def fuse_projections(self) -> None:
         self.shared_expert.fuse_projections()
@@ -51,7 +54,7 @@ class SparseMoeBlock:
         ops = self.ops
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.softmax_topk_route(flat, self.router, self.top_k)
-        routed = ops.moe_experts_swiglu(flat, self.gate_exps, self.up_exps, self.down_exps, weights, ids)
+        routed = run_experts(ops, self, flat, weights, ids)
         gate = ops.sigmoid(flat.float() @ self.shared_expert_gate.float())  # [T], in fp32: a dot product over hidden
         shared = self.shared_expert(flat) * gate[:, None].to(x.dtype)
         return (routed + shared).reshape(x.shape)
