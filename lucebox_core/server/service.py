@@ -11,13 +11,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from ..assembly import EngineOptions
-from ..errors import LuceboxError
 from .errors import APIError
 from .metrics import ServerMetrics
 from .replay import ToolCallReplay

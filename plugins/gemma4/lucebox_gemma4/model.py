@@ -30,9 +30,9 @@ from typing import Any
 import attrs
 import torch
 
-from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
-from lucebox_core.state_snapshot import StateSnapshots
-from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
+from lucebox_core.decoder_model import DecoderModel
+from lucebox_core.kv import KVCache, KVLayerShape, window_start
+from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout import Gemma4Config
 from .verify import Gemma4SpeculativeTarget
@@ -258,58 +258,22 @@ class Gemma4State:
     verify: StaticStep | None = None  # the static verify pass (speculative decoding)
 
 
-class Gemma4Model(Gemma4SpeculativeTarget, StateSnapshots):
+class Gemma4Model(Gemma4SpeculativeTarget, DecoderModel):
+    state_class = Gemma4State
+
     def __init__(self, config: Gemma4Config, ops: Any, embed_tokens: Weight, layers: list[Gemma4DecoderLayer],
-                 norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
-                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
-                 source: str = "") -> None:
-        """`ops`: the backend with the family's ops bound (`GEMMA4_OPS.bind(backend)`)."""
-        self.config = config
-        self.ops = ops
-        self.kv_policy = kv_policy
-        self.embed_tokens = embed_tokens
-        self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head
-        self.tied_embeddings = lm_head is embed_tokens
+                 norm: torch.Tensor, lm_head: Weight, **options: Any) -> None:
+        """`ops`: the backend with the family's ops bound (`GEMMA4_OPS.bind(backend)`); `options` as
+        `DecoderModel`'s (KV policy and types, source)."""
+        super().__init__(config, ops, embed_tokens, layers, norm, lm_head, **options)
         self.embed_scale = math.sqrt(config.hidden)
-        self.kv_dtype = kv_dtype or ops.dtype
-        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
-        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
-        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
         self.vocab_size = int(embed_tokens.shape[0])
-        self.context_length = int(config.context_length)
-        self.source = source
-        self.decode_graphs = ops.graphs_enabled()
-        self.decode_min_window = MIN_WINDOW
-        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
 
     def __repr__(self) -> str:
         sliding = sum(self.config.sliding)
         kind = f"MoE {self.config.n_expert} experts top-{self.config.n_expert_used}" if self.config.is_moe else "dense"
         return (f"Gemma4Model({self.source or 'in memory'}: {len(self.layers)} layers ({sliding} sliding, "
                 f"{len(self.layers) - sliding} full), {kind}, vocab {self.vocab_size})")
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden
-
-    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
-        return {layer.index: layer.self_attn.kv_shape for layer in self.layers}
-
-    def new_state(self, max_tokens: int | None = None) -> Gemma4State:
-        max_tokens = self.context_length if max_tokens is None else max_tokens
-        return Gemma4State(kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=self.ops.dtype,
-                                                    device=self.ops.device, k_type=self.cache_type_k,
-                                                    v_type=self.cache_type_v))
-
-    def reset_state(self, state: Gemma4State) -> None:
-        """Empty `state` for a new sequence, keeping its buffers and recordings."""
-        state.kv.rollback(0)
-        state.length = 0
-        state.captured = {}
-        if state.features is not None:
-            state.features.zero_()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Scaled token embeddings `[T, hidden]` (transformers' `Gemma4TextScaledWordEmbedding`; drafters

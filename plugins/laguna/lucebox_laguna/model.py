@@ -25,12 +25,11 @@ from typing import Any
 import attrs
 import torch
 
-from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type, window_start
+from lucebox_core.decoder_model import DecoderModel
+from lucebox_core.kv import KVCache, KVLayerShape, window_start
 from lucebox_core.spark import run_experts
-from lucebox_core.state_snapshot import StateSnapshots
-from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
+from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
-from .layout import LagunaConfig
 
 ARCHITECTURE = "laguna"
 
@@ -195,58 +194,14 @@ class LagunaState:
     decode: StaticStep | None = None
 
 
-class LagunaModel(StateSnapshots):
-    def __init__(self, config: LagunaConfig, ops: Any, embed_tokens: Weight, layers: list[LagunaDecoderLayer],
-                 norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
-                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
-                 source: str = "") -> None:
-        """`ops`: the backend with the family's ops bound (`LAGUNA_OPS.bind(backend)`)."""
-        self.config = config
-        self.ops = ops
-        self.kv_policy = kv_policy
-        self.embed_tokens = embed_tokens
-        self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head
-        self.kv_dtype = kv_dtype or ops.dtype
-        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
-        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
-        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
-        self.vocab_size = int(lm_head.shape[0])
-        self.context_length = int(config.context_length)
-        self.source = source
-        self.decode_graphs = ops.graphs_enabled()
-        self.decode_min_window = MIN_WINDOW
-        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
+class LagunaModel(DecoderModel):
+    state_class = LagunaState
 
     def __repr__(self) -> str:
         full = sum(1 for layer in self.layers if not layer.self_attn.sliding_window)
         return (f"LagunaModel({self.source or 'in memory'}: {len(self.layers)} layers ({len(self.layers) - full} "
                 f"sliding, {full} full), {self.config.n_expert} experts top-{self.config.n_expert_used}, "
                 f"vocab {self.vocab_size})")
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden
-
-    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
-        return {layer.index: layer.self_attn.kv_shape for layer in self.layers}
-
-    def new_state(self, max_tokens: int | None = None) -> LagunaState:
-        max_tokens = self.context_length if max_tokens is None else max_tokens
-        return LagunaState(kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=self.ops.dtype,
-                                                    device=self.ops.device, k_type=self.cache_type_k,
-                                                    v_type=self.cache_type_v))
-
-    def reset_state(self, state: LagunaState) -> None:
-        """Empty `state` for a new sequence, keeping its buffers and recordings."""
-        state.kv.rollback(0)
-        state.length = 0
-        state.captured = {}
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings `[T, hidden]` (Laguna does not scale them)."""
-        return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
 
     def forward(self, state: LagunaState, token_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
                 capture: Any = (), last_only: bool = False) -> torch.Tensor:

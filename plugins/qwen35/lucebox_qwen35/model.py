@@ -32,9 +32,9 @@ from typing import Any
 import attrs
 import torch
 
-from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type
-from lucebox_core.state_snapshot import StateSnapshots
-from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
+from lucebox_core.decoder_model import DecoderModel
+from lucebox_core.kv import KVCache, KVLayerShape
+from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout import Qwen35Config
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
@@ -379,47 +379,13 @@ class Qwen35State:
 # -- the model -------------------------------------------------------------------------------------------
 
 
-class Qwen35Model(SpeculativeTarget, StateSnapshots):
-    def __init__(
-        self,
-        config: Qwen35Config,
-        ops: Any,
-        embed_tokens: Weight,
-        layers: list[DecoderLayer],
-        norm: torch.Tensor,
-        lm_head: Weight,
-        *,
-        kv_policy: Any,
-        kv_dtype: torch.dtype | None = None,
-        cache_type_k: str | torch.dtype | None = None,
-        cache_type_v: str | torch.dtype | None = None,
-        source: str = "",
-    ) -> None:
-        """`ops`: the backend with the family's ops bound (`QWEN35_OPS.bind(backend)`); `kv_policy`: the
-        `KVPolicy` whose caches the sequences' attention layers use."""
-        self.config = config
-        self.ops = ops
-        self.kv_policy = kv_policy
-        self.embed_tokens = embed_tokens
-        self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head
-        self.tied_embeddings = lm_head is embed_tokens
-        # KV storage types (`f32`, `f16`, `bf16`, `q8_0`), K and V independently; default: `kv_dtype`, else
-        # the backend's dtype. Quantized K/V are read back as the backend's dtype.
-        self.kv_dtype = kv_dtype or ops.dtype
-        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
-        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
-        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
+class Qwen35Model(SpeculativeTarget, DecoderModel):
+    def __init__(self, config: Qwen35Config, ops: Any, embed_tokens: Weight, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: Weight, **options: Any) -> None:
+        """`ops`: the backend with the family's ops bound (`QWEN35_OPS.bind(backend)`); `options` as
+        `DecoderModel`'s (the KV policy whose caches the attention layers use, KV types, source)."""
+        super().__init__(config, ops, embed_tokens, layers, norm, lm_head, **options)
         self.vocab_size = int(embed_tokens.shape[0])
-        self.context_length = int(config.context_length)
-        self.source = source
-        # One-token forward calls take the static decode step, replayed as a graph where the backend records.
-        self.decode_graphs = ops.graphs_enabled()
-        self.decode_min_window = MIN_WINDOW
-        # Prefill chunk the engine uses: on a GPU a chunk's cost is mostly reading (or decoding) every
-        # weight once, so large chunks amortise it; on the CPU, smaller ones bound the activations.
-        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
 
     def __repr__(self) -> str:
         linear = sum(layer.is_linear for layer in self.layers)
@@ -597,17 +563,9 @@ class Qwen35Model(SpeculativeTarget, StateSnapshots):
     # -- the target side of speculative decoding ------------------------------------------------------
 
     @property
-    def hidden_size(self) -> int:
-        return self.config.hidden
-
-    @property
     def draft_mask_token_id(self) -> int:
         """The token DFlash drafters fill a block with: Qwen3.5/3.6's `<|MASK|>` slot (a control token)."""
         return QWEN35_MASK_TOKEN_ID
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings `[T, hidden]` (drafters share the target's table)."""
-        return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head alone, `[..., hidden] -> [..., vocab]`: no final norm (a drafter applies its own)."""

@@ -22,11 +22,11 @@ from typing import Any
 import attrs
 import torch
 
+from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.ggufio import MetadataView
-from lucebox_core.kv import K_FLAG, V_FLAG, KVCache, KVLayerShape, kv_cache_type
+from lucebox_core.kv import KVCache, KVLayerShape
 from lucebox_core.loading import LayoutTensors, start_family_load
-from lucebox_core.state_snapshot import StateSnapshots
-from lucebox_core.static_step import MIN_WINDOW, StaticInputs, StaticStep, run_decode_step
+from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout_qwen3 import ARCH, Qwen3Config, tensor_shapes
 from .model import MLP
@@ -143,63 +143,14 @@ class Qwen3State:
     decode: StaticStep | None = None
 
 
-class Qwen3Model(StateSnapshots):
-    def __init__(self, config: Qwen3Config, ops: Any, embed_tokens: Weight, layers: list[Qwen3DecoderLayer],
-                 norm: torch.Tensor, lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
-                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
-                 source: str = "") -> None:
-        """`ops`: the backend with the family's ops bound; `kv_policy`: the `KVPolicy` whose caches the
-        sequences use. KV storage types default to `kv_dtype`, else the backend's dtype."""
-        self.config = config
-        self.ops = ops
-        self.kv_policy = kv_policy
-        self.embed_tokens = embed_tokens
-        self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head
-        self.tied_embeddings = lm_head is embed_tokens
-        self.kv_dtype = kv_dtype or ops.dtype
-        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
-        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
-        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
-        self.vocab_size = int(lm_head.shape[0])
-        self.context_length = int(config.context_length)
-        self.source = source
-        self.decode_graphs = ops.graphs_enabled()
-        self.decode_min_window = MIN_WINDOW
-        # On a GPU a chunk's cost is mostly reading every weight once, so large chunks amortise it; on the
-        # CPU smaller ones bound the activations.
-        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
+class Qwen3Model(DecoderModel):
+    state_class = Qwen3State
 
     def __repr__(self) -> str:
         c = self.config
         return (f"Qwen3Model({self.source or 'in memory'}: {len(self.layers)} layers, {c.n_head} heads over "
                 f"{c.n_head_kv} KV heads of {c.head_dim}, vocab {self.vocab_size}"
                 f"{', tied head' if self.tied_embeddings else ''})")
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden
-
-    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
-        return {layer.index: layer.self_attn.kv_shape for layer in self.layers}
-
-    def new_state(self, max_tokens: int | None = None) -> Qwen3State:
-        """A fresh sequence that can hold `max_tokens` positions (default: the model's context length)."""
-        max_tokens = self.context_length if max_tokens is None else max_tokens
-        return Qwen3State(kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=self.ops.dtype,
-                                                   device=self.ops.device, k_type=self.cache_type_k,
-                                                   v_type=self.cache_type_v))
-
-    def reset_state(self, state: Qwen3State) -> None:
-        """Empty `state` for a new sequence, keeping its buffers and recordings."""
-        state.kv.rollback(0)
-        state.length = 0
-        state.captured = {}
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings `[T, hidden]` (Qwen3 does not scale them)."""
-        return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
 
     def forward(self, state: Qwen3State, token_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
                 capture: Any = (), last_only: bool = False) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""What every decoder-only family's model does alike: hold its weights, resolve its KV storage types against
+its KV policy, make and empty sequence states, snapshot them (`StateSnapshots`), and say how it prefers to
+prefill. A family subclasses `DecoderModel`, names its state class, and writes its forward pass.
+
+Its layers each have an `index` and, where they cache K/V, a `self_attn` with a `kv_shape` (a
+`KVLayerShape`); a family whose layers differ (hybrid models: some layers carry recurrent state instead)
+overrides `kv_layer_shapes` and `new_state`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kv import K_FLAG, V_FLAG, KVLayerShape, kv_cache_type
+from .state_snapshot import StateSnapshots
+from .static_step import MIN_WINDOW
+
+Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tensor
+
+
+class DecoderModel(StateSnapshots):
+    state_class: type  # the family's per-sequence state (fields `kv`, `length`, `captured`, `features`)
+
+    def __init__(self, config: Any, ops: Any, embed_tokens: Weight, layers: list[Any], norm: torch.Tensor,
+                 lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
+                 cache_type_k: str | torch.dtype | None = None, cache_type_v: str | torch.dtype | None = None,
+                 source: str = "") -> None:
+        """`ops`: the backend with the family's ops bound; `kv_policy`: the `KVPolicy` whose caches the
+        sequences use. KV storage types (`-ctk`/`-ctv`) default to `kv_dtype`, else the backend's dtype."""
+        self.config = config
+        self.ops = ops
+        self.kv_policy = kv_policy
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.tied_embeddings = lm_head is embed_tokens
+        self.kv_dtype = kv_dtype or ops.dtype
+        self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
+        self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
+        kv_policy.check_types(self.cache_type_k, self.cache_type_v)
+        self.vocab_size = int(lm_head.shape[0])
+        self.context_length = int(config.context_length)
+        self.source = source
+        # One-token forward calls take the static decode step, replayed as a graph where the backend records.
+        self.decode_graphs = ops.graphs_enabled()
+        self.decode_min_window = MIN_WINDOW
+        # Prefill chunk the engine uses: on a GPU a chunk's cost is mostly reading every weight once, so large
+        # chunks amortise it; on the CPU smaller ones bound the activations.
+        self.prefill_chunk = 4096 if torch.device(ops.device).type == "cuda" else 512
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden
+
+    def kv_layer_shapes(self) -> dict[int, KVLayerShape]:
+        return {layer.index: layer.self_attn.kv_shape for layer in self.layers}
+
+    def new_state(self, max_tokens: int | None = None) -> Any:
+        """A fresh sequence that can hold `max_tokens` positions (default: the model's context length)."""
+        max_tokens = self.context_length if max_tokens is None else max_tokens
+        return self.state_class(kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=self.ops.dtype,
+                                                         device=self.ops.device, k_type=self.cache_type_k,
+                                                         v_type=self.cache_type_v))
+
+    def reset_state(self, state: Any) -> None:
+        """Empty `state` for a new sequence, keeping its buffers and recordings (the engine reuses finished
+        sequences' states, so a new request replays the graphs recorded on them)."""
+        state.kv.rollback(0)
+        state.length = 0
+        state.captured = {}
+        if getattr(state, "features", None) is not None:
+            state.features.zero_()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[T, hidden]`, unscaled (a family that scales them overrides this)."""
+        return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
