@@ -259,7 +259,9 @@ def test_messages_forced_tool_use(claude):
         {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": "get_time", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "noon"}]},
     ])
-    assert follow.usage.input_tokens > message.usage.input_tokens
+    # The whole prompt: what was processed plus what the prefix cache restored.
+    assert (follow.usage.input_tokens + follow.usage.cache_read_input_tokens
+            > message.usage.input_tokens + message.usage.cache_read_input_tokens)
 
 
 # --------------------------------------------------------------------------------- bad requests (raw)

@@ -214,7 +214,8 @@ def test_the_next_mask_is_computed_while_the_model_runs_the_step(oai, service, m
     returns, and the wait runs out."""
     model = service.engine.model
     step, accept, allowed = model.forward, GrammarConstraint.accept, GrammarConstraint.allowed
-    seen = {"accepted": 0, "mask_saw": -1, "steps": 0, "waited_out": 0, "mask_threads": set(), "step_threads": set()}
+    seen = {"accepted": 0, "mask_saw": -1, "steps": 0, "waited_out": 0, "mask_threads": set(), "step_threads": set(),
+            "prefilled": False}
     progress = threading.Condition()
 
     def counting_accept(self, token_id):
@@ -229,8 +230,16 @@ def test_the_next_mask_is_computed_while_the_model_runs_the_step(oai, service, m
             progress.notify_all()
         return allowed(self, vocab_size)
 
+    engine_prefill = service.engine.prefill
+
+    def marking_prefill(*args, **kwargs):
+        # A prefill may run a one-token piece (it is cut at turn boundaries): only what follows it is decoding.
+        seen["prefilled"] = False
+        engine_prefill(*args, **kwargs)
+        seen["prefilled"] = True
+
     def waiting_step(state, token_ids, **kwargs):
-        if len(token_ids) == 1:  # a decode step, feeding generated token k (prefill runs chunks)
+        if len(token_ids) == 1 and seen["prefilled"]:  # a decode step, feeding generated token k
             seen["steps"] += 1
             seen["step_threads"].add(threading.get_ident())
             k = seen["steps"]
@@ -242,6 +251,7 @@ def test_the_next_mask_is_computed_while_the_model_runs_the_step(oai, service, m
     monkeypatch.setattr(GrammarConstraint, "accept", counting_accept)
     monkeypatch.setattr(GrammarConstraint, "allowed", recording_allowed)
     monkeypatch.setattr(model, "forward", waiting_step)
+    monkeypatch.setattr(service.engine, "prefill", marking_prefill)
     result = oai.chat.completions.create(model="m", messages=ASK, tools=OPENAI_TOOLS[1:], tool_choice="required",
                                          max_tokens=24, temperature=1.0, seed=5)
     assert result.choices[0].message.tool_calls
