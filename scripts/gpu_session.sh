@@ -24,6 +24,8 @@
 #                                        #   31B's speculative step profile.          carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh long-context  # ~10 min (not run yet): 27b Q4_K_M decode at depth 8K/32K per KV
 #                                         # type (f16 q8_0 q4_0 tq3_0), Triton q4_0/tq3_0 windows, 2nd-turn TTFT (prefix cache)
+#   bash scripts/gpu_session.sh pflash   # ~9.5 min: #16's rows: block-sparse kernel check, 27B TTFT 32K/64K/128K dense and
+#                                        #   with PFlash (synthetic Qwen3-0.6B scorer), llama.cpp pp32768. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh hip-check  # ~2-3 min: the HIP backend's kernels (the shared sources built with the HIP
 #                                        #   arithmetic, -DLUCEBOX_PORTABLE_GENERIC) against torch on this GPU:
 #                                        #   scripts/hip_shared_source_check.py, then the pytest that runs it.
@@ -164,6 +166,25 @@ long_context() {  # issue 15's rows without KVFlash: KV types' decode at depth, 
     step "decode-$kv" 200 sh -c "python3 -m lucebox_core.cli bench -m $(model 27b) -p 0 -n 64 -d 8192,32768 -r 2 \
       -c 33000 -ctk $kv -ctv $kv --json > $RES/decode_$kv.json"
   done
+}
+
+pflash() {  # ~9.5 min: issue #16's rows: the block-sparse kernel's check and timing, the qwen3 family's CUDA tests,
+  #          then 27B Q4_K_M TTFT at 32K/64K/128K dense and with PFlash (synthetic Qwen3-0.6B scorer, keep 0.05),
+  #          the scorer's block-sparse vs dense pass; llama.cpp's pp32768 after (the build meanwhile).
+  #          carry: .whl .llamacpp
+  llama_build_bg
+  step block-sparse 60 python3 -m lucebox_cuda.triton_block_sparse --check --bench --lengths 131072 --repeats 3
+  step synth-27b 90 synth 27b
+  step synth-scorer 40 python3 -m lucebox_core.cli synth --arch qwen3 --size 0.6b --type q8_0 -o "$WORK/qwen3-0.6b-q8_0.gguf"
+  step bench-pflash 300 python3 scripts/bench_pflash.py --target "$(model 27b)" --scorer "$WORK/qwen3-0.6b-q8_0.gguf" \
+    --lengths ${PFLASH_LENGTHS:-32768,65536,131072} --keep 0.05 --json "$RES/pflash.json"
+  if llama_wait; then
+    step llama-pp 120 sh -c "$LB -m $(model 27b) -ngl 99 -fa 1 -p ${LLAMA_PP:-32768} -n 0 -r 1 -o json > $RES/llama_pp.json; \
+      python3 -c 'import json,sys; [print(r[\"n_prompt\"], round(r[\"avg_ts\"],1)) for r in json.load(open(sys.argv[1]))]' $RES/llama_pp.json"
+  fi
+  step qwen3-cuda 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_qwen3_cuda.py -x
+  cp "$RES"/pflash.json "$RES"/llama_pp.json "$OUT/" 2>/dev/null
+  return 0
 }
 
 hip_check() {  # the HIP backend's arithmetic on an NVIDIA GPU (no AMD card is reachable): see the header
@@ -444,6 +465,7 @@ session() {
     same-call) same_call ;;
     hip-check) hip_check ;;
     long-context) long_context ;;
+    pflash) pflash ;;
     laguna-cuda) laguna_cuda ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
