@@ -96,8 +96,10 @@ def tail_scores(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], p
             raise LuceboxError(f"tail queries {tuple(q.shape)} do not fit keys {tuple(k.shape)}")
         k = k.float().repeat_interleave(heads // kv_heads, dim=0)
         logits = torch.einsum("htd,hsd->hts", q.float(), k) / math.sqrt(dim)
-        query_positions = torch.arange(length - tail, length).unsqueeze(1)
-        logits = logits.masked_fill(torch.arange(length).unsqueeze(0) > query_positions, float("-inf"))
+        # The causal rule on the keys' device (a scorer on the GPU hands GPU tensors).
+        query_positions = torch.arange(length - tail, length, device=k.device).unsqueeze(1)
+        logits = logits.masked_fill(torch.arange(length, device=k.device).unsqueeze(0) > query_positions,
+                                    float("-inf"))
         layer = torch.softmax(logits, dim=-1).amax(dim=0)  # [T, S]: the max over heads
         running = layer if running is None else torch.maximum(running, layer)
     scores = running.mean(dim=0)
@@ -139,7 +141,11 @@ def select_spans(scores: torch.Tensor, config: CompressionConfig, *, token_ids: 
     kept = set(range(min(head, n_chunks))) | set(range(max(0, n_chunks - tail), n_chunks))
     if token_ids is not None:
         kept |= anchor_chunks(token_ids, config)
-    chunk_scores = [float(scores[c * config.chunk : (c + 1) * config.chunk].mean()) for c in range(n_chunks)]
+    # Chunk means in one pass, brought to the host once (not a device sync per chunk).
+    padded = torch.nn.functional.pad(scores.detach().float(), (0, n_chunks * config.chunk - length))
+    counts = torch.full((n_chunks,), float(config.chunk), device=padded.device)
+    counts[-1] = length - (n_chunks - 1) * config.chunk
+    chunk_scores = (padded.view(n_chunks, config.chunk).sum(dim=1) / counts).cpu().tolist()
     for c in sorted(range(n_chunks), key=lambda c: (-chunk_scores[c], c)):
         if len(kept) >= n_keep:
             break
