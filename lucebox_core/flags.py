@@ -135,6 +135,12 @@ def add_prefill_compression_arguments(p: argparse.ArgumentParser) -> None:
                         "key block when its score is at least F x its row's best (FlashPrefill; default 0.85)")
     p.add_argument("--prefill-drafter", metavar="FILE",
                    help="the scorer GGUF (a qwen3 model such as Qwen3-0.6B; default: the one beside -m)")
+    p.add_argument("--prefill-skip-park", action="store_true",
+                   help="keep the scorer loaded even where it does not fit beside the target (default: on a GPU "
+                        "whose free memory cannot hold the scorer's weights and keys over the longest prompt, it "
+                        "is loaded for each compression and released before the target's prefill)")
+    p.add_argument("--prefill-force-park", action="store_true",
+                   help="testing: park the scorer even where it fits (on the CPU too)")
 
 
 def check_prefill_arguments(config: Any) -> None:
