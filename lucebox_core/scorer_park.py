@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,9 @@ def decide_residency(*, device: str, free_bytes: int | None, weight_bytes: int, 
                                                f"the longest prompt, margin)", **figures)
 
 
+_NOT_WEIGHTS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, threading.Thread)
+
+
 def tensor_bytes(root: Any) -> int:
     """Bytes of the distinct tensor storages reachable from `root` through attributes, lists, tuples and dicts
     (a model's weights, whatever the family keeps them in)."""
@@ -96,7 +100,9 @@ def tensor_bytes(root: Any) -> int:
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
-        elif hasattr(obj, "__dict__") and not callable(obj):
+        elif isinstance(obj, _NOT_WEIGHTS):
+            continue
+        elif hasattr(obj, "__dict__"):
             stack.extend(vars(obj).values())
         elif attrs.has(type(obj)):  # slotted attrs classes (QuantTensor)
             stack.extend(getattr(obj, field.name, None) for field in attrs.fields(type(obj)))
