@@ -120,8 +120,9 @@ def add_prefill_compression_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-compression", choices=("off", "auto", "always"), default="off",
                    help="PFlash: a small scorer model keeps the parts of the prompt that matter to the question: "
                         "of a chat, only aged messages (never the system prompt, tools, tool calls and results, "
-                        "or the last user message); of a raw prompt, all but its last chunks; auto: prompts of "
-                        "at least --prefill-threshold tokens (default off)")
+                        "or the last user message, unless under always the protected parts alone reach the "
+                        "threshold; auto then leaves the chat whole); of a raw prompt, all but its last chunks; "
+                        "auto: prompts of at least --prefill-threshold tokens (default off)")
     p.add_argument("--prefill-threshold", type=int, default=32768, metavar="N",
                    help="prompt tokens from which --prefill-compression auto compresses (default 32768)")
     p.add_argument("--prefill-keep-ratio", type=float, default=0.05, metavar="F",

@@ -100,7 +100,8 @@ def from_config(config: Any, loaded: Any) -> PFlashCompressor:
                            f"needs a model with tail_attention, e.g. the qwen3 family)")
     longest = context.size  # the longest prompt the target takes
     residency = decide_residency(device=str(getattr(target_ops, "device", "cpu")), free_bytes=free_bytes,
-                                 weight_bytes=tensor_bytes(scorer.model), kv_bytes=scorer_kv_bytes(scorer.model, longest),
+                                 weight_bytes=tensor_bytes(scorer.model),
+                                 kv_bytes=scorer_kv_bytes(scorer.model, longest),
                                  skip_park=getattr(config, "prefill_skip_park", False),
                                  force_park=getattr(config, "prefill_force_park", False))
 

@@ -112,7 +112,8 @@ def tensor_bytes(root: Any) -> int:
 def scorer_kv_bytes(model: Any, tokens: int) -> int:
     """The keys and values a scorer holds over a prompt of `tokens`, in its compute dtype (every layer)."""
     element = torch.empty((), dtype=model.ops.dtype).element_size()
-    per_token = sum(shape.kv_heads * (shape.k_head_dim + shape.v_head_dim) for shape in model.kv_layer_shapes().values())
+    shapes = model.kv_layer_shapes().values()
+    per_token = sum(shape.kv_heads * (shape.k_head_dim + shape.v_head_dim) for shape in shapes)
     return per_token * element * tokens
 
 

@@ -196,8 +196,9 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
             # results; the last user message only under `always` when the rest alone is over the threshold),
             # then the chat rendered again.
             def measure(chat: list[dict]) -> int:
-                return len(render_chat_text(template, loaded.tokenizer, decode_tool_arguments(chat), tools=tools or None,
-                                            add_generation_prompt=True, **kwargs).encode(loaded.tokenizer))
+                return len(render_chat_text(template, loaded.tokenizer, decode_tool_arguments(chat),
+                                            tools=tools or None, add_generation_prompt=True,
+                                            **kwargs).encode(loaded.tokenizer))
 
             shorter = compressor.apply(messages, measure)
             if shorter is not messages:

@@ -164,7 +164,8 @@ class ServerMetrics:
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.prefill_seconds,
-                       self.generated_tokens, self.cancelled, self.ttft, self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running,
+                       self.generated_tokens, self.cancelled, self.ttft, self.decode_speed, self.prefill_speed,
+                       self.accepted_length, self.queue_depth, self.running,
                        *self.prefix_cache, *self.prefill_compression, *self.spark):
             lines += metric.render()
         return "\n".join(lines) + "\n"
