@@ -128,6 +128,9 @@ class ChatCompressor:
                     compressible[last_user] = True
                     with self._lock:
                         self.stats.last_user += 1
+                elif self.mode == "always":
+                    log.info("prefill compression: the protected parts alone take %d tokens (threshold %d) and the "
+                             "last user message is not plain text: aged text only", protected_tokens, self.threshold)
                 elif self.mode == "auto":
                     log.info("prefill compression skipped: the protected parts alone take %d tokens (threshold %d); "
                              "compressing aged text cannot bring the prompt under it, and the last user message is "

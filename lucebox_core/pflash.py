@@ -13,6 +13,7 @@ release it before the target's prefill (`from_config` decides which, from the de
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ import torch
 from .chat_compression import Piece
 from .errors import LuceboxError
 from .prefill_compression import CompressionConfig, select_spans, tail_scores
+
+
+WARM_UP_TOKENS = 64
 
 
 class PFlashCompressor:
@@ -99,6 +103,9 @@ def from_config(config: Any, loaded: Any) -> PFlashCompressor:
         raise LuceboxError(f"--prefill-drafter {path}: a {scorer.family.name} model cannot score prompts (PFlash "
                            f"needs a model with tail_attention, e.g. the qwen3 family)")
     longest = context.size  # the longest prompt the target takes
+    # One short scoring pass first, so the weights a backend dequantizes and keeps are counted as the scorer's.
+    warm_up = torch.arange(WARM_UP_TOKENS, dtype=torch.long) % int(scorer.model.vocab_size)
+    scorer.model.tail_attention(warm_up, min(settings.lookahead, WARM_UP_TOKENS))
     residency = decide_residency(device=str(getattr(target_ops, "device", "cpu")), free_bytes=free_bytes,
                                  weight_bytes=tensor_bytes(scorer.model),
                                  kv_bytes=scorer_kv_bytes(scorer.model, longest),
@@ -114,6 +121,8 @@ def from_config(config: Any, loaded: Any) -> PFlashCompressor:
     slot = ScorerSlot(load_scorer, residency, model=resident)
     compressor = PFlashCompressor(slot, tokenizer, settings, sparse=BlockSparseConfig(alpha=config.prefill_alpha))
     compressor.name = f"pflash:{Path(path).name}"
+    logging.getLogger("lucebox.prefill_compression").info(
+        "PFlash scorer %s %s: %s", Path(path).name, "parked" if residency.parked else "resident", residency.reason)
     return compressor
 
 

@@ -96,8 +96,9 @@ def tail_scores(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], p
             raise LuceboxError(f"tail queries {tuple(q.shape)} do not fit keys {tuple(k.shape)}")
         k = k.float().repeat_interleave(heads // kv_heads, dim=0)
         logits = torch.einsum("htd,hsd->hts", q.float(), k) / math.sqrt(dim)
-        query_positions = torch.arange(length - tail, length).unsqueeze(1)
-        logits = logits.masked_fill(torch.arange(length).unsqueeze(0) > query_positions, float("-inf"))
+        query_positions = torch.arange(length - tail, length, device=logits.device).unsqueeze(1)
+        logits = logits.masked_fill(torch.arange(length, device=logits.device).unsqueeze(0) > query_positions,
+                                    float("-inf"))
         layer = torch.softmax(logits, dim=-1).amax(dim=0)  # [T, S]: the max over heads
         running = layer if running is None else torch.maximum(running, layer)
     scores = running.mean(dim=0)
