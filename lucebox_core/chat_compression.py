@@ -15,7 +15,8 @@ An oversized question: when the protected parts alone (the chat rendered with it
 system prompt, tool definitions, tool calls and results, the hot messages and the last user message) already
 reach the threshold, compressing the aged text cannot bring the prompt under it. Under `always` the last user
 message's text (a plain string) is then compressed too; its last chunks, the question, are kept by the
-selection's tail. Under `auto` the request is left uncompressed. Either way the decision is logged and counted
+selection's tail, and FlowKV keeps it: later turns show it compressed too, hot or not, so their prompts
+still extend this one. Under `auto` the request is left uncompressed. Either way the decision is logged and counted
 (`CompressionStats.skipped` by reason, `last_user`). Tool definitions are never compressed in any case.
 
 A compressor is anything with `compress(pieces: list[Piece]) -> list[str]`: the pieces are the chat's

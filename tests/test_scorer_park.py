@@ -124,6 +124,12 @@ def test_an_oversized_question_is_compressed_under_always(resident):
     assert LOG not in prompt and LOG.splitlines()[0][:20] in prompt  # shortened, its head kept
     assert QUESTION in prompt  # the question: the last chunks, kept
     assert TOOL_TEXT.strip() in prompt and OVERSIZED[0]["content"] in prompt  # tools and system prompt whole
+    # The next turn shows the question's message as it was compressed (FlowKV), not scored again.
+    reused = resident.chat_compressor.describe()["reused"]
+    later = OVERSIZED + [{"role": "assistant", "content": "Worker 2."}, {"role": "user", "content": "And batch 11?"}]
+    assert render_request(resident, Conversation(messages=later, tools=TOOLS)).text.startswith(prompt.split(
+        "<|im_start|>assistant")[0].rsplit("<|im_end|>", 1)[0])
+    assert resident.chat_compressor.describe()["reused"] == reused + 1
     # A chat with nothing to compress (no aged text, the last user message short): left as it is, and said so.
     short = [OVERSIZED[0], {"role": "user", "content": QUESTION}]
     assert render_request(resident, Conversation(messages=short, tools=TOOLS)).text.count(QUESTION) == 1
