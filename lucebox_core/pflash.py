@@ -14,6 +14,7 @@ release it before the target's prefill (`from_config` decides which, from the de
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,9 @@ def from_config(config: Any, loaded: Any) -> PFlashCompressor:
 
     tokenizer = scorer.tokenizer  # host memory: kept either way
     resident = scorer.model if not residency.parked else None
+    first_load = weakref.ref(scorer.model)
     del scorer  # parked: nothing here may keep the first load alive (the slot frees it and empties the cache)
-    slot = ScorerSlot(load_scorer, residency, model=resident)
+    slot = ScorerSlot(load_scorer, residency, model=resident, first_load=first_load)
     compressor = PFlashCompressor(slot, tokenizer, settings, sparse=BlockSparseConfig(alpha=config.prefill_alpha))
     compressor.name = f"pflash:{Path(path).name}"
     logging.getLogger("lucebox.prefill_compression").info(

@@ -126,11 +126,12 @@ class ScorerStats:
 class ScorerSlot:
     """The scorer, resident or parked (see `run`)."""
 
-    def __init__(self, load: Callable[[], Any], residency: ScorerResidency, model: Any = None,
-                 release_memory: Callable[[], None] | None = None):
+    def __init__(self, load: Callable[[], Any], residency: ScorerResidency, model: Any = None, *,
+                 first_load: Callable[[], Any] | None = None, release_memory: Callable[[], None] | None = None):
         """`load()`: a new scorer model; `model`: the resident one (None while parked: the caller drops its
-        first load before this frees it); `release_memory`: returns freed device memory to the device (default:
-        torch's CUDA cache)."""
+        first load before this frees it); `first_load`: a weak reference to that first load, so `loaded` says
+        whether it is gone; `release_memory`: returns freed device memory to the device (default: torch's CUDA
+        cache)."""
         if residency.parked and model is not None:
             raise ValueError("a parked scorer slot holds no model between uses")
         if not residency.parked and model is None:
@@ -141,7 +142,8 @@ class ScorerSlot:
         self._model = model
         self._release_memory = release_memory or _empty_device_cache
         self._lock = threading.Lock()
-        self._last_loaded: Callable[[], Any] = lambda: None  # a weak reference to the last parked load
+        # A weak reference to the last parked load (or the start-up one): `loaded` tells whether it is freed.
+        self._last_loaded: Callable[[], Any] = first_load if residency.parked and first_load else lambda: None
         if residency.parked:
             self._release()  # the first load, dropped by the caller
 
@@ -169,7 +171,7 @@ class ScorerSlot:
                 self._release()
 
     def _release(self) -> None:
-        gc.collect()  # the model's layers reference each other: freed only by the cycle collector
+        gc.collect()  # a model's objects may sit in reference cycles, which only the cycle collector frees
         self._release_memory()
 
     def describe(self) -> dict[str, Any]:
