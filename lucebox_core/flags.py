@@ -120,8 +120,9 @@ def add_prefill_compression_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-compression", choices=("off", "auto", "always"), default="off",
                    help="PFlash: a small scorer model keeps the parts of the prompt that matter to the question: "
                         "of a chat, only aged messages (never the system prompt, tools, tool calls and results, "
-                        "or the last user message); of a raw prompt, all but its last chunks; auto: prompts of "
-                        "at least --prefill-threshold tokens (default off)")
+                        "or the last user message, unless under always the protected parts alone reach the "
+                        "threshold; auto then leaves the chat whole); of a raw prompt, all but its last chunks; "
+                        "auto: prompts of at least --prefill-threshold tokens (default off)")
     p.add_argument("--prefill-threshold", type=int, default=32768, metavar="N",
                    help="prompt tokens from which --prefill-compression auto compresses (default 32768)")
     p.add_argument("--prefill-keep-ratio", type=float, default=0.05, metavar="F",
@@ -135,6 +136,12 @@ def add_prefill_compression_arguments(p: argparse.ArgumentParser) -> None:
                         "key block when its score is at least F x its row's best (FlashPrefill; default 0.85)")
     p.add_argument("--prefill-drafter", metavar="FILE",
                    help="the scorer GGUF (a qwen3 model such as Qwen3-0.6B; default: the one beside -m)")
+    p.add_argument("--prefill-skip-park", action="store_true",
+                   help="keep the scorer loaded even where it does not fit beside the target (default: on a GPU "
+                        "whose free memory cannot hold the scorer's weights and keys over the longest prompt, it "
+                        "is loaded for each compression and released before the target's prefill)")
+    p.add_argument("--prefill-force-park", action="store_true",
+                   help="testing: park the scorer even where it fits (on the CPU too)")
 
 
 def check_prefill_arguments(config: Any) -> None:

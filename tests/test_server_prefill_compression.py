@@ -49,6 +49,9 @@ def test_aged_text_is_compressed_and_the_rest_reaches_the_target_verbatim(servic
     props = httpx.get(f"{url}/props").json()["prefill_compression"]
     assert props["mode"] == "always" and props["compressor"].startswith("pflash:") and props["messages"] >= 1
     assert 0 < props["compression_ratio"] < 0.6
+    # On the CPU the scorer stays loaded: parking saves GPU memory, and host RAM is not what it addresses.
+    assert props["scorer"]["residency"] == "resident" and "GPU memory only" in props["scorer"]["reason"]
+    assert props["scorer_loads"] == 0 and props["scorer"]["weight_bytes"] > 0
     # The next turn: the log message is not scored again (FlowKV), the prompt renders it the same way.
     later = CHAT + [{"role": "assistant", "content": "Worker 2."}, {"role": "user", "content": "And batch 11?"}]
     reused_before = props["reused"]

@@ -193,8 +193,14 @@ def render_chat(service: ModelService, conversation: Conversation) -> Prompt:
         compressor = service.chat_compressor
         if compressor is not None and compressor.wanted(len(ids)):
             # PFlash: aged free text shortened by the scorer (never the system prompt, tools, tool calls and
-            # results, or the last user message), then the chat rendered again.
-            shorter = compressor.apply(messages)
+            # results; the last user message only under `always` when the rest alone is over the threshold),
+            # then the chat rendered again.
+            def measure(chat: list[dict]) -> int:
+                return len(render_chat_text(template, loaded.tokenizer, decode_tool_arguments(chat),
+                                            tools=tools or None, add_generation_prompt=True,
+                                            **kwargs).encode(loaded.tokenizer))
+
+            shorter = compressor.apply(messages, measure)
             if shorter is not messages:
                 rendered = render_chat_text(template, loaded.tokenizer, decode_tool_arguments(shorter),
                                             tools=tools or None, add_generation_prompt=True, **kwargs)
@@ -508,6 +514,7 @@ class Generation:
             metrics.decode_speed.observe(timings.decode_tokens_per_s)
         if timings.prompt_tokens_per_s > 0:
             metrics.prefill_speed.observe(timings.prompt_tokens_per_s)
+        metrics.prefill_seconds.inc(timings.prompt_seconds)
         yield Done(finish, usage)
 
     def _parse(self, text: str, final: bool) -> list[Event]:

@@ -85,6 +85,19 @@ class Histogram:
         return lines
 
 
+class CounterView:
+    """A labelled counter kept elsewhere (a dict of label value -> count), read at scrape time."""
+
+    def __init__(self, name: str, help: str, label: str, read: Callable[[], dict]):
+        self.name, self.help, self.label, self.read = PREFIX + name, help, label, read
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        values = self.read() or {}
+        lines += [f'{self.name}{{{self.label}="{key}"}} {_number(value)}' for key, value in sorted(values.items())]
+        return lines
+
+
 class ServerMetrics:
     """Everything `/metrics` reports."""
 
@@ -95,6 +108,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
         self.cached_prompt_tokens = Counter("prompt_tokens_cached_total",
                                             "prompt tokens restored from the prefix cache instead of prefilled")
+        self.prefill_seconds = Counter("prefill_seconds_total", "seconds the target spent prefilling prompts")
         self.generated_tokens = Counter("generated_tokens_total", "tokens generated")
         self.cancelled = Counter("cancelled_generations_total", "generations stopped because the client left")
         self.ttft = Histogram(
@@ -122,8 +136,12 @@ class ServerMetrics:
                               ("messages", "aged messages compressed by the scorer (each once)"),
                               ("reused", "messages given their earlier compressed text (FlowKV)"),
                               ("compression_ratio", "characters kept of those compressed"),
-                              ("seconds", "seconds spent in the scorer"))
-        ]
+                              ("seconds", "seconds spent in the scorer (its loads while parked included)"),
+                              ("last_user", "oversized chats whose last user message was compressed too (always)"),
+                              ("scorer_loads", "scorer loads for a compression (while parked)"),
+                              ("scorer_load_seconds", "seconds spent loading the parked scorer"))
+        ] + [CounterView("prefill_compression_skipped_total", "chats left uncompressed though compression was "
+                         "wanted, by reason", "reason", lambda: prefill_compression().get("skipped") or {})]
         self.spark = [
             Gauge(f"spark_{key}", text, lambda key=key: float(spark().get(key) or 0))
             for key, text in (("residency", "fraction of MoE experts resident on the device (--spark)"),
@@ -145,8 +163,9 @@ class ServerMetrics:
 
     def render(self) -> str:
         lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.generated_tokens, self.cancelled, self.ttft,
-                       self.decode_speed, self.prefill_speed, self.accepted_length, self.queue_depth, self.running,
+        for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.prefill_seconds,
+                       self.generated_tokens, self.cancelled, self.ttft, self.decode_speed, self.prefill_speed,
+                       self.accepted_length, self.queue_depth, self.running,
                        *self.prefix_cache, *self.prefill_compression, *self.spark):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -47,6 +47,8 @@ class ServeConfig(EngineOptions):
     prefill_drafter: str | None = None  # --prefill-drafter: the scorer GGUF (default: a qwen3 file beside -m)
     prefill_compressor: str = "pflash"  # --prefill-compressor NAME (the prefill compressor hook)
     prefill_alpha: float = 0.85  # --prefill-alpha: the scorer's block-sparse attention keeps score >= alpha x max
+    prefill_skip_park: bool = False  # --prefill-skip-park: the scorer stays loaded even where it does not fit
+    prefill_force_park: bool = False  # --prefill-force-park (testing only): parked even where it fits
 
 
 class ModelService:
