@@ -20,9 +20,11 @@ the tests hold equal). `attach_spark` gives every MoE block of a model (any fami
 `gate_exps`, `up_exps`, `down_exps`, `top_k` and an `offload` slot, and calls `run_experts`) its pools, sized by
 `place_experts` from a profile under a byte budget.
 
-Not done yet: loading the cold experts straight into host memory (today the model is loaded whole, then
-its experts move: a model that does not fit the GPU at load still does not), the CPU path for a batch-1
-miss, and the graphed decode step over the lookup tables.
+The stacks never go to the GPU whole: a GPU backend reads weights from the file's memory map and uploads them
+at first use, and Spark replaces the stacks with its pools before any forward pass, so every expert's bytes
+sit once in pinned host memory and only the slots are on the device. Not done yet: the CPU path for a
+batch-1 miss, and a graphed decode step over the lookup tables (with Spark on, decode and verify run
+eagerly).
 """
 
 from __future__ import annotations
@@ -196,13 +198,16 @@ class OffloadedExperts:
     """One MoE layer's gate, up and down stacks behind `ExpertSlots` pools of `slots` experts each."""
 
     def __init__(self, layer: int, stacks: Sequence[Any], slots: int, resident: Sequence[int],
-                 profile: RoutingProfile | None = None):
+                 profile: RoutingProfile | None = None, device: str | torch.device | None = None):
+        """`device`: where the slots live, the model's compute device (default: where the stacks' bytes are).
+        Not the bytes' device by default on a GPU: a GPU backend leaves weights in the file's memory map until
+        their first use, so the stacks are still on the host when Spark takes them (and never go up whole)."""
         self.layer, self.profile = layer, profile
         self.slots = slots
         self.pools, self.views = [], []
         for stack in stacks:
             experts = stack.shape[0]
-            device = stack.data.device
+            device = torch.device(device) if device is not None else stack.data.device
             host = stack.data.reshape(experts, -1).to("cpu")
             if device.type == "cuda":
                 host = host.pin_memory()  # copies into the slots overlap the step's work
@@ -289,10 +294,13 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     layers = []
     for moe_index, ((layer, block), resident) in enumerate(zip(blocks, placed)):
         offload = OffloadedExperts(moe_index, [getattr(block, name) for name in STACKS], len(resident), resident,
-                                   profile)
+                                   profile, device=model.ops.device)
         block.offload = offload
         for name in STACKS:  # the full stacks leave the device: the pools hold what is resident
             setattr(block, name, offload.views[STACKS.index(name)])
         layers.append(offload)
+    # A pool's lookup runs on the host (which experts a token needs decides what to copy), so the decode step
+    # and the verify pass cannot be replayed as graphs over it yet: they run eagerly, exact all the same.
+    model.decode_graphs = False
     return Spark(layers, profile, path, budget, total)
 
