@@ -142,13 +142,11 @@ def test_offloaded_experts_decode_as_the_all_resident_model(moe_file):
     RoutingProfile.path_for(moe_file).unlink()
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
 def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_file):
     """On a GPU backend: the pools are device memory filled from pinned host copies, the whole stacks are never
     uploaded, the steps run eagerly over the pools, and greedy tokens equal the all-resident model's."""
     from lucebox_core.assembly import EngineOptions
-    from lucebox_core.spark import moe_blocks
 
     prompt = torch.randint(10, 5000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     plain, _ = _greedy(EngineOptions(model=str(moe_file), ctx_size=128, device="cuda"), prompt)
@@ -165,6 +163,7 @@ def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_
     assert not [name for name in uploaded if name.endswith("_exps.weight")]
     described = assembled.spark.describe()
     assert described["misses"] > 0 and described["bytes_moved"] > 0
+
 
 def test_spark_needs_moe_layers_and_a_budget_that_holds_top_k(tiny_target_and_draft, moe_file):
     from lucebox_core.assembly import EngineOptions, build_engine
