@@ -219,7 +219,10 @@ def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | No
             and device_map.draft_device != str(getattr(loaded.backend, "device", "")):
         from .plugins import registry
 
-        draft_backend = registry().kernel_backend(options.backend).create(device=device_map.draft_device)
+        # A drafter on the CPU next to a GPU target runs on the reference backend (GPU kernels need a GPU).
+        on_cpu = device_map.draft_device == "cpu"
+        draft_backend = registry().kernel_backend("torch" if on_cpu else options.backend).create(
+            device=device_map.draft_device)
     drafter = choices.drafter.create(GGUFFile(options.model_draft), loaded.model, backend=draft_backend)
     budget = options.tree_budget if options.tree_budget is not None else DEFAULT_TREE_BUDGET
     verifier = choices.verifier.create(loaded.model, budget=budget, top_k=trees.DEFAULT_TOP_K,

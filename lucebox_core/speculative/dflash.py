@@ -233,7 +233,7 @@ class DFlashDrafter:
             return
         ops = self.ops
         # The one copy a step makes from the target's device to the drafter's (`--draft-device`).
-        features = target.read_features(target_state, start, committed).to(ops.device, non_blocking=True)
+        features = target.read_features(target_state, start, committed).to(ops.device, ops.dtype, non_blocking=True)
         context = ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, self.config.eps)
         positions = torch.arange(start, committed, device=ops.device)
         slots = positions % state.capacity

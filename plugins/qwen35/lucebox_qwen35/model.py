@@ -619,4 +619,4 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head alone, `[..., hidden] -> [..., vocab]`: no final norm (a drafter applies its own).
         A drafter on another device hands its hidden states over to the head's."""
-        return self.head_ops.linear(hidden.to(self.head_ops.device, non_blocking=True), self.lm_head)
+        return self.head_ops.linear(hidden.to(self.head_ops.device, self.head_ops.dtype, non_blocking=True), self.lm_head)
