@@ -259,10 +259,17 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
                           default_model=default_model)
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
                     speculative=speculative, idle_sequences=options.parallel,
-                    # A split model's logits come from its last part: the engine waits on that device.
-                    backend=getattr(loaded.model, "head_ops", loaded.backend),
+                    backend=_engine_backend(loaded),
                     prefix_cache=build_prefix_cache(options, loaded))
     return AssembledEngine(loaded, engine, options, context, spark)
+
+
+def _engine_backend(loaded: Any) -> Any:
+    """The backend the engine waits on: a split model's logits come from its last part, so that part's."""
+    if getattr(loaded.model, "device_map", None) is None:
+        return loaded.backend
+    head = loaded.model.head_ops
+    return getattr(head, "backend", head)  # the backend itself under a family's bound view
 
 
 def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:

@@ -259,6 +259,11 @@ class SplitKVCache:
         return rows
 
     def import_rows(self, rows: Mapping[str, torch.Tensor], length: int, *, check_only: bool = False) -> None:
-        for cache in self._caches.values():
-            mine = {name: rows[name] for name in rows if int(name.split(".")[0]) in cache.shapes}
-            cache.import_rows(mine, length, check_only=check_only)
+        """Each part takes its layers' rows (a snapshot does not depend on the split that wrote it)."""
+        strangers = sorted(name for name in rows if int(name.split(".")[0]) not in self._part_of)
+        if strangers:
+            raise LuceboxError(f"these KV rows name layers this cache does not hold: {', '.join(strangers[:4])}")
+        for check in (True, False) if not check_only else (True,):  # every part checked before any is written
+            for cache in self._caches.values():
+                mine = {name: rows[name] for name in rows if int(name.split(".")[0]) in cache.shapes}
+                cache.import_rows(mine, length, check_only=check)

@@ -97,6 +97,30 @@ def test_split_static_decode_step_and_verify_pass_match_one_device(tiny_target_a
     assert isinstance(states[1].kv, SplitKVCache) and states[1].kv.length == states[0].kv.length
 
 
+def test_a_split_sequence_snapshots_and_restores_across_splits(tiny_target_and_draft):
+    """The prefix cache's snapshots of a split sequence (KV rows from every part, the recurrent state from each
+    layer's device) restore into another split and into one device, and decoding goes on alike."""
+    from lucebox_core.loading import load_model
+
+    path = tiny_target_and_draft[0]
+    one = load_model(path).model
+    split = load_model(path, device_map=DeviceMap.from_split(["cpu", "cpu"], [5, 3])).model
+    other = load_model(path, device_map=DeviceMap.from_split(["cpu", "cpu", "cpu"], [2, 2, 4])).model
+    source = split.new_state(64)
+    split.forward(source, torch.arange(30, 42), last_only=True)
+    saved = split.snapshot_state(source)
+    assert {name for name in saved if name.startswith("kv.")} == {
+        f"kv.{layer}.{role}" for layer in one.kv_layer_shapes() for role in "kv"}
+    logits = []
+    for model in (split, other, one):
+        state = model.new_state(64)
+        model.restore_state(state, saved, 12)
+        logits.append(model.forward(state, torch.tensor([77])))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    with pytest.raises(LuceboxError, match="layers this cache does not hold"):
+        split.new_state(64).kv.import_rows({"99.k": torch.zeros(1)}, 1)
+
+
 def test_device_flag_errors_name_the_flag():
     map_of = lambda **flags: build_device_map(**{"device": None, "target_device": None, "target_devices": None,  # noqa: E731
                                                  "layer_split": None, "draft_device": None, "layers": 8, **flags})
