@@ -247,6 +247,7 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
         model_options["cache_type_v"] = choices.cache_type_v
     loaded = load_model(options.model, backend=options.backend, device=options.device,
                         chat_template_file=options.chat_template_file, device_map=choices.device_map, **model_options)
+    _announce_device_map(loaded)
     spark = None
     if options.spark:
         from .prefix_cache import parse_size
@@ -262,6 +263,20 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
                     backend=_engine_backend(loaded),
                     prefix_cache=build_prefix_cache(options, loaded))
     return AssembledEngine(loaded, engine, options, context, spark)
+
+
+def _announce_device_map(loaded: Any) -> None:
+    """Say on stderr where a split model's parts run, and that a step over two GPUs is not graphed yet."""
+    import sys
+
+    device_map = getattr(loaded.model, "device_map", None)
+    if device_map is None:
+        return
+    parts = ", ".join(f"layers {p['layers']} on {p['device']}" for p in device_map.describe()["parts"])
+    print(f"note: the target's layers split into {device_map.parts} parts: {parts}", file=sys.stderr)
+    if len(device_map.physical_devices) > 1 and loaded.backend.graphs_enabled():
+        print("note: a step spanning several GPUs runs eagerly (no CUDA graphs): per-device graph capture is not "
+              "done yet", file=sys.stderr)
 
 
 def _engine_backend(loaded: Any) -> Any:

@@ -52,17 +52,24 @@ def check_device(text: str, flag: str) -> str:
     return name
 
 
-def parse_split(text: str, parts: int, layers: int) -> list[int]:
-    """Layers per part from `--target-layer-split`: fractions summing to 1 (`0.5,0.5`) or layer counts
-    summing to the layer count (`14,10`); every part gets at least one layer."""
+def split_values(text: str, parts: int) -> list[float]:
+    """The numbers of `--target-layer-split`, one positive number per device (what can be checked before
+    the model's layer count is known)."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise LuceboxError(f"{SPLIT_FLAG}: expected comma-separated fractions or layer counts, got {text!r}") from None
     if len(values) != parts:
         raise LuceboxError(f"{SPLIT_FLAG}: {len(values)} parts for the {parts} devices of {TARGET_DEVICES_FLAG}")
-    if any(v <= 0 for v in values):
+    if any(not v > 0 for v in values):
         raise LuceboxError(f"{SPLIT_FLAG}: every part must be positive, got {text!r}")
+    return values
+
+
+def parse_split(text: str, parts: int, layers: int) -> list[int]:
+    """Layers per part from `--target-layer-split`: fractions summing to 1 (`0.5,0.5`) or layer counts
+    summing to the layer count (`14,10`); every part gets at least one layer."""
+    values = split_values(text, parts)
     if parts > layers:
         raise LuceboxError(f"{TARGET_DEVICES_FLAG}: {parts} parts for a model of {layers} layers")
     if all(v == int(v) for v in values) and sum(values) == layers:
@@ -172,8 +179,10 @@ def build_device_map(*, device: str | None, target_device: str | None, target_de
     devices = [check_device(d, TARGET_DEVICES_FLAG) for d in target_devices.split(",") if d.strip()]
     if not devices:
         raise LuceboxError(f"{TARGET_DEVICES_FLAG}: no device in {target_devices!r}")
-    if layers is None:
-        layers = len(devices)  # checked again once the model's layer count is known
+    if layers is None:  # the default model, not chosen yet: the split is checked once its header is read
+        if layer_split is not None:
+            split_values(layer_split, len(devices))
+        return None
     # No split given: layers shared out evenly.
     counts = parse_split(layer_split or ",".join(f"{1 / len(devices)!r}" for _ in devices), len(devices), layers)
     return DeviceMap.from_split(devices, counts, draft)

@@ -143,6 +143,10 @@ def test_device_flag_errors_name_the_flag():
     with pytest.raises(LuceboxError, match=r"--target-layer-split: '0.95,0.05' leaves a part without layers"):
         map_of(target_devices="cpu,cpu", layer_split="0.95,0.05")
     assert map_of() is None
+    # The default model's layer count is not known before it is chosen: counts pass, their shape is checked.
+    assert map_of(target_devices="cpu,cpu", layer_split="14,10", layers=None) is None
+    with pytest.raises(LuceboxError, match=r"--target-layer-split: every part must be positive"):
+        map_of(target_devices="cpu,cpu", layer_split="14,0", layers=None)
     assert map_of(target_devices="cpu,cpu,cpu").layer_parts == (0, 0, 0, 1, 1, 2, 2, 2)
     assert parse_split("0.25,0.75", 2, 8) == [2, 6]
 
