@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -42,7 +44,7 @@ def run(label: str, model: str, prompt: list[int], tokens: int, **flags) -> dict
     assembled = build_engine(EngineOptions(model=model, ctx_size=max(1024, len(prompt) + tokens + 64), **flags))
     request = GenerationRequest(prompt_ids=prompt, max_tokens=tokens, ignore_eos=True,
                                 sampling=SamplingParams(temperature=0))
-    assembled.engine.generate(attrs_evolve(request, max_tokens=4))  # warm-up: kernels compile, graphs record
+    assembled.engine.generate(attrs.evolve(request, max_tokens=4))  # warm-up: kernels compile, graphs record
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -64,12 +66,6 @@ def run(label: str, model: str, prompt: list[int], tokens: int, **flags) -> dict
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
-
-
-def attrs_evolve(request, **changes):
-    import attrs
-
-    return attrs.evolve(request, **changes)
 
 
 def main(argv: list[str] | None = None) -> int:
