@@ -25,6 +25,10 @@ class EngineOptions:
     model: str | None = None  # GGUF path; None: the default model a plugin provides
     backend: str | None = None  # kernel backend name; None: the available one with the highest priority
     device: str | None = None  # torch device for the backend
+    target_device: str | None = None  # --target-device DEV (--device's other name)
+    target_devices: str | None = None  # --target-devices DEV,DEV: the target's layers split across them
+    target_layer_split: str | None = None  # --target-layer-split F,F: layers per device (default even)
+    draft_device: str | None = None  # --draft-device DEV: the drafter's device
     ctx_size: int | None = None  # positions per sequence (-c); None: what fits (`context.fit_context`)
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (-ub); None: the model's choice
     parallel: int = 1  # sequences generated at once (-np): finished ones kept for reuse, up to this many
@@ -50,6 +54,8 @@ class EngineOptions:
         """The options an argparse namespace holds (flags a subcommand lacks keep their defaults)."""
         names = {
             "model": "model", "backend": "backend", "device": "device", "ctx_size": "ctx_size",
+            "target_device": "target_device", "target_devices": "target_devices",
+            "target_layer_split": "target_layer_split", "draft_device": "draft_device",
             "prefill_chunk": "ubatch_size", "parallel": "parallel", "chat_template_file": "chat_template_file",
             "kv_policy": "kv_policy", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
             "model_draft": "model_draft", "spec_type": "spec_type", "tree_budget": "tree_budget",
@@ -75,6 +81,7 @@ class Choices:
     cache_type_v: str | None
     verifier: Any  # Verifier spec, or None without a drafter
     drafter: Any  # Drafter spec (by the draft file's architecture), or None
+    device_map: Any = None  # device_map.DeviceMap from the multi-device flags, or None
 
 
 def check_options(options: EngineOptions) -> Choices:
@@ -106,6 +113,7 @@ def check_options(options: EngineOptions) -> Choices:
             raise LuceboxError(f"--kv-cache-dir {options.kv_cache_dir}: exists and is not a folder")
     if options.model is not None:
         _model_family(options.model)
+    device_map = _device_map(options)
     if options.chat_template_file is not None:
         from .chat_template import ChatTemplate
 
@@ -121,7 +129,21 @@ def check_options(options: EngineOptions) -> Choices:
         if options.draft_block_size is not None and not 2 <= options.draft_block_size <= 64:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {options.draft_block_size}")
         drafter = _drafter_spec(options.model_draft)
-    return Choices(policy, cache_type_k, cache_type_v, verifier, drafter)
+    if options.draft_device is not None and options.model_draft is None:
+        raise LuceboxError("--draft-device needs a drafter (-md/--model-draft FILE)")
+    return Choices(policy, cache_type_k, cache_type_v, verifier, drafter, device_map)
+
+
+def _device_map(options: EngineOptions) -> Any:
+    """The `DeviceMap` of --target-device / --target-devices / --target-layer-split / --draft-device, checked
+    against the devices this machine has and the model's layer count (read from its header), or None."""
+    from .device_map import build_device_map, model_layer_count
+    from .ggufio import GGUFFile
+
+    layers = model_layer_count(GGUFFile(options.model)) if options.model is not None else None
+    return build_device_map(device=options.device, target_device=options.target_device,
+                            target_devices=options.target_devices, layer_split=options.target_layer_split,
+                            draft_device=options.draft_device, layers=layers)
 
 
 def _model_family(path: str) -> Any:
@@ -191,7 +213,17 @@ def build_speculative(options: EngineOptions, loaded: Any, choices: Choices | No
     from .speculative import SpeculativeDecoder, trees
 
     choices = choices if choices is not None else check_options(options)
-    drafter = choices.drafter.create(GGUFFile(options.model_draft), loaded.model, backend=loaded.backend)
+    draft_backend = loaded.backend
+    device_map = choices.device_map
+    if device_map is not None and device_map.draft_device is not None \
+            and device_map.draft_device != str(getattr(loaded.backend, "device", "")):
+        from .plugins import registry
+
+        # A drafter on the CPU next to a GPU target runs on the reference backend (GPU kernels need a GPU).
+        on_cpu = device_map.draft_device == "cpu"
+        draft_backend = registry().kernel_backend("torch" if on_cpu else options.backend).create(
+            device=device_map.draft_device)
+    drafter = choices.drafter.create(GGUFFile(options.model_draft), loaded.model, backend=draft_backend)
     budget = options.tree_budget if options.tree_budget is not None else DEFAULT_TREE_BUDGET
     verifier = choices.verifier.create(loaded.model, budget=budget, top_k=trees.DEFAULT_TOP_K,
                                       backend=loaded.backend)
@@ -214,7 +246,8 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     if choices.cache_type_v is not None:
         model_options["cache_type_v"] = choices.cache_type_v
     loaded = load_model(options.model, backend=options.backend, device=options.device,
-                        chat_template_file=options.chat_template_file, **model_options)
+                        chat_template_file=options.chat_template_file, device_map=choices.device_map, **model_options)
+    _announce_device_map(loaded)
     spark = None
     if options.spark:
         from .prefix_cache import parse_size
@@ -226,9 +259,32 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
-                    speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend,
+                    speculative=speculative, idle_sequences=options.parallel,
+                    backend=_engine_backend(loaded),
                     prefix_cache=build_prefix_cache(options, loaded))
     return AssembledEngine(loaded, engine, options, context, spark)
+
+
+def _announce_device_map(loaded: Any) -> None:
+    """Say on stderr where a split model's parts run, and that a step over two GPUs is not graphed yet."""
+    import sys
+
+    device_map = getattr(loaded.model, "device_map", None)
+    if device_map is None:
+        return
+    parts = ", ".join(f"layers {p['layers']} on {p['device']}" for p in device_map.describe()["parts"])
+    print(f"note: the target's layers split into {device_map.parts} parts: {parts}", file=sys.stderr)
+    if len(device_map.physical_devices) > 1 and loaded.backend.graphs_enabled():
+        print("note: a step spanning several GPUs runs eagerly (no CUDA graphs): per-device graph capture is not "
+              "done yet", file=sys.stderr)
+
+
+def _engine_backend(loaded: Any) -> Any:
+    """The backend the engine waits on: a split model's logits come from its last part, so that part's."""
+    if getattr(loaded.model, "device_map", None) is None:
+        return loaded.backend
+    head = loaded.model.head_ops
+    return getattr(head, "backend", head)  # the backend itself under a family's bound view
 
 
 def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:

@@ -38,7 +38,18 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
     p.add_argument("-m", "--model", help="GGUF file (default: the embedded default model, random weights)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help=ctx_help)
     p.add_argument("--backend", help="kernel backend (default: the available one with the highest priority)")
-    p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0")
+    p.add_argument("--device", help="torch device for the backend, e.g. cpu, cuda:0 (the same as --target-device)")
+    p.add_argument("--target-device", metavar="DEV", help="torch device of the target model, e.g. cpu, cuda:1")
+    p.add_argument("--target-devices", metavar="DEV,DEV",
+                   help="split the target's layers across these torch devices (e.g. cuda:0,cuda:1): each layer's "
+                        "weights, KV and recurrent state on its own device, the hidden state handed over between "
+                        "them; a step spanning two GPUs runs without CUDA graphs for now (qwen35 and qwen35moe)")
+    p.add_argument("--target-layer-split", metavar="F,F",
+                   help="with --target-devices: the share of layers per device, as fractions summing to 1 "
+                        "(0.5,0.5) or layer counts summing to the layer count (14,10); default even")
+    p.add_argument("--draft-device", metavar="DEV",
+                   help="torch device of the drafter (-md): its weights and context there, the target's features "
+                        "copied to it once per step (default: the target's first device)")
     p.add_argument("--kv-policy", default="full", metavar="NAME",
                    help="how attention K/V is stored and kept resident (default full: every position; "
                         "`lucebox plugins` lists the installed policies)")

@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # torch is imported by what loads a model, not by what only f
 
 # What every family loader takes (see `ModelFamily`); a family adds its own (a kernel's chunk size, ...).
 KV_OPTIONS = frozenset({"kv_policy", "kv_dtype", "cache_type_k", "cache_type_v"})
+# What a family that can split its layers across devices takes too (`device_map.DeviceMap`, a backend per part).
+SPLIT_OPTIONS = frozenset({"device_map", "part_backends"})
 
 
 def lucebox_home() -> Path:
@@ -77,9 +79,13 @@ def load_model(
     backend: str | None = None,
     device: str | None = None,
     chat_template_file: str | Path | None = None,
+    device_map: Any = None,
     **options: Any,
 ) -> LoadedModel:
-    """Open `path` (the default model when None), pick its family and a backend, build everything."""
+    """Open `path` (the default model when None), pick its family and a backend, build everything.
+
+    `device_map` (a `device_map.DeviceMap`): the target's layers split into parts, one backend per distinct
+    device (parts on the same device share it), handed to the family as `part_backends`, one per part."""
     from .chat_template import ChatTemplate, special_token_strings
     from .ggufio import GGUFFile
     from .plugins import registry
@@ -89,7 +95,16 @@ def load_model(
     gguf_file = GGUFFile(path)
     family = registry().family_for(gguf_file.architecture, path)
     backend_spec = registry().kernel_backend(backend)
+    if device_map is not None:
+        device = device_map.embed_device
     ops = backend_spec.create(device=device) if device else backend_spec.create()
+    if device_map is not None and device_map.is_split:
+        by_device = {device_map.embed_device: ops}
+        for part_device in device_map.devices:
+            if part_device not in by_device:
+                by_device[part_device] = backend_spec.create(device=part_device)
+        options["device_map"] = device_map
+        options["part_backends"] = [by_device[d] for d in device_map.devices]
     model = family.load(gguf_file, ops, **options)
     tokenizer = Tokenizer.from_metadata(gguf_file.metadata, source=str(path))
     if chat_template_file is not None:
@@ -122,6 +137,13 @@ def start_family_load(gguf_file: Any, backend: Any, options: dict[str, Any], *, 
     from .plugins import registry
     from .torch_backend import TorchBackend
 
+    if options.get("device_map") is not None and "device_map" not in known_options:
+        from .device_map import TARGET_DEVICES_FLAG
+
+        raise LuceboxError(f"{TARGET_DEVICES_FLAG}: the {family} family cannot split its layers across devices yet "
+                           f"(qwen35 can); run it on one device (--target-device)")
+    options = {key: value for key, value in options.items()
+               if not (key in SPLIT_OPTIONS and value is None)}
     unknown = set(options) - known_options
     if unknown:
         raise LuceboxError(f"unknown {family} model option(s): {', '.join(sorted(unknown))} "

@@ -90,7 +90,9 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
         "capabilities": {"reasoning_supported": True, "speculative_supported": True, "tools_supported": has_parser},
         "reasoning": {"supported": True, "default": "on" if config.thinking_default else "off",
                       "supported_efforts": EFFORTS, "think_max_tokens": config.think_max_tokens},
-        "runtime": {"backend": loaded.backend_name, "target_device": config.device or "default",
+        "runtime": {"backend": loaded.backend_name,
+                    "target_device": config.target_device or config.device or str(getattr(loaded.backend, "device", "default")),
+                    "device_map": _device_map_info(loaded, config),
                     "parallel": config.parallel, "chunk": service.engine.prefill_chunk,
                     # The context and how it was chosen (-c, or what fits in memory).
                     "context": service.context.as_dict() if service.context is not None else None,
@@ -110,6 +112,17 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
                         "current_entries": len(service.tool_replay), "current_bytes": service.tool_replay.nbytes},
     })
     return body
+
+
+def _device_map_info(loaded: Any, config: Any) -> dict[str, Any]:
+    """Where the target's layers, its head and the drafter run (--target-devices, --draft-device)."""
+    device_map = getattr(loaded.model, "device_map", None)
+    if device_map is not None:
+        return device_map.describe()
+    device = str(getattr(loaded.backend, "device", "cpu"))
+    layers = len(getattr(loaded.model, "layers", ()))
+    return {"parts": [{"device": device, "layers": f"0-{layers - 1}" if layers else ""}], "embed_device": device,
+            "head_device": device, "draft_device": config.draft_device or (device if config.model_draft else None)}
 
 
 @get("/metrics", summary="Prometheus metrics", tags=["server"], media_type="text/plain; version=0.0.4")

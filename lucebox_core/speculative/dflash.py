@@ -232,7 +232,8 @@ class DFlashDrafter:
         if start >= committed:
             return
         ops = self.ops
-        features = target.read_features(target_state, start, committed)
+        # The one copy a step makes from the target's device to the drafter's (`--draft-device`).
+        features = target.read_features(target_state, start, committed).to(ops.device, ops.dtype, non_blocking=True)
         context = ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, self.config.eps)
         positions = torch.arange(start, committed, device=ops.device)
         slots = positions % state.capacity
@@ -257,7 +258,10 @@ class DFlashDrafter:
             ids = state.block_ids[block] = torch.full((block,), self.mask_token_id, dtype=torch.long, device=ops.device)
         ids[:1].fill_(int(tokens[-1]))
         if state.step is None:
-            state.step = StaticStep(ops, "draft block")
+            # A graph records one device: a drafter away from the target's head (whose output layer it
+            # borrows) runs its block eagerly.
+            head = torch.device(getattr(target, "feature_device", None) or target.ops.device)
+            state.step = StaticStep(ops, "draft block", graphs=None if head == torch.device(ops.device) else False)
         inputs = state.step.inputs(start=target_state.length)
         # The embedding lookup decodes GGUF rows with small host constants: eagerly, outside the recording.
         inputs.set("embedded", target.embed(ids)[None].to(ops.dtype))

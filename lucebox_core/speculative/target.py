@@ -54,7 +54,8 @@ class FeatureCapture:
             state.features.zero_()
             return
         state.capture_layers = tuple(layers)
-        state.features = torch.zeros(capacity, width, device=self.ops.device, dtype=self.ops.dtype)
+        device = getattr(self, "feature_device", None) or self.ops.device  # a split model's: the head's
+        state.features = torch.zeros(capacity, width, device=device, dtype=self.ops.dtype)
 
     def read_features(self, state: Any, start: int, end: int) -> torch.Tensor:
         """Captured features of committed positions `start .. end-1` (`[end - start, n * hidden]`)."""
@@ -67,8 +68,10 @@ class FeatureCapture:
 
     def _concat_taps(self, state: Any, taps: list[torch.Tensor]) -> torch.Tensor:
         # `taps` follow layer order; the ring follows `capture_layers` order.
+        # A split model's taps sit on their layers' devices: each goes to the ring's.
         order = sorted(state.capture_layers)
-        return torch.cat([taps[order.index(i)] for i in state.capture_layers], dim=-1)
+        device = state.features.device if state.features is not None else taps[0].device
+        return torch.cat([taps[order.index(i)].to(device, non_blocking=True) for i in state.capture_layers], dim=-1)
 
     def _store_features(self, state: Any, start: int, rows: torch.Tensor) -> None:
         assert state.features is not None

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from lucebox_core.errors import LuceboxError
 from lucebox_core.ggufio import MetadataView
-from lucebox_core.loading import KV_OPTIONS, LayoutTensors, start_family_load
+from lucebox_core.loading import KV_OPTIONS, SPLIT_OPTIONS, LayoutTensors, start_family_load
 
 from .layout import MOE_ARCH, Qwen35Config, tensor_shapes
 from .layout_moe import Qwen35MoeConfig
@@ -17,7 +18,7 @@ from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, 
 from .moe import MOE_GGUF_NAMES, SparseMoeBlock
 from .ops import QWEN35_OPS
 
-_OPTIONS = KV_OPTIONS | {"gdn_chunk_size"}
+_OPTIONS = KV_OPTIONS | SPLIT_OPTIONS | {"gdn_chunk_size"}
 
 
 def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
@@ -25,7 +26,9 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> Qwen35Model:
 
     Options: `kv_policy` (a `KVPolicy`; default the built-in `full`), `cache_type_k` / `cache_type_v` (KV
     storage types, `f32`, `f16`, `bf16` or `q8_0`, each independently, as the policy stores them; default
-    `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64).
+    `kv_dtype`, a torch dtype, else the backend's dtype), `gdn_chunk_size` (64); `device_map` (a
+    `DeviceMap` that splits the layers into parts) with `part_backends` (a backend per part): each layer's
+    weights on its part's backend, the embedding on the first part's, the final norm and head on the last's.
     """
     return _load(gguf_file, backend, options, family="qwen35", architecture=ARCHITECTURE, config_class=Qwen35Config)
 
@@ -47,11 +50,30 @@ def _load(gguf_file: Any, backend: Any, options: dict[str, Any], *, family: str,
     ops = QWEN35_OPS.bind(start.backend)  # the backend's ops and the family's own, each on a kernel where one takes it
     src = LayoutTensors(gguf_file, tensor_shapes(config), GGUF_NAMES | MOE_GGUF_NAMES, ops, family=family)
     chunk_size = int(options.get("gdn_chunk_size", 64))
+    device_map = options.get("device_map")
+    part_srcs = [src]
+    if device_map is not None:
+        if len(device_map.layer_parts) != config.n_layer:
+            from lucebox_core.device_map import SPLIT_FLAG
+
+            raise LuceboxError(f"{SPLIT_FLAG}: the map places {len(device_map.layer_parts)} layers; "
+                               f"{gguf_file.path} has {config.n_layer}")
+        bound = {}  # one bound op set per backend: parts on one device share its weight uploads
+        for backend in options["part_backends"]:
+            if id(backend) not in bound:
+                bound[id(backend)] = ops if backend is start.backend else QWEN35_OPS.bind(backend)
+        part_srcs = [LayoutTensors(gguf_file, tensor_shapes(config), GGUF_NAMES | MOE_GGUF_NAMES,
+                                   bound[id(backend)], family=family) for backend in options["part_backends"]]
+    head_src = part_srcs[-1]
 
     embed_tokens = src.weight("embed_tokens")
-    lm_head = embed_tokens if config.tied_output else src.weight("lm_head")
+    # A split model's head is the last part's: a tied head is read again for that part's device.
+    lm_head = head_src.weight("embed_tokens" if config.tied_output else "lm_head")
+    if config.tied_output and head_src is src:
+        lm_head = embed_tokens
     layers = []
     for i in range(config.n_layer):
+        src = part_srcs[device_map.layer_part(i)] if device_map is not None else part_srcs[0]
         layer = DecoderLayer(
             index=i,
             input_layernorm=src.vector("layers.{i}.input_layernorm", i),
@@ -68,8 +90,8 @@ def _load(gguf_file: Any, backend: Any, options: dict[str, Any], *, family: str,
         layers.append(layer)
 
     return Qwen35Model(
-        config, ops, embed_tokens, layers, norm=src.vector("norm"), lm_head=lm_head, **start.kv,
-        source=str(gguf_file.path),
+        config, ops, embed_tokens, layers, norm=head_src.vector("norm"), lm_head=lm_head, **start.kv,
+        source=str(gguf_file.path), device_map=device_map, part_ops=[s.ops for s in part_srcs],
     )
 
 

@@ -33,6 +33,7 @@ import attrs
 import torch
 
 from lucebox_core.decoder_model import DecoderModel
+from lucebox_core.device_map import SplitKVCache, hand_over
 from lucebox_core.kv import KVCache, KVLayerShape
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
@@ -381,11 +382,41 @@ class Qwen35State:
 
 class Qwen35Model(SpeculativeTarget, DecoderModel):
     def __init__(self, config: Qwen35Config, ops: Any, embed_tokens: Weight, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: Weight, **options: Any) -> None:
+                 norm: torch.Tensor, lm_head: Weight, *, device_map: Any = None, part_ops: list[Any] | None = None,
+                 **options: Any) -> None:
         """`ops`: the backend with the family's ops bound (`QWEN35_OPS.bind(backend)`); `options` as
-        `DecoderModel`'s (the KV policy whose caches the attention layers use, KV types, source)."""
+        `DecoderModel`'s (the KV policy whose caches the attention layers use, KV types, source).
+        `device_map` (a `DeviceMap`) with `part_ops` (the bound ops of each part): the layers split into
+        parts, each layer's weights, KV and recurrent state on its part's device; `ops` is the first part's
+        (the embedding), `part_ops[-1]` the last's (the final norm, the head and the drafter's feature ring)."""
         super().__init__(config, ops, embed_tokens, layers, norm, lm_head, **options)
         self.vocab_size = int(embed_tokens.shape[0])
+        self.device_map = device_map if device_map is not None and device_map.is_split else None
+        self.part_ops = list(part_ops) if self.device_map is not None else [ops]
+        self.head_ops = self.part_ops[-1]
+        if self.device_map is not None:
+            self.tied_embeddings = False  # the head holds its own copy on the last part's device
+            if len(self.device_map.physical_devices) > 1:
+                # A graph records one device's stream: the parts' steps run eagerly until each part is
+                # captured as its own graph (not done yet).
+                self.decode_graphs = False
+
+    def _layer_part(self, layer: DecoderLayer) -> int:
+        return 0 if self.device_map is None else self.device_map.layer_part(layer.index)
+
+    def _layer_ops(self, layer: DecoderLayer) -> Any:
+        return self.part_ops[self._layer_part(layer)]
+
+    def _local(self, layer: DecoderLayer, tensor: torch.Tensor) -> torch.Tensor:
+        """A small per-pass input (positions, a tree's parents or mask) on `layer`'s device."""
+        if self.device_map is None:
+            return tensor
+        return tensor.to(self._layer_ops(layer).device, non_blocking=True)
+
+    @property
+    def feature_device(self) -> torch.device:
+        """Where the drafter's feature ring lives: with the head, where the last captured layers are."""
+        return torch.device(self.head_ops.device)
 
     def __repr__(self) -> str:
         linear = sum(layer.is_linear for layer in self.layers)
@@ -397,16 +428,27 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
     def new_state(self, max_tokens: int | None = None) -> Qwen35State:
         """A fresh sequence that can hold `max_tokens` positions (default: the model's context length)."""
         max_tokens = self.context_length if max_tokens is None else max_tokens
-        device, dtype = self.ops.device, self.ops.dtype
+        dtype = self.ops.dtype
         return Qwen35State(
-            kv=self.kv_policy.create(self.kv_layer_shapes(), max_tokens, dtype=dtype, device=device,
-                                     k_type=self.cache_type_k, v_type=self.cache_type_v),
+            kv=self._new_kv(max_tokens),
             linear={
-                layer.index: layer.linear_attn.new_state(device, dtype)
+                layer.index: layer.linear_attn.new_state(self._layer_ops(layer).device, dtype)
                 for layer in self.layers
                 if layer.linear_attn is not None
             },
         )
+
+    def _new_kv(self, max_tokens: int) -> KVCache:
+        shapes = self.kv_layer_shapes()
+        make = lambda layers, device: self.kv_policy.create(  # noqa: E731
+            layers, max_tokens, dtype=self.ops.dtype, device=device, k_type=self.cache_type_k,
+            v_type=self.cache_type_v)
+        if self.device_map is None:
+            return make(shapes, self.ops.device)
+        parts = {index: self.device_map.layer_part(index) for index in shapes}
+        caches = {part: make({i: shapes[i] for i in shapes if parts[i] == part}, self.part_ops[part].device)
+                  for part in sorted(set(parts.values()))}
+        return SplitKVCache(caches, parts)
 
     def reset_state(self, state: Qwen35State) -> None:
         """Empty `state` for a new sequence, keeping its buffers and recordings (the engine reuses finished
@@ -479,7 +521,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 return layer.linear_attn(x, state.linear[layer.index])
-            return layer.self_attn(x, positions, state.kv, past)
+            return layer.self_attn(x, self._local(layer, positions), state.kv, past)
 
         def tap(layer: DecoderLayer, output: torch.Tensor) -> None:
             if layer.index in capture:
@@ -493,7 +535,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         if state.features is not None:
             self._store_features(state, state.length, self._concat_taps(state, taps))
         state.length += tokens
-        return ops.linear(hidden, self.lm_head)[0]
+        return self.head_ops.linear(hidden, self.lm_head)[0]
 
     def _run_layers(
         self,
@@ -511,9 +553,16 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         with the norm that follows it (`ops.add_rms_norm`), so the MLP's output is added at the next
         layer's input norm (or the final norm).
         """
-        ops, eps = self.ops, self.config.eps
+        eps = self.config.eps
         pending = None  # the last MLP output, not yet added to the residual stream
+        part = 0
         for layer in self.layers:
+            ops = self._layer_ops(layer)
+            if self._layer_part(layer) != part:
+                # A part boundary: the residual stream and the pending MLP output go to the next part's
+                # device (a peer copy between GPUs; a copy even where both parts share a device).
+                part = self._layer_part(layer)
+                hidden, pending = hand_over(hidden, ops.device), hand_over(pending, ops.device)
             if pending is None:
                 x = ops.rms_norm(hidden, layer.input_layernorm, eps)
             else:
@@ -524,7 +573,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
                 tap(layer, hidden + pending)
         if last_only:
             hidden, pending = hidden[:, -1:], pending[:, -1:]
-        normed, _ = ops.add_rms_norm(pending, hidden, self.norm, eps)
+        normed, _ = self.head_ops.add_rms_norm(pending, hidden, self.norm, eps)
         return normed
 
     __call__ = forward
@@ -548,7 +597,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 return layer.linear_attn(x, state.linear[layer.index])
-            return layer.self_attn.decode_static(x, inputs.position, state.kv, window)
+            return layer.self_attn.decode_static(x, self._local(layer, inputs.position), state.kv, window)
 
         taps: list[torch.Tensor] = []
         tapped = state.capture_layers if state.features is not None else ()
@@ -556,9 +605,9 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         if state.features is not None:
             # The drafter's features of this position, into the ring at a device index (a graph records it):
             # plain decoding of a speculative sequence stays on this step, the one verification matches.
-            slot = inputs.position % state.features.shape[0]
+            slot = inputs.position.to(state.features.device) % state.features.shape[0]
             state.features.index_copy_(0, slot, self._concat_taps(state, taps).to(state.features.dtype))
-        return self.ops.linear(hidden, self.lm_head)[0]
+        return self.head_ops.linear(hidden, self.lm_head)[0]
 
     # -- the target side of speculative decoding ------------------------------------------------------
 
@@ -568,5 +617,6 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         return QWEN35_MASK_TOKEN_ID
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head alone, `[..., hidden] -> [..., vocab]`: no final norm (a drafter applies its own)."""
-        return self.ops.linear(hidden, self.lm_head)
+        """The output head alone, `[..., hidden] -> [..., vocab]`: no final norm (a drafter applies its own).
+        A drafter on another device hands its hidden states over to the head's."""
+        return self.head_ops.linear(hidden.to(self.head_ops.device, self.head_ops.dtype, non_blocking=True), self.lm_head)

@@ -64,17 +64,18 @@ class SpeculativeTarget(FeatureCapture):
         def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], tree.parents
+                    x, state.linear[layer.index], self._local(layer, tree.parents)
                 )
             else:
-                out, k_rows, v_rows = layer.self_attn.verify_tree(x, positions, state.kv, visible)
+                out, k_rows, v_rows = layer.self_attn.verify_tree(x, self._local(layer, positions), state.kv,
+                                                                  self._local(layer, visible))
                 kv_rows[layer.index] = (k_rows, v_rows)
             return out
 
         hidden = self._run_layers(ops.embedding(token_ids, self.embed_tokens)[None], mix,
                                   lambda layer, output: taps.append(output[0]), state.capture_layers)
         features = self._concat_taps(state, taps) if state.features is not None else None
-        logits = ops.linear(hidden, self.lm_head)[0]
+        logits = self.head_ops.linear(hidden, self.lm_head)[0]
         return TreeVerification(tree, committed, logits, features, kv_rows, conv, recurrent)
 
     def _verify_static(self, state: Any, tree: TreeIndex, token_ids: torch.Tensor,
@@ -102,15 +103,16 @@ class SpeculativeTarget(FeatureCapture):
         def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
-                    x, state.linear[layer.index], inputs.parents
+                    x, state.linear[layer.index], self._local(layer, inputs.parents)
                 )
                 return out
-            return layer.self_attn.verify_static(x, positions, inputs.start, state.kv, window, inputs.visible)
+            return layer.self_attn.verify_static(x, self._local(layer, positions), self._local(layer, inputs.start),
+                                                 state.kv, window, self._local(layer, inputs.visible))
 
         hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]),
                                   state.capture_layers)
         features = self._concat_taps(state, taps) if state.features is not None else None
-        return self.ops.linear(hidden, self.lm_head)[0], features, conv, recurrent
+        return self.head_ops.linear(hidden, self.lm_head)[0], features, conv, recurrent
 
     def commit(self, state: Any, verification: TreeVerification, path: Seq[int]) -> None:
         """Keep the accepted `path` (node indices from the root, each the parent of the next): their KV
@@ -135,11 +137,12 @@ class SpeculativeTarget(FeatureCapture):
                 verification.compacted[:] = path
             state.kv.commit(committed + len(path))
         for layer, (k_rows, v_rows) in verification.kv_rows.items():
-            state.kv.append(layer, k_rows[index], v_rows[index])
+            rows = index.to(k_rows.device)  # a split model's rows sit on their layer's device
+            state.kv.append(layer, k_rows[rows], v_rows[rows])
         last = path[-1]
         for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
             linear.conv.copy_(verification.conv[layer][last : last + 1])
             linear.recurrent.copy_(verification.recurrent[layer][last : last + 1])
         if state.features is not None and verification.features is not None:
-            self._store_features(state, committed, verification.features[index])
+            self._store_features(state, committed, verification.features[index.to(verification.features.device)])
         state.length = committed + len(path)

@@ -1,0 +1,122 @@
+"""Check the multi-device code path on a GPU machine (issue #19): greedy tokens of one model run
+(a) on one device, (b) with its layers split into two parts (`--target-devices DEV,DEV`: on a one-GPU machine
+both parts on the same GPU, still handed over between parts), (c) speculatively with the drafter on
+`--draft-device` (the GPU, then the CPU), and, where the machine has two GPUs, (d) split over cuda:0,cuda:1;
+every run must give run (a)'s tokens exactly. Prints tok/s per run and one JSON line; exit 1 on a mismatch.
+
+    python3 scripts/multi_device_check.py                      # synthetic 0.8B-sized qwen35 (q8_0), drafter
+    python3 scripts/multi_device_check.py --size tiny --tokens 32
+    python3 scripts/multi_device_check.py -m MODEL.gguf -md DRAFT.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def synthetic_pair(folder: Path, size: str, type: str) -> tuple[str, str]:
+    from lucebox_qwen35 import draft_synth, synth
+
+    target = synth.write(folder / f"qwen35-{size}-{type}.gguf", size=size, type=type, seed=7)
+    draft = draft_synth.write(folder / "draft.gguf", size="tiny", type="f16" if type != "f32" else "f32", seed=8,
+                              target=target)
+    return str(target), str(draft)
+
+
+def run(label: str, model: str, prompt: list[int], tokens: int, **flags) -> dict:
+    import torch
+
+    from lucebox_core.assembly import EngineOptions, build_engine
+    from lucebox_core.engine import GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+
+    assembled = build_engine(EngineOptions(model=model, ctx_size=max(1024, len(prompt) + tokens + 64), **flags))
+    request = GenerationRequest(prompt_ids=prompt, max_tokens=tokens, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0))
+    assembled.engine.generate(attrs.evolve(request, max_tokens=4))  # warm-up: kernels compile, graphs record
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = assembled.engine.generate(request)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    model_ = assembled.loaded.model
+    device_map = getattr(model_, "device_map", None)
+    row = {
+        "run": label, "flags": flags, "tokens": result.token_ids, "seconds": round(seconds, 3),
+        "tok_s": round(len(result.token_ids) / seconds, 1),
+        "decode_graphs": bool(getattr(model_, "decode_graphs", False)),
+        "device_map": device_map.describe() if device_map is not None else None,
+    }
+    log(f"{label:<38} {row['tok_s']:>8} tok/s  graphs={row['decode_graphs']}  "
+        f"{'' if device_map is None else device_map.describe()['parts']}")
+    del assembled
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", help="target GGUF (default: a synthetic qwen35 of --size)")
+    parser.add_argument("-md", "--model-draft", help="drafter GGUF (default: a synthetic one for the target)")
+    parser.add_argument("--size", default="0.8b", help="synthetic target size: tiny or 0.8b (default)")
+    parser.add_argument("--type", default="q8_0", help="synthetic target type (default q8_0)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per run (default 64)")
+    parser.add_argument("--device", default=None, help="the GPU (default cuda:0, else cpu)")
+    parser.add_argument("--no-cpu-draft", action="store_true", help="skip the run with the drafter on the CPU")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    folder = Path(tempfile.mkdtemp(prefix="lucebox-multi-device-"))
+    if args.model is None:
+        log(f"writing a synthetic {args.size} {args.type} qwen35 and a drafter in {folder} (RANDOM WEIGHTS)")
+        model, draft = synthetic_pair(folder, args.size, args.type)
+    else:
+        model, draft = args.model, args.model_draft
+    prompt = [(i * 7919) % 5000 + 100 for i in range(48)]
+
+    runs = [("a: one device", {"target_device": device}),
+            ("b: split in two parts on one device", {"target_devices": f"{device},{device}",
+                                                      "target_layer_split": "0.5,0.5"})]
+    if draft is not None:
+        runs += [("c: drafter, one device", {"target_device": device, "model_draft": draft}),
+                 ("c: drafter on --draft-device, split", {"target_devices": f"{device},{device}",
+                                                          "model_draft": draft, "draft_device": device})]
+        if device != "cpu" and not args.no_cpu_draft:
+            runs.append(("c: drafter on --draft-device cpu", {"target_device": device, "model_draft": draft,
+                                                               "draft_device": "cpu"}))
+    if torch.cuda.device_count() >= 2:
+        runs.append(("d: split over cuda:0,cuda:1", {"target_devices": "cuda:0,cuda:1",
+                                                     "target_layer_split": "0.5,0.5"}))
+    rows = [run(label, model, prompt, args.tokens, **flags) for label, flags in runs]
+    reference = rows[0]["tokens"]
+    mismatches = [row["run"] for row in rows if row["tokens"] != reference]
+    for row in rows:
+        row["identical"] = row["tokens"] == reference
+        del row["tokens"]
+    print(json.dumps({"model": model, "device": device, "tokens": args.tokens, "runs": rows,
+                      "identical": not mismatches}))
+    if mismatches:
+        log(f"MISMATCH: {', '.join(mismatches)} differ from the one-device run")
+        return 1
+    log(f"all {len(rows)} runs gave the one-device run's {len(reference)} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
