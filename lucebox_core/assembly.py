@@ -44,6 +44,9 @@ class EngineOptions:
     prefix_cache_ram: str | int = "8G"  # --prefix-cache-ram
     spark: bool = False  # --spark: MoE experts behind a bounded pool of device slots (spark.py)
     spark_vram: str | int | None = None  # --spark-vram SIZE: bytes for resident experts (default: half of them)
+    kvflash: str | int | None = None  # --kvflash N|auto: bounded KV residency (implies --kv-policy kvflash)
+    kvflash_policy: str | None = None  # --kvflash-policy lru|qk (default lru)
+    kvflash_tau: int | None = None  # --kvflash-tau N (default 64)
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -57,6 +60,7 @@ class EngineOptions:
             "prefix_cache_slots": "prefix_cache_slots", "prefix_cache_min_tokens": "prefix_cache_min_tokens",
             "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
             "prefix_cache_ram": "prefix_cache_ram", "spark": "spark", "spark_vram": "spark_vram",
+            "kvflash": "kvflash", "kvflash_policy": "kvflash_policy", "kvflash_tau": "kvflash_tau",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -110,7 +114,7 @@ def check_options(options: EngineOptions) -> Choices:
         from .chat_template import ChatTemplate
 
         ChatTemplate.from_file(options.chat_template_file)  # a syntax error is reported now, not after loading
-    policy = registry().kv_policy(options.kv_policy)
+    policy = _configured_kv_policy(options, registry().kv_policy("kvflash" if options.kvflash is not None else options.kv_policy))
     cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
     verifier = drafter = None
     if options.model_draft is not None:
@@ -122,6 +126,22 @@ def check_options(options: EngineOptions) -> Choices:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {options.draft_block_size}")
         drafter = _drafter_spec(options.model_draft)
     return Choices(policy, cache_type_k, cache_type_v, verifier, drafter)
+
+
+def _configured_kv_policy(options: EngineOptions, policy: Any) -> Any:
+    """The KV policy spec, with KVFlash's flags bound into its factory (`--kvflash` implies the policy)."""
+    flags = options.kvflash is not None or options.kvflash_policy is not None or options.kvflash_tau is not None
+    if options.kvflash is not None and options.kv_policy not in ("full", "kvflash"):
+        raise LuceboxError(f"--kvflash is the kvflash KV policy; it cannot go with --kv-policy {options.kv_policy}")
+    if policy.name != "kvflash":
+        if flags:
+            raise LuceboxError("--kvflash-policy and --kvflash-tau need --kvflash N|auto")
+        return policy
+    from .kvflash import KVFlashPolicy
+
+    factory = KVFlashPolicy(options.kvflash if options.kvflash is not None else "auto",
+                            options.kvflash_policy or "lru", 64 if options.kvflash_tau is None else options.kvflash_tau)
+    return attrs.evolve(policy, factory=factory)
 
 
 def _model_family(path: str) -> Any:
@@ -225,7 +245,11 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     speculative = build_speculative(options, loaded, choices)
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)
-    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
+    prefill_chunk = options.prefill_chunk
+    max_pass = getattr(choices.kv_policy.factory, "max_pass", None)
+    if max_pass is not None:  # a bounded KV pool takes at most this much of a prompt a forward pass
+        prefill_chunk = min(prefill_chunk or loaded.model.prefill_chunk, max_pass(context.size))
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=prefill_chunk,
                     speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend,
                     prefix_cache=build_prefix_cache(options, loaded))
     return AssembledEngine(loaded, engine, options, context, spark)
@@ -246,6 +270,12 @@ def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:
     if not config.enabled:
         return None
     model = loaded.model
+    if getattr(getattr(model, "kv_policy", None), "name", "") == "kvflash":
+        import logging
+
+        logging.getLogger(__name__).warning("the prefix cache is off: the kvflash KV policy pages part of the "
+                                            "context out and cannot snapshot its rows")
+        return None
     parts = {
         "lucebox": __version__, "family": loaded.family.name, "model": file_identity(loaded.path),
         "draft": file_identity(options.model_draft) if options.model_draft else None,

@@ -55,6 +55,9 @@ class SpeculativeTarget(FeatureCapture):
                 f"context overflow: verifying {tree.size} nodes at position {committed} needs rows up to "
                 f"{needed - 1}; the context holds {state.kv.max_context}"
             )
+        # A bounded pool (kvflash) makes room for the nodes as plain decoding of the chain would: the same plan
+        # whichever pass runs, so a static and a dynamic verify leave the same residency.
+        state.kv.ensure_room(tree.size if static else tree.max_depth + 1)
         if static:
             return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
