@@ -272,7 +272,7 @@ class KVFlashCache:
             self._scored_at = length
         keep = [c for c in old if c in protected]
         candidates = sorted((c for c in (*old, *(self._host if due else ())) if c not in protected),
-                            key=lambda c: (-scores[c], c))
+                            key=lambda c: (-scores[c], -self._used.get(c, 0)))  # ties: the least recent leaves
         chosen = candidates[: max(0, room - len(keep))]
         kept = sorted(keep + [c for c in chosen if c in self._where])
         return kept, sorted(c for c in chosen if c in self._host)
