@@ -69,7 +69,7 @@ def test_a_pool_at_least_the_context_is_bit_identical_to_full(target, full):
     assert isinstance(states[1].kv, KVFlashCache) and states[1].kv.pool_tokens == 256
     outputs = []
     for m, state in zip((model, wide), states):
-        logits = [m.forward(state, prompt[:100]), m.forward(state, prompt[100:])]
+        logits = [m.forward(state, prompt[:100], last_only=True), m.forward(state, prompt[100:])]
         token = int(logits[-1][-1].argmax())
         for _ in range(6):  # the static decode step (what a CUDA graph records), masked at the mapped slot
             logits.append(m.decode_step(state, token, graphs=False))
@@ -199,7 +199,7 @@ def test_rollback_across_a_verify_over_a_small_pool(pooled, start):
     plain, dynamic, static = (model.new_state(1024) for _ in range(3))
     for state in (plain, dynamic, static):
         for begin in range(0, start, 64):
-            model.forward(state, prompt[begin:begin + 64])
+            model.forward(state, prompt[begin:begin + 64], last_only=True)
     v_dynamic = model.verify(dynamic, tokens, parents, static=False)
     v_static = model.verify(static, tokens, parents, static=True, graphs=False)
     torch.testing.assert_close(v_static.logits, v_dynamic.logits, atol=1e-5, rtol=1e-5)
