@@ -106,7 +106,9 @@ class KVFlashCache:
         pool: int | str = AUTO_POOL,
         policy: str = "lru",
         tau: int = 64,
+        traffic: PageTraffic | None = None,
     ) -> None:
+        """`traffic`: where the page counts go (a policy shares one among its sequences; default this cache's)."""
         if max_context <= 0:
             raise LuceboxError(f"the context size must be positive, got {max_context}")
         if tau < 1:
@@ -149,7 +151,7 @@ class KVFlashCache:
         self._used: dict[int, int] = {}  # chunk -> tick it was last written or recalled (lru)
         self._tick = 0
         self._scored_at = 0  # the length at the last qk reselection
-        self.traffic = PageTraffic()
+        self.traffic = traffic if traffic is not None else PageTraffic()
         self._pin = self.device.type != "cpu"  # pinned host memory makes the copies asynchronous
         # The last query of each layer (`observe_query`), for `qk`: a device buffer written in place.
         self._queries: dict[int, torch.Tensor] = {}
@@ -186,7 +188,7 @@ class KVFlashCache:
         return (self.pool_chunks - SINK_CHUNKS - TRAILING_CHUNKS - 1) * CHUNK
 
     def info(self) -> dict[str, int | str]:
-        """Residency and page traffic, for /props and /metrics."""
+        """Residency and page traffic (shared with the policy's other sequences when it made this one)."""
         return {"pool_tokens": self.pool_tokens, "policy": self.policy, "tau": self.tau,
                 "resident_chunks": len(self._where), "host_chunks": len(self._host),
                 "pages_out": self.traffic.pages_out, "pages_in": self.traffic.pages_in,
@@ -493,11 +495,15 @@ class KVFlashPolicy:
         if int(tau) < 1:
             raise LuceboxError(f"--kvflash-tau must be at least 1, got {tau}")
         self.pool, self.policy, self.tau = pool, check_policy(policy), int(tau)
+        self.traffic = PageTraffic()  # every sequence's paging, summed (counters: they never go down)
         self._caches: weakref.WeakSet[KVFlashCache] = weakref.WeakSet()
+        self.pool_tokens = 0  # the pool of the last sequence made (it depends on the context)
 
     def __call__(self, layers: Mapping[int, KVLayerShape], max_context: int, **options) -> KVFlashCache:
-        cache = KVFlashCache(layers, max_context, pool=self.pool, policy=self.policy, tau=self.tau, **options)
+        cache = KVFlashCache(layers, max_context, pool=self.pool, policy=self.policy, tau=self.tau,
+                             traffic=self.traffic, **options)
         self._caches.add(cache)
+        self.pool_tokens = cache.pool_tokens
         return cache
 
     def max_pass(self, max_context: int) -> int:
@@ -508,11 +514,10 @@ class KVFlashPolicy:
         return (chunks - SINK_CHUNKS - TRAILING_CHUNKS - 1) * CHUNK
 
     def describe(self) -> dict[str, int | str | bool]:
-        """The pool asked for, and residency and traffic summed over the live sequences."""
+        """The pool asked for, residency summed over the live sequences, and all the paging done."""
         caches = list(self._caches)
         totals = {key: sum(int(cache.info()[key]) for cache in caches)
-                  for key in ("resident_chunks", "host_chunks", "pages_out", "pages_in", "bytes_out", "bytes_in",
-                              "device_bytes", "host_bytes")}
-        pool = max((cache.pool_tokens for cache in caches), default=0)
-        return {"enabled": True, "pool": str(self.pool), "pool_tokens": pool, "policy": self.policy,
+                  for key in ("resident_chunks", "host_chunks", "device_bytes", "host_bytes")}
+        totals.update(attrs.asdict(self.traffic))
+        return {"enabled": True, "pool": str(self.pool), "pool_tokens": self.pool_tokens, "policy": self.policy,
                 "tau": self.tau, "sequences": len(caches), **totals}

@@ -279,3 +279,21 @@ def test_props_and_metrics_show_the_pool_residency_and_traffic(service):
 
     assert metric("pool_tokens") == 256 and metric("pages_out") == flash["pages_out"]
     assert metric("host_chunks") == flash["host_chunks"] and metric("bytes_out") == flash["bytes_out"]
+
+
+@pytest.mark.slow
+def test_the_bench_script_times_full_and_kvflash_on_the_cpu(target, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "kvflash.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_kvflash.py"
+    subprocess.run([sys.executable, str(script), "-m", str(target), "--depths", "270", "--pool", "256", "-n", "2",
+                    "-r", "1", "--json", str(out)], check=True, capture_output=True, text=True, timeout=300)
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["kv"] for row in rows] == ["full", "kvflash lru pool 256", "kvflash qk pool 256"]
+    assert all(row["test"] == "tg2 @ d270" and row["tokens_per_s"] > 0 for row in rows)
+    assert all(row["pool_tokens"] == 256 and row["pages_out"] >= 1 for row in rows[1:])
