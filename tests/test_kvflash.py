@@ -297,3 +297,11 @@ def test_the_bench_script_times_full_and_kvflash_on_the_cpu(target, tmp_path):
     assert [row["kv"] for row in rows] == ["full", "kvflash lru pool 256", "kvflash qk pool 256"]
     assert all(row["test"] == "tg2 @ d270" and row["tokens_per_s"] > 0 for row in rows)
     assert all(row["pool_tokens"] == 256 and row["pages_out"] >= 1 for row in rows[1:])
+
+
+def test_a_family_whose_attention_does_not_read_a_pool_refuses_kvflash(tmp_path):
+    from lucebox_laguna import synth as laguna_synth
+
+    path = laguna_synth.write(tmp_path / "laguna.gguf", size="tiny", type="q8_0", seed=3)
+    with pytest.raises(LuceboxError, match="'kvflash' KV policy keeps a bounded resident set, which LagunaModel"):
+        load_model(path, kv_policy=_policy(256))

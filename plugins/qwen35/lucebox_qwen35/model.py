@@ -385,6 +385,8 @@ class Qwen35State:
 
 
 class Qwen35Model(SpeculativeTarget, DecoderModel):
+    reads_bounded_kv = True  # kvflash: causal offsets from `append`, static windows masked at `attention_position`
+
     def __init__(self, config: Qwen35Config, ops: Any, embed_tokens: Weight, layers: list[DecoderLayer],
                  norm: torch.Tensor, lm_head: Weight, **options: Any) -> None:
         """`ops`: the backend with the family's ops bound (`QWEN35_OPS.bind(backend)`); `options` as

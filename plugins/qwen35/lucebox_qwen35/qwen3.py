@@ -149,6 +149,7 @@ class Qwen3State:
 
 class Qwen3Model(DecoderModel):
     state_class = Qwen3State
+    reads_bounded_kv = True  # kvflash: causal offsets from `append`, static windows masked at `attention_position`
 
     def __repr__(self) -> str:
         c = self.config
