@@ -114,7 +114,8 @@ def check_options(options: EngineOptions) -> Choices:
         from .chat_template import ChatTemplate
 
         ChatTemplate.from_file(options.chat_template_file)  # a syntax error is reported now, not after loading
-    policy = _configured_kv_policy(options, registry().kv_policy("kvflash" if options.kvflash is not None else options.kv_policy))
+    named = "kvflash" if options.kvflash is not None else options.kv_policy  # --kvflash implies the policy
+    policy = _configured_kv_policy(options, registry().kv_policy(named))
     cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
     verifier = drafter = None
     if options.model_draft is not None:
@@ -248,7 +249,7 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     prefill_chunk = options.prefill_chunk
     max_pass = getattr(choices.kv_policy.factory, "max_pass", None)
     if max_pass is not None:  # a bounded KV pool takes at most this much of a prompt a forward pass
-        prefill_chunk = min(prefill_chunk or loaded.model.prefill_chunk, max_pass(context.size))
+        prefill_chunk = min(prefill_chunk or getattr(loaded.model, "prefill_chunk", 512), max_pass(context.size))
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=prefill_chunk,
                     speculative=speculative, idle_sequences=options.parallel, backend=loaded.backend,
                     prefix_cache=build_prefix_cache(options, loaded))
