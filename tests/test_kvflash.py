@@ -61,6 +61,7 @@ def _prompt(model, n, seed=0):
 # -- a pool as large as the context is `full` -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_pool_at_least_the_context_is_bit_identical_to_full(target, full):
     wide = load_model(target, kv_policy=_policy("auto", "qk")).model  # auto: 4096, capped at the context
     model = full.model
@@ -80,6 +81,7 @@ def test_a_pool_at_least_the_context_is_bit_identical_to_full(target, full):
     assert states[1].kv.info()["pages_out"] == 0
 
 
+@pytest.mark.slow
 def test_speculative_chain_verify_over_a_pool_as_large_as_the_context_equals_full(tiny_target_and_draft, full):
     from lucebox_core.speculative import SpeculativeDecoder, dflash
 
@@ -191,6 +193,7 @@ def test_a_prompt_longer_than_the_pool_prefills_with_live_eviction(target, polic
 # -- speculative verification over an overflowing pool ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start", [300, 318])  # nodes inside one chunk; nodes crossing into a new chunk
 def test_rollback_across_a_verify_over_a_small_pool(pooled, start):
     model = pooled.model
@@ -216,6 +219,28 @@ def test_rollback_across_a_verify_over_a_small_pool(pooled, start):
         for state in (dynamic, static):
             torch.testing.assert_close(model.forward(state, token), expected, atol=1e-5, rtol=1e-5)
         token = expected[-1:].argmax(-1)
+
+
+@pytest.mark.slow
+def test_speculative_chain_decoding_over_an_overflowing_pool_equals_plain_decoding_over_it(tiny_target_and_draft,
+                                                                                         pooled):
+    """A 300-token prompt through a 256-token pool, then generation that stays inside chunk 4 (no eviction
+    while decoding): the chain verify's nodes, masked at their pool slots, give plain decoding's tokens."""
+    from lucebox_core.speculative import SpeculativeDecoder, dflash
+
+    model = pooled.model
+    prompt = _prompt(model, 300, seed=6).tolist()
+    plain = Engine(model, pooled.tokenizer, ctx_size=1024, prefill_chunk=64)
+    reference = plain.generate(GenerationRequest(prompt_ids=prompt, max_tokens=8, sampling=GREEDY,
+                                                 ignore_eos=True)).token_ids
+    decoder = SpeculativeDecoder(model, dflash.load(tiny_target_and_draft[1], model), spec_type="chain", block_size=4)
+    speculative = Engine(model, pooled.tokenizer, ctx_size=1024, prefill_chunk=64, speculative=decoder)
+    sequence = speculative.new_sequence()
+    result = speculative.generate(GenerationRequest(prompt_ids=prompt, max_tokens=8, sampling=GREEDY,
+                                                    ignore_eos=True, force_accept=2, force_reference=reference),
+                                  sequence)
+    assert result.token_ids == reference
+    assert sequence.state.kv.info()["host_chunks"] == 1 and len(sequence.state.kv.resident_positions()) < 300
 
 
 # -- flags, /props and /metrics --------------------------------------------------------------------------
