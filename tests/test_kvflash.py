@@ -330,3 +330,29 @@ def test_a_family_whose_attention_does_not_read_a_pool_refuses_kvflash(tmp_path)
     path = laguna_synth.write(tmp_path / "laguna.gguf", size="tiny", type="q8_0", seed=3)
     with pytest.raises(LuceboxError, match="'kvflash' KV policy keeps a bounded resident set, which LagunaModel"):
         load_model(path, kv_policy=_policy(256))
+
+
+def _lucebox(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lucebox_core.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_names_a_kvflash_policy_it_cannot_run_in_one_line(target):
+    result = _lucebox("generate", "-m", str(target), "-p", "hi", "--kvflash", "auto", "--kvflash-policy", "drafter")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert "--kvflash-policy drafter: needs a PFlash scorer" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_kvflash_runs_a_prompt_longer_than_the_pool(target):
+    import json
+
+    ids = ",".join(str(100 + i) for i in range(300))
+    result = _lucebox("generate", "-m", str(target), "--prompt-ids", ids, "-c", "512", "-n", "4", "--json",
+                      "--ignore-eos", "--temp", "0", "--kvflash", "256", "--kvflash-policy", "qk", "--kvflash-tau", "32")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]) == 4
