@@ -96,6 +96,12 @@ def attention_position(kv: "KVCache", position: torch.Tensor) -> torch.Tensor:
     return position if mapped is None else mapped(position)
 
 
+def window_limit(kv: "KVCache") -> int:
+    """The largest window a static step need read: the context, or a bounded policy's `max_window` (its pool),
+    so steps past the pool replay one recording instead of one per window size."""
+    return min(kv.max_context, getattr(kv, "max_window", kv.max_context))
+
+
 def observe_query(kv: "KVCache", layer: int, query: torch.Tensor) -> None:
     """Show a policy that ranks chunks by attention (`kvflash --kvflash-policy qk`) a layer's query; a no-op
     for policies without `observe_query`."""

@@ -181,6 +181,11 @@ class KVFlashCache:
         return 0
 
     @property
+    def max_window(self) -> int:
+        """The most rows a static step's window holds: the pool (`kv.window_limit`)."""
+        return min(self.pool_tokens, self.max_context)
+
+    @property
     def max_pass(self) -> int:
         """The most positions one pass may add: its chunks, the sink and the trailing chunk must fit."""
         if self.pool_tokens >= self.max_context:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lucebox_core.errors import LuceboxError
+from lucebox_core.kv import window_limit
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
@@ -90,7 +91,7 @@ class SpeculativeTarget(FeatureCapture):
         inputs = state.verify.inputs(tokens=token_ids, parents=tree.parents, depths=tree.depths,
                                      visible=tree.visibility(), start=committed)
         inputs.set("embedded", ops.embedding(inputs.tokens, self.embed_tokens)[None])
-        window = kv_window(committed + nodes, state.kv.max_context, self.decode_min_window)
+        window = kv_window(committed + nodes, window_limit(state.kv), self.decode_min_window)
         # Keyed on whether features are captured too: a recording without them would return none.
         key = (window, nodes, state.features is not None)
         logits, features, conv, recurrent = state.verify.run(
