@@ -48,6 +48,9 @@ class EngineOptions:
     prefix_cache_ram: str | int = "8G"  # --prefix-cache-ram
     spark: bool = False  # --spark: MoE experts behind a bounded pool of device slots (spark.py)
     spark_vram: str | int | None = None  # --spark-vram SIZE: bytes for resident experts (default: half of them)
+    kvflash: str | int | None = None  # --kvflash N|auto: bounded KV residency (implies --kv-policy kvflash)
+    kvflash_policy: str | None = None  # --kvflash-policy lru|qk (default lru)
+    kvflash_tau: int | None = None  # --kvflash-tau N (default 64)
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -63,6 +66,7 @@ class EngineOptions:
             "prefix_cache_slots": "prefix_cache_slots", "prefix_cache_min_tokens": "prefix_cache_min_tokens",
             "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
             "prefix_cache_ram": "prefix_cache_ram", "spark": "spark", "spark_vram": "spark_vram",
+            "kvflash": "kvflash", "kvflash_policy": "kvflash_policy", "kvflash_tau": "kvflash_tau",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -118,7 +122,8 @@ def check_options(options: EngineOptions) -> Choices:
         from .chat_template import ChatTemplate
 
         ChatTemplate.from_file(options.chat_template_file)  # a syntax error is reported now, not after loading
-    policy = registry().kv_policy(options.kv_policy)
+    named = "kvflash" if options.kvflash is not None else options.kv_policy  # --kvflash implies the policy
+    policy = _configured_kv_policy(options, registry().kv_policy(named))
     cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
     verifier = drafter = None
     if options.model_draft is not None:
@@ -144,6 +149,22 @@ def _device_map(options: EngineOptions) -> Any:
     return build_device_map(device=options.device, target_device=options.target_device,
                             target_devices=options.target_devices, layer_split=options.target_layer_split,
                             draft_device=options.draft_device, layers=layers)
+
+
+def _configured_kv_policy(options: EngineOptions, policy: Any) -> Any:
+    """The KV policy spec, with KVFlash's flags bound into its factory (`--kvflash` implies the policy)."""
+    flags = options.kvflash is not None or options.kvflash_policy is not None or options.kvflash_tau is not None
+    if options.kvflash is not None and options.kv_policy not in ("full", "kvflash"):
+        raise LuceboxError(f"--kvflash is the kvflash KV policy; it cannot go with --kv-policy {options.kv_policy}")
+    if policy.name != "kvflash":
+        if flags:
+            raise LuceboxError("--kvflash-policy and --kvflash-tau need --kvflash N|auto")
+        return policy
+    from .kvflash import KVFlashPolicy
+
+    factory = KVFlashPolicy(options.kvflash if options.kvflash is not None else "auto",
+                            options.kvflash_policy or "lru", 64 if options.kvflash_tau is None else options.kvflash_tau)
+    return attrs.evolve(policy, factory=factory)
 
 
 def _model_family(path: str) -> Any:
@@ -258,7 +279,11 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     speculative = build_speculative(options, loaded, choices)
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)
-    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=options.prefill_chunk,
+    prefill_chunk = options.prefill_chunk
+    max_pass = getattr(choices.kv_policy.factory, "max_pass", None)
+    if max_pass is not None:  # a bounded KV pool takes at most this much of a prompt a forward pass
+        prefill_chunk = min(prefill_chunk or getattr(loaded.model, "prefill_chunk", 512), max_pass(context.size))
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=context.size, prefill_chunk=prefill_chunk,
                     speculative=speculative, idle_sequences=options.parallel,
                     backend=_engine_backend(loaded),
                     prefix_cache=build_prefix_cache(options, loaded))
@@ -302,6 +327,12 @@ def build_prefix_cache(options: EngineOptions, loaded: Any) -> Any:
     if not config.enabled:
         return None
     model = loaded.model
+    if getattr(getattr(model, "kv_policy", None), "name", "") == "kvflash":
+        import logging
+
+        logging.getLogger(__name__).warning("the prefix cache is off: the kvflash KV policy pages part of the "
+                                            "context out and cannot snapshot its rows")
+        return None
     parts = {
         "lucebox": __version__, "family": loaded.family.name, "model": file_identity(loaded.path),
         "draft": file_identity(options.model_draft) if options.model_draft else None,

@@ -28,7 +28,15 @@ lucebox_kv_policies = provides(
         factory="lucebox_core.kv:FullKVCache",
         cache_types=["f32", "f16", "bf16", "q8_0", "q4_0", "tq3_0"],
         description="every position's K and V kept, contiguous per sequence (slot = position)",
-    )
+    ),
+    KVPolicy(
+        name="kvflash",
+        factory="lucebox_core.kvflash:KVFlashCache",  # assembly configures it from --kvflash, -policy, -tau
+        cache_types=["f32", "f16", "bf16", "q8_0", "q4_0", "tq3_0"],
+        bounded=True,
+        description="bounded KV residency: a pool of N slots per layer, 64-token chunks paged to host memory "
+                    "(--kvflash N|auto, --kvflash-policy lru|qk, --kvflash-tau N)",
+    ),
 )
 
 lucebox_drafters = provides(

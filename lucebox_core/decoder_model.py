@@ -22,6 +22,9 @@ Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tenso
 
 class DecoderModel(StateSnapshots):
     state_class: type  # the family's per-sequence state (fields `kv`, `length`, `captured`, `features`)
+    # Whether the family's attention reads a bounded KV policy's pool (`KVPolicy.bounded`): causal offsets
+    # from the rows `append` returns, static windows masked at `kv.attention_position`.
+    reads_bounded_kv = False
 
     def __init__(self, config: Any, ops: Any, embed_tokens: Weight, layers: list[Any], norm: torch.Tensor,
                  lm_head: Weight, *, kv_policy: Any, kv_dtype: torch.dtype | None = None,
@@ -41,6 +44,11 @@ class DecoderModel(StateSnapshots):
         self.cache_type_k = kv_cache_type(cache_type_k if cache_type_k is not None else self.kv_dtype, K_FLAG)
         self.cache_type_v = kv_cache_type(cache_type_v if cache_type_v is not None else self.kv_dtype, V_FLAG)
         kv_policy.check_types(self.cache_type_k, self.cache_type_v)
+        if getattr(kv_policy, "bounded", False) and not self.reads_bounded_kv:
+            from .errors import LuceboxError
+
+            raise LuceboxError(f"the {kv_policy.name!r} KV policy keeps a bounded resident set, which "
+                               f"{type(self).__name__}'s attention does not read yet; use --kv-policy full")
         self.vocab_size = int(lm_head.shape[0])
         self.context_length = int(config.context_length)
         self.source = source

@@ -66,6 +66,16 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
                         "model as MODEL.gguf.spark.csv")
     p.add_argument("--spark-vram", metavar="SIZE",
                    help="bytes for the resident experts with --spark (default: half of the experts' bytes)")
+    p.add_argument("--kvflash", metavar="N|auto",
+                   help="KVFlash (implies --kv-policy kvflash): attention K/V in a pool of N tokens per layer (auto: "
+                        "4096, or the context if smaller), 64-token chunks paged to host memory and back; the first "
+                        "and the trailing chunks stay resident; a pool at least the context is exactly `full`")
+    p.add_argument("--kvflash-policy", metavar="NAME",
+                   help="which chunks stay resident with --kvflash: lru (least recently written or recalled out, "
+                        "the default) or qk (the current query against each chunk's mean key; host chunks come "
+                        "back when they score above the weakest resident one)")
+    p.add_argument("--kvflash-tau", type=int, metavar="N",
+                   help="tokens between qk reselections with --kvflash (default 64)")
     p.add_argument("-ub", "--ubatch-size", type=int, metavar="N",
                    help="prompt tokens per prefill forward pass (default: the model's, 4096 on a GPU, 512 on "
                         "the CPU); smaller takes less memory for activations and prefills more slowly")

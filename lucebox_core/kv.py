@@ -88,6 +88,28 @@ def row_bytes(cache_type: str, values: int) -> int:
     return values * dtype.itemsize
 
 
+def attention_position(kv: "KVCache", position: torch.Tensor) -> torch.Tensor:
+    """What a static attention op masks the window at for a query at device `position` (it sees rows
+    `0 .. attention_position`): the position itself for a cache whose slot is the position, the query's
+    slot for a policy that keeps a compact resident set (`kvflash`). A policy says so by having the method."""
+    mapped = getattr(kv, "attention_position", None)
+    return position if mapped is None else mapped(position)
+
+
+def window_limit(kv: "KVCache") -> int:
+    """The largest window a static step need read: the context, or a bounded policy's `max_window` (its pool),
+    so steps past the pool replay one recording instead of one per window size."""
+    return min(kv.max_context, getattr(kv, "max_window", kv.max_context))
+
+
+def observe_query(kv: "KVCache", layer: int, query: torch.Tensor) -> None:
+    """Show a policy that ranks chunks by attention (`kvflash --kvflash-policy qk`) a layer's query; a no-op
+    for policies without `observe_query`."""
+    observe = getattr(kv, "observe_query", None)
+    if observe is not None:
+        observe(layer, query)
+
+
 # -- one role's storage (K or V) -------------------------------------------------------------------------
 
 
@@ -211,6 +233,11 @@ class KVCache(Protocol):
     # Optional (the prefix cache uses them when a policy has them): the rows of the first `length`
     # positions as stored, by name, and writing such rows back into an empty cache.
     def export_rows(self, length: int) -> dict[str, torch.Tensor]: ...
+    # Optional (the families call them through `attention_position` / `observe_query` of this module): the
+    # slot a static attention op masks at, for a policy whose slot is not the position, and the queries,
+    # for a policy that ranks what stays resident by attention.
+    def attention_position(self, position: torch.Tensor) -> torch.Tensor: ...
+    def observe_query(self, layer: int, query: torch.Tensor) -> None: ...
     def import_rows(self, rows: Mapping[str, torch.Tensor], length: int, *, check_only: bool = False) -> None: ...
 
 

@@ -97,12 +97,16 @@ class KVPolicy:
     """A way of storing and keeping attention KV resident (`full`, paged, kvflash...).
 
     `factory(layers, max_context, *, dtype, device, k_type, v_type)` makes one sequence's cache (a
-    `lucebox_core.kv.KVCache`); `cache_types` are the `-ctk` / `-ctv` types it stores.
+    `lucebox_core.kv.KVCache`); `cache_types` are the `-ctk` / `-ctv` types it stores. `bounded`: a row's
+    slot is not its position (a resident set smaller than the context), so a family's attention must take
+    its causal offset from the rows `append` returns and mask static windows at `kv.attention_position`; a
+    model whose family does not (`DecoderModel.reads_bounded_kv`) refuses such a policy.
     """
 
     name: str
     factory: Target
     cache_types: tuple[str, ...] = attrs.field(default=("f32", "f16", "bf16"), converter=tuple)
+    bounded: bool = False
     description: str = ""
     kind = "kv_policy"
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .kv import window_limit
+
 ENV_SWITCH = "LUCEBOX_CUDA_GRAPHS"  # "0" turns graph replay off (eager steps, for debugging and profiling)
 MIN_WINDOW = 256
 WINDOWS_PER_OCTAVE = 4
@@ -197,7 +199,7 @@ def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, Sta
     inputs = state.decode.inputs(token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),
                                  position=length)
     inputs.set("embedded", model.embed(inputs.token).reshape(1, 1, -1))
-    window = kv_window(length + 1, state.kv.max_context, model.decode_min_window)
+    window = kv_window(length + 1, window_limit(state.kv), model.decode_min_window)
     key = window if state.features is None else (window, state.features.data_ptr())
     logits = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
                               graphs=graphs)

@@ -187,32 +187,31 @@ pflash() {  # ~9.5 min: issue #16's rows: the block-sparse kernel's check and ti
   return 0
 }
 
-long_pflash() {  # ~9.5 min: #16's PFlash rows and #15's long-context rows in one call (the 27B synthesized once):
-  #               PFlash TTFT at 32K and 128K with the scorer's sparse/dense pass; the second-turn TTFT of a 32K
-  #               conversation with the prefix cache; decode at 128K full f16 and KVFlash pool 4096 (lru, qk)
-  #               beside depth 0; memory at 128K/256K per KV type; llama.cpp tg32 at depth 131072 (f16, no
-  #               warm-up: its prefill alone is a minute); Spark's and the multi-device GPU checks.
-  #               carry: .whl .llamacpp
+long_pflash() {  # ~8 min: #16's PFlash rows and #15's long-context rows in one call (the 27B synthesized once):
+  #               PFlash TTFT at 32K and 128K with the scorer's sparse/dense pass; decode at depth 131072 with
+  #               the full f16 cache and KVFlash pools of 4096 (lru, qk) beside depth 0; the second-turn TTFT of
+  #               a 32K conversation with the prefix cache; memory at 256K with TQ3_0; Spark's and the
+  #               multi-device GPU checks; llama.cpp tg64 at depth 131072 (f16, no warm-up: its prefill alone is
+  #               a minute).   carry: .whl .llamacpp
   llama_build_bg
   step synth-27b 60 synth 27b
   step synth-scorer 30 python3 -m lucebox_core.cli synth --arch qwen3 --size 0.6b --type q8_0 -o "$WORK/qwen3-0.6b-q8_0.gguf"
-  step bench-pflash 150 python3 scripts/bench_pflash.py --target "$(model 27b)" --scorer "$WORK/qwen3-0.6b-q8_0.gguf" \
+  step bench-pflash 130 python3 scripts/bench_pflash.py --target "$(model 27b)" --scorer "$WORK/qwen3-0.6b-q8_0.gguf" \
     --lengths ${PFLASH_LENGTHS:-32768,131072} --keep 0.05 --json "$RES/pflash.json"
-  step ttft-32k 60 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
+  step kvflash 130 python3 scripts/bench_kvflash.py -m "$(model 27b)" --depths ${KVFLASH_DEPTHS:-0,131072} --pool 4096 \
+    -n 64 -r 1 --json "$RES/kvflash.json"
+  step ttft-32k 70 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
     --json "$RES/prefix_cache_ttft.json"
-  [ -f scripts/bench_kvflash.py ] && step kvflash 130 python3 scripts/bench_kvflash.py -m "$(model 27b)" \
-    --depths ${KVFLASH_DEPTHS:-131072} --pool 4096 --json "$RES/kvflash.json"
-  for row in "262144 tq3_0" "131072 tq3_0" "131072 f16"; do
-    set -- $row
-    step "memory-$1-$2" 30 python3 scripts/memory_at_context.py -m "$(model 27b)" -c "$1" -ctk "$2" -ctv "$2" \
-      --json "$RES/memory.jsonl"
-  done
-  step spark-cuda 60 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py -k gpu -x
-  [ -f scripts/multi_device_check.py ] && step multi-device 60 python3 scripts/multi_device_check.py --json "$RES/multi_device.json"
+  step memory-256k-tq3 30 python3 scripts/memory_at_context.py -m "$(model 27b)" -c 262144 -ctk tq3_0 -ctv tq3_0 \
+    --json "$RES/memory.jsonl"
+  step spark-cuda 50 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py -k gpu -x
   if llama_wait; then
-    step llama-tg-d128k 90 sh -c "$LB -m $(model 27b) -ngl 99 -fa 1 -p 0 -n 32 -d 131072 -r 1 --no-warmup -o json \
+    step llama-tg-d128k 80 sh -c "$LB -m $(model 27b) -ngl 99 -fa 1 -p 0 -n 64 -d 131072 -r 1 --no-warmup -o json \
       > $RES/llama_tg_d128k.json; python3 -c 'import json,sys; [print(r[\"n_depth\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(open(sys.argv[1]))]' $RES/llama_tg_d128k.json"
   fi
+  step multi-device 60 sh -c "python3 scripts/multi_device_check.py --size 0.8b --tokens 32 > $RES/multi_device.json"
+  step memory-128k 40 sh -c "python3 scripts/memory_at_context.py -m $(model 27b) -c 131072 -ctk tq3_0 -ctv tq3_0 --json $RES/memory.jsonl; \
+    python3 scripts/memory_at_context.py -m $(model 27b) -c 131072 --json $RES/memory.jsonl"
   cp "$RES"/*.json "$RES"/*.jsonl "$OUT/" 2>/dev/null
   return 0
 }

@@ -34,7 +34,7 @@ def test_builtins_always_load_even_when_plugins_are_restricted():
     registry = discover(allowed="nothing-by-this-name")
     assert [p.name for p in registry.plugins] == ["builtin"]
     assert [b.name for b in registry.kernel_backends()] == ["torch"]
-    assert [k.name for k in registry.kv_policies()] == ["full"]
+    assert [k.name for k in registry.kv_policies()] == ["full", "kvflash"]
 
 
 def test_lucebox_kernel_backends_builtin_torch_is_the_fallback():

@@ -96,7 +96,7 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
                     "parallel": config.parallel, "chunk": service.engine.prefill_chunk,
                     # The context and how it was chosen (-c, or what fits in memory).
                     "context": service.context.as_dict() if service.context is not None else None,
-                    "kv_policy": config.kv_policy, "cache_type_k": getattr(loaded.model, "cache_type_k", None),
+                    "kv_policy": loaded.model.kv_policy.name, "cache_type_k": getattr(loaded.model, "cache_type_k", None),
                     "cache_type_v": getattr(loaded.model, "cache_type_v", None),
                     # The ops this backend runs as kernels (where their checks accept the arguments).
                     "op_kernels": sorted(getattr(loaded.backend, "op_kernels", {}) or {})},
@@ -108,6 +108,7 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
         "prefix_cache": service.prefix_cache_info() or {"enabled": False},
         "prefill_compression": service.prefill_compression_info() or {"mode": "off"},
         "spark": service.spark.describe() if service.spark is not None else {"enabled": False},
+        "kvflash": service.kvflash_info() or {"enabled": False},
         "tool_replay": {"max_entries": service.tool_replay.max_entries, "max_bytes": service.tool_replay.max_bytes,
                         "current_entries": len(service.tool_replay), "current_bytes": service.tool_replay.nbytes},
     })

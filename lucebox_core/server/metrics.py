@@ -103,7 +103,7 @@ class ServerMetrics:
 
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float],
                  prefix_cache: Callable[[], dict] = dict, prefill_compression: Callable[[], dict] = dict,
-                 spark: Callable[[], dict] = dict):
+                 spark: Callable[[], dict] = dict, kvflash: Callable[[], dict] = dict):
         self.requests = Counter("requests_total", "HTTP requests handled, by endpoint and status")
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
         self.cached_prompt_tokens = Counter("prompt_tokens_cached_total",
@@ -149,6 +149,16 @@ class ServerMetrics:
                               ("misses", "experts brought into a slot from host memory"),
                               ("bytes_moved", "bytes copied into expert slots"))
         ]
+        self.kvflash = [
+            Gauge(f"kvflash_{key}", text, lambda key=key: float(kvflash().get(key) or 0))
+            for key, text in (("pool_tokens", "KV pool size in tokens per attention layer (--kvflash)"),
+                              ("resident_chunks", "64-token KV chunks resident in the pools of live sequences"),
+                              ("host_chunks", "64-token KV chunks paged out to host memory"),
+                              ("pages_out", "KV chunks copied to host memory"),
+                              ("pages_in", "KV chunks copied back into a pool"),
+                              ("bytes_out", "bytes of KV copied to host memory"),
+                              ("bytes_in", "bytes of KV copied back into a pool"))
+        ]
         self.prefix_cache = [
             Gauge(f"prefix_cache_{key}", text, lambda key=key: float(prefix_cache().get(key) or 0))
             for key, text in (("lookups", "prompts looked up in the prefix cache"),
@@ -166,6 +176,6 @@ class ServerMetrics:
         for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.prefill_seconds,
                        self.generated_tokens, self.cancelled, self.ttft, self.decode_speed, self.prefill_speed,
                        self.accepted_length, self.queue_depth, self.running,
-                       *self.prefix_cache, *self.prefill_compression, *self.spark):
+                       *self.prefix_cache, *self.prefill_compression, *self.spark, *self.kvflash):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -71,6 +71,7 @@ class ModelService:
             running=lambda: self.scheduler.running if self.scheduler else 0,
             prefix_cache=self.prefix_cache_info, prefill_compression=self.prefill_compression_info,
             spark=lambda: self.spark.describe() if self.spark is not None else {},
+            kvflash=self.kvflash_info,
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
         self.tool_replay = ToolCallReplay()
@@ -124,6 +125,12 @@ class ModelService:
         """What `/props` and `/metrics` report about the prefix cache ({} while it is off)."""
         cache = self.engine.prefix_cache if self.engine is not None else None
         return {"enabled": True, **cache.describe()} if cache is not None else {}
+
+    def kvflash_info(self) -> dict[str, Any]:
+        """KVFlash's pool, residency and page traffic over the live sequences ({} under another KV policy)."""
+        policy = getattr(getattr(self.loaded, "model", None), "kv_policy", None)
+        describe = getattr(getattr(policy, "factory", None), "describe", None)
+        return describe() if describe is not None else {}
 
     def close(self) -> None:
         if self.scheduler is not None:

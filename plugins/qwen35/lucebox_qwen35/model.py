@@ -34,7 +34,7 @@ import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.device_map import SplitKVCache, hand_over
-from lucebox_core.kv import KVCache, KVLayerShape
+from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout import Qwen35Config
@@ -262,10 +262,12 @@ class GatedAttention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
         """`past`: positions the cache held before this forward call; query `i` sees keys `0 .. past + i`."""
         query, gate, key, value = self._project(x, positions)
+        observe_query(kv, self.layer_index, query)
         all_keys, all_values = kv.append(self.layer_index, key[0], value[0])
+        # The rows before this pass's own: `past` for a full cache, the resident ones for a bounded pool.
         out = self.ops.attention(
             query, all_keys[None].to(query.dtype), all_values[None].to(query.dtype),
-            scale=self.head_dim**-0.5, causal_offset=past,
+            scale=self.head_dim**-0.5, causal_offset=all_keys.shape[0] - key.shape[1],
         )
         return self._output(out, gate)
 
@@ -273,10 +275,12 @@ class GatedAttention:
         """One token `x` `[1, 1, hidden]` at the device position `position` `[1]`: its K/V written there,
         attention over the first `window` positions masked past it. No host value but `window`."""
         query, gate, key, value = self._project(x, position)
+        observe_query(kv, self.layer_index, query)
         kv.write(self.layer_index, position, key[0], value[0])
         # As stored: a Q8_0 window goes to the attention op undecoded (its kernel decodes in registers).
         keys, values = kv.gather(self.layer_index, window)
-        out = self.ops.decode_attention(query, keys, values, position, scale=self.head_dim**-0.5)
+        out = self.ops.decode_attention(query, keys, values, attention_position(kv, position),
+                                        scale=self.head_dim**-0.5)
         return self._output(out, gate)
 
     def verify_tree(
@@ -307,7 +311,8 @@ class GatedAttention:
         kv.write(self.layer_index, start + torch.arange(x.shape[1], device=start.device), key[0], value[0])
         # As stored, as the decode step reads them: a Q8_0 window is decoded by the attention op.
         keys, values = kv.gather(self.layer_index, window)
-        out = self.ops.tree_attention(query, keys, values, start, visible, scale=self.head_dim**-0.5)
+        out = self.ops.tree_attention(query, keys, values, attention_position(kv, start), visible,
+                                      scale=self.head_dim**-0.5)
         return self._output(out, gate)
 
 
@@ -381,6 +386,8 @@ class Qwen35State:
 
 
 class Qwen35Model(SpeculativeTarget, DecoderModel):
+    reads_bounded_kv = True  # kvflash: causal offsets from `append`, static windows masked at `attention_position`
+
     def __init__(self, config: Qwen35Config, ops: Any, embed_tokens: Weight, layers: list[DecoderLayer],
                  norm: torch.Tensor, lm_head: Weight, *, device_map: Any = None, part_ops: list[Any] | None = None,
                  **options: Any) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.ggufio import MetadataView
-from lucebox_core.kv import KVCache, KVLayerShape
+from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query
 from lucebox_core.loading import LayoutTensors, start_family_load
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
@@ -109,18 +109,22 @@ class Qwen3Attention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, past: int) -> torch.Tensor:
         """Eager: `x` at positions `past ..`; K/V appended to the cache, query `i` sees keys `0 .. past + i`."""
         query, key, value = self.project(x, positions)
+        observe_query(kv, self.layer_index, query)
         keys, values = kv.append(self.layer_index, key[0], value[0])
+        # The rows before this pass's own: `past` for a full cache, the resident ones for a bounded pool.
         out = self.ops.attention(query, keys[None].to(query.dtype), values[None].to(query.dtype), scale=self.scale,
-                                 causal_offset=past)
+                                 causal_offset=keys.shape[0] - key.shape[1])
         return self.output(out)
 
     def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:
         """One token at the device position `position` `[1]`: K/V written there, attention over the first
         `window` rows of the cache masked past it (no host value but `window`: what a graph records)."""
         query, key, value = self.project(x, position)
+        observe_query(kv, self.layer_index, query)
         kv.write(self.layer_index, position, key[0], value[0])
         keys, values = kv.gather(self.layer_index, window)  # as stored: a Q8_0 window is decoded by the op
-        return self.output(self.ops.decode_attention(query, keys, values, position, scale=self.scale))
+        return self.output(self.ops.decode_attention(query, keys, values, attention_position(kv, position),
+                                                     scale=self.scale))
 
 
 @attrs.define
@@ -145,6 +149,7 @@ class Qwen3State:
 
 class Qwen3Model(DecoderModel):
     state_class = Qwen3State
+    reads_bounded_kv = True  # kvflash: causal offsets from `append`, static windows masked at `attention_position`
 
     def __repr__(self) -> str:
         c = self.config

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lucebox_core.errors import LuceboxError
+from lucebox_core.kv import window_limit
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
@@ -55,6 +56,9 @@ class SpeculativeTarget(FeatureCapture):
                 f"context overflow: verifying {tree.size} nodes at position {committed} needs rows up to "
                 f"{needed - 1}; the context holds {state.kv.max_context}"
             )
+        # A bounded pool (kvflash) makes room for the nodes as plain decoding of the chain would: the same plan
+        # whichever pass runs, so a static and a dynamic verify leave the same residency.
+        state.kv.ensure_room(tree.size if static else tree.max_depth + 1)
         if static:
             return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
@@ -88,7 +92,7 @@ class SpeculativeTarget(FeatureCapture):
         inputs = state.verify.inputs(tokens=token_ids, parents=tree.parents, depths=tree.depths,
                                      visible=tree.visibility(), start=committed)
         inputs.set("embedded", ops.embedding(inputs.tokens, self.embed_tokens)[None])
-        window = kv_window(committed + nodes, state.kv.max_context, self.decode_min_window)
+        window = kv_window(committed + nodes, window_limit(state.kv), self.decode_min_window)
         # Keyed on whether features are captured too: a recording without them would return none.
         key = (window, nodes, state.features is not None)
         logits, features, conv, recurrent = state.verify.run(

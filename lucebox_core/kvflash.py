@@ -1,0 +1,528 @@
+"""KVFlash: bounded KV residency (`--kvflash N|auto`, the `kvflash` KV policy).
+
+Each attention layer keeps its K and V in a *pool* of N slots (N a multiple of 64) instead of one row per
+position. Logical positions are mapped to slots a 64-token chunk at a time through a chunk table; chunks
+that do not fit are copied, as stored (raw rows of the storage type: f16, Q8_0 blocks...), to host memory
+(pinned where the device is not the CPU) and copied back when the policy wants them again. The first chunk
+(the attention sink) and the trailing chunks are never paged out.
+
+Why the attention kernels need no change: RoPE is applied before K is cached, so attention over a set of
+rows does not depend on their order, only on which rows are in it. The pool is kept *compact*: the resident
+chunks fill pool chunks `0 .. U-1`, every one but the last ones fully written, and the chunks of the
+positions a pass writes (the partial tail and any new chunk) are always the top ones, in logical order and
+contiguous. So the rows a query at position p may see are exactly the slots `0 .. slot(p)`: the
+"slot <= position" mask every decode / tree attention op already applies becomes the exact validity mask
+when the family hands it `slot(p)` (`attention_position`) instead of p. With a pool at least as large as
+the context every chunk sits at its own index, slot = position, and everything is bit-identical to `full`.
+
+Paging happens on the host between passes (`ensure_room`, called before every forward, decode step and
+verify pass; `append` and `read` plan too when called without one), never inside a recorded step: `write`,
+`gather`, `move` and `attention_position` read only the device chunk table, which a relayout updates in
+place, so replayed graphs follow it.
+
+Policies (which non-protected chunk leaves when the pool is full, and which come back):
+- `lru`: the chunk least recently written or recalled leaves; nothing is recalled (a StreamingLLM-like sink
+  plus recent window, with the middle kept while there is room);
+- `qk`: every `tau` tokens (and whenever a chunk must leave) each chunk is scored by the target's own
+  current query (`observe_query`, the last token's query of each attention layer) against the chunk's mean
+  key, summed over heads and layers; the lowest-scoring resident chunks leave and host chunks scoring above
+  the weakest resident one come back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from .errors import LuceboxError
+from .kv import K_FLAG, V_FLAG, KV_CACHE_TYPES, KVLayerShape, _Codec, check_kv_pair, head_dim_multiple, kv_cache_type
+
+CHUNK = 64  # positions per chunk: the unit of mapping and paging
+AUTO_POOL = 4096  # `--kvflash auto`: this many tokens, or the context if smaller
+POLICIES = ("lru", "qk")
+SINK_CHUNKS = 1  # the first chunk: attention sinks, never paged out
+TRAILING_CHUNKS = 1  # complete chunks just before the tail, kept resident with it
+MIN_POOL_CHUNKS = SINK_CHUNKS + TRAILING_CHUNKS + 2  # room for the sink, the trailing chunk and a pass
+
+
+def pool_tokens(value: str | int, max_context: int | None = None) -> int:
+    """The pool size `--kvflash` asks for: `auto` (4096, or the context if smaller) or a token count, rounded
+    up to whole chunks; a LuceboxError naming the flag for anything else."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        tokens = AUTO_POOL if max_context is None else min(AUTO_POOL, max_context)
+    else:
+        try:
+            tokens = int(text)
+        except ValueError:
+            raise LuceboxError(f"--kvflash: expected a pool size in tokens or 'auto', got {value!r}") from None
+    if max_context is not None and tokens >= max_context:  # the whole context fits: slot = position
+        tokens = max_context
+    elif tokens < MIN_POOL_CHUNKS * CHUNK:
+        raise LuceboxError(f"--kvflash {value}: the pool must hold at least {MIN_POOL_CHUNKS * CHUNK} tokens "
+                           f"({MIN_POOL_CHUNKS} chunks of {CHUNK}: the sink, the trailing chunk and a pass)")
+    return -(-tokens // CHUNK) * CHUNK
+
+
+def check_policy(name: str) -> str:
+    """A `--kvflash-policy` name, or a LuceboxError saying what there is."""
+    name = str(name).strip().lower()
+    if name == "drafter":
+        raise LuceboxError("--kvflash-policy drafter: needs a PFlash scorer model to rank chunks, which KVFlash "
+                           "cannot use yet; choose lru or qk")
+    if name not in POLICIES:
+        raise LuceboxError(f"--kvflash-policy: unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return name
+
+
+@attrs.define
+class PageTraffic:
+    """What a cache has paged, for /props and /metrics."""
+
+    pages_out: int = 0  # chunks copied to host memory
+    pages_in: int = 0  # chunks copied back into the pool
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+
+class KVFlashCache:
+    """One sequence's attention K/V in a bounded pool of `pool` slots per layer (see the module doc).
+
+    The constructor takes what every KV policy's factory takes, plus `pool` (tokens; default 4096, capped
+    at the context), `policy` (`lru` or `qk`) and `tau` (tokens between `qk` reselections)."""
+
+    def __init__(
+        self,
+        layers: Mapping[int, KVLayerShape],
+        max_context: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        k_type: str | torch.dtype | None = None,
+        v_type: str | torch.dtype | None = None,
+        pool: int | str = AUTO_POOL,
+        policy: str = "lru",
+        tau: int = 64,
+        traffic: PageTraffic | None = None,
+    ) -> None:
+        """`traffic`: where the page counts go (a policy shares one among its sequences; default this cache's)."""
+        if max_context <= 0:
+            raise LuceboxError(f"the context size must be positive, got {max_context}")
+        if tau < 1:
+            raise LuceboxError(f"--kvflash-tau must be at least 1, got {tau}")
+        self.max_context = max_context
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.shapes = dict(layers)
+        self.policy = check_policy(policy)
+        self.tau = int(tau)
+        for layer, s in self.shapes.items():
+            if s.window:
+                raise LuceboxError(f"the kvflash KV policy pools global-attention layers only; layer {layer} is a "
+                                   f"sliding-window layer (window {s.window}): use --kv-policy full")
+        self.k_type = kv_cache_type(dtype if k_type is None else k_type, K_FLAG)
+        self.v_type = kv_cache_type(dtype if v_type is None else v_type, V_FLAG)
+        check_kv_pair(self.k_type, self.v_type, tuple(KV_CACHE_TYPES))
+        self._k_codec, self._v_codec = _Codec(self.k_type, dtype), _Codec(self.v_type, dtype)
+        for layer, s in self.shapes.items():
+            for codec, role, dim, flag in ((self._k_codec, "K", s.k_head_dim, K_FLAG),
+                                           (self._v_codec, "V", s.v_head_dim, V_FLAG)):
+                if dim % head_dim_multiple(codec.cache_type):
+                    raise LuceboxError(f"{flag} {codec.cache_type}: layer {layer}'s {role} head dim {dim} is not a "
+                                       f"multiple of {head_dim_multiple(codec.cache_type)}; choose another type")
+        context_chunks = -(-max_context // CHUNK)
+        self.pool_chunks = pool_tokens(pool, max_context) // CHUNK
+        self.pool_tokens = self.pool_chunks * CHUNK
+        self._keys = {layer: torch.zeros(self.pool_tokens, s.kv_heads, *self._k_codec.stored_shape(s.k_head_dim),
+                                         dtype=self._k_codec.storage_dtype, device=self.device)
+                      for layer, s in self.shapes.items()}
+        self._values = {layer: torch.zeros(self.pool_tokens, s.kv_heads, *self._v_codec.stored_shape(s.v_head_dim),
+                                           dtype=self._v_codec.storage_dtype, device=self.device)
+                        for layer, s in self.shapes.items()}
+        self._lengths = {layer: 0 for layer in self.shapes}
+        # Logical chunk -> pool chunk, on the device (what recorded steps read) and on the host.
+        self._table = torch.arange(context_chunks, device=self.device).clamp_(max=self.pool_chunks - 1)
+        self._where: dict[int, int] = {}  # resident logical chunk -> pool chunk
+        self._host: dict[int, dict[str, torch.Tensor]] = {}  # paged-out chunk -> "<layer>.k|v" rows as stored
+        self._host_mean_keys: dict[int, dict[int, torch.Tensor]] = {}  # paged-out chunk -> layer -> [H, Dk]
+        self._used: dict[int, int] = {}  # chunk -> tick it was last written or recalled (lru)
+        self._tick = 0
+        self._scored_at = 0  # the length at the last qk reselection
+        self.traffic = traffic if traffic is not None else PageTraffic()
+        self._pin = self.device.type != "cpu"  # pinned host memory makes the copies asynchronous
+        # The last query of each layer (`observe_query`), for `qk`: a device buffer written in place.
+        self._queries: dict[int, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return (f"KVFlashCache({len(self.shapes)} layers, {self.length}/{self.max_context} positions, pool "
+                f"{self.pool_tokens}, {len(self._where)} resident / {len(self._host)} host chunks, {self.policy})")
+
+    # -- sizes ---------------------------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return max(self._lengths.values(), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes: the pools, whatever the context holds."""
+        return sum(t.numel() * t.element_size() for t in (*self._keys.values(), *self._values.values()))
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for rows in self._host.values() for t in rows.values())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Device bytes one more position takes: none, the pool is allocated whole."""
+        return 0
+
+    @property
+    def max_window(self) -> int:
+        """The most rows a static step's window holds: the pool (`kv.window_limit`)."""
+        return min(self.pool_tokens, self.max_context)
+
+    @property
+    def max_pass(self) -> int:
+        """The most positions one pass may add: its chunks, the sink and the trailing chunk must fit."""
+        if self.pool_tokens >= self.max_context:
+            return self.max_context
+        return (self.pool_chunks - SINK_CHUNKS - TRAILING_CHUNKS - 1) * CHUNK
+
+    def info(self) -> dict[str, int | str]:
+        """Residency and page traffic (shared with the policy's other sequences when it made this one)."""
+        return {"pool_tokens": self.pool_tokens, "policy": self.policy, "tau": self.tau,
+                "resident_chunks": len(self._where), "host_chunks": len(self._host),
+                "pages_out": self.traffic.pages_out, "pages_in": self.traffic.pages_in,
+                "bytes_out": self.traffic.bytes_out, "bytes_in": self.traffic.bytes_in,
+                "device_bytes": self.nbytes, "host_bytes": self.host_bytes}
+
+    # -- planning (host side, between passes) -------------------------------------------------------------
+
+    def ensure_room(self, new_tokens: int) -> None:
+        """Map positions `length .. length + new_tokens - 1` to the top of the pool, paging chunks out (and,
+        for `qk`, back in) as the policy says; a LuceboxError, before anything moves, if they cannot fit."""
+        length = self.length
+        if length + new_tokens > self.max_context:
+            raise LuceboxError(
+                f"context overflow: the sequence holds {length} tokens and {new_tokens} more do not fit "
+                f"in the context size {self.max_context}; raise -c/--ctx-size or shorten the conversation"
+            )
+        self._plan(length, new_tokens)
+
+    def _plan(self, length: int, new_tokens: int) -> None:
+        first = length // CHUNK
+        last = (length + new_tokens - 1) // CHUNK if new_tokens else first - (length % CHUNK == 0)
+        tail = list(range(first, last + 1))  # the chunks this pass writes into, in order
+        if last >= self.pool_chunks and len(tail) > self.pool_chunks - SINK_CHUNKS - TRAILING_CHUNKS:
+            raise LuceboxError(
+                f"kvflash: a pass of {new_tokens} tokens does not fit a pool of {self.pool_tokens} (the sink and "
+                f"trailing chunks stay resident); feed at most {self.max_pass} tokens a pass (-ub/--ubatch-size)"
+            )
+        # Chunks past the tail hold only rolled-back rows: dropped, never paged.
+        for chunk in [c for c in self._where if c > last]:
+            del self._where[chunk]
+        for chunk in [c for c in self._host if c * CHUNK >= length]:
+            self._drop_host(chunk)
+        if self._tail_in_place(tail):
+            return
+        old = sorted(c for c in self._where if c < first)
+        room = self.pool_chunks - len(tail)
+        protected = set(range(SINK_CHUNKS)) | set(range(first - TRAILING_CHUNKS, first))
+        recalls: list[int] = []
+        if self.policy == "qk" and (self._host or len(old) > room):
+            old, recalls = self._select_qk(old, room, protected, length)
+        else:
+            while len(old) > room:
+                victims = [c for c in old if c not in protected] or [c for c in old if c >= SINK_CHUNKS]
+                old.remove(min(victims, key=lambda c: (self._used.get(c, 0), c)))
+        self._relayout(old + recalls, tail)
+
+    def _tail_in_place(self, tail: list[int]) -> bool:
+        """Whether the tail's chunks are (or can be, with no data moved) the top of the pool, in order."""
+        if sorted(self._where.values()) != list(range(len(self._where))):
+            return False  # not compact (a rollback far back): relayout
+        if not tail:
+            return True
+        top = max(self._where.values(), default=-1)
+        start = self._where.get(tail[0], top + 1)
+        if start + len(tail) > self.pool_chunks or any(c in self._host for c in tail):
+            return False
+        # The resident rows below the tail must fill every pool chunk below it (the mask is "slot <= p").
+        below = [c for c in self._where if c < tail[0]]
+        if len(below) != start or any(self._where[c] >= start for c in below):
+            return False
+        if any(self._where.get(c, start + i) != start + i for i, c in enumerate(tail)):
+            return False
+        for i, chunk in enumerate(tail):
+            if chunk not in self._where:
+                self._where[chunk] = start + i
+                self._table[chunk] = start + i
+                self._touch(chunk)
+        return True
+
+    def _touch(self, chunk: int) -> None:
+        self._tick += 1
+        self._used[chunk] = self._tick
+
+    def _select_qk(self, old: list[int], room: int, protected: set[int], length: int) -> tuple[list[int], list[int]]:
+        """`qk`: which old chunks stay and which host chunks come back, by the current query's score against
+        each chunk's mean key (reselected every `tau` tokens; in between only what must leave, leaves)."""
+        due = length - self._scored_at >= self.tau
+        if not due and len(old) <= room:
+            return old, []
+        scores = self._scores(old, list(self._host) if due else [])
+        if due:
+            self._scored_at = length
+        keep = [c for c in old if c in protected]
+        candidates = sorted((c for c in (*old, *(self._host if due else ())) if c not in protected),
+                            key=lambda c: (-scores[c], -self._used.get(c, 0)))  # ties: the least recent leaves
+        chosen = candidates[: max(0, room - len(keep))]
+        kept = sorted(keep + [c for c in chosen if c in self._where])
+        return kept, sorted(c for c in chosen if c in self._host)
+
+    def _scores(self, resident: list[int], host: list[int]) -> dict[int, float]:
+        """Each chunk's score: the last observed query of every layer against the chunk's mean key (a
+        query head against its KV head), summed over heads and layers."""
+        total = torch.zeros(len(resident) + len(host), dtype=torch.float32, device=self.device)
+        if not self._queries:
+            return {c: 0.0 for c in (*resident, *host)}
+        slots = torch.tensor([self._where[c] for c in resident], dtype=torch.long, device=self.device)
+        for layer, query in self._queries.items():
+            means = []
+            if resident:
+                rows = self._k_codec.decode(self._keys[layer]).float().unflatten(0, (self.pool_chunks, CHUNK))
+                means.append(rows.mean(1).index_select(0, slots))  # [chunks, H, D]
+            if host:
+                means.append(torch.stack([self._host_mean_keys[c][layer] for c in host]).to(self.device))
+            keys = torch.cat(means)
+            heads = keys.shape[1]
+            grouped = query.float().reshape(heads, -1, query.shape[-1])  # [H, Hq / H, D]
+            total += torch.einsum("chd,hgd->c", keys, grouped)
+        return dict(zip((*resident, *host), total.tolist()))
+
+    def observe_query(self, layer: int, query: torch.Tensor) -> None:
+        """Keep the last token's query `[..., T, Hq, D]` of `layer` for `qk` scoring (in place: a recorded
+        step may call it)."""
+        if self.policy != "qk":
+            return
+        last = query.reshape(-1, *query.shape[-2:])[-1]
+        held = self._queries.get(layer)
+        if held is None or held.shape != last.shape:
+            self._queries[layer] = last.detach().clone()
+        else:
+            held.copy_(last)
+
+    def _relayout(self, old: list[int], tail: list[int]) -> None:
+        """Make the pool hold `old` (sorted; resident or on the host) in its first chunks, then `tail` in
+        order: evicted chunks copied out first, moves within the pool all read before any write, recalled
+        chunks copied in last."""
+        keep = set(old) | set(tail)
+        for chunk in sorted(c for c in self._where if c not in keep):
+            self._page_out(chunk)
+        base = len(old)
+        target: dict[int, int] = {c: base + i for i, c in enumerate(tail)}
+        holes = [j for j in range(base) if j not in {self._where[c] for c in old if c in self._where}]
+        for chunk in old:
+            where = self._where.get(chunk)
+            target[chunk] = where if where is not None and where < base else holes.pop(0)
+        moves = [(self._where[c], target[c]) for c in target if c in self._where and self._where[c] != target[c]]
+        if moves:
+            source = self._rows([s for s, _ in moves])
+            destination = self._rows([d for _, d in moves])
+            for buffer in (*self._keys.values(), *self._values.values()):
+                buffer.index_copy_(0, destination, buffer.index_select(0, source))
+        self._where = {c: target[c] for c in target if c in self._where}
+        for chunk in (*old, *tail):
+            if chunk in self._host:
+                self._page_in(chunk, target[chunk])
+        for chunk in tail:
+            if chunk not in self._where:
+                self._where[chunk] = target[chunk]
+                self._touch(chunk)
+        chunks = torch.tensor(list(self._where), dtype=torch.long)
+        self._table.index_copy_(0, chunks.to(self.device),
+                                torch.tensor([self._where[c] for c in chunks.tolist()], device=self.device))
+
+    def _rows(self, pool_chunks: list[int]) -> torch.Tensor:
+        starts = torch.tensor(pool_chunks, dtype=torch.long, device=self.device)[:, None] * CHUNK
+        return (starts + torch.arange(CHUNK, device=self.device)).reshape(-1)
+
+    def _page_out(self, chunk: int) -> None:
+        rows = slice(self._where[chunk] * CHUNK, (self._where[chunk] + 1) * CHUNK)
+        saved: dict[str, torch.Tensor] = {}
+        means: dict[int, torch.Tensor] = {}
+        for layer in self.shapes:
+            for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
+                host = torch.empty(buffer[rows].shape, dtype=buffer.dtype, pin_memory=self._pin)
+                host.copy_(buffer[rows], non_blocking=True)
+                saved[f"{layer}.{role}"] = host
+                self.traffic.bytes_out += host.numel() * host.element_size()
+            if self.policy == "qk":
+                means[layer] = self._k_codec.decode(self._keys[layer][rows]).float().mean(0)
+        self._host[chunk], self._host_mean_keys[chunk] = saved, means
+        del self._where[chunk]
+        self.traffic.pages_out += 1
+
+    def _page_in(self, chunk: int, pool_chunk: int) -> None:
+        rows = slice(pool_chunk * CHUNK, (pool_chunk + 1) * CHUNK)
+        for layer in self.shapes:
+            for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
+                host = self._host[chunk][f"{layer}.{role}"]
+                buffer[rows].copy_(host, non_blocking=True)
+                self.traffic.bytes_in += host.numel() * host.element_size()
+        self._drop_host(chunk)
+        self._where[chunk] = pool_chunk
+        self._touch(chunk)
+        self.traffic.pages_in += 1
+
+    def _drop_host(self, chunk: int) -> None:
+        self._host.pop(chunk, None)
+        self._host_mean_keys.pop(chunk, None)
+
+    def _valid_rows(self, length: int) -> int:
+        """Pool rows a query at position `length` sees (all resident rows of positions below it): the slot
+        `length` maps to, once the tail is in place."""
+        below = sum(1 for c in self._where if c < length // CHUNK)
+        return below * CHUNK + length % CHUNK
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._table[positions // CHUNK] * CHUNK + positions % CHUNK
+
+    def attention_position(self, position: torch.Tensor) -> torch.Tensor:
+        """The slot a query at device `position` writes to: the decode / tree attention ops mask the window
+        at it ("slot <= position"), which over the compact pool is exactly the resident rows it may see."""
+        return self._slots(position)
+
+    def resident_positions(self) -> list[int]:
+        """The logical positions held in the pool, in slot order (for tests and tools)."""
+        length = self.length
+        by_slot = sorted(self._where.items(), key=lambda item: item[1])
+        return [p for c, _ in by_slot for p in range(c * CHUNK, min((c + 1) * CHUNK, length))]
+
+    # -- the eager path -----------------------------------------------------------------------------------
+
+    def _settle(self, start: int, tokens: int) -> None:
+        """Plan from an eager call that came without `ensure_room` (the first layer of a pass)."""
+        if all(held == start for held in self._lengths.values()):
+            self._plan(start, tokens)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `k` / `v` `[T, heads, dim]` at the positions after what `layer` holds; return the resident
+        rows and the new ones, decoded, in slot order: query i of the pass sees the first
+        `len - T + i + 1` of them (the family's causal offset is `len - T`)."""
+        if layer not in self.shapes:
+            raise KeyError(f"layer {layer} has no KV cache (cached layers: {sorted(self.shapes)})")
+        start, tokens = self._lengths[layer], k.shape[0]
+        if start + tokens > self.max_context:
+            raise LuceboxError(
+                f"context overflow: layer {layer} holds {start} tokens and {tokens} more do not fit in the "
+                f"context size {self.max_context}; raise -c/--ctx-size or shorten the conversation"
+            )
+        shape = self.shapes[layer]
+        expected_k, expected_v = (tokens, shape.kv_heads, shape.k_head_dim), (tokens, shape.kv_heads, shape.v_head_dim)
+        if tuple(k.shape) != expected_k or tuple(v.shape) != expected_v:
+            raise ValueError(
+                f"layer {layer}: K {tuple(k.shape)} / V {tuple(v.shape)} do not match {expected_k} / {expected_v}")
+        self._settle(start, tokens)
+        first = self._valid_rows(start) if start else 0
+        end = first + tokens  # the tail is contiguous at the top of the pool
+        self._keys[layer][first:end] = self._k_codec.encode(k)
+        self._values[layer][first:end] = self._v_codec.encode(v)
+        self._lengths[layer] = start + tokens
+        return self._k_codec.decode(self._keys[layer][:end]), self._v_codec.decode(self._values[layer][:end])
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident K and V of `layer`, decoded, in slot order."""
+        held = self._lengths[layer]
+        self._settle(held, 0)
+        rows = self._valid_rows(held)
+        return self._k_codec.decode(self._keys[layer][:rows]), self._v_codec.decode(self._values[layer][:rows])
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
+
+    # -- the static path (recorded steps): device chunk table only ---------------------------------------
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = self._slots(positions)
+        self._keys[layer].index_copy_(0, slots, self._k_codec.encode(k))
+        self._values[layer].index_copy_(0, slots, self._v_codec.encode(v))
+
+    def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        src, dst = self._slots(source), self._slots(destination)
+        for buffer in (*self._keys.values(), *self._values.values()):
+            buffer.index_copy_(0, dst, buffer.index_select(0, src))
+
+    def gather(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `min(size, pool)` slots as stored (views); the op masks them at `attention_position`."""
+        if not 0 < size <= self.max_context:
+            raise ValueError(f"a window of {size} rows does not fit the context size {self.max_context}")
+        size = min(size, self.pool_tokens)
+        return self._keys[layer][:size], self._values[layer][:size]
+
+    def commit(self, length: int) -> None:
+        if length > self.max_context:
+            raise LuceboxError(f"context overflow: {length} positions do not fit in the context size {self.max_context}")
+        for layer in self._lengths:
+            self._lengths[layer] = max(self._lengths[layer], length)
+
+    def rollback(self, length: int) -> None:
+        """Forget every position from `length` on: a pointer move; chunks past it are dropped at the next
+        plan (a verify's `move` still reads the rows past `length` after this)."""
+        if length < 0:
+            raise ValueError(f"cannot crop to a negative length ({length})")
+        for layer, held in self._lengths.items():
+            self._lengths[layer] = min(held, length)
+        if length == 0:
+            self._scored_at = 0
+
+    # -- snapshots: not supported (the prefix cache asks for them only where they exist) -----------------
+
+    def export_rows(self, length: int) -> dict[str, torch.Tensor]:
+        raise LuceboxError("the kvflash KV policy cannot export its rows for the prefix cache (part of the context "
+                           "may be paged out); run without --cache-reuse/prefix caching or with --kv-policy full")
+
+    def import_rows(self, rows: Mapping[str, torch.Tensor], length: int, *, check_only: bool = False) -> None:
+        raise LuceboxError("the kvflash KV policy cannot import prefix-cache rows; use --kv-policy full")
+
+
+class KVFlashPolicy:
+    """The `kvflash` policy as the flags configure it: the factory of each sequence's `KVFlashCache`
+    (`KVPolicy.factory`), which also sums their residency and traffic for /props and /metrics."""
+
+    def __init__(self, pool: int | str = "auto", policy: str = "lru", tau: int = 64) -> None:
+        if str(pool).strip().lower() != "auto":
+            pool_tokens(pool)  # checked now: a bad size fails before the weights load
+        if int(tau) < 1:
+            raise LuceboxError(f"--kvflash-tau must be at least 1, got {tau}")
+        self.pool, self.policy, self.tau = pool, check_policy(policy), int(tau)
+        self.traffic = PageTraffic()  # every sequence's paging, summed (counters: they never go down)
+        self._caches: weakref.WeakSet[KVFlashCache] = weakref.WeakSet()
+        self.pool_tokens = 0  # the pool of the last sequence made (it depends on the context)
+
+    def __call__(self, layers: Mapping[int, KVLayerShape], max_context: int, **options) -> KVFlashCache:
+        cache = KVFlashCache(layers, max_context, pool=self.pool, policy=self.policy, tau=self.tau,
+                             traffic=self.traffic, **options)
+        self._caches.add(cache)
+        self.pool_tokens = cache.pool_tokens
+        return cache
+
+    def max_pass(self, max_context: int) -> int:
+        """The most tokens one forward pass may add to a sequence of `max_context` (the engine's -ub cap)."""
+        chunks = pool_tokens(self.pool, max_context) // CHUNK
+        if chunks * CHUNK >= max_context:
+            return max_context
+        return (chunks - SINK_CHUNKS - TRAILING_CHUNKS - 1) * CHUNK
+
+    def describe(self) -> dict[str, int | str | bool]:
+        """The pool asked for, residency summed over the live sequences, and all the paging done."""
+        caches = list(self._caches)
+        totals = {key: sum(int(cache.info()[key]) for cache in caches)
+                  for key in ("resident_chunks", "host_chunks", "device_bytes", "host_bytes")}
+        totals.update(attrs.asdict(self.traffic))
+        return {"enabled": True, "pool": str(self.pool), "pool_tokens": self.pool_tokens, "policy": self.policy,
+                "tau": self.tau, "sequences": len(caches), **totals}

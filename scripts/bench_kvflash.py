@@ -1,0 +1,80 @@
+"""Decode speed at a context depth: the `full` KV policy against KVFlash pools (`--kvflash N`, lru and qk).
+
+For each depth, `lucebox bench`'s decode row (`tgN @ dD`: a prefill of D random tokens, then N tokens fed one
+at a time, the host waiting for the device after each; an untimed run first; the median of `--reps`) under
+each KV policy, on one loaded model (the policy is swapped between rows). A KVFlash row also says how many
+64-token chunks went to host memory and came back during its runs. Random ids: timing only.
+
+    python scripts/bench_kvflash.py -m qwen35-27b-q4_k_m.gguf --depths 8192,32768 --pool 4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import attrs
+
+from lucebox_core.assembly import EngineOptions, build_engine
+from lucebox_core.bench import DECODE_WARMUP_STEPS, run_bench
+from lucebox_core.kvflash import KVFlashPolicy
+from lucebox_core.plugins import registry
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", required=True, help="GGUF file")
+    p.add_argument("--depths", default="8192,32768", help="comma-separated context depths (default 8192,32768)")
+    p.add_argument("--pool", default="4096", help="KVFlash pool in tokens (default 4096)")
+    p.add_argument("--policies", default="lru,qk", help="KVFlash policies to time (default lru,qk)")
+    p.add_argument("-n", "--n-gen", type=int, default=64, help="tokens decoded per run (default 64)")
+    p.add_argument("-r", "--reps", type=int, default=3, help="repetitions, the median reported (default 3)")
+    p.add_argument("--backend", help="kernel backend (default: the best available)")
+    p.add_argument("--device", help="torch device, e.g. cuda:0")
+    p.add_argument("-ctk", "--cache-type-k", help="KV cache type of K")
+    p.add_argument("-ctv", "--cache-type-v", help="KV cache type of V")
+    p.add_argument("--json", metavar="OUT", help="also write the rows to OUT as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    context = max(depths) + args.n_gen + DECODE_WARMUP_STEPS + 1
+    assembled = build_engine(EngineOptions(model=args.model, ctx_size=context, backend=args.backend,
+                                           device=args.device, cache_type_k=args.cache_type_k,
+                                           cache_type_v=args.cache_type_v))
+    model, engine = assembled.loaded.model, assembled.engine
+    full_policy, full_chunk = model.kv_policy, engine.prefill_chunk
+    configs = [("full", full_policy, None)]
+    for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
+        factory = KVFlashPolicy(args.pool, name)
+        configs.append((f"kvflash {name} pool {args.pool}", attrs.evolve(registry().kv_policy("kvflash"),
+                                                                          factory=factory), factory))
+    rows = []
+    for label, policy, factory in configs:
+        # New sequences take the model's policy: each row's engine (run_bench makes its own) uses this one,
+        # prefilling in passes the pool can take.
+        model.kv_policy = policy
+        engine.prefill_chunk = full_chunk if factory is None else min(full_chunk, factory.max_pass(engine.ctx_size))
+        for row in run_bench(assembled, prompts=[], n_gen=args.n_gen, depths=depths, reps=args.reps):
+            row = {"kv": label, **row}
+            if factory is not None:
+                traffic = factory.describe()
+                row.update({key: traffic[key] for key in ("pool_tokens", "pages_out", "pages_in", "bytes_out",
+                                                          "bytes_in")})
+            rows.append(row)
+            print(f"{label:>28}  {row['test']:>16}  {row['tokens_per_s']:9.2f} tok/s"
+                  + (f"  pages out {row['pages_out']} in {row['pages_in']}" if factory is not None else ""),
+                  flush=True)
+    model.kv_policy = full_policy
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"model": args.model, "depths": depths, "pool": args.pool, "n_gen": args.n_gen,
+                       "reps": args.reps, "rows": rows}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
