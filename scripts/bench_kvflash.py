@@ -1,8 +1,11 @@
 """Decode speed at a context depth: the `full` KV policy against KVFlash pools (`--kvflash N`, lru and qk).
 
-For each depth, `lucebox bench`'s decode row (`tgN @ dD`: a prefill of D random tokens, then N tokens fed one
-at a time, the host waiting for the device after each; an untimed run first; the median of `--reps`) under
-each KV policy, on one loaded model (the policy is swapped between rows). A KVFlash row also says how many
+For each depth and KV policy, one prefill of D random tokens, then `lucebox bench`'s decode measure on that
+sequence: N + 2 tokens fed untimed (the warm-up at this shape: graphs recorded for the windows the run
+crosses), then `--reps` runs of N tokens fed one at a time, the host waiting for the device after each, the
+median reported (`tgN @ dD`; each run starts N tokens deeper than the last, which at these depths changes
+nothing measurable). One prefill a row, not one a repetition: at 128K the 27B's prefill is half a minute. On
+one loaded model (the policy is swapped between rows). A KVFlash row also says how many
 64-token chunks went to host memory and came back during its runs. Random ids: timing only.
 
     python scripts/bench_kvflash.py -m qwen35-27b-q4_k_m.gguf --depths 8192,32768 --pool 4096 --json out.json
@@ -12,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 
 import attrs
+import torch
 
 from lucebox_core.assembly import EngineOptions, build_engine
-from lucebox_core.bench import DECODE_WARMUP_STEPS, run_bench
+from lucebox_core.bench import DECODE_WARMUP_STEPS, decode_bytes_per_token
+from lucebox_core.engine import Engine
 from lucebox_core.kvflash import KVFlashPolicy
 from lucebox_core.plugins import registry
 
@@ -41,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
-    context = max(depths) + args.n_gen + DECODE_WARMUP_STEPS + 1
+    context = max(depths) + args.n_gen * (args.reps + 1) + DECODE_WARMUP_STEPS + 1
     assembled = build_engine(EngineOptions(model=args.model, ctx_size=context, backend=args.backend,
                                            device=args.device, cache_type_k=args.cache_type_k,
                                            cache_type_v=args.cache_type_v))
@@ -53,19 +60,46 @@ def main(argv: list[str] | None = None) -> int:
         configs.append((f"kvflash {name} pool {args.pool}", attrs.evolve(registry().kv_policy("kvflash"),
                                                                           factory=factory), factory))
     rows = []
+    bytes_per_token = decode_bytes_per_token(assembled.loaded.gguf)
+    sync = engine.backend.synchronize
     for label, policy, factory in configs:
-        # New sequences take the model's policy: each row's engine (run_bench makes its own) uses this one,
-        # prefilling in passes the pool can take.
+        # New sequences take the model's policy, prefilling in passes the pool can take.
         model.kv_policy = policy
-        engine.prefill_chunk = full_chunk if factory is None else min(full_chunk, factory.max_pass(engine.ctx_size))
-        for row in run_bench(assembled, prompts=[], n_gen=args.n_gen, depths=depths, reps=args.reps):
-            row = {"kv": label, **row}
+        chunk = full_chunk if factory is None else min(full_chunk, factory.max_pass(engine.ctx_size))
+        runner = Engine(model, assembled.loaded.tokenizer, ctx_size=engine.ctx_size, prefill_chunk=chunk,
+                        backend=engine.backend)
+        for depth in depths:
+            generator = torch.Generator().manual_seed(depth)
+            ids = torch.randint(0, model.vocab_size, (depth + DECODE_WARMUP_STEPS + args.n_gen * (args.reps + 1),),
+                                generator=generator).tolist()
+            sequence = runner.new_sequence()
+            start = time.perf_counter()
+            if depth:
+                runner.prefill(sequence, ids[:depth])
+            sync()
+            prefill_s = time.perf_counter() - start
+            feed = iter(ids[depth:])
+            for _ in range(DECODE_WARMUP_STEPS + args.n_gen):  # the warm-up at this depth
+                model.forward(sequence.state, torch.tensor([next(feed)]))
+            sync()
+            times = []
+            for _ in range(args.reps):
+                start = time.perf_counter()
+                for _ in range(args.n_gen):
+                    model.forward(sequence.state, torch.tensor([next(feed)]))
+                    sync()  # as llama-bench: the host waits for every token
+                times.append(time.perf_counter() - start)
+            runner.release(sequence)
+            rate = args.n_gen / statistics.median(times)
+            row = {"kv": label, "test": f"tg{args.n_gen}" + (f" @ d{depth}" if depth else ""), "depth": depth,
+                   "tokens_per_s": rate, "prefill_s": round(prefill_s, 2),
+                   "achieved_GB_per_s": bytes_per_token * rate / 1e9}
             if factory is not None:
                 traffic = factory.describe()
                 row.update({key: traffic[key] for key in ("pool_tokens", "pages_out", "pages_in", "bytes_out",
                                                           "bytes_in")})
             rows.append(row)
-            print(f"{label:>28}  {row['test']:>16}  {row['tokens_per_s']:9.2f} tok/s"
+            print(f"{label:>28}  {row['test']:>16}  {rate:9.2f} tok/s  (prefill {prefill_s:.1f} s)"
                   + (f"  pages out {row['pages_out']} in {row['pages_in']}" if factory is not None else ""),
                   flush=True)
     model.kv_policy = full_policy
