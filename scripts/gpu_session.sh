@@ -187,6 +187,27 @@ pflash() {  # ~9.5 min: issue #16's rows: the block-sparse kernel's check and ti
   return 0
 }
 
+long_a() {  # ~9.5 min: the 128K rows of #15 and #16 in one call (the 27B synthesized once): PFlash TTFT at 128K
+  #          with the scorer's sparse and dense passes; decode at depth 0 and 131072 with KVFlash pools of 4096 (lru,
+  #          qk; per-token times, to see where a slow row loses), the full cache at depth 0; llama.cpp pp131072 and
+  #          tg64 at depth 131072 (no warm-up: each prefill alone is a minute).   carry: .whl .llamacpp
+  llama_build_bg
+  step synth-27b 60 synth 27b
+  step synth-scorer 30 python3 -m lucebox_core.cli synth --arch qwen3 --size 0.6b --type q8_0 -o "$WORK/qwen3-0.6b-q8_0.gguf"
+  step bench-pflash 150 python3 scripts/bench_pflash.py --target "$(model 27b)" --scorer "$WORK/qwen3-0.6b-q8_0.gguf" \
+    --lengths 131072 --keep 0.05 --json "$RES/pflash.json"
+  step kvflash 150 python3 scripts/bench_kvflash.py -m "$(model 27b)" --depths 0,131072 --full-depths 0 --pool 4096 \
+    -n 64 -r 1 --json "$RES/kvflash.json"
+  if llama_wait; then
+    step llama-pp-128k 90 sh -c "$LB -m $(model 27b) -ngl 99 -fa 1 -p 131072 -n 0 -r 1 --no-warmup -o json \
+      > $RES/llama_pp_128k.json; python3 -c 'import json,sys; [print(r[\"n_prompt\"], round(r[\"avg_ts\"],1)) for r in json.load(open(sys.argv[1]))]' $RES/llama_pp_128k.json"
+    step llama-tg-d128k 100 sh -c "$LB -m $(model 27b) -ngl 99 -fa 1 -p 0 -n 64 -d 131072 -r 1 --no-warmup -o json \
+      > $RES/llama_tg_d128k.json; python3 -c 'import json,sys; [print(r[\"n_depth\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(open(sys.argv[1]))]' $RES/llama_tg_d128k.json"
+  fi
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 long_pflash() {  # ~8 min: #16's PFlash rows and #15's long-context rows in one call (the 27B synthesized once):
   #               PFlash TTFT at 32K and 128K with the scorer's sparse/dense pass; decode at depth 131072 with
   #               the full f16 cache and KVFlash pools of 4096 (lru, qk) beside depth 0; the second-turn TTFT of
@@ -496,6 +517,7 @@ session() {
     long-context) long_context ;;
     pflash) pflash ;;
     long-pflash) long_pflash ;;
+    long-a) long_a ;;
     laguna-cuda) laguna_cuda ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
