@@ -294,6 +294,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "mean_accepted_length": round(result.timings.mean_accepted_length, 3),
                 "speculative": speculative.describe(),
                 "forced_accept": args.force_accept,
+                # Tokens this request decoded plainly on the governor's word (drafting measured slower).
+                "governed_plain_tokens": result.timings.governed_plain_tokens,
             }
         _print_json(
             {
@@ -323,6 +325,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if timings.accepted_lengths:
         forced = " FORCED" if args.force_accept is not None else ""
         accepted = f", {timings.mean_accepted_length:.2f} tokens per verify{forced}"
+        if timings.governed_plain_tokens:
+            accepted += f", {timings.governed_plain_tokens} tokens plain (drafting measured slower)"
     print(
         f"[{finish}] prompt {timings.prompt_tokens} tokens at {timings.prompt_tokens_per_s:.1f} tok/s, "
         f"generated {timings.decode_tokens} tokens at {timings.decode_tokens_per_s:.1f} tok/s ({loaded.backend_name})"

@@ -100,6 +100,8 @@ class Timings:
     decode_seconds: float = 0.0
     # Speculative decoding: per verify step, the tokens it produced (accepted drafts + the bonus).
     accepted_lengths: list[int] = attrs.Factory(list)
+    # Tokens decoded plainly because the speculation governor judged drafting slower (--tree-budget auto).
+    governed_plain_tokens: int = 0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -344,11 +346,15 @@ class Engine:
             and request.logprobs is None and (ahead is None or ahead.dormant)
         )
         forced_counts = forced_accept_counts(request.force_accept) if request.force_accept is not None else None
+        # The speculative decoder's governor (with --tree-budget auto) may judge plain steps faster for now.
+        governor = getattr(self.speculative, "governor", None) if speculative else None
+        governed_next = False  # the next step is a plain one the governor decided, its token fed ahead
         landing: torch.Tensor | None = None  # host memory a token sampled on the device is copied to
         try:
             while True:
                 start = time.perf_counter()  # decode time counts the model and sampler, not the consumer
-                block, fed_ahead, step_logits = None, False, None
+                seconds_before = timings.decode_seconds
+                block, fed_ahead, step_logits, governed = None, False, None, governed_next
                 if speculative and (sequence.length + self.speculative.max_nodes > self.ctx_size
                                     or (ahead is not None and not ahead.dormant)):
                     # No room left for a whole candidate tree, or the constraint masks tokens from now on:
@@ -358,6 +364,15 @@ class Engine:
                         logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
                         sequence.tokens.extend(sequence.unfed)
                         sequence.unfed, sequence.pending_logits = [], logits[-1]
+                if governed:
+                    governor.take_plain()
+                elif (speculative and governor is not None and sequence.pending_logits is None and sequence.unfed
+                      and not governor.draft_next()):
+                    # Drafting does not pay now: the pending token is fed as plain decoding feeds it.
+                    governed = True
+                    logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
+                    sequence.tokens.extend(sequence.unfed)
+                    sequence.unfed, sequence.pending_logits = [], logits[-1]
                 if speculative and sequence.pending_logits is None and sequence.unfed:
                     # The pending token is the root of a drafted block: one target pass verifies it all.
                     root = sequence.unfed[0]
@@ -377,7 +392,8 @@ class Engine:
                         logits = self._masked(logits, ahead.mask())
                     history = sequence.tokens + sequence.unfed
                     chosen = sampler.sample_tensor(logits, history)
-                    fed_ahead = not speculative and self._more_wanted_after_next(sequence, generated, request)
+                    fed_ahead = ((not speculative or (governed and governor.plain_ahead()))
+                                 and self._more_wanted_after_next(sequence, generated, request))
                     if fed_ahead:
                         if landing is None:  # pinned, so the copy does not wait for the step queued after it
                             landing = self._host_buffer()
@@ -446,6 +462,10 @@ class Engine:
                     sequence.unfed, sequence.pending_logits = [], logits[-1]
                     self._synchronize()
                 timings.decode_seconds += time.perf_counter() - start
+                if speculative and governor is not None and (block is not None or governed):
+                    governor.record(block is not None, emitted, timings.decode_seconds - seconds_before)
+                    timings.governed_plain_tokens += emitted if governed else 0
+                governed_next = governed and fed_ahead
         finally:
             timings.decode_tokens += len(generated)
 

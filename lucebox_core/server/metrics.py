@@ -103,7 +103,8 @@ class ServerMetrics:
 
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float],
                  prefix_cache: Callable[[], dict] = dict, prefill_compression: Callable[[], dict] = dict,
-                 spark: Callable[[], dict] = dict, kvflash: Callable[[], dict] = dict):
+                 spark: Callable[[], dict] = dict, kvflash: Callable[[], dict] = dict,
+                 speculation: Callable[[], dict] = dict):
         self.requests = Counter("requests_total", "HTTP requests handled, by endpoint and status")
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens processed")
         self.cached_prompt_tokens = Counter("prompt_tokens_cached_total",
@@ -159,6 +160,17 @@ class ServerMetrics:
                               ("bytes_out", "bytes of KV copied to host memory"),
                               ("bytes_in", "bytes of KV copied back into a pool"))
         ]
+        # The speculation governor's decision and the measured rates behind it (--tree-budget auto).
+        self.speculation = [
+            Gauge("speculation_drafting", "1 while the governor drafts, 0 while it decodes plainly (drafting slower)",
+                  lambda: float(speculation().get("mode") == "drafting")),
+        ] + [
+            Gauge(f"speculation_{key}", text, lambda key=key: float(speculation().get(key) or 0))
+            for key, text in (("drafting_tokens_per_s", "measured tokens per second of drafted steps"),
+                              ("plain_tokens_per_s", "measured tokens per second of plain steps"),
+                              ("fallbacks", "times drafting was judged slower than plain decoding"),
+                              ("plain_tokens", "tokens decoded plainly because drafting was slower"))
+        ]
         self.prefix_cache = [
             Gauge(f"prefix_cache_{key}", text, lambda key=key: float(prefix_cache().get(key) or 0))
             for key, text in (("lookups", "prompts looked up in the prefix cache"),
@@ -176,6 +188,6 @@ class ServerMetrics:
         for metric in (self.requests, self.prompt_tokens, self.cached_prompt_tokens, self.prefill_seconds,
                        self.generated_tokens, self.cancelled, self.ttft, self.decode_speed, self.prefill_speed,
                        self.accepted_length, self.queue_depth, self.running,
-                       *self.prefix_cache, *self.prefill_compression, *self.spark, *self.kvflash):
+                       *self.prefix_cache, *self.prefill_compression, *self.spark, *self.kvflash, *self.speculation):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -72,6 +72,7 @@ class ModelService:
             prefix_cache=self.prefix_cache_info, prefill_compression=self.prefill_compression_info,
             spark=lambda: self.spark.describe() if self.spark is not None else {},
             kvflash=self.kvflash_info,
+            speculation=lambda: (self.drafter_info or {}).get("speculation") or {},
         )
         self.responses: OrderedDict[str, Any] = OrderedDict()
         self.tool_replay = ToolCallReplay()

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import LuceboxError
 from . import trees
+from .governor import SpeculationGovernor
 
 AUTO_BUDGETS = (4, 8, 12, 15, 18, 22, 26, 30, 36, 44, 52, 64)
 
@@ -117,7 +118,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Any, drafter: Any, verifier: Any = "ddtree", *, budget: int | str = trees.DEFAULT_BUDGET,
                  block_size: int | None = None, top_k: int = trees.DEFAULT_TOP_K, backend: Any = None,
-                 spec_type: str | None = None) -> None:
+                 spec_type: str | None = None, adaptive: bool | None = None) -> None:
         block = block_size or drafter.block_size
         if not 2 <= block <= 64:
             raise LuceboxError(f"--draft-block-size must be between 2 and 64, got {block}")
@@ -132,6 +133,11 @@ class SpeculativeDecoder:
             verifier = registry().verifier(verifier).create(target, budget=budget, top_k=top_k, backend=backend)
         self.target, self.drafter, self.verifier = target, drafter, verifier
         self.block_size = block
+        # `adaptive` (default: with `--tree-budget auto`): a governor decides, step by step, whether drafting
+        # pays at all on this device with this drafter, and decodes plainly while it does not.
+        if adaptive is None:
+            adaptive = self.budget == "auto"
+        self.governor = SpeculationGovernor() if adaptive else None
 
     @property
     def spec_type(self) -> str:
@@ -148,8 +154,11 @@ class SpeculativeDecoder:
         return int(self.verifier.max_nodes(self.block_size))
 
     def describe(self) -> dict[str, Any]:
-        return {**self.drafter.describe(), "spec_type": self.spec_type, "tree_budget": self.budget,
-                **self.verifier.describe(), "draft_block_size": self.block_size}
+        described = {**self.drafter.describe(), "spec_type": self.spec_type, "tree_budget": self.budget,
+                     **self.verifier.describe(), "draft_block_size": self.block_size}
+        if self.governor is not None:
+            described["speculation"] = self.governor.describe()
+        return described
 
     def prepare(self, state: Any, ctx_size: int) -> Any:
         """Enable feature capture on a fresh target state; return the drafter's state for it."""

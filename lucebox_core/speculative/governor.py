@@ -1,0 +1,144 @@
+"""Whether the next step drafts at all: speculative decoding that never loses to plain decoding.
+
+A drafted step pays for the drafter's pass, a verify pass over the candidates and the commit; it wins only
+when the target accepts enough of the draft. `SpeculationGovernor` measures both kinds of step as they
+really run on this device (the engine's decode clock: model, sampler and host work, the consumer not
+counted) and what each yields:
+
+- drafting: tokens per second = tokens the steps emitted / their seconds;
+- plain: tokens per second = tokens / seconds of plain steps (each a forward of the one pending token).
+
+Both are decayed sums (`RATE_DECAY` per step), so a few steps move the estimate and one odd step does not.
+When plain decoding is ahead, the next `run` steps are plain; then one drafted step probes again. A probe
+that loses doubles the run (up to `max_run`), so a drafter that accepts nothing costs one drafted step per
+hundreds of plain ones; a probe that wins returns to drafting (a probe weighs more than the drafted steps
+before the run: the text, and so the acceptance, may have changed meanwhile). Before any plain step was measured, a short
+run of plain steps measures one. A step far slower than the estimate (a CUDA graph recorded on a new
+sequence state, a page-in) is left out of it.
+
+The governor belongs to the engine's `SpeculativeDecoder`, not to one request: what a step costs is the
+device's, and the acceptance it has seen is the best guess for the next request too. The engine asks
+`draft_next()` before a step whose root is pending, `plain_ahead()` when deciding whether the token it
+samples may be fed before it is read (only when the next step is plain as well), and `record` after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+RATE_DECAY = 0.85  # per recorded step: the estimate follows the last ~7 steps of each kind
+OUTLIER_FACTOR = 5.0  # a step this many times slower than its kind's mean is not a measurement of it
+PROBE_FADE = 0.3  # the weight left to earlier drafted steps when a probe follows a plain run
+
+
+@attrs.define
+class StepRate:
+    """Decayed sums of tokens and seconds of one kind of step."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0  # decayed step count: seconds / steps is the mean step time
+    recorded: int = 0  # steps recorded, not decayed
+    discarded: int = 0  # steps left out as outliers
+
+    def add(self, tokens: int, seconds: float) -> bool:
+        """Add one step; False (and nothing added) if it is an outlier against the current mean."""
+        if self.steps > 0 and seconds > OUTLIER_FACTOR * (self.seconds / self.steps):
+            self.discarded += 1
+            return False
+        self.tokens = RATE_DECAY * self.tokens + tokens
+        self.seconds = RATE_DECAY * self.seconds + seconds
+        self.steps = RATE_DECAY * self.steps + 1
+        self.recorded += 1
+        return True
+
+    def fade(self, factor: float) -> None:
+        """Weigh what was recorded so far by `factor` (the mean step time is kept)."""
+        self.tokens, self.seconds, self.steps = factor * self.tokens, factor * self.seconds, factor * self.steps
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.recorded and self.seconds > 0 else None
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.seconds / self.steps if self.recorded else None
+
+
+@attrs.define
+class SpeculationGovernor:
+    """Drafts while drafting is faster than plain decoding, measured; see the module's docstring.
+
+    `min_run` / `max_run`: plain steps after a losing drafted step (doubling while probes lose);
+    `measure_run`: plain steps taken once to measure plain decoding."""
+
+    min_run: int = 16
+    max_run: int = 256
+    measure_run: int = 4
+    drafted: StepRate = attrs.Factory(StepRate)
+    plain: StepRate = attrs.Factory(StepRate)
+    plain_left: int = 0  # plain steps decided ahead
+    run: int = 0  # the length of the last plain run decided after a losing drafted step (0: none yet)
+    fallbacks: int = 0  # times drafting was judged slower and a plain run began
+    plain_tokens: int = 0  # tokens decoded plainly on the governor's decision
+    _probing: bool = False  # the last drafted step came right after a plain run
+
+    def draft_next(self) -> bool:
+        """Whether the next step (whose root is pending) drafts; a plain one is taken from the run."""
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return False
+        return True
+
+    def plain_ahead(self) -> bool:
+        """Whether the step after the current plain one is plain too (its token may be fed ahead)."""
+        return self.plain_left > 0
+
+    def take_plain(self) -> None:
+        """A plain step the engine took without asking `draft_next` (its token was fed ahead)."""
+        self.plain_left = max(0, self.plain_left - 1)
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """One step's outcome: whether it drafted, tokens it emitted, its seconds on the decode clock."""
+        if not drafted:
+            self.plain_tokens += tokens
+            self.plain.add(tokens, seconds)
+            return
+        probing, self._probing = self._probing, False
+        if probing:  # what drafting yielded before the plain run is old news: the probe counts most
+            self.drafted.fade(PROBE_FADE)
+        self.drafted.add(tokens, seconds)
+        if self.plain_left:
+            return
+        drafting, plain = self.drafted.tokens_per_s, self.plain.tokens_per_s
+        if drafting is None:
+            return
+        if plain is None:
+            self.plain_left = self.measure_run
+            self._probing = True
+            return
+        if drafting < plain:
+            self.run = min(self.max_run, 2 * self.run) if probing and self.run else self.min_run
+            self.plain_left = self.run
+            self.fallbacks += 1
+            self._probing = True
+        else:
+            self.run = 0
+
+    @property
+    def mode(self) -> str:
+        return "plain" if self.plain_left > 0 else "drafting"
+
+    def describe(self) -> dict[str, Any]:
+        """For `/props`, `/metrics` and `generate --json`: the decision and the measurements behind it."""
+        def rate(value: float | None) -> float | None:
+            return None if value is None else round(value, 2)
+
+        return {"mode": self.mode, "drafting_tokens_per_s": rate(self.drafted.tokens_per_s),
+                "plain_tokens_per_s": rate(self.plain.tokens_per_s),
+                "drafting_step_ms": rate(None if self.drafted.step_seconds is None
+                                         else 1e3 * self.drafted.step_seconds),
+                "plain_step_ms": rate(None if self.plain.step_seconds is None else 1e3 * self.plain.step_seconds),
+                "plain_run": self.run, "fallbacks": self.fallbacks, "plain_tokens": self.plain_tokens}
