@@ -136,9 +136,25 @@ def _speculative_rows(plain: Engine, engine: Engine, *, n_gen: int, reps: int,
     rate = statistics.median(r.timings.decode_tokens_per_s for r in results)
     lengths = [n for r in results for n in r.timings.accepted_lengths]
     forced = f" FORCED accept {force_accept:g}" if force_accept is not None else ""
-    rows.append({"test": f"tg{n_gen} spec {label}{forced}", "tokens": n_gen, "tokens_per_s": rate,
-                 "seconds": n_gen / rate if rate else float("inf"),
-                 "mean_accepted_length": sum(lengths) / max(1, len(lengths)), "forced_accept": force_accept})
+    row = {"test": f"tg{n_gen} spec {label}{forced}", "tokens": n_gen, "tokens_per_s": rate,
+           "seconds": n_gen / rate if rate else float("inf"),
+           "mean_accepted_length": sum(lengths) / max(1, len(lengths)), "forced_accept": force_accept}
+    if speculative.governor is not None:
+        # What the governor decided: tokens decoded plainly because drafting measured slower.
+        row["governed_plain_tokens"] = sum(r.timings.governed_plain_tokens for r in results)
+        row["speculation"] = speculative.governor.describe()
+    rows.append(row)
+
+    # The same requests through the plain engine (sampling, the engine's loop): what speculation must beat.
+    def run_plain(seed: int) -> Any:
+        return plain.generate(GenerationRequest(prompt_ids=_random_ids(SPEC_PROMPT_TOKENS, model.vocab_size, seed),
+                                                max_tokens=n_gen, sampling=greedy, ignore_eos=True))
+
+    run_plain(99)
+    plain_rate = statistics.median(run_plain(100 + rep).timings.decode_tokens_per_s for rep in range(reps))
+    rows.append({"test": f"tg{n_gen} plain engine", "tokens": n_gen, "tokens_per_s": plain_rate,
+                 "seconds": n_gen / plain_rate if plain_rate else float("inf"),
+                 "speculative_over_plain": rate / plain_rate if plain_rate else None})
 
     # Per-step costs on a sequence holding a 32-token prompt, each after a warm-up call at its shape.
     sequence = engine.new_sequence()

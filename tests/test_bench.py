@@ -65,9 +65,12 @@ def test_speculative_and_forced_rows_warm_up_at_their_shapes(tiny_target_and_dra
     monkeypatch.setattr(model, "verify", lambda *a, **k: verify_calls.append(len(a[1])) or verify(*a, **k))
     rows = run_bench(assembled, prompts=[8], n_gen=12, depths=[0], reps=2, force_accept=3)
     tests = [r["test"] for r in rows]
-    assert tests == ["pp8", "tg12", "tg12 spec chain FORCED accept 3", f"draft step (block {block})",
-                     "verify 1 nodes", f"verify {block} nodes"]  # chain's largest pass is a block
+    assert tests == ["pp8", "tg12", "tg12 spec chain FORCED accept 3", "tg12 plain engine",
+                     f"draft step (block {block})", "verify 1 nodes", f"verify {block} nodes"]  # chain's largest: a block
     spec = rows[2]
+    # The same requests through the plain engine, and the ratio speculation must keep above 1.
+    assert rows[3]["speculative_over_plain"] == pytest.approx(spec["tokens_per_s"] / rows[3]["tokens_per_s"])
+    assert "governed_plain_tokens" not in spec  # a chain has no governor
     assert spec["forced_accept"] == 3 and spec["mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
     assert all(r["tokens_per_s"] > 0 and r["seconds"] > 0 for r in rows)
     # Three speculative generations (the untimed one at the row's shapes, then two timed), each the same
