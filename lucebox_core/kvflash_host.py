@@ -1,5 +1,5 @@
 """KVFlash's host side: where paged-out chunks live (`HostChunkArena`) and how their bytes travel
-(`PageCopier`).
+(`PageCopier`: `torch_backend.SideCopier`, a device service like the backend's other stream work).
 
 A paged-out chunk is one *record* of the arena: the chunk's raw rows of every layer's K and V, as the pool
 stores them, at fixed offsets. Records are carved out of slabs of many records allocated at once (pinned
@@ -19,6 +19,10 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .torch_backend import SideCopier, host_memory
+
+PageCopier = SideCopier  # the pool <-> host copies (a device service: on a side stream where there is one)
 
 SLAB_BYTES = 256 << 20  # a slab of host records: at most this many bytes (and at least one record)
 SLAB_RECORDS = 64  # ... and at most this many records
@@ -66,48 +70,10 @@ class HostChunkArena:
         return self._views[record]
 
     def _grow(self) -> None:
-        slab = torch.empty(self.records_per_slab, self.record_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        slab = host_memory((self.records_per_slab, self.record_bytes), torch.uint8, pinned=self.pin)
         first = len(self._views)
         for row in slab:
             self._views.append({name: row[offset:offset + nbytes].view(dtype).view(shape)
                                 for name, (offset, nbytes, shape, dtype) in self._layout.items()})
         self.slabs.append(slab)
         self._free.extend(range(len(self._views) - 1, first - 1, -1))  # lowest first
-
-
-class PageCopier:
-    """Chunk copies between the pool and host records: on a side stream of a CUDA device, synchronous
-    elsewhere (see the module doc for the ordering)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.copies = 0  # copies issued (for tests and the GPU check)
-
-    def copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each `(host, rows)`; the compute stream will not touch `rows` again before the copies end."""
-        self._copy(pairs)
-
-    def copy_in(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each `(rows, host)`; the compute stream reads `rows` only after the copies end."""
-        self._copy(pairs)
-
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if not pairs:
-            return
-        self.copies += len(pairs)
-        if self.side is None:
-            for destination, source in pairs:
-                destination.copy_(source)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(compute)  # the rows (or the slots a recall fills) are final on the compute stream
-        with torch.cuda.stream(self.side):
-            for destination, source in pairs:
-                destination.copy_(source, non_blocking=True)
-        compute.wait_stream(self.side)  # nothing on the compute stream overwrites / reads them before they land
-
-    def synchronize(self) -> None:
-        """Wait on the host for every copy issued (before reading host records on the host)."""
-        if self.side is not None:
-            self.side.synchronize()
