@@ -18,15 +18,20 @@ the context every chunk sits at its own index, slot = position, and everything i
 Paging happens on the host between passes (`ensure_room`, called before every forward, decode step and
 verify pass; `append` and `read` plan too when called without one), never inside a recorded step: `write`,
 `gather`, `move` and `attention_position` read only the device chunk table, which a relayout updates in
-place, so replayed graphs follow it.
+place, so replayed graphs follow it. A plan that moves nothing (a decode token inside its chunk, the common
+case) is O(1): it looks up the tail's chunks, never iterating the host chunks or the resident table (the
+highest resident chunk, whether the pool is compact and a bound on the highest host chunk are kept for that).
+Paged-out chunks live in records of a host arena allocated many at a time and reused (`kvflash_host`), and
+the copies each way run on a side stream, ordered against the compute stream by events.
 
 Policies (which non-protected chunk leaves when the pool is full, and which come back):
 - `lru`: the chunk least recently written or recalled leaves; nothing is recalled (a StreamingLLM-like sink
   plus recent window, with the middle kept while there is room);
-- `qk`: every `tau` tokens (and whenever a chunk must leave) each chunk is scored by the target's own
-  current query (`observe_query`, the last token's query of each attention layer) against the chunk's mean
-  key, summed over heads and layers; the lowest-scoring resident chunks leave and host chunks scoring above
-  the weakest resident one come back.
+- `qk`: every `tau` tokens, inside a chunk or at its boundary, (and whenever a chunk must leave) each chunk
+  is scored by the target's own current query (`observe_query`, the last token's query of each attention
+  layer) against the chunk's mean key, summed over heads and layers; the lowest-scoring resident chunks leave
+  and host chunks scoring above the weakest resident one come back. A swap keeps the resident count, so the
+  partial tail stays contiguous on top (it moves only if recalls outnumber evictions, which a relayout does).
 """
 
 from __future__ import annotations
