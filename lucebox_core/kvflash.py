@@ -587,7 +587,8 @@ class KVFlashPolicy:
         """The pool asked for, residency summed over the live sequences, and all the paging done."""
         caches = list(self._caches)
         totals = {key: sum(int(cache.info()[key]) for cache in caches)
-                  for key in ("resident_chunks", "host_chunks", "device_bytes", "host_bytes")}
+                  for key in ("resident_chunks", "host_chunks", "device_bytes", "host_bytes",
+                              "host_reserved_bytes")}
         totals.update(attrs.asdict(self.traffic))
         return {"enabled": True, "pool": str(self.pool), "pool_tokens": self.pool_tokens, "policy": self.policy,
                 "tau": self.tau, "sequences": len(caches), **totals}
