@@ -17,8 +17,8 @@ the context every chunk sits at its own index, slot = position, and everything i
 
 Paging happens on the host between passes (`ensure_room`, called before every forward, decode step and
 verify pass; `append` and `read` plan too when called without one), never inside a recorded step: `write`,
-`gather`, `move` and `attention_position` read only the device chunk table, which a relayout updates in
-place, so replayed graphs follow it. A plan that moves nothing (a decode token inside its chunk, the common
+`gather`, `move` and `attention_position` read only the device position -> slot table, which a relayout
+updates in place, so replayed graphs follow it. A plan that moves nothing (a decode token inside its chunk, the common
 case) is O(1): it looks up the tail's chunks, never iterating the host chunks or the resident table (the
 highest resident chunk, whether the pool is compact and a bound on the highest host chunk are kept for that).
 Paged-out chunks live in records of a host arena allocated many at a time and reused (`kvflash_host`), and
@@ -149,8 +149,13 @@ class KVFlashCache:
                                            dtype=self._v_codec.storage_dtype, device=self.device)
                         for layer, s in self.shapes.items()}
         self._lengths = {layer: 0 for layer in self.shapes}
-        # Logical chunk -> pool chunk, on the device (what recorded steps read) and on the host.
-        self._table = torch.arange(context_chunks, device=self.device).clamp_(max=self.pool_chunks - 1)
+        # Logical chunk -> pool chunk, on the host (`_where`) and on the device as position -> slot (what recorded
+        # steps read: one gather a lookup, where `table[p // 64] * 64 + p % 64` was five small kernels, twice a
+        # layer and token).
+        self._context_chunks = context_chunks
+        self._offsets = torch.arange(CHUNK, device=self.device)
+        table = torch.arange(context_chunks, device=self.device).clamp_(max=self.pool_chunks - 1)
+        self._slot_of = (table[:, None] * CHUNK + self._offsets).reshape(-1)
         self._where: dict[int, int] = {}  # resident logical chunk -> pool chunk
         # What keeps a plan O(1) when nothing moves (the decode step's case), rather than a scan of the tables:
         self._top = -1  # the highest resident chunk
@@ -293,7 +298,7 @@ class KVFlashCache:
         for i, chunk in enumerate(tail):
             if chunk not in self._where:
                 self._where[chunk] = start + i
-                self._table[chunk] = start + i
+                torch.add(self._offsets, (start + i) * CHUNK, out=self._slot_of[chunk * CHUNK:(chunk + 1) * CHUNK])
                 self._touch(chunk)
         self._top = max(self._top, tail[-1])
         return True
@@ -377,9 +382,8 @@ class KVFlashCache:
                 self._where[chunk] = target[chunk]
                 self._touch(chunk)
         self._compact, self._top = True, max(self._where, default=-1)
-        chunks = torch.tensor(list(self._where), dtype=torch.long)
-        self._table.index_copy_(0, chunks.to(self.device),
-                                torch.tensor([self._where[c] for c in chunks.tolist()], device=self.device))
+        chunks = list(self._where)
+        self._slot_of.index_copy_(0, self._rows(chunks), self._rows([self._where[c] for c in chunks]))
 
     def _rows(self, pool_chunks: list[int]) -> torch.Tensor:
         starts = torch.tensor(pool_chunks, dtype=torch.long, device=self.device)[:, None] * CHUNK
@@ -408,7 +412,7 @@ class KVFlashCache:
         store = self._mean_keys.get(layer)
         if store is None:
             buffer = self._keys[layer]
-            store = torch.zeros(self._table.shape[0], buffer.shape[1], self.shapes[layer].k_head_dim,
+            store = torch.zeros(self._context_chunks, buffer.shape[1], self.shapes[layer].k_head_dim,
                                 dtype=torch.float32, device=self.device)
             self._mean_keys[layer] = store
         return store
@@ -455,7 +459,7 @@ class KVFlashCache:
         return below * CHUNK + within
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        return self._table[positions // CHUNK] * CHUNK + positions % CHUNK
+        return self._slot_of[positions]
 
     def attention_position(self, position: torch.Tensor) -> torch.Tensor:
         """The slot a query at device `position` writes to: the decode / tree attention ops mask the window
@@ -510,7 +514,7 @@ class KVFlashCache:
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
 
-    # -- the static path (recorded steps): device chunk table only ---------------------------------------
+    # -- the static path (recorded steps): the device slot table only ------------------------------------
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self._slots(positions)

@@ -6,8 +6,8 @@ GPU, which also runs here on the CPU):
 - a decode token over thousands of paged-out chunks plans without iterating the host chunks, and, inside a
   chunk, without iterating the resident table either;
 - after random appends and rollbacks (speculative verification's pattern) every resident chunk's pool rows
-  and every paged chunk's host record hold exactly the rows written, and the pool is compact with the tail
-  on top (what "slot <= position" masking needs);
+  and every paged chunk's host record hold exactly the rows written, the pool is compact with the tail on
+  top and the device table maps each resident position to its row (what "slot <= position" masking needs);
 - paged chunks live in arena records allocated a slab at a time and reused once freed;
 - `qk` recalls a chunk `tau` tokens after the query turns to it, inside a chunk.
 """
@@ -83,6 +83,8 @@ def _check_rows(cache, truth):
     held = cache.resident_positions()
     assert len(held) == cache._valid_rows(length)  # compact: the rows a query at `length` sees, no hole
     assert held[-1] == length - 1 and len(set(held)) == len(held)
+    # The device table recorded steps read: each resident position's slot is where its row sits.
+    assert cache.attention_position(torch.tensor(held)).tolist() == list(range(len(held)))
     if length % CHUNK:
         assert held[-(length % CHUNK):] == list(range(length - length % CHUNK, length))  # the tail on top
     for layer in SMALL:
