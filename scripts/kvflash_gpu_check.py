@@ -5,8 +5,8 @@ a depth several times the pool beside the full cache at a depth of one pool.
    (passes of random sizes, a random query after each, so chunks leave and come back every `tau` tokens,
    with rollbacks between, as speculative verification does), then every resident chunk's pool rows and every
    paged chunk's host record are compared, byte for byte, with the rows as stored when written.
-2. Decode: one prefill of random ids to `--depth-pools` x `--pool` under KVFlash (lru; `--policies`), and to `--pool` under
-   the full cache; then `-n` tokens fed one at a time (after a warm-up), the host waiting for the device
+2. Decode: one prefill of random ids to `--depth-pools` x `--pool` under KVFlash (lru; `--policies`), and
+   to `--pool` under the full cache; then `-n` tokens fed one at a time (after a warm-up), the host waiting for the device
    after each; the per-token ms (median, p90, max) of each.
 
 Prints a JSON summary (also written to `--json`); exits 1 if any byte differs.
