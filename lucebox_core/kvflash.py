@@ -17,16 +17,21 @@ the context every chunk sits at its own index, slot = position, and everything i
 
 Paging happens on the host between passes (`ensure_room`, called before every forward, decode step and
 verify pass; `append` and `read` plan too when called without one), never inside a recorded step: `write`,
-`gather`, `move` and `attention_position` read only the device chunk table, which a relayout updates in
-place, so replayed graphs follow it.
+`gather`, `move` and `attention_position` read only the device position -> slot table, which a relayout
+updates in place, so replayed graphs follow it. A plan that moves nothing (a decode token inside its chunk, the common
+case) is O(1): it looks up the tail's chunks, never iterating the host chunks or the resident table (the
+highest resident chunk, whether the pool is compact and a bound on the highest host chunk are kept for that).
+Paged-out chunks live in records of a host arena allocated many at a time and reused (`kvflash_host`), and
+the copies each way run on a side stream, ordered against the compute stream by events.
 
 Policies (which non-protected chunk leaves when the pool is full, and which come back):
 - `lru`: the chunk least recently written or recalled leaves; nothing is recalled (a StreamingLLM-like sink
   plus recent window, with the middle kept while there is room);
-- `qk`: every `tau` tokens (and whenever a chunk must leave) each chunk is scored by the target's own
-  current query (`observe_query`, the last token's query of each attention layer) against the chunk's mean
-  key, summed over heads and layers; the lowest-scoring resident chunks leave and host chunks scoring above
-  the weakest resident one come back.
+- `qk`: every `tau` tokens, inside a chunk or at its boundary, (and whenever a chunk must leave) each chunk
+  is scored by the target's own current query (`observe_query`, the last token's query of each attention
+  layer) against the chunk's mean key, summed over heads and layers; the lowest-scoring resident chunks leave
+  and host chunks scoring above the weakest resident one come back. A swap keeps the resident count, so the
+  partial tail stays contiguous on top (it moves only if recalls outnumber evictions, which a relayout does).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import attrs
 import torch
 
 from .errors import LuceboxError
+from .kvflash_host import HostChunkArena, PageCopier
 from .kv import K_FLAG, V_FLAG, KV_CACHE_TYPES, KVLayerShape, _Codec, check_kv_pair, head_dim_multiple, kv_cache_type
 
 CHUNK = 64  # positions per chunk: the unit of mapping and paging
@@ -143,16 +149,30 @@ class KVFlashCache:
                                            dtype=self._v_codec.storage_dtype, device=self.device)
                         for layer, s in self.shapes.items()}
         self._lengths = {layer: 0 for layer in self.shapes}
-        # Logical chunk -> pool chunk, on the device (what recorded steps read) and on the host.
-        self._table = torch.arange(context_chunks, device=self.device).clamp_(max=self.pool_chunks - 1)
+        # Logical chunk -> pool chunk, on the host (`_where`) and on the device as position -> slot (what recorded
+        # steps read: one gather a lookup, where `table[p // 64] * 64 + p % 64` was five small kernels, twice a
+        # layer and token).
+        self._context_chunks = context_chunks
+        self._offsets = torch.arange(CHUNK, device=self.device)
+        table = torch.arange(context_chunks, device=self.device).clamp_(max=self.pool_chunks - 1)
+        self._slot_of = (table[:, None] * CHUNK + self._offsets).reshape(-1)
         self._where: dict[int, int] = {}  # resident logical chunk -> pool chunk
-        self._host: dict[int, dict[str, torch.Tensor]] = {}  # paged-out chunk -> "<layer>.k|v" rows as stored
-        self._host_mean_keys: dict[int, dict[int, torch.Tensor]] = {}  # paged-out chunk -> layer -> [H, Dk]
+        # What keeps a plan O(1) when nothing moves (the decode step's case), rather than a scan of the tables:
+        self._top = -1  # the highest resident chunk
+        self._compact = True  # the resident chunks fill pool chunks 0 .. len(_where) - 1
+        self._host: dict[int, int] = {}  # paged-out chunk -> its record in the arena ("<layer>.k|v" rows as stored)
+        self._host_top = -1  # at least the highest paged-out chunk (a rollback scans `_host` only below it)
+        self._arena = HostChunkArena(
+            {f"{layer}.{role}": ((CHUNK, *buffer.shape[1:]), buffer.dtype)
+             for layer in self.shapes for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer]))},
+            pin=self.device.type != "cpu")  # pinned host memory makes the copies asynchronous
+        self._copier = PageCopier(self.device)
+        # `qk`: each paged-out chunk's mean key, per layer `[context chunks, H, Dk]` on the device (made lazily).
+        self._mean_keys: dict[int, torch.Tensor] = {}
         self._used: dict[int, int] = {}  # chunk -> tick it was last written or recalled (lru)
         self._tick = 0
         self._scored_at = 0  # the length at the last qk reselection
         self.traffic = traffic if traffic is not None else PageTraffic()
-        self._pin = self.device.type != "cpu"  # pinned host memory makes the copies asynchronous
         # The last query of each layer (`observe_query`), for `qk`: a device buffer written in place.
         self._queries: dict[int, torch.Tensor] = {}
 
@@ -173,7 +193,8 @@ class KVFlashCache:
 
     @property
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for rows in self._host.values() for t in rows.values())
+        """The paged-out chunks' bytes (the arena's slabs may hold more: `host_reserved_bytes` in `info`)."""
+        return len(self._host) * self._arena.chunk_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -198,7 +219,8 @@ class KVFlashCache:
                 "resident_chunks": len(self._where), "host_chunks": len(self._host),
                 "pages_out": self.traffic.pages_out, "pages_in": self.traffic.pages_in,
                 "bytes_out": self.traffic.bytes_out, "bytes_in": self.traffic.bytes_in,
-                "device_bytes": self.nbytes, "host_bytes": self.host_bytes}
+                "device_bytes": self.nbytes, "host_bytes": self.host_bytes,
+                "host_reserved_bytes": self._arena.capacity_bytes}
 
     # -- planning (host side, between passes) -------------------------------------------------------------
 
@@ -222,12 +244,17 @@ class KVFlashCache:
                 f"kvflash: a pass of {new_tokens} tokens does not fit a pool of {self.pool_tokens} (the sink and "
                 f"trailing chunks stay resident); feed at most {self.max_pass} tokens a pass (-ub/--ubatch-size)"
             )
-        # Chunks past the tail hold only rolled-back rows: dropped, never paged.
-        for chunk in [c for c in self._where if c > last]:
-            del self._where[chunk]
-        for chunk in [c for c in self._host if c * CHUNK >= length]:
-            self._drop_host(chunk)
-        if self._tail_in_place(tail):
+        # Chunks past the tail hold only rolled-back rows: dropped, never paged (scans only after a rollback).
+        if self._top > last:
+            self._drop_resident_after(last)
+        if self._host_top * CHUNK >= length:
+            for chunk in [c for c in self._host if c * CHUNK >= length]:
+                self._drop_host(chunk)
+            self._host_top = max(self._host, default=-1)
+        # `qk` reselects every `tau` tokens, chunk boundary or not: a swap keeps the resident count, so the
+        # tail stays contiguous at the top and only the swapped chunks' slots change.
+        reselect = self.policy == "qk" and bool(self._host) and length - self._scored_at >= self.tau
+        if self._tail_in_place(tail) and not reselect:
             return
         old = sorted(c for c in self._where if c < first)
         room = self.pool_chunks - len(tail)
@@ -241,27 +268,39 @@ class KVFlashCache:
                 old.remove(min(victims, key=lambda c: (self._used.get(c, 0), c)))
         self._relayout(old + recalls, tail)
 
+    def _drop_resident_after(self, last: int) -> None:
+        """Forget the resident chunks past `last` (rolled back); the pool stays compact if they were its top."""
+        dropped = sorted(self._where.pop(c) for c in [c for c in self._where if c > last])
+        if dropped != list(range(len(self._where), len(self._where) + len(dropped))):
+            self._compact = False
+        self._top = max(self._where, default=-1)
+
     def _tail_in_place(self, tail: list[int]) -> bool:
-        """Whether the tail's chunks are (or can be, with no data moved) the top of the pool, in order."""
-        if sorted(self._where.values()) != list(range(len(self._where))):
-            return False  # not compact (a rollback far back): relayout
+        """Whether the tail's chunks are (or can be, with no data moved) the top of the pool, in order: the
+        resident rows below the tail fill every pool chunk below it (the mask is "slot <= p"). In O(len(tail)):
+        over a compact pool that holds nothing past the tail, that is the resident chunks from the tail's first
+        one up (`first .. _top`) sitting at the top slots in order."""
+        if not self._compact:
+            return False  # a rollback far back: relayout
         if not tail:
             return True
-        top = max(self._where.values(), default=-1)
-        start = self._where.get(tail[0], top + 1)
+        first, used = tail[0], len(self._where)
+        if first in self._where:
+            start = used - (self._top - first + 1)
+            if any(self._where.get(first + i) != start + i for i in range(self._top - first + 1)):
+                return False
+        elif self._top >= first:
+            return False
+        else:
+            start = used
         if start + len(tail) > self.pool_chunks or any(c in self._host for c in tail):
-            return False
-        # The resident rows below the tail must fill every pool chunk below it (the mask is "slot <= p").
-        below = [c for c in self._where if c < tail[0]]
-        if len(below) != start or any(self._where[c] >= start for c in below):
-            return False
-        if any(self._where.get(c, start + i) != start + i for i, c in enumerate(tail)):
             return False
         for i, chunk in enumerate(tail):
             if chunk not in self._where:
                 self._where[chunk] = start + i
-                self._table[chunk] = start + i
+                torch.add(self._offsets, (start + i) * CHUNK, out=self._slot_of[chunk * CHUNK:(chunk + 1) * CHUNK])
                 self._touch(chunk)
+        self._top = max(self._top, tail[-1])
         return True
 
     def _touch(self, chunk: int) -> None:
@@ -291,13 +330,14 @@ class KVFlashCache:
         if not self._queries:
             return {c: 0.0 for c in (*resident, *host)}
         slots = torch.tensor([self._where[c] for c in resident], dtype=torch.long, device=self.device)
+        paged = torch.tensor(host, dtype=torch.long, device=self.device)
         for layer, query in self._queries.items():
             means = []
             if resident:
                 rows = self._k_codec.decode(self._keys[layer]).float().unflatten(0, (self.pool_chunks, CHUNK))
                 means.append(rows.mean(1).index_select(0, slots))  # [chunks, H, D]
             if host:
-                means.append(torch.stack([self._host_mean_keys[c][layer] for c in host]).to(self.device))
+                means.append(self._mean_keys[layer].index_select(0, paged))
             keys = torch.cat(means)
             heads = keys.shape[1]
             grouped = query.float().reshape(heads, -1, query.shape[-1])  # [H, Hq / H, D]
@@ -321,14 +361,14 @@ class KVFlashCache:
         order: evicted chunks copied out first, moves within the pool all read before any write, recalled
         chunks copied in last."""
         keep = set(old) | set(tail)
-        for chunk in sorted(c for c in self._where if c not in keep):
-            self._page_out(chunk)
+        self._page_out(sorted(c for c in self._where if c not in keep))
         base = len(old)
         target: dict[int, int] = {c: base + i for i, c in enumerate(tail)}
-        holes = [j for j in range(base) if j not in {self._where[c] for c in old if c in self._where}]
+        taken = {self._where[c] for c in old if c in self._where}
+        holes = iter([j for j in range(base) if j not in taken])
         for chunk in old:
             where = self._where.get(chunk)
-            target[chunk] = where if where is not None and where < base else holes.pop(0)
+            target[chunk] = where if where is not None and where < base else next(holes)
         moves = [(self._where[c], target[c]) for c in target if c in self._where and self._where[c] != target[c]]
         if moves:
             source = self._rows([s for s, _ in moves])
@@ -336,61 +376,90 @@ class KVFlashCache:
             for buffer in (*self._keys.values(), *self._values.values()):
                 buffer.index_copy_(0, destination, buffer.index_select(0, source))
         self._where = {c: target[c] for c in target if c in self._where}
-        for chunk in (*old, *tail):
-            if chunk in self._host:
-                self._page_in(chunk, target[chunk])
+        self._page_in([(c, target[c]) for c in (*old, *tail) if c in self._host])
         for chunk in tail:
             if chunk not in self._where:
                 self._where[chunk] = target[chunk]
                 self._touch(chunk)
-        chunks = torch.tensor(list(self._where), dtype=torch.long)
-        self._table.index_copy_(0, chunks.to(self.device),
-                                torch.tensor([self._where[c] for c in chunks.tolist()], device=self.device))
+        self._compact, self._top = True, max(self._where, default=-1)
+        chunks = list(self._where)
+        self._slot_of.index_copy_(0, self._rows(chunks), self._rows([self._where[c] for c in chunks]))
 
     def _rows(self, pool_chunks: list[int]) -> torch.Tensor:
         starts = torch.tensor(pool_chunks, dtype=torch.long, device=self.device)[:, None] * CHUNK
         return (starts + torch.arange(CHUNK, device=self.device)).reshape(-1)
 
-    def _page_out(self, chunk: int) -> None:
-        rows = slice(self._where[chunk] * CHUNK, (self._where[chunk] + 1) * CHUNK)
-        saved: dict[str, torch.Tensor] = {}
-        means: dict[int, torch.Tensor] = {}
-        for layer in self.shapes:
-            for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
-                host = torch.empty(buffer[rows].shape, dtype=buffer.dtype, pin_memory=self._pin)
-                host.copy_(buffer[rows], non_blocking=True)
-                saved[f"{layer}.{role}"] = host
-                self.traffic.bytes_out += host.numel() * host.element_size()
-            if self.policy == "qk":
-                means[layer] = self._k_codec.decode(self._keys[layer][rows]).float().mean(0)
-        self._host[chunk], self._host_mean_keys[chunk] = saved, means
-        del self._where[chunk]
-        self.traffic.pages_out += 1
+    def _page_out(self, chunks: list[int]) -> None:
+        """Copy `chunks` to host records (on the side stream where there is one) and forget their slots."""
+        pairs = []
+        for chunk in chunks:
+            rows = slice(self._where[chunk] * CHUNK, (self._where[chunk] + 1) * CHUNK)
+            record = self._arena.take()
+            host = self._arena.views(record)
+            for layer in self.shapes:
+                for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
+                    pairs.append((host[f"{layer}.{role}"], buffer[rows]))
+                if self.policy == "qk":
+                    self._mean_key_store(layer)[chunk] = self._k_codec.decode(self._keys[layer][rows]).float().mean(0)
+            self._host[chunk] = record
+            self._host_top = max(self._host_top, chunk)
+            del self._where[chunk]
+            self.traffic.pages_out += 1
+            self.traffic.bytes_out += self._arena.chunk_bytes
+        self._copier.copy_out(pairs)
 
-    def _page_in(self, chunk: int, pool_chunk: int) -> None:
-        rows = slice(pool_chunk * CHUNK, (pool_chunk + 1) * CHUNK)
-        for layer in self.shapes:
-            for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
-                host = self._host[chunk][f"{layer}.{role}"]
-                buffer[rows].copy_(host, non_blocking=True)
-                self.traffic.bytes_in += host.numel() * host.element_size()
-        self._drop_host(chunk)
-        self._where[chunk] = pool_chunk
-        self._touch(chunk)
-        self.traffic.pages_in += 1
+    def _mean_key_store(self, layer: int) -> torch.Tensor:
+        store = self._mean_keys.get(layer)
+        if store is None:
+            buffer = self._keys[layer]
+            store = torch.zeros(self._context_chunks, buffer.shape[1], self.shapes[layer].k_head_dim,
+                                dtype=torch.float32, device=self.device)
+            self._mean_keys[layer] = store
+        return store
+
+    def _page_in(self, recalls: list[tuple[int, int]]) -> None:
+        """Copy each `(chunk, pool chunk)` back from its host record (its record is free again once the copy
+        is issued: every later copy into it is ordered after this one)."""
+        pairs = []
+        for chunk, pool_chunk in recalls:
+            rows = slice(pool_chunk * CHUNK, (pool_chunk + 1) * CHUNK)
+            host = self._arena.views(self._host[chunk])
+            for layer in self.shapes:
+                for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
+                    pairs.append((buffer[rows], host[f"{layer}.{role}"]))
+            self.traffic.bytes_in += self._arena.chunk_bytes
+            self.traffic.pages_in += 1
+        self._copier.copy_in(pairs)
+        for chunk, pool_chunk in recalls:
+            self._drop_host(chunk)
+            self._where[chunk] = pool_chunk
+            self._touch(chunk)
 
     def _drop_host(self, chunk: int) -> None:
-        self._host.pop(chunk, None)
-        self._host_mean_keys.pop(chunk, None)
+        record = self._host.pop(chunk, None)
+        if record is not None:
+            self._arena.release(record)
+
+    def host_rows(self, chunk: int) -> dict[str, torch.Tensor]:
+        """A paged-out chunk's host rows, `"<layer>.k|v"` -> rows as stored, once their copy has landed (views
+        into the arena: valid until the chunk is recalled or dropped)."""
+        self._copier.synchronize()
+        return self._arena.views(self._host[chunk])
 
     def _valid_rows(self, length: int) -> int:
         """Pool rows a query at position `length` sees (all resident rows of positions below it): the slot
         `length` maps to, once the tail is in place."""
-        below = sum(1 for c in self._where if c < length // CHUNK)
-        return below * CHUNK + length % CHUNK
+        first, within = divmod(length, CHUNK)
+        slot = self._where.get(first)
+        if self._compact and slot is not None and self._top == first and slot == len(self._where) - 1:
+            return slot * CHUNK + within  # the common case, in O(1): every other resident chunk is below
+        if self._compact and slot is None and self._top < first:
+            return len(self._where) * CHUNK + within
+        below = sum(1 for c in self._where if c < first)
+        return below * CHUNK + within
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        return self._table[positions // CHUNK] * CHUNK + positions % CHUNK
+        return self._slot_of[positions]
 
     def attention_position(self, position: torch.Tensor) -> torch.Tensor:
         """The slot a query at device `position` writes to: the decode / tree attention ops mask the window
@@ -445,7 +514,7 @@ class KVFlashCache:
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k_codec.decode(self._k_codec.encode(k)), self._v_codec.decode(self._v_codec.encode(v))
 
-    # -- the static path (recorded steps): device chunk table only ---------------------------------------
+    # -- the static path (recorded steps): the device slot table only ------------------------------------
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = self._slots(positions)
@@ -522,7 +591,8 @@ class KVFlashPolicy:
         """The pool asked for, residency summed over the live sequences, and all the paging done."""
         caches = list(self._caches)
         totals = {key: sum(int(cache.info()[key]) for cache in caches)
-                  for key in ("resident_chunks", "host_chunks", "device_bytes", "host_bytes")}
+                  for key in ("resident_chunks", "host_chunks", "device_bytes", "host_bytes",
+                              "host_reserved_bytes")}
         totals.update(attrs.asdict(self.traffic))
         return {"enabled": True, "pool": str(self.pool), "pool_tokens": self.pool_tokens, "policy": self.policy,
                 "tau": self.tau, "sequences": len(caches), **totals}

@@ -88,6 +88,52 @@ def _available_ram() -> int:
         return 4 * 1024**3
 
 
+def host_memory(shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """Host memory (pinned where `pinned`: device copies to and from it do not block the host)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+
+class SideCopier:
+    """Copies between device rows and host memory on a side stream of a CUDA (or ROCm) device, synchronous
+    elsewhere (KVFlash's paging: `kvflash_host`). A copy-out waits for the work queued so far on the current
+    stream (the rows are final) and the current stream waits for it before anything may overwrite them; a
+    copy-in waits likewise and the current stream waits for it before anything reads what it wrote. Copies
+    are ordered among themselves on the one side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copies = 0  # copies issued (for tests and the GPU check)
+
+    def copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each `(host, rows)`; the compute stream will not touch `rows` again before the copies end."""
+        self._copy(pairs)
+
+    def copy_in(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each `(rows, host)`; the compute stream reads `rows` only after the copies end."""
+        self._copy(pairs)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not pairs:
+            return
+        self.copies += len(pairs)
+        if self.side is None:
+            for destination, source in pairs:
+                destination.copy_(source)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(compute)  # the rows (or the slots a recall fills) are final on the compute stream
+        with torch.cuda.stream(self.side):
+            for destination, source in pairs:
+                destination.copy_(source, non_blocking=True)
+        compute.wait_stream(self.side)  # nothing on the compute stream overwrites / reads them before they land
+
+    def synchronize(self) -> None:
+        """Wait on the host for every copy issued (before reading host records on the host)."""
+        if self.side is not None:
+            self.side.synchronize()
+
+
 class TorchBackend:
     """Reference ops in plain torch. Slow but obviously right: the oracle every kernel is tested against.
 
@@ -208,7 +254,7 @@ class TorchBackend:
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy can land in without waiting for later work (pinned, on a GPU)."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host_memory(shape, dtype, pinned=self.device.type == "cuda")
 
     def graphs_enabled(self) -> bool:
         """Whether static steps on this device are recorded as graphs and replayed (CUDA, unless

@@ -296,6 +296,7 @@ def test_props_and_metrics_show_the_pool_residency_and_traffic(service):
     flash = props["kvflash"]
     assert flash["enabled"] and flash["pool_tokens"] == 256 and flash["policy"] == "lru"
     assert flash["pages_out"] >= 1 and flash["host_chunks"] >= 1 and flash["bytes_out"] > 0
+    assert flash["host_reserved_bytes"] >= flash["host_bytes"] > 0  # the arena's slabs hold the paged chunks
 
     def metric(name):
         match = re.search(rf"^lucebox_kvflash_{name} (\S+)$", metrics, re.MULTILINE)
