@@ -187,6 +187,32 @@ pflash() {  # ~9.5 min: issue #16's rows: the block-sparse kernel's check and ti
   return 0
 }
 
+governor() {  # ~9 min: #17 item 3 (speculation that never loses to plain) on the 27B Q4_K_M with a full-size random
+  #            drafter (it accepts nothing: the worst case): plain tg128, DDTree auto unforced (the governor),
+  #            forced 8.3 with auto and with budget 22, the plain engine's rate beside each; then #15's KVFlash GPU
+  #            check on the 27B (paging bytes through the side stream, per-token ms at 8 pools deep beside the full
+  #            cache at one pool), the second-turn TTFT of a 32K conversation, memory at 256K TQ3_0.
+  #            carry: .whl
+  step synth-27b 60 synth 27b
+  step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$WORK/draft-27b.gguf" "$(model 27b)"
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  step auto-unforced 120 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 3 --tree-budget auto \
+    --json > $RES/auto_unforced.json; python3 -c 'import json,sys; [print(json.dumps(r)) for r in json.loads(open(sys.argv[1]).read().splitlines()[-1])]' $RES/auto_unforced.json"
+  step auto-forced 80 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 3 --tree-budget auto \
+    --force-accept 8.3 --json > $RES/auto_forced.json; python3 -c 'import json,sys; [print(json.dumps(r)) for r in json.loads(open(sys.argv[1]).read().splitlines()[-1])]' $RES/auto_forced.json"
+  step b22-forced 80 sh -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 3 --tree-budget 22 \
+    --force-accept 8.3 --json > $RES/b22_forced.json; python3 -c 'import json,sys; [print(json.dumps(r)) for r in json.loads(open(sys.argv[1]).read().splitlines()[-1])]' $RES/b22_forced.json"
+  step kvflash-check 90 sh -c "python3 scripts/kvflash_gpu_check.py -m $m --device cuda:0 --pool 4096 --depth-pools 8 \
+    --policies lru,qk -n 64 > $RES/kvflash_check.json"
+  step ttft-32k 70 python3 scripts/bench_prefix_cache.py -m "$m" --context 32768 --reps 2 \
+    --json "$RES/prefix_cache_ttft.json"
+  step memory-256k-tq3 30 python3 scripts/memory_at_context.py -m "$m" -c 262144 -ctk tq3_0 -ctv tq3_0 \
+    --json "$RES/memory.jsonl"
+  cp "$RES"/*.json "$RES"/*.jsonl "$OUT/" 2>/dev/null
+  return 0
+}
+
 long_a() {  # ~9.5 min: the 128K rows of #15 and #16 in one call (the 27B synthesized once): PFlash TTFT at 128K
   #          with the scorer's sparse and dense passes; decode at depth 0 and 131072 with KVFlash pools of 4096 (lru,
   #          qk; per-token times, to see where a slow row loses), the full cache at depth 0; llama.cpp pp131072 and
@@ -518,6 +544,7 @@ session() {
     pflash) pflash ;;
     long-pflash) long_pflash ;;
     long-a) long_a ;;
+    governor) governor ;;
     laguna-cuda) laguna_cuda ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;
