@@ -13,8 +13,9 @@ When plain decoding is ahead, the next `run` steps are plain; then one drafted s
 that loses doubles the run (up to `max_run`), so a drafter that accepts nothing costs one drafted step per
 hundreds of plain ones; a probe that wins returns to drafting (a probe weighs more than the drafted steps
 before the run: the text, and so the acceptance, may have changed meanwhile). Before any plain step was measured, a short
-run of plain steps measures one. A step far slower than the estimate (a CUDA graph recorded on a new
-sequence state, a page-in) is left out of it.
+run of plain steps measures one. The first step of each kind (kernels compiled, graphs recorded, the
+verify cost curve measured) and any step far slower than the estimate (a graph recorded on a new sequence
+state, a page-in) are left out.
 
 The governor belongs to the engine's `SpeculativeDecoder`, not to one request: what a step costs is the
 device's, and the acceptance it has seen is the best guess for the next request too. The engine asks
@@ -43,8 +44,14 @@ class StepRate:
     recorded: int = 0  # steps recorded, not decayed
     discarded: int = 0  # steps left out as outliers
 
+    warm_up: int = 1  # first steps never counted: they record graphs, compile kernels, measure verify costs
+
     def add(self, tokens: int, seconds: float) -> bool:
-        """Add one step; False (and nothing added) if it is an outlier against the current mean."""
+        """Add one step; False (and nothing added) if it is a warm-up step or an outlier against the mean."""
+        if self.warm_up > 0:
+            self.warm_up -= 1
+            self.discarded += 1
+            return False
         if self.steps > 0 and seconds > OUTLIER_FACTOR * (self.seconds / self.steps):
             self.discarded += 1
             return False
