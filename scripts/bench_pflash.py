@@ -71,6 +71,38 @@ def timed(function, sync, reps: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def profile_chunks(model, function, sync) -> dict:
+    """Where a long dense prefill's time goes: `function` run once more with every prefill chunk timed
+    (synchronised: a chunk of thousands of tokens costs far more than the wait), then each chunk's seconds
+    fitted as a * tokens + b * tokens * (its mean position): the first term is what does not grow with
+    the context (the weights' matmuls, DeltaNet), the second the attention over the cache."""
+    chunks: list[tuple[int, int, float]] = []
+    forward = model.forward
+
+    def timed_forward(state, token_ids, *rest, **options):
+        sync()
+        start, position = time.perf_counter(), int(state.length)
+        logits = forward(state, token_ids, *rest, **options)
+        sync()
+        chunks.append((position, len(token_ids), time.perf_counter() - start))
+        return logits
+
+    model.forward = timed_forward
+    try:
+        function()
+    finally:
+        del model.forward  # the class's method again
+    n = torch.tensor([c[1] for c in chunks], dtype=torch.float64)
+    mean_position = torch.tensor([c[0] + c[1] / 2 for c in chunks], dtype=torch.float64)
+    seconds = torch.tensor([c[2] for c in chunks], dtype=torch.float64)
+    design = torch.stack([n, n * mean_position], dim=1)
+    a, b = torch.linalg.lstsq(design, seconds[:, None]).solution[:, 0].tolist()
+    return {"profile_chunks": len(chunks), "profile_total_s": round(float(seconds.sum()), 3),
+            "first_chunk_s": round(chunks[0][2], 3), "last_chunk_s": round(chunks[-1][2], 3),
+            "context_independent_s": round(a * float(n.sum()), 3),
+            "attention_s": round(b * float((n * mean_position).sum()), 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the target GGUF")
@@ -119,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_dense:
             seconds, _ = timed(lambda: first_token(prompt_ids), sync, args.reps)
             row(test="ttft", mode="dense", prompt_tokens=len(prompt_ids), seconds=round(seconds, 3),
-                prefill_tokens_per_s=round(len(prompt_ids) / seconds, 1))
+                prefill_tokens_per_s=round(len(prompt_ids) / seconds, 1),
+                **profile_chunks(target.model, lambda: first_token(prompt_ids), sync))
         parts: dict[str, float] = {}
 
         def pflash() -> int:
