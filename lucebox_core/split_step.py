@@ -31,6 +31,14 @@ from .kv import window_limit
 from .static_step import StaticInputs, StaticStep, kv_window
 
 
+def step_mode(model: Any) -> str:
+    """How `model`'s decode step runs, for /props and the log: the model's own answer (`step_mode()`, which a
+    family that splits gives), else "graph" or "eager" as its static steps are recorded or not."""
+    if hasattr(model, "step_mode"):
+        return model.step_mode()
+    return "graph" if getattr(model, "decode_graphs", False) else "eager"
+
+
 class SplitStaticStep:
     """One step function's recordings for a model split into parts: a `StaticStep` per part (see the module
     docstring). `graphs`: as `StaticStep`'s, for every part (default: where each part's backend records)."""

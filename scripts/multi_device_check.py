@@ -1,8 +1,11 @@
 """Check the multi-device code path on a GPU machine (issue #19): greedy tokens of one model run
 (a) on one device, (b) with its layers split into two parts (`--target-devices DEV,DEV`: on a one-GPU machine
-both parts on the same GPU, still handed over between parts), (c) speculatively with the drafter on
-`--draft-device` (the GPU, then the CPU), and, where the machine has two GPUs, (d) split over cuda:0,cuda:1;
-every run must give run (a)'s tokens exactly. Prints tok/s per run and one JSON line; exit 1 on a mismatch.
+both parts on the same GPU: the path two GPUs take, a graph recorded per part and the hidden state handed
+over between the replays), (c) speculatively with the drafter on `--draft-device` (the GPU, then the CPU),
+and, where the machine has two GPUs, (d) split over cuda:0,cuda:1; every run must give run (a)'s tokens
+exactly. Prints tok/s per run, how each run's decode step ran (`step`: "graph", "graph per part", ...), the
+split's cost per token against run (a) (`split_cost`: the hand-over and a replay per part instead of one),
+and one JSON line; exit 1 on a mismatch, or when a split on a GPU did not record a graph per part.
 
     python3 scripts/multi_device_check.py                      # synthetic 0.8B-sized qwen35 (q8_0), drafter
     python3 scripts/multi_device_check.py --size tiny --tokens 32
@@ -54,14 +57,24 @@ def run(label: str, model: str, prompt: list[int], tokens: int, **flags) -> dict
     seconds = time.perf_counter() - start
     model_ = assembled.loaded.model
     device_map = getattr(model_, "device_map", None)
+    from lucebox_core.split_step import SplitStaticStep, step_mode
+
     row = {
         "run": label, "flags": flags, "tokens": result.token_ids, "seconds": round(seconds, 3),
         "tok_s": round(len(result.token_ids) / seconds, 1),
-        "decode_graphs": bool(getattr(model_, "decode_graphs", False)),
+        "ms_per_token": round(1000 * seconds / max(1, len(result.token_ids)), 3),
+        "decode_graphs": bool(getattr(model_, "decode_graphs", False)), "step": step_mode(model_),
         "device_map": device_map.describe() if device_map is not None else None,
     }
-    log(f"{label:<38} {row['tok_s']:>8} tok/s  graphs={row['decode_graphs']}  "
-        f"{'' if device_map is None else device_map.describe()['parts']}")
+    # What the sequence's steps really recorded (a part whose recording failed runs eagerly from then on).
+    decode = [seq.state.decode for seq in assembled.engine._idle if getattr(seq.state, "decode", None) is not None]
+    if decode:
+        row["recordings"] = ([len(step) for step in decode[0].steps] if isinstance(decode[0], SplitStaticStep)
+                             else [len(decode[0])])
+        if isinstance(decode[0], SplitStaticStep):
+            row["graphed_parts"] = decode[0].graphed_parts
+    log(f"{label:<38} {row['tok_s']:>8} tok/s  {row['ms_per_token']:>7} ms/token  step={row['step']}  "
+        f"recordings={row.get('recordings')}  {'' if device_map is None else device_map.describe()['parts']}")
     del assembled
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -109,12 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["identical"] = row["tokens"] == reference
         del row["tokens"]
+    # The split's price per token against the one-device run: the hand-over copies and a replay per part.
+    split_cost = {row["run"]: {"ms_per_token": round(row["ms_per_token"] - rows[0]["ms_per_token"], 3),
+                               "tok_s_ratio": round(row["tok_s"] / rows[0]["tok_s"], 3)}
+                  for row in rows[1:] if "model_draft" not in row["flags"] and row["device_map"] is not None}
+    # On a GPU a split must record a graph per part (the path of two GPUs), not fall back to eager steps.
+    ungraphed = [row["run"] for row in rows if device != "cpu" and row["device_map"] is not None
+                 and "model_draft" not in row["flags"] and not all(row.get("graphed_parts") or [False])]
     print(json.dumps({"model": model, "device": device, "tokens": args.tokens, "runs": rows,
-                      "identical": not mismatches}))
+                      "split_cost": split_cost, "identical": not mismatches, "ungraphed_splits": ungraphed}))
     if mismatches:
         log(f"MISMATCH: {', '.join(mismatches)} differ from the one-device run")
+    if ungraphed:
+        log(f"NOT GRAPHED PER PART: {', '.join(ungraphed)}")
+    if mismatches or ungraphed:
         return 1
-    log(f"all {len(rows)} runs gave the one-device run's {len(reference)} tokens")
+    log(f"all {len(rows)} runs gave the one-device run's {len(reference)} tokens; split cost {split_cost}")
     return 0
 
 
