@@ -681,7 +681,8 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         return {"hidden": hidden, "pending": pending, **taps}, hidden, pending
 
     @staticmethod
-    def _gathered_taps(inputs: StaticInputs, handed: dict[str, torch.Tensor], tapped: Collection[int]) -> list[torch.Tensor]:
+    def _gathered_taps(inputs: StaticInputs, handed: dict[str, torch.Tensor],
+                       tapped: Collection[int]) -> list[torch.Tensor]:
         """The taps of every part in layer order (earlier parts' from the inputs handed over; `[T, hidden]`)."""
         return [(handed[f"tap.{i}"] if f"tap.{i}" in handed else getattr(inputs, f"tap.{i}"))[0]
                 for i in sorted(tapped)]
