@@ -41,10 +41,13 @@ def step_mode(model: Any) -> str:
 
 class SplitStaticStep:
     """One step function's recordings for a model split into parts: a `StaticStep` per part (see the module
-    docstring). `graphs`: as `StaticStep`'s, for every part (default: where each part's backend records)."""
+    docstring). `graphs`: as `StaticStep`'s, for every part (default: where each part's backend records).
+    `failed_parts`: a set the step adds a part's index to when that part's recording fails."""
 
-    def __init__(self, backends: Sequence[Any], label: str, *, graphs: bool | None = None):
+    def __init__(self, backends: Sequence[Any], label: str, *, graphs: bool | None = None,
+                 failed_parts: set[int] | None = None):
         self.label = label
+        self.failed_parts = failed_parts  # the owner's record of parts whose recording failed (for /props)
         self.steps = [StaticStep(backend, f"{label} (part {part})", graphs=graphs)
                       for part, backend in enumerate(backends)]
 
@@ -81,6 +84,8 @@ class SplitStaticStep:
                 part_inputs.set(name, value)  # the hand-over: into this part's static buffer, on its device
             out, result = step.run(key, lambda step_inputs, part=part: part_step(part, step_inputs), part_inputs,
                                    graphs=graphs)
+            if step.failure is not None and self.failed_parts is not None:
+                self.failed_parts.add(part)
             handed.update(out)
             results.append(result)
         return results
@@ -99,7 +104,8 @@ def run_split_decode_step(model: Any, state: Any, token: Any,
     length = state.length
     state.kv.ensure_room(1)
     if state.decode is None:
-        state.decode = SplitStaticStep(model.part_ops, "decode step", graphs=None if model.decode_graphs else False)
+        state.decode = SplitStaticStep(model.part_ops, "decode step", graphs=None if model.decode_graphs else False,
+                                       failed_parts=getattr(model, "failed_parts", None))
     if isinstance(token, torch.Tensor) and token.device != torch.device(first.device):
         token = int(token.reshape(-1)[0])
     inputs = [state.decode.inputs(0, token=token.reshape(1) if isinstance(token, torch.Tensor) else int(token),

@@ -113,6 +113,7 @@ def test_a_part_that_fails_to_record_runs_eagerly_and_the_rest_replay(tiny_targe
         tokens, state = _generate(model)
     assert tokens == eager_reference[:TOKENS]
     assert state.decode.graphed_parts == [True, False] and len(state.decode.steps[1]) == 0
+    assert model.step_mode() == "graph per part, eager on part 1 (cpu)"  # what /props reports
 
 
 def test_split_step_hands_over_to_every_later_part():

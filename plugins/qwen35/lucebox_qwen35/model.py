@@ -409,6 +409,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
             self.tied_embeddings = False  # the head holds its own copy on the last part's device
             # Static steps wherever a part records graphs (a CPU part among GPU ones runs its part eagerly).
             self.decode_graphs = any(part.graphs_enabled() for part in self.part_ops)
+        self.failed_parts: set[int] = set()  # parts whose recording failed (they run eagerly): for /props
 
     @property
     def split_steps(self) -> bool:
@@ -417,14 +418,15 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
 
     def step_mode(self) -> str:
         """How a decode step runs, for /props and the log: "graph" (one recording), "graph per part" (a
-        split model: a recording per part, handed over between replays), "eager per part" or "eager"."""
+        split model: a recording per part, handed over between replays; "..., eager on part 1 (cpu)" names
+        parts without graphs or whose recording failed), "eager per part" or "eager"."""
         if not self.decode_graphs:
             return "eager" if self.device_map is None else "eager per part"
         if self.device_map is None:
             return "graph"
-        graphed = [part.graphs_enabled() for part in self.part_ops]
-        return "graph per part" if all(graphed) else "graph per part on " + ", ".join(
-            device for device, on in zip(self.device_map.devices, graphed) if on) + "; eager elsewhere"
+        eager = [f"part {part} ({self.device_map.devices[part]})" for part, ops in enumerate(self.part_ops)
+                 if not ops.graphs_enabled() or part in self.failed_parts]
+        return "graph per part" if not eager else f"graph per part, eager on {', '.join(eager)}"
 
     def _layer_part(self, layer: DecoderLayer) -> int:
         return 0 if self.device_map is None else self.device_map.layer_part(layer.index)

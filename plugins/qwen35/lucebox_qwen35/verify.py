@@ -127,7 +127,8 @@ class SpeculativeTarget(FeatureCapture):
         part holding the tree's shape and the committed length in buffers on its device."""
         nodes, committed = tree.size, state.length
         if state.verify is None:
-            state.verify = SplitStaticStep(self.part_ops, "verify pass", graphs=None if self.decode_graphs else False)
+            state.verify = SplitStaticStep(self.part_ops, "verify pass", graphs=None if self.decode_graphs else False,
+                                           failed_parts=self.failed_parts)
         shape = dict(parents=tree.parents, depths=tree.depths, visible=tree.visibility(), start=committed)
         inputs = [state.verify.inputs(0, tokens=token_ids, **shape)]
         inputs += [state.verify.inputs(part, **shape) for part in range(1, state.verify.parts)]
