@@ -1,7 +1,8 @@
 """Check the multi-device code path on a GPU machine (issue #19): greedy tokens of one model run
-(a) on one device, (b) with its layers split into two parts (`--target-devices DEV,DEV`: on a one-GPU machine
-both parts on the same GPU: the path two GPUs take, a graph recorded per part and the hidden state handed
-over between the replays), (c) speculatively with the drafter on `--draft-device` (the GPU, then the CPU),
+(a) on one device, (b) with its layers split into two and three parts (`--target-devices DEV,DEV`: on a
+one-GPU machine every part on the same GPU: the path two GPUs take, a graph recorded per part and the hidden
+state handed over between the replays), (c) speculatively, split too, with the drafter on `--draft-device`
+(the GPU, then the CPU),
 and, where the machine has two GPUs, (d) split over cuda:0,cuda:1; every run must give run (a)'s tokens
 exactly. Prints tok/s per run, how each run's decode step ran (`step`: "graph", "graph per part", ...), the
 split's cost per token against run (a) (`split_cost`: the hand-over and a replay per part instead of one),
@@ -72,15 +73,21 @@ def run(label: str, model: str, prompt: list[int], tokens: int, repeats: int = 3
         "decode_graphs": bool(getattr(model_, "decode_graphs", False)), "step": step_mode(model_),
         "device_map": device_map.describe() if device_map is not None else None,
     }
-    # What the sequence's steps really recorded (a part whose recording failed runs eagerly from then on).
-    decode = [seq.state.decode for seq in assembled.engine._idle if getattr(seq.state, "decode", None) is not None]
-    if decode:
-        row["recordings"] = ([len(step) for step in decode[0].steps] if isinstance(decode[0], SplitStaticStep)
-                             else [len(decode[0])])
-        if isinstance(decode[0], SplitStaticStep):
-            row["graphed_parts"] = decode[0].graphed_parts
+    # What the sequence's steps really recorded (a part whose recording failed runs eagerly from then on):
+    # plain decoding's decode step, speculative decoding's verify pass.
+    for name in ("decode", "verify"):
+        steps = [getattr(seq.state, name, None) for seq in assembled.engine._idle]
+        step = next((s for s in steps if s is not None), None)
+        if step is None:
+            continue
+        split = isinstance(step, SplitStaticStep)
+        row[f"{name}_recordings"] = [len(part) for part in step.steps] if split else [len(step)]
+        if split:
+            row[f"{name}_graphed_parts"] = step.graphed_parts
+    recordings = row.get("decode_recordings") or row.get("verify_recordings")
+    parts = "" if device_map is None else device_map.describe()["parts"]
     log(f"{label:<38} {row['tok_s']:>8} tok/s  {row['ms_per_token']:>7} ms/token  step={row['step']}  "
-        f"recordings={row.get('recordings')}  {'' if device_map is None else device_map.describe()['parts']}")
+        f"recordings={recordings}  {parts}")
     del assembled
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -112,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = [("a: one device", {"target_device": device}),
             ("b: split in two parts on one device", {"target_devices": f"{device},{device}",
-                                                      "target_layer_split": "0.5,0.5"})]
+                                                      "target_layer_split": "0.5,0.5"}),
+            ("b: split in three parts on one device", {"target_devices": f"{device},{device},{device}"})]
     if draft is not None:
         runs += [("c: drafter, one device", {"target_device": device, "model_draft": draft}),
                  ("c: drafter on --draft-device, split", {"target_devices": f"{device},{device}",
-                                                          "model_draft": draft, "draft_device": device})]
+                                                          "model_draft": draft, "draft_device": device}),
+                 # Three parts: the first part's taps for the drafter pass the middle one to reach the head's.
+                 ("c: drafter, split in three parts", {"target_devices": f"{device},{device},{device}",
+                                                       "model_draft": draft})]
         if device != "cpu" and not args.no_cpu_draft:
             runs.append(("c: drafter on --draft-device cpu", {"target_device": device, "model_draft": draft,
                                                                "draft_device": "cpu"}))
@@ -134,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                                "tok_s_ratio": round(row["tok_s"] / rows[0]["tok_s"], 3)}
                   for row in rows[1:] if "model_draft" not in row["flags"] and row["device_map"] is not None}
     # On a GPU a split must record a graph per part (the path of two GPUs), not fall back to eager steps.
-    ungraphed = [row["run"] for row in rows if device != "cpu" and row["device_map"] is not None
-                 and "model_draft" not in row["flags"] and not all(row.get("graphed_parts") or [False])]
+    ungraphed = [row["run"] for row in rows if device != "cpu" and row["device_map"] is not None and not all(
+        row.get("verify_graphed_parts" if "model_draft" in row["flags"] else "decode_graphed_parts") or [False])]
     print(json.dumps({"model": model, "device": device, "tokens": args.tokens, "runs": rows,
                       "split_cost": split_cost, "identical": not mismatches, "ungraphed_splits": ungraphed}))
     if mismatches:
