@@ -291,17 +291,18 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
 
 
 def _announce_device_map(loaded: Any) -> None:
-    """Say on stderr where a split model's parts run, and that a step over two GPUs is not graphed yet."""
+    """Say on stderr where a split model's parts run and how its decode step runs (a graph per part, or
+    eagerly)."""
     import sys
+
+    from .split_step import step_mode
 
     device_map = getattr(loaded.model, "device_map", None)
     if device_map is None:
         return
     parts = ", ".join(f"layers {p['layers']} on {p['device']}" for p in device_map.describe()["parts"])
-    print(f"note: the target's layers split into {device_map.parts} parts: {parts}", file=sys.stderr)
-    if len(device_map.physical_devices) > 1 and loaded.backend.graphs_enabled():
-        print("note: a step spanning several GPUs runs eagerly (no CUDA graphs): per-device graph capture is not "
-              "done yet", file=sys.stderr)
+    print(f"note: the target's layers split into {device_map.parts} parts: {parts}; decode step: "
+          f"{step_mode(loaded.model)}", file=sys.stderr)
 
 
 def _engine_backend(loaded: Any) -> Any:

@@ -6,8 +6,10 @@ split places each layer's weights, KV and recurrent state on `layer_device(i)`, 
 `embed_device` and the final norm and output head on `head_device`, and calls `hand_over` on the hidden
 state where consecutive layers belong to different parts. The hand-over goes by part index, not by device
 equality: two parts on the same device still copy, so a split onto `cpu,cpu` runs the very code path a
-split onto two GPUs runs (there the copy is a peer copy where the GPUs allow it). The split changes no
-arithmetic: every op runs the same kernels on the same values, so output is bit-identical to one device.
+split onto two GPUs runs (there the copy is a peer copy where the GPUs allow it). A split model's static
+steps (the decode step, the verify pass) run a recording per part instead (`split_step`), the hand-over
+copied into the next part's static buffers between replays. The split changes no arithmetic: every op runs
+the same kernels on the same values, so output is bit-identical to one device.
 """
 
 from __future__ import annotations

@@ -272,18 +272,29 @@ class TorchBackend:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.device(self.device), torch.cuda.stream(side):
                 return function()
         finally:  # also after a failure: work queued on the side stream must come before what follows
             current.wait_stream(side)
 
     def record_graph(self, function: Any, pool: Any) -> tuple[Any, Any]:
         """Record `function()` as a graph (which runs nothing) into `pool`: (the graph, whose `replay()`
-        runs it, and the outputs it leaves in buffers of the recording)."""
+        runs it, and the outputs it leaves in buffers of the recording).
+
+        Recorded with this backend's device current and on a capture stream of that device: torch's default
+        capture stream is made once, on whichever device was current then, and a split model records a
+        graph per part on each part's device."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = function()
+        with torch.cuda.device(self.device):
+            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream()):
+                outputs = function()
         return graph, outputs
+
+    def _capture_stream(self) -> Any:
+        stream = getattr(self, "_graph_capture_stream", None)
+        if stream is None:
+            stream = self._graph_capture_stream = torch.cuda.Stream(self.device)
+        return stream
 
     # -- matmul and embedding --------------------------------------------------------------------------
 

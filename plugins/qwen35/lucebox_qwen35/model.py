@@ -35,6 +35,7 @@ import torch
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.device_map import SplitKVCache, hand_over
 from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query
+from lucebox_core.split_step import run_split_decode_step
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout import Qwen35Config
@@ -401,12 +402,31 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         self.device_map = device_map if device_map is not None and device_map.is_split else None
         self.part_ops = list(part_ops) if self.device_map is not None else [ops]
         self.head_ops = self.part_ops[-1]
+        # Each part's layers, in order: a split model's static steps record a graph per part.
+        self.part_layers = [[layer for layer in layers if self._layer_part(layer) == part]
+                            for part in range(len(self.part_ops))]
         if self.device_map is not None:
             self.tied_embeddings = False  # the head holds its own copy on the last part's device
-            if len(self.device_map.physical_devices) > 1:
-                # A graph records one device's stream: the parts' steps run eagerly until each part is
-                # captured as its own graph (not done yet).
-                self.decode_graphs = False
+            # Static steps wherever a part records graphs (a CPU part among GPU ones runs its part eagerly).
+            self.decode_graphs = any(part.graphs_enabled() for part in self.part_ops)
+        self.failed_parts: set[int] = set()  # parts whose recording failed (they run eagerly): for /props
+
+    @property
+    def split_steps(self) -> bool:
+        """Whether the static decode step and verify pass run as one step per part (`split_step`)."""
+        return self.device_map is not None
+
+    def step_mode(self) -> str:
+        """How a decode step runs, for /props and the log: "graph" (one recording), "graph per part" (a
+        split model: a recording per part, handed over between replays; "..., eager on part 1 (cpu)" names
+        parts without graphs or whose recording failed), "eager per part" or "eager"."""
+        if not self.decode_graphs:
+            return "eager" if self.device_map is None else "eager per part"
+        if self.device_map is None:
+            return "graph"
+        eager = [f"part {part} ({self.device_map.devices[part]})" for part, ops in enumerate(self.part_ops)
+                 if not ops.graphs_enabled() or part in self.failed_parts]
+        return "graph per part" if not eager else f"graph per part, eager on {', '.join(eager)}"
 
     def _layer_part(self, layer: DecoderLayer) -> int:
         return 0 if self.device_map is None else self.device_map.layer_part(layer.index)
@@ -560,16 +580,25 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         with the norm that follows it (`ops.add_rms_norm`), so the MLP's output is added at the next
         layer's input norm (or the final norm).
         """
-        eps = self.config.eps
         pending = None  # the last MLP output, not yet added to the residual stream
-        part = 0
-        for layer in self.layers:
-            ops = self._layer_ops(layer)
-            if self._layer_part(layer) != part:
+        for part, layers in enumerate(self.part_layers):
+            if part > 0:
                 # A part boundary: the residual stream and the pending MLP output go to the next part's
                 # device (a peer copy between GPUs; a copy even where both parts share a device).
-                part = self._layer_part(layer)
-                hidden, pending = hand_over(hidden, ops.device), hand_over(pending, ops.device)
+                device = self.part_ops[part].device
+                hidden, pending = hand_over(hidden, device), hand_over(pending, device)
+            hidden, pending = self._run_part_layers(layers, hidden, pending, mix, tap, tapped)
+        if last_only:
+            hidden, pending = hidden[:, -1:], pending[:, -1:]
+        return self._final_norm(hidden, pending)
+
+    def _run_part_layers(self, layers: list[DecoderLayer], hidden: torch.Tensor, pending: torch.Tensor | None,
+                         mix: Any, tap: Any, tapped: Collection[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layers` (one part's, all on one device) over the residual stream `hidden` and the MLP output not
+        yet added to it (`pending`, None before the first layer); returns both after the last of them."""
+        eps = self.config.eps
+        for layer in layers:
+            ops = self._layer_ops(layer)
             if pending is None:
                 x = ops.rms_norm(hidden, layer.input_layernorm, eps)
             else:
@@ -578,9 +607,10 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
             pending = layer.mlp(x)
             if layer.index in tapped:
                 tap(layer, hidden + pending)
-        if last_only:
-            hidden, pending = hidden[:, -1:], pending[:, -1:]
-        normed, _ = self.head_ops.add_rms_norm(pending, hidden, self.norm, eps)
+        return hidden, pending
+
+    def _final_norm(self, hidden: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        normed, _ = self.head_ops.add_rms_norm(pending, hidden, self.norm, self.config.eps)
         return normed
 
     __call__ = forward
@@ -596,6 +626,8 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         state in place and leaves the logits in a buffer of its own, so with `graphs` (default: where the
         backend records graphs) each window size is recorded once per sequence and then replayed.
         """
+        if self.split_steps:
+            return run_split_decode_step(self, state, token, self._static_part_step, graphs=graphs)
         return run_decode_step(self, state, token, self._static_step, graphs=graphs)
 
     def _static_step(self, state: Qwen35State, inputs: StaticInputs, window: int) -> torch.Tensor:
@@ -609,12 +641,53 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         taps: list[torch.Tensor] = []
         tapped = state.capture_layers if state.features is not None else ()
         hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
+        self._ring_features(state, inputs, taps)
+        return self.head_ops.linear(hidden, self.lm_head)[0]
+
+    def _ring_features(self, state: Qwen35State, inputs: StaticInputs, taps: list[torch.Tensor]) -> None:
         if state.features is not None:
             # The drafter's features of this position, into the ring at a device index (a graph records it):
             # plain decoding of a speculative sequence stays on this step, the one verification matches.
             slot = inputs.position.to(state.features.device) % state.features.shape[0]
             state.features.index_copy_(0, slot, self._concat_taps(state, taps).to(state.features.dtype))
-        return self.head_ops.linear(hidden, self.lm_head)[0]
+
+    def _static_part_step(self, state: Qwen35State, part: int, inputs: StaticInputs,
+                          window: int) -> tuple[dict[str, torch.Tensor], Any]:
+        """Part `part` of a split model's decode step, as a function of that part's static inputs and `window`
+        (what a graph on the part's device records): the first part starts from the embedding, a later one
+        from the residual stream and pending MLP output handed over into its buffers. A part hands on those
+        and its layers' taps for the drafter (`tap.<layer>`); the last adds the final norm, the head and the
+        feature ring, and returns the logits."""
+
+        def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+            if layer.linear_attn is not None:
+                return layer.linear_attn(x, state.linear[layer.index])
+            return layer.self_attn.decode_static(x, inputs.position, state.kv, window)
+
+        tapped = state.capture_layers if state.features is not None else ()
+        handed, hidden, pending = self._static_part_layers(part, inputs, mix, tapped)
+        if part < len(self.part_layers) - 1:
+            return handed, None
+        self._ring_features(state, inputs, self._gathered_taps(inputs, handed, tapped))
+        return {}, self.head_ops.linear(self._final_norm(hidden, pending), self.lm_head)[0]
+
+    def _static_part_layers(self, part: int, inputs: StaticInputs, mix: Any,
+                            tapped: Collection[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """One part's layers in a static step: (what it hands over, the residual stream, the pending MLP
+        output)."""
+        taps: dict[str, torch.Tensor] = {}
+        hidden, pending = (inputs.embedded, None) if part == 0 else (inputs.hidden, inputs.pending)
+        hidden, pending = self._run_part_layers(self.part_layers[part], hidden, pending, mix,
+                                                lambda layer, output: taps.__setitem__(f"tap.{layer.index}", output),
+                                                tapped)
+        return {"hidden": hidden, "pending": pending, **taps}, hidden, pending
+
+    @staticmethod
+    def _gathered_taps(inputs: StaticInputs, handed: dict[str, torch.Tensor],
+                       tapped: Collection[int]) -> list[torch.Tensor]:
+        """The taps of every part in layer order (earlier parts' from the inputs handed over; `[T, hidden]`)."""
+        return [(handed[f"tap.{i}"] if f"tap.{i}" in handed else getattr(inputs, f"tap.{i}"))[0]
+                for i in sorted(tapped)]
 
     # -- the target side of speculative decoding ------------------------------------------------------
 

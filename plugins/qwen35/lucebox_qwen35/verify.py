@@ -21,6 +21,7 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.kv import window_limit
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
+from lucebox_core.split_step import SplitStaticStep
 from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
 
 
@@ -86,6 +87,8 @@ class SpeculativeTarget(FeatureCapture):
                        use_graphs: bool) -> TreeVerification:
         ops = self.ops
         nodes, committed = tree.size, state.length
+        if self.split_steps:
+            return self._verify_static_split(state, tree, token_ids, use_graphs)
         if state.verify is None:
             state.verify = StaticStep(ops, "verify pass", graphs=self.decode_graphs)
         # The tree's tokens, shape and the committed length (the root's position) in fixed device buffers.
@@ -117,6 +120,56 @@ class SpeculativeTarget(FeatureCapture):
                                   state.capture_layers)
         features = self._concat_taps(state, taps) if state.features is not None else None
         return self.head_ops.linear(hidden, self.lm_head)[0], features, conv, recurrent
+
+    def _verify_static_split(self, state: Any, tree: TreeIndex, token_ids: torch.Tensor,
+                             use_graphs: bool) -> TreeVerification:
+        """The static verify pass of a split model: a recording per part (`split_step.SplitStaticStep`), each
+        part holding the tree's shape and the committed length in buffers on its device."""
+        nodes, committed = tree.size, state.length
+        if state.verify is None:
+            state.verify = SplitStaticStep(self.part_ops, "verify pass", graphs=None if self.decode_graphs else False,
+                                           failed_parts=self.failed_parts)
+        shape = dict(parents=tree.parents, depths=tree.depths, visible=tree.visibility(), start=committed)
+        inputs = [state.verify.inputs(0, tokens=token_ids, **shape)]
+        inputs += [state.verify.inputs(part, **shape) for part in range(1, state.verify.parts)]
+        inputs[0].set("embedded", self.ops.embedding(inputs[0].tokens, self.embed_tokens)[None])
+        window = kv_window(committed + nodes, window_limit(state.kv), self.decode_min_window)
+        key = (window, nodes, state.features is not None)
+        results = state.verify.run(
+            key, lambda part, step_inputs: self._static_verify_part(state, part, step_inputs, window), inputs,
+            graphs=use_graphs)
+        conv, recurrent = {}, {}
+        for part_conv, part_recurrent in results[:-1]:
+            conv.update(part_conv)
+            recurrent.update(part_recurrent)
+        logits, features, last_conv, last_recurrent = results[-1]
+        conv.update(last_conv)
+        recurrent.update(last_recurrent)
+        return TreeVerification(tree, committed, logits, features, {}, conv, recurrent, static=True)
+
+    def _static_verify_part(self, state: Any, part: int, inputs: StaticInputs, window: int):
+        """Part `part` of the split verify pass, as a function of its static inputs, `window` and N alone:
+        hands over as the split decode step does; returns its layers' conv and recurrent states (the last
+        part also the logits and the features)."""
+        positions = inputs.start + inputs.depths
+        conv, recurrent = {}, {}
+
+        def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
+            if layer.linear_attn is not None:
+                out, conv[layer.index], recurrent[layer.index] = layer.linear_attn.verify_tree(
+                    x, state.linear[layer.index], inputs.parents)
+                return out
+            return layer.self_attn.verify_static(x, positions, inputs.start, state.kv, window, inputs.visible)
+
+        tapped = state.capture_layers
+        handed, hidden, pending = self._static_part_layers(part, inputs, mix, tapped)
+        if part < len(self.part_layers) - 1:
+            return handed, (conv, recurrent)
+        features = None
+        if state.features is not None:
+            features = self._concat_taps(state, self._gathered_taps(inputs, handed, tapped))
+        logits = self.head_ops.linear(self._final_norm(hidden, pending), self.lm_head)[0]
+        return {}, (logits, features, conv, recurrent)
 
     def commit(self, state: Any, verification: TreeVerification, path: Seq[int]) -> None:
         """Keep the accepted `path` (node indices from the root, each the parent of the next): their KV
