@@ -47,6 +47,7 @@ from typing import Any
 EXPERT_STACK = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 CALIBRATE_CHUNK = 256  # tokens decoded a request during calibration
 CALIBRATE_PROMPT = 16
+PHASES = ("full", "calibrate", "spark")
 HOT_SHARE = 0.35  # the share of experts whose picks `profile_hot_share` reports (as synth's hot set)
 
 
@@ -314,27 +315,30 @@ def lucebox_main(args: argparse.Namespace) -> int:
     from lucebox_core.spark import RoutingProfile
 
     layout = expert_layout(args.model)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or set(phases) - set(PHASES):
+        raise SystemExit(f"--phases: choose among {','.join(PHASES)}, got {args.phases!r}")
     folder = Path(args.workdir or Path(args.json or args.model).parent) / f".bench_spark_{os.getpid()}"
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [run_phase(args, "full", folder)]
-    profile = RoutingProfile.path_for(args.model)
-    if profile.is_file():  # calibration starts from no profile: the placement is this run's traffic alone
-        print(f"--- replacing {profile}", flush=True)
-        profile.unlink()
-    rows.append(run_phase(args, "calibrate", folder))
-    rows.append(run_phase(args, "spark", folder))
-    shutil.rmtree(folder, ignore_errors=True)
-    full, spark = rows[0], rows[2]
-    ratio = (spark["tokens_per_s"] / full["tokens_per_s"]
-             if spark.get("tokens_per_s") and full.get("tokens_per_s") else None)
-    report = {"model": args.model, "residency": args.residency, "budget_bytes": int(layout["expert_bytes"] * args.residency),
-              "n_gen": args.n_gen, "reps": args.reps, "layout": layout, "rows": rows,
-              "spark_vs_full": round(ratio, 4) if ratio else None,
+    report = {"model": args.model, "residency": args.residency,
+              "budget_bytes": int(layout["expert_bytes"] * args.residency), "n_gen": args.n_gen, "reps": args.reps,
+              "layout": layout, "rows": [], "spark_vs_full": None,
               "llama_commands": [" ".join(c["command"]) for c in llama_commands(
                   "llama-bench", args.model, layout, args.residency, args.n_gen, args.reps)]}
+    rows = report["rows"]
+    for phase in [p for p in PHASES if p in phases]:
+        profile = RoutingProfile.path_for(args.model)
+        if phase == "calibrate" and profile.is_file():  # from no profile: the placement is this run's traffic alone
+            print(f"--- replacing {profile}", flush=True)
+            profile.unlink()
+        rows.append(run_phase(args, phase, folder))
+        rates = {row["phase"]: row.get("tokens_per_s") for row in rows}
+        if rates.get("full") and rates.get("spark"):
+            report["spark_vs_full"] = round(rates["spark"] / rates["full"], 4)
+        if args.json:  # after every phase: a call cut short keeps the rows it finished
+            Path(args.json).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
     print(f"spark / full: {report['spark_vs_full']} ({layout['routing']})", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all("error" not in row for row in rows) else 1
 
 
@@ -350,8 +354,10 @@ def llama_main(args: argparse.Namespace) -> int:
             if entry.get("override_tensor"):
                 print(f"  (or, for the same placement: -ot '{entry['override_tensor']}')")
         return 0
-    rows = []
-    for entry in commands:
+    rows: list[dict[str, Any]] = []
+    report = {"model": args.model, "residency": args.residency, "layout": layout, "rows": rows}
+    wanted = {"gpu": 0, "offload": 1}
+    for entry in [commands[wanted[r.strip()]] for r in args.rows.split(",") if r.strip() in wanted]:
         print(f"--- {entry['label']}: {' '.join(entry['command'])}", flush=True)
         row = {key: value for key, value in entry.items() if key != "command"}
         row.update({"engine": "llama.cpp", "command": " ".join(entry["command"]), "test": f"tg{args.n_gen}"})
@@ -370,9 +376,8 @@ def llama_main(args: argparse.Namespace) -> int:
         row["gpu_peak_used_bytes"] = peak.peak_bytes
         print(f"--- {row['label']}: " + (f"error: {row['error']}" if "error" in row else _summary(row)), flush=True)
         rows.append(row)
-    report = {"model": args.model, "residency": args.residency, "layout": layout, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all("error" not in row for row in rows) else 1
 
 
@@ -383,6 +388,9 @@ def report_main(args: argparse.Namespace) -> int:
     by_model: dict[str, list[dict[str, Any]]] = {}
     layouts: dict[str, dict[str, Any]] = {}
     for path in args.files:
+        if not Path(path).is_file():  # a step that did not run (a shell glob left as it was)
+            print(f"(no {path})", file=sys.stderr)
+            continue
         data = json.loads(Path(path).read_text())
         name = Path(data["model"]).name
         layouts[name] = data["layout"]
@@ -392,7 +400,9 @@ def report_main(args: argparse.Namespace) -> int:
         lines += [f"### {name}: {layouts[name]['routing']}", "",
                   "| engine | config | tg tok/s | vs lucebox full | hit rate | moved MiB/token | experts on GPU GiB | "
                   "GPU peak GiB |", "|---|---|---|---|---|---|---|---|"]
-        full = next((r for r in rows if r.get("phase") == "full" and r.get("tokens_per_s")), None)
+        full = _full_row(name, by_model, layouts)
+        if full is not None and full not in rows:
+            lines.insert(-2, f"(no full row for this file: compared with {full['_file']}'s, the same layout)\n")
         for row in rows:
             if row.get("phase") == "calibrate":
                 lines.append(f"| lucebox | calibration: {row.get('tokens_decoded')} tokens decoded | "
@@ -406,12 +416,24 @@ def report_main(args: argparse.Namespace) -> int:
                          f"{' ERROR ' + str(row['error'])[:80] if 'error' in row else ''} | {_num(rate)} | {versus} | "
                          f"{_num(row.get('hit_rate'), 3)} | {_num(moved and moved / 2**20)} | "
                          f"{_num(experts and experts / 2**30)} | {_num(_peak(row))} |")
-        lines += ["", *_targets(rows), ""]
+        lines += ["", *_targets(rows if full is None or full in rows else [full, *rows]), ""]
     text = "\n".join(lines)
     print(text)
     if args.md:
         Path(args.md).write_text(text + "\n")
     return 0
+
+
+def _full_row(name: str, by_model: dict[str, list[dict[str, Any]]],
+              layouts: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The file's all-resident row, or else one of another file with the same experts (a skewed file and its
+    random-router twin differ only in their routers' values)."""
+    for other in [name, *by_model]:
+        same = layouts[other]["expert_bytes_per_layer"] == layouts[name]["expert_bytes_per_layer"]
+        row = next((r for r in by_model[other] if r.get("phase") == "full" and r.get("tokens_per_s")), None)
+        if same and row is not None:
+            return row if other == name else {**row, "_file": other}
+    return None
 
 
 def _num(value: Any, digits: int = 2) -> str:
@@ -461,6 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common(q)
     lucebox_options(q)
     q.add_argument("--phase-timeout", type=float, default=300.0, help="seconds a phase may take (default 300)")
+    q.add_argument("--phases", default=",".join(PHASES), help="which rows, in this order (default "
+                   "full,calibrate,spark; e.g. calibrate,spark beside another file's full row of the same layout)")
     q.add_argument("--workdir", help="where the phases' results go meanwhile (default: beside --json)")
     q.add_argument("--json", help="write the rows to this file")
     q.set_defaults(run=lucebox_main)
@@ -477,6 +501,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     q.add_argument("--llama-bench", default="llama-bench", help="the llama-bench binary (default: on the PATH)")
     q.add_argument("--timeout", type=float, default=180.0, help="seconds a llama-bench run may take (default 180)")
     q.add_argument("--print-only", action="store_true", help="print the command lines, run nothing")
+    q.add_argument("--rows", default="gpu,offload", help="gpu (all on GPU), offload (--n-cpu-moe) or both "
+                   "(default gpu,offload)")
     q.add_argument("--json", help="write the rows to this file")
     q.set_defaults(run=llama_main)
 
