@@ -6,8 +6,9 @@ llama.cpp's at the same expert bytes on the GPU.
 - `full`: every expert resident. tg N as `lucebox bench` measures it (an untimed run at its shape first, then
   `-r` runs of N random tokens fed one at a time, the host waiting for the device after each; the median).
 - `calibrate`: Spark at the budget below, from no profile (an existing `MODEL.gguf.spark.csv` is replaced):
-  sampled decoding (temperature 1) of `--calibrate` tokens, in requests of 256, for at most
-  `--calibrate-seconds`; the routing profile it counted is written beside the model, as the server does at exit.
+  sampled decoding (temperature 1) of `--calibrate` tokens, in requests of up to 256, for about
+  `--calibrate-seconds` (the requests sized to end near it); the routing profile it counted is written
+  beside the model (after every request: a phase cut short keeps what it counted), as the server does at exit.
 - `spark`: a fresh load with `--spark --spark-vram B`, B = `--residency` of the file's expert bytes, placed by
   that profile; tg N as above, with the pools' hit rate, misses and bytes moved counted after the warm-up run.
 
@@ -47,6 +48,7 @@ from typing import Any
 EXPERT_STACK = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 CALIBRATE_CHUNK = 256  # tokens decoded a request during calibration
 CALIBRATE_PROMPT = 16
+CALIBRATE_PROBE = 32  # the first request's tokens, which time the rest
 PHASES = ("full", "calibrate", "spark")
 HOT_SHARE = 0.35  # the share of experts whose picks `profile_hot_share` reports (as synth's hot set)
 
@@ -71,7 +73,8 @@ def expert_layout(path: str | os.PathLike) -> dict[str, Any]:
     return {"architecture": gguf.architecture, "n_layer": int(gguf.metadata.get(f"{gguf.architecture}.block_count", 0)),
             "expert_bytes_per_layer": {str(k): v for k, v in sorted(per_layer.items())},
             "expert_bytes": sum(per_layer.values()), "weight_bytes": sum(i.n_bytes for i in gguf.tensors.values()),
-            "routing": f"skewed (router skew {skew.group(1)})" if skew else "random (close to uniform: a cache's worst case)"}
+            "routing": (f"skewed (router skew {skew.group(1)})" if skew
+                        else "random (close to uniform: a cache's worst case)")}
 
 
 def n_cpu_moe_for(layout: dict[str, Any], budget: int) -> tuple[int, int]:
@@ -208,15 +211,18 @@ def calibrate(assembled: Any, tokens: int, seconds: float, seed: int = 0) -> dic
 
     engine, vocab = assembled.engine, assembled.loaded.model.vocab_size
     done, start, request = 0, time.perf_counter(), 0
-    while done < tokens and time.perf_counter() - start < seconds:
+    while done < tokens and (left := seconds - (time.perf_counter() - start)) > 0:
+        # The first request a short one, its rate then sizing the others to end near the time limit.
+        rate = done / (seconds - left) if done else None
+        chunk = min(CALIBRATE_CHUNK, tokens - done, max(1, int(rate * left)) if rate else CALIBRATE_PROBE)
         sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed + request)
         result = engine.generate(GenerationRequest(
             prompt_ids=_random_ids(CALIBRATE_PROMPT, vocab, seed + request), ignore_eos=True,
-            max_tokens=min(CALIBRATE_CHUNK, tokens - done), sampling=sampling))
+            max_tokens=chunk, sampling=sampling))
         done += len(result.token_ids)
         request += 1
+        assembled.spark.save_profile()
     elapsed = time.perf_counter() - start
-    assembled.spark.save_profile()
     return {"tokens_decoded": done, "requests": request, "seconds": round(elapsed, 2),
             "tokens_per_s": done / elapsed if elapsed else None, "cut_short": done < tokens,
             "profile": str(assembled.spark.profile_path), "profile_hot_share": profile_hot_share(assembled.spark)}
@@ -290,7 +296,9 @@ def run_phase(args: argparse.Namespace, phase: str, folder: Path) -> dict[str, A
             error = None if completed.returncode == 0 else f"exit status {completed.returncode}"
         except subprocess.TimeoutExpired:
             error = f"killed after {args.phase_timeout} s (--phase-timeout)"
-    row = json.loads(result.read_text()) if error is None and result.is_file() else {"phase": phase, "error": error}
+    if error is None and not result.is_file():
+        error = "no result written"
+    row = json.loads(result.read_text()) if error is None else {"phase": phase, "engine": "lucebox", "error": error}
     row["wall_s"] = round(time.perf_counter() - start, 2)
     row["gpu_peak_used_bytes"] = peak.peak_bytes
     print(f"--- {phase}: " + (f"error: {error}" if error else _summary(row)), flush=True)
@@ -404,9 +412,9 @@ def report_main(args: argparse.Namespace) -> int:
         if full is not None and full not in rows:
             lines.insert(-2, f"(no full row for this file: compared with {full['_file']}'s, the same layout)\n")
         for row in rows:
-            if row.get("phase") == "calibrate":
-                lines.append(f"| lucebox | calibration: {row.get('tokens_decoded')} tokens decoded | "
-                             f"{_num(row.get('tokens_per_s'))} | | | | | top-35% share {row.get('profile_hot_share')} |")
+            if row.get("phase") == "calibrate" and "error" not in row:
+                lines.append(f"| lucebox | calibration: {row.get('tokens_decoded')} tokens decoded, top-35% "
+                             f"share {row.get('profile_hot_share')} | {_num(row.get('tokens_per_s'))} | | | | | |")
                 continue
             rate = row.get("tokens_per_s")
             versus = f"{rate / full['tokens_per_s']:.2f}" if rate and full else ""

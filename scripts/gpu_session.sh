@@ -527,8 +527,8 @@ spark_rows() {  # arch size: bench_spark.py and llama-bench on the skewed file, 
   #              (beside the skewed file's full row; llama.cpp all on GPU once: it does not depend on the routers)
   local skewed uniform
   skewed=$(sparkmodel "$1" "$2" "$SPARK_SKEW") uniform=$(sparkmodel "$1" "$2")
-  step "spark-$1-skewed" 230 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
-    --calibrate 2048 --calibrate-seconds "${SPARK_CALIBRATE_S:-45}" --phase-timeout 120 \
+  step "spark-$1-skewed" 240 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
+    --calibrate 2048 --calibrate-seconds "${SPARK_CALIBRATE_S:-40}" --phase-timeout 120 \
     --json "$RES/spark_$1_skewed.json"
   # llama.cpp's rows before the random-router file's: they are the targets' other side (the build is done by now)
   if llama_wait; then
@@ -547,7 +547,7 @@ spark_rows() {  # arch size: bench_spark.py and llama-bench on the skewed file, 
 
 spark_bench() {  # ~9 min: #14's rows on Laguna-XS.2 Q4_K_M (synthetic): skewed routers (SPARK_SKEW) and random
   #               ones (close to uniform: a cache's worst case); tg128 all on GPU, a calibration (2048 tokens or
-  #               45 s of decoding writes the profile), Spark at SPARK_RESIDENCY of the expert bytes (hit rate,
+  #               40 s of decoding writes the profile), Spark at SPARK_RESIDENCY of the expert bytes (hit rate,
   #               bytes moved, peak GPU memory); llama-bench all on GPU and --n-cpu-moe at the same expert
   #               bytes. The llama.cpp build runs meanwhile at nice 19.       carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
