@@ -379,6 +379,8 @@ def llama_main(args: argparse.Namespace) -> int:
                     row["error"] = f"exit status {completed.returncode}: {completed.stderr[-600:]}"
             except subprocess.TimeoutExpired:
                 row["error"] = f"killed after {args.timeout} s"
+            except OSError as exc:
+                row["error"] = f"cannot run {args.llama_bench} ({exc})"
             except (json.JSONDecodeError, KeyError, IndexError) as exc:
                 row["error"] = f"unreadable llama-bench output ({exc})"
         row["gpu_peak_used_bytes"] = peak.peak_bytes

@@ -527,8 +527,8 @@ spark_rows() {  # arch size: bench_spark.py and llama-bench on the skewed file, 
   #              (beside the skewed file's full row; llama.cpp all on GPU once: it does not depend on the routers)
   local skewed uniform
   skewed=$(sparkmodel "$1" "$2" "$SPARK_SKEW") uniform=$(sparkmodel "$1" "$2")
-  step "spark-$1-skewed" 240 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
-    --calibrate 2048 --calibrate-seconds "${SPARK_CALIBRATE_S:-40}" --phase-timeout 120 \
+  step "spark-$1-skewed" 250 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
+    --calibrate 2048 --calibrate-seconds "${SPARK_CALIBRATE_S:-40}" --phase-timeout 150 \
     --json "$RES/spark_$1_skewed.json"
   # llama.cpp's rows before the random-router file's: they are the targets' other side (the build is done by now)
   if llama_wait; then
