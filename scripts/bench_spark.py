@@ -200,7 +200,8 @@ def decode_rows(assembled: Any, n_gen: int, reps: int) -> dict[str, Any]:
     if spark is not None:
         described = spark.describe()
         row.update({key: described[key] for key in ("residency", "hits", "misses", "hit_rate", "bytes_moved")})
-        row["bytes_moved_per_token"] = described["bytes_moved"] // max(1, n_gen * reps)
+        # every token fed after the warm-up run, the two untimed ones a run starts with included
+        row["bytes_moved_per_token"] = described["bytes_moved"] // max(1, (DECODE_WARMUP_STEPS + n_gen) * reps)
     return row
 
 
