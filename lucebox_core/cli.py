@@ -121,9 +121,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.type not in synthesizer.types:
         raise LuceboxError(f"--type {args.type!r} is not one of {', '.join(synthesizer.types)} for {args.arch}")
     extra = {"target": args.target} if args.target else {}
+    if args.router_skew is not None:
+        if "router_skew" not in synthesizer.options:
+            offering = [s.name for s in registry().synthesizers() if "router_skew" in s.options]
+            raise LuceboxError(f"--router-skew: the {args.arch} writer has no MoE routers to skew (these do: "
+                               f"{', '.join(offering) or 'none'})")
+        extra["router_skew"] = args.router_skew
     path = synthesizer.write(Path(args.output), size=args.size, type=args.type, seed=args.seed, vocab=args.vocab,
                              **extra)
-    print(f"wrote {path} ({args.arch} {args.size} {args.type}, seed {args.seed}, RANDOM WEIGHTS)")
+    skew = f", router skew {args.router_skew:g}" if args.router_skew is not None else ""
+    print(f"wrote {path} ({args.arch} {args.size} {args.type}, seed {args.seed}{skew}, RANDOM WEIGHTS)")
     return 0
 
 
@@ -386,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--vocab", help="tokenizer GGUF to take the vocabulary from (default: the family's)")
     p.add_argument("--target", help="for drafter architectures: the target GGUF the drafter must fit")
+    p.add_argument("--router-skew", type=float, metavar="F",
+                   help="MoE files: routers biased toward a fixed hot set of 35%% of each layer's experts, which "
+                        "then take about F of the routed picks (default: random routers, close to uniform)")
     p.add_argument("-o", "--output", required=True, help="GGUF file to write")
     p.set_defaults(run=cmd_synth)
 

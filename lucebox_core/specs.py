@@ -186,7 +186,8 @@ class Verifier:
 class Synthesizer:
     """Writes random-weight GGUF files for one architecture.
 
-    `writer(path, *, size, type, seed, vocab)` writes the file; `sizes` and `types` list the choices.
+    `writer(path, *, size, type, seed, vocab)` writes the file; `sizes` and `types` list the choices;
+    `options` the writer's further keywords (`router_skew`: MoE routers biased toward a hot set of experts).
     """
 
     name: str  # the architecture written, as in `general.architecture`
@@ -194,6 +195,7 @@ class Synthesizer:
     sizes: tuple[str, ...] = attrs.field(converter=tuple)
     types: tuple[str, ...] = attrs.field(converter=tuple)
     description: str = ""
+    options: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     kind = "synth"
 
     def is_available(self) -> tuple[bool, str]:

@@ -4,10 +4,19 @@ Matrices get random quantized blocks at a real initialisation's scale (`kquants.
 per-channel tensors (norms, scalars, the family's own) get values from the family's `small_tensor(name,
 shape, rng)` rule. Up to a size every tensor gets its own random data; beyond it, blocks are drawn from a
 pool per ggml type, so writing a 27B file takes minutes, not hours, and no two rows repeat in practice.
+
+A MoE file may have skewed routers (`with_router_skew`, `lucebox synth --router-skew F`): random routers send
+tokens to experts close to uniformly, the worst case for an expert cache (Spark), while real models route most
+tokens to a minority of their experts. A skewed router's rows of a fixed hot set of experts (`SKEW_HOT_SHARE`
+of them, chosen per layer by the seed) are scaled up, so that about F of the top-k picks land in the hot set.
+Scaling rows changes the logits' spread, not their mean: a router without a bias is odd in its input, so a hot
+expert wins when its large logit is positive, which is why the reachable F has a ceiling (near 1 with many
+experts, lower with few: a clear error past it). Any engine reading the file (llama.cpp too) routes the same.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +34,70 @@ POOL_WEIGHTS = 1 << 24  # weights per pool (per ggml type) for larger files
 CHUNK_WEIGHTS = 1 << 20  # weights produced / copied per write
 
 SmallTensorRule = Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray]
+
+SKEW_HOT_SHARE = 0.35  # of a layer's experts, the hot set a skewed router favours
+ROUTER_SUFFIX = "ffn_gate_inp.weight"  # MoE routers, [experts, hidden], kept F32
+_SKEW_DRAWS = 4096  # simulated tokens when choosing a skew's row scale
+_MAX_SCALE = 1000.0
+
+
+def hot_count(experts: int, top_k: int) -> int:
+    """Experts in a skewed layer's hot set: `SKEW_HOT_SHARE` of them, at least `top_k`."""
+    return min(experts, max(top_k, round(SKEW_HOT_SHARE * experts)))
+
+
+def hot_share(scale: float, experts: int, top_k: int, draws: np.ndarray | None = None) -> float:
+    """The share of top-k picks in the hot set when its router rows are `scale` times the others.
+
+    Given a token's input x, random router rows give independent normal logits of one spread; the hot
+    rows' spread is `scale` times larger. The share depends on nothing else (not x's size, not the width)."""
+    if draws is None:
+        draws = np.random.default_rng(0).standard_normal((_SKEW_DRAWS, experts))
+    hot = hot_count(experts, top_k)
+    logits = draws.copy()
+    logits[:, :hot] *= scale
+    picks = np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k]
+    return float((picks < hot).mean())
+
+
+@functools.lru_cache(maxsize=32)
+def router_skew_scale(skew: float, experts: int, top_k: int) -> float:
+    """The hot rows' scale that puts about `skew` of the top-k picks in the hot set (a ValueError when
+    `skew` is below the hot set's share, which no skew reaches, or above what scaling can reach)."""
+    hot = hot_count(experts, top_k)
+    draws = np.random.default_rng(0).standard_normal((_SKEW_DRAWS, experts))
+    floor, ceiling = hot / experts, hot_share(_MAX_SCALE, experts, top_k, draws)
+    if not floor <= skew < ceiling:
+        raise ValueError(f"router skew {skew:g} is out of reach for {experts} experts top-{top_k} (hot set "
+                         f"{hot}): choose a value in [{floor:.3f}, {ceiling - 0.005:.3f}]")
+    low, high = 0.0, float(np.log(_MAX_SCALE))  # bisection on log(scale): the share grows with it
+    for _ in range(40):
+        middle = (low + high) / 2
+        if hot_share(float(np.exp(middle)), experts, top_k, draws) < skew:
+            low = middle
+        else:
+            high = middle
+    return float(np.exp(high))
+
+
+def with_router_skew(rule: SmallTensorRule, skew: float | None, top_k: int) -> SmallTensorRule:
+    """`rule`, with every MoE router's hot rows scaled so about `skew` of the picks land in its hot set
+    (a set per layer, drawn from the tensor's own generator after its values: the rest of the file is the
+    unskewed file's). `skew` None: `rule` itself."""
+    if skew is None:
+        return rule
+
+    def skewed(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        values = rule(name, shape, rng)
+        if not name.endswith(ROUTER_SUFFIX):
+            return values
+        experts = shape[0]
+        rows = np.array(values, dtype=np.float64).reshape(experts, -1)
+        hot = rng.choice(experts, hot_count(experts, top_k), replace=False)
+        rows[hot] *= router_skew_scale(skew, experts, top_k)
+        return rows.reshape(-1)
+
+    return skewed
 
 
 def named_size(sizes: Mapping[str, Any], name: str, arch: str) -> Any:

@@ -35,6 +35,11 @@
 #                                        #   the tree in .baseline (an older commit, `git archive`), then this
 #                                        #   one, then the baseline again (the spread); determinism on 27b.
 #                                        #                                          carry: .whl .baseline
+#   bash scripts/gpu_session.sh spark-bench  # ~9 min: #14's Spark rows on synthetic Laguna-XS.2 Q4_K_M, skewed and
+#                                        #   random routers: tg128 all on GPU, calibration, Spark at 60% of the
+#                                        #   expert bytes, llama-bench all on GPU and --n-cpu-moe at the same
+#                                        #   bytes (scripts/bench_spark.py).          carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh spark-bench-35b  # ~9 min: the same on the 35B-A3B (qwen35moe). carry: .whl .llamacpp
 # Env: COMMIT (recorded in every result: the device's copy has no .git), SKIP (step names to leave out, e.g.
 # "profile-27b"; for bench-*: see bench_vs_llamacpp.sh; for spec: "llama" skips the build and llama-bench),
 # SPEC_ARGS (extra spec_bench.py options), CHECK_FIRST (spec: attention kernel check and verify_determinism
@@ -332,7 +337,9 @@ g4synth() { [ -s "$(g4model "$1")" ] || python3 -m lucebox_core.cli synth --arch
 llama_build_bg() {  # the llama.cpp build in the background (~270 s on 16 cores), unless SKIP names "llama"
   case "$SKIP" in *" llama "*) return 0 ;; esac
   echo "[$SECONDS s] llama.cpp build in the background"
-  (bash .llamacpp/build.sh > "$RES/llamacpp_build.log" 2>&1; echo "build rc $? at $SECONDS s" >> "$RES/llamacpp_build.log") &
+  # LLAMA_NICE: the build's priority, for modes whose timed rows run meanwhile (their host work comes first)
+  (nice -n "${LLAMA_NICE:-0}" bash .llamacpp/build.sh > "$RES/llamacpp_build.log" 2>&1
+   echo "build rc $? at $SECONDS s" >> "$RES/llamacpp_build.log") &
 }
 llama_wait() { case "$SKIP" in *" llama "*) return 1 ;; esac; echo "[$SECONDS s] waiting for the llama.cpp build"; wait
   tail -2 "$RES/llamacpp_build.log"; [ -x /tmp/llamacpp/build/bin/llama-bench ]; }
@@ -529,6 +536,62 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   done
 }
 
+# -- Spark (#14): expert offload against all on the GPU and llama.cpp's --n-cpu-moe, same files ----------------
+SPARK_SKEW=${SPARK_SKEW:-0.9}  # the skewed file's router skew: about this share of picks in 35% of the experts
+SPARK_RESIDENCY=${SPARK_RESIDENCY:-0.6}  # the experts' bytes resident with Spark / left on the GPU by llama.cpp
+export SPARK_SKEW SPARK_RESIDENCY
+sparkmodel() { echo "$WORK/$1-$2-q4_k_m${3:+-skew$3}.gguf"; }  # arch size [skew]
+spark_synth() {  # arch size: the skewed and the random-router file, written side by side (~75 s each)
+  local skewed uniform pids=()
+  skewed=$(sparkmodel "$1" "$2" "$SPARK_SKEW") uniform=$(sparkmodel "$1" "$2")
+  [ -s "$skewed" ] || { python3 -m lucebox_core.cli synth --arch "$1" --size "$2" --type q4_k_m \
+    --router-skew "$SPARK_SKEW" -o "$skewed" & pids+=($!); }
+  [ -s "$uniform" ] || { python3 -m lucebox_core.cli synth --arch "$1" --size "$2" --type q4_k_m -o "$uniform" &
+    pids+=($!); }
+  local pid rc=0; for pid in "${pids[@]}"; do wait "$pid" || rc=1; done; ls -la "$WORK"; return $rc
+}
+export -f sparkmodel spark_synth
+
+spark_rows() {  # arch size: bench_spark.py and llama-bench on the skewed file, then on the random-router one
+  #              (beside the skewed file's full row; llama.cpp all on GPU once: it does not depend on the routers)
+  local skewed uniform
+  skewed=$(sparkmodel "$1" "$2" "$SPARK_SKEW") uniform=$(sparkmodel "$1" "$2")
+  step "spark-$1-skewed" 250 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
+    --calibrate 2048 --calibrate-seconds "${SPARK_CALIBRATE_S:-40}" --phase-timeout 150 \
+    --json "$RES/spark_$1_skewed.json"
+  # llama.cpp's rows before the random-router file's: they are the targets' other side (the build is done by now)
+  if llama_wait; then
+    step "llama-$1-skewed" 110 python3 scripts/bench_spark.py llama -m "$skewed" --residency "$SPARK_RESIDENCY" \
+      --llama-bench "$LB" --timeout 80 --json "$RES/llama_$1_skewed.json"
+  fi
+  step "spark-$1-uniform" 120 python3 scripts/bench_spark.py lucebox -m "$uniform" --residency "$SPARK_RESIDENCY" \
+    --phases calibrate,spark --calibrate 2048 --calibrate-seconds "${SPARK_UNIFORM_CALIBRATE_S:-25}" -r 2 \
+    --phase-timeout 80 --json "$RES/spark_$1_uniform.json"
+  [ -x "$LB" ] && step "llama-$1-uniform" 60 python3 scripts/bench_spark.py llama -m "$uniform" \
+    --residency "$SPARK_RESIDENCY" --llama-bench "$LB" --rows offload --timeout 50 --json "$RES/llama_$1_uniform.json"
+  python3 scripts/bench_spark.py report "$RES"/spark_$1_*.json "$RES"/llama_$1_*.json --md "$OUT/spark_bench_$1.md"
+  cp "$RES"/spark_$1_*.json "$RES"/llama_$1_*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+spark_bench() {  # ~9 min: #14's rows on Laguna-XS.2 Q4_K_M (synthetic): skewed routers (SPARK_SKEW) and random
+  #               ones (close to uniform: a cache's worst case); tg128 all on GPU, a calibration (2048 tokens or
+  #               40 s of decoding writes the profile), Spark at SPARK_RESIDENCY of the expert bytes (hit rate,
+  #               bytes moved, peak GPU memory); llama-bench all on GPU and --n-cpu-moe at the same expert
+  #               bytes. The llama.cpp build runs meanwhile at nice 19.       carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step spark-synth 170 spark_synth laguna xs2
+  spark_rows laguna xs2
+}
+
+spark_bench_35b() {  # ~9 min: the same on Qwen3.5-35B-A3B's layout (qwen35moe), the xs2 files removed first (disk)
+  #                   carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  rm -f "$WORK"/laguna-xs2-q4_k_m*.gguf*
+  step spark-synth 170 spark_synth qwen35moe 35b-a3b
+  spark_rows qwen35moe 35b-a3b
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -561,6 +624,8 @@ session() {
     gemma4-exact) gemma4_exact ;;
     demo-train) demo_train ;;
     server-gpu) server_gpu ;;
+    spark-bench) spark_bench ;;
+    spark-bench-35b) spark_bench_35b ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -12,6 +12,7 @@ lucebox_model_families = provides(
 
 lucebox_synthesizers = provides(
     Synthesizer(name="laguna", writer="lucebox_laguna.synth:write", sizes=["tiny", "xs2"], types=SYNTHESIZED_TYPES,
+                options=["router_skew"],
                 description="random-weight laguna GGUF with llama.cpp's exact layout (Laguna-XS.2)"),
 )
 

@@ -19,7 +19,7 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.filetypes import file_type
 from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.specs import SYNTHESIZED_TYPES
-from lucebox_core.synthetic import write_random_model
+from lucebox_core.synthetic import router_skew_scale, with_router_skew, write_random_model
 from lucebox_core.vocab import Vocab, from_gguf, from_hf_folder
 
 from . import layout
@@ -76,11 +76,14 @@ def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
 
 
 def write(path: str | Path, *, size: str = "tiny", type: str = "f32", seed: int = 0,
-          vocab: str | Path | None = None) -> Path:
-    """Write a random-weight laguna GGUF of `size` (tiny, xs2) and `type` to `path`."""
+          vocab: str | Path | None = None, router_skew: float | None = None) -> Path:
+    """Write a random-weight laguna GGUF of `size` (tiny, xs2) and `type` to `path`; `router_skew` F: routers
+    biased toward a hot set of experts per layer, about F of the picks (`synthetic.with_router_skew`)."""
     try:
         cfg = layout.size(size)
         file_type(type, TYPES)
+        if router_skew is not None:  # out of reach: refused before anything is written
+            router_skew_scale(router_skew, cfg.n_expert, cfg.n_expert_used)
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
     tokens = laguna_vocab(vocab, cfg.vocab)
@@ -89,5 +92,7 @@ def write(path: str | Path, *, size: str = "tiny", type: str = "f32", seed: int 
         layout.add_metadata(writer, cfg)
         tokens.add_to_writer(writer)
 
-    return write_random_model(path, tensor_plans(cfg, type), arch=layout.ARCH, title="Laguna", size=size, type=type,
-                              seed=seed, small_tensor=_small_tensor, add_metadata=add_metadata)
+    label = size if router_skew is None else f"{size} router skew {router_skew:g}"
+    return write_random_model(path, tensor_plans(cfg, type), arch=layout.ARCH, title="Laguna", size=label,
+                              type=type, seed=seed, add_metadata=add_metadata,
+                              small_tensor=with_router_skew(_small_tensor, router_skew, cfg.n_expert_used))

@@ -24,7 +24,7 @@ lucebox_synthesizers = provides(
     Synthesizer(name="qwen35", writer="lucebox_qwen35.synth:write", sizes=["tiny", "0.8b", "27b"],
                 types=SYNTHESIZED_TYPES, description="random-weight qwen35 GGUF with llama.cpp's exact layout"),
     Synthesizer(name="qwen35moe", writer="lucebox_qwen35.synth:write_moe", sizes=["tiny", "35b-a3b"],
-                types=SYNTHESIZED_TYPES, description="random-weight qwen35moe GGUF with llama.cpp's exact layout"),
+                types=SYNTHESIZED_TYPES, options=["router_skew"], description="random-weight qwen35moe GGUF with llama.cpp's exact layout"),
     Synthesizer(name="qwen3", writer="lucebox_qwen35.synth:write_qwen3", sizes=["tiny", "0.6b"],
                 types=SYNTHESIZED_TYPES, description="random-weight qwen3 GGUF with llama.cpp's exact layout "
                                                      "(Qwen3-0.6B) and Qwen3's tokenizer"),

@@ -22,7 +22,8 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.filetypes import file_type
 from lucebox_core.gguf_out import TensorPlan
 from lucebox_core.specs import SYNTHESIZED_TYPES
-from lucebox_core.synthetic import WEIGHT_STD, RandomWeights, write_random_model
+from lucebox_core.synthetic import (WEIGHT_STD, RandomWeights, router_skew_scale, with_router_skew,
+                                    write_random_model)
 
 from . import layout, layout_moe, layout_qwen3
 from . import vocab as vocab_source
@@ -78,15 +79,20 @@ def write_moe(
     type: str = "f32",
     seed: int = 0,
     vocab: str | Path | None = None,
+    router_skew: float | None = None,
 ) -> Path:
-    """Write a random-weight qwen35moe GGUF of `size` (tiny, 35b-a3b); the rest as `write`."""
-    return _write(path, layout.MOE_ARCH, size=size, type=type, seed=seed, vocab=vocab)
+    """Write a random-weight qwen35moe GGUF of `size` (tiny, 35b-a3b); the rest as `write`. `router_skew` F:
+    routers biased toward a hot set of experts per layer, about F of the picks (`synthetic.with_router_skew`)."""
+    return _write(path, layout.MOE_ARCH, size=size, type=type, seed=seed, vocab=vocab, router_skew=router_skew)
 
 
-def _write(path: str | Path, arch: str, *, size: str, type: str, seed: int, vocab: str | Path | None) -> Path:
+def _write(path: str | Path, arch: str, *, size: str, type: str, seed: int, vocab: str | Path | None,
+           router_skew: float | None = None) -> Path:
     try:
         cfg = layout_moe.size(size) if arch == layout.MOE_ARCH else layout.size(size)
         file_type(type, TYPES)
+        if router_skew is not None:  # out of reach: refused before anything is written
+            router_skew_scale(router_skew, cfg.n_expert, cfg.n_expert_used)
     except ValueError as exc:
         raise LuceboxError(str(exc)) from None
     tokens = vocab_source.synthetic(vocab, cfg.vocab)
@@ -96,8 +102,11 @@ def _write(path: str | Path, arch: str, *, size: str, type: str, seed: int, voca
         tokens.add_to_writer(writer)
 
     title = "Qwen3.5 MoE" if arch == layout.MOE_ARCH else "Qwen3.5"
-    return write_random_model(path, tensor_plans(cfg, type), arch=arch, title=title, size=size, type=type,
-                              seed=seed, small_tensor=_small_tensor, add_metadata=add_metadata)
+    label = size if router_skew is None else f"{size} router skew {router_skew:g}"
+    small_tensor = _small_tensor if router_skew is None else with_router_skew(_small_tensor, router_skew,
+                                                                              cfg.n_expert_used)
+    return write_random_model(path, tensor_plans(cfg, type), arch=arch, title=title, size=label, type=type,
+                              seed=seed, small_tensor=small_tensor, add_metadata=add_metadata)
 
 
 # -- qwen3 (dense Qwen3, e.g. Qwen3-0.6B) -------------------------------------------------------------------
