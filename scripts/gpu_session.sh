@@ -214,6 +214,8 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
     --json "$RES/prefix_cache_ttft.json"
   step memory-256k-tq3 30 python3 scripts/memory_at_context.py -m "$m" -c 262144 -ctk tq3_0 -ctv tq3_0 \
     --json "$RES/memory.jsonl"
+  step attention-sweep 60 sh -c "env TRITON_INTERPRET=0 python3 scripts/attention_sweep.py > $RES/attention_sweep.jsonl; \
+    cat $RES/attention_sweep.jsonl"
   step multi-device 80 sh -c "python3 scripts/multi_device_check.py --size 0.8b --tokens 32 > $RES/multi_device.json; \
     tail -c 3000 $RES/multi_device.json"
   step spark-cuda 50 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py -k gpu -x
