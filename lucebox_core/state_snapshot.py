@@ -49,7 +49,7 @@ class StateSnapshots:
             capacity = features.shape[0]
             slots = torch.arange(max(0, length - capacity), length, device=features.device) % capacity
             tensors[FEATURES] = features[slots]
-        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+        return {name: _host_copy(t) for name, t in tensors.items()}
 
     def restore_state(self, state: Any, tensors: dict[str, torch.Tensor], length: int) -> None:
         """Make `state` (empty, as a new sequence's) hold what `tensors` (from `snapshot_state` at `length`)
@@ -87,6 +87,18 @@ class StateSnapshots:
             features[slots] = saved_features.to(features.device, non_blocking=True)
         state.length = length
         state.captured = {}
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of `tensor`; in pinned memory when it comes from a GPU, so that restoring it
+    is one DMA at the link's speed (a 32K-token snapshot of the 27B is 2.2 GB: ~0.1 s pinned, several times
+    that from pageable memory, which the driver stages through a bounce buffer)."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.to("cpu", copy=True).contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)
+    return host
 
 
 def _check_fits(name: str, saved: torch.Tensor, shape: Any, dtype: torch.dtype) -> None:

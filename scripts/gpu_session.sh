@@ -192,6 +192,22 @@ pflash() {  # ~9.5 min: issue #16's rows: the block-sparse kernel's check and ti
   return 0
 }
 
+final_rows() {  # ~4.5 min: the 128K dense prefill with the 128 x 64 attention tiles (and PFlash beside it), the
+  #              second-turn TTFT of a 32K conversation with pinned snapshots, memory at 256K/128K, Spark's GPU test.
+  step synth-27b 60 synth 27b
+  step synth-scorer 30 python3 -m lucebox_core.cli synth --arch qwen3 --size 0.6b --type q8_0 -o "$WORK/qwen3-0.6b-q8_0.gguf"
+  step bench-pflash 110 python3 scripts/bench_pflash.py --target "$(model 27b)" --scorer "$WORK/qwen3-0.6b-q8_0.gguf" \
+    --lengths 131072 --keep 0.05 --skip-scorer-dense --json "$RES/pflash.json"
+  step ttft-32k 60 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
+    --json "$RES/prefix_cache_ttft.json"
+  step memory 45 sh -c "python3 scripts/memory_at_context.py -m $(model 27b) -c 262144 -ctk tq3_0 -ctv tq3_0 --json $RES/memory.jsonl; \
+    python3 scripts/memory_at_context.py -m $(model 27b) -c 131072 -ctk tq3_0 -ctv tq3_0 --json $RES/memory.jsonl; \
+    python3 scripts/memory_at_context.py -m $(model 27b) -c 131072 --json $RES/memory.jsonl; cat $RES/memory.jsonl"
+  step spark-cuda 40 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py -k gpu -x
+  cp "$RES"/*.json "$RES"/*.jsonl "$OUT/" 2>/dev/null
+  return 0
+}
+
 governor() {  # ~9 min: #17 item 3 (speculation that never loses to plain) on the 27B Q4_K_M with a full-size random
   #            drafter (it accepts nothing: the worst case): plain tg128, DDTree auto unforced (the governor),
   #            forced 8.3 with auto and with budget 22, the plain engine's rate beside each; then #15's KVFlash GPU
@@ -613,6 +629,7 @@ session() {
     long-pflash) long_pflash ;;
     long-a) long_a ;;
     governor) governor ;;
+    final-rows) final_rows ;;
     laguna-cuda) laguna_cuda ;;
     same-call-prefill) same_call_prefill ;;
     bench-cli) bench_cli ;;

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     kv = sequence.state.kv
     row = {"model": args.model, "ctx_size": args.ctx_size, "cache_type_k": args.cache_type_k,
            "cache_type_v": args.cache_type_v, "kv_policy": args.kv_policy,
-           "kv_bytes": int(kv.nbytes), "weights_on_device_bytes": int(getattr(assembled.loaded.ops,
+           "kv_bytes": int(kv.nbytes), "weights_on_device_bytes": int(getattr(assembled.loaded.backend,
                                                                               "device_weight_bytes", 0)),
            "torch_peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "torch_reserved_GiB": round(torch.cuda.memory_reserved() / 2**30, 2),

@@ -158,7 +158,7 @@ def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_
         for pool in layer.pools:
             assert pool.stack.device.type == "cuda" and pool.host.device.type == "cpu" and pool.host.is_pinned()
     # What the backend uploaded: the slot views (named `....slots`), never a full expert stack.
-    uploaded = [weight.name for weight, _ in assembled.loaded.ops._device_weights.values()]
+    uploaded = [weight.name for weight, _ in assembled.loaded.backend._device_weights.values()]
     assert any(name.endswith(".slots") for name in uploaded)
     assert not [name for name in uploaded if name.endswith("_exps.weight")]
     described = assembled.spark.describe()
