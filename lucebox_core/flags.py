@@ -110,8 +110,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser, *, force: bool) -> Non
                    help="the verifier: chain (one drafted block), ddtree (a best-first draft tree, the "
                         "default), or any an installed plugin provides")
     p.add_argument("--tree-budget", type=tree_budget,
-                   help="drafted nodes per ddtree verify (default 22; the demo model's own: auto), or 'auto': from "
-                        "the measured verify-cost curve and the drafter's confidence")
+                   help="drafted nodes per ddtree verify, or 'auto' (the default): the tree from the measured "
+                        "verify-cost curve and the drafter's confidence, and plain decoding while drafting measures "
+                        "slower than plain steps")
     p.add_argument("--draft-block-size", type=int, help="positions per draft block (default: the draft's, 16)")
     p.add_argument("--no-draft", action="store_true",
                    help="with no -m: the default model without the drafter it ships with (plain decoding)")
