@@ -18,26 +18,16 @@ import torch
 Q_HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
 
 
-def median_ms(function, repeats: int = 5) -> float:
-    function()  # the untimed run at this shape (compiles)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="query tokens (a prefill chunk)")
     p.add_argument("--offsets", default="0,61440,126976", help="cache positions before the chunk")
     args = p.parse_args(argv)
+    from lucebox_cuda.timing import median_ms as event_median_ms
     from lucebox_cuda.triton_attention import BlockConfig, attention, prefill_config
+
+    def median_ms(function) -> float:
+        return event_median_ms(function, repeats=5)
 
     device = torch.device("cuda")
     candidates = [None, BlockConfig(128, 32, 8, 2), BlockConfig(128, 32, 8, 3), BlockConfig(64, 32, 4, 2),
