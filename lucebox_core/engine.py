@@ -361,18 +361,14 @@ class Engine:
                     # finish plainly, feeding the pending token first.
                     speculative = False
                     if sequence.pending_logits is None and sequence.unfed:
-                        logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
-                        sequence.tokens.extend(sequence.unfed)
-                        sequence.unfed, sequence.pending_logits = [], logits[-1]
+                        self._feed_pending(sequence)
                 if governed:
                     governor.take_plain()
                 elif (speculative and governor is not None and sequence.pending_logits is None and sequence.unfed
                       and not governor.draft_next()):
                     # Drafting does not pay now: the pending token is fed as plain decoding feeds it.
                     governed = True
-                    logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
-                    sequence.tokens.extend(sequence.unfed)
-                    sequence.unfed, sequence.pending_logits = [], logits[-1]
+                    self._feed_pending(sequence)
                 if speculative and sequence.pending_logits is None and sequence.unfed:
                     # The pending token is the root of a drafted block: one target pass verifies it all.
                     root = sequence.unfed[0]
@@ -468,6 +464,12 @@ class Engine:
                 governed_next = governed and fed_ahead
         finally:
             timings.decode_tokens += len(generated)
+
+    def _feed_pending(self, sequence: Sequence) -> None:
+        """Feed the pending (unfed) token as plain decoding does: its logits become the next to sample from."""
+        logits = self.model.forward(sequence.state, torch.tensor(sequence.unfed, dtype=torch.long))
+        sequence.tokens.extend(sequence.unfed)
+        sequence.unfed, sequence.pending_logits = [], logits[-1]
 
     def _suppressed_mask(self, device: torch.device) -> torch.Tensor | None:
         if self.suppressed is None:

@@ -96,7 +96,9 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type == "cpu":
         return tensor.to("cpu", copy=True).contiguous()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    from .torch_backend import host_memory
+
+    host = host_memory(tuple(tensor.shape), tensor.dtype, pinned=True)
     host.copy_(tensor)
     return host
 
