@@ -610,6 +610,14 @@ spark_bench_35b() {  # ~9 min: the same on Qwen3.5-35B-A3B's layout (qwen35moe),
   spark_rows qwen35moe 35b-a3b
 }
 
+laguna_profile() {  # ~2 min: where a Laguna-XS.2 decode step's time goes (torch.profiler over graph replays). carry: .whl
+  local m; m=$(sparkmodel laguna xs2)
+  step synth-laguna 120 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m -o $m"
+  step profile-laguna 120 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"
+  cp "$RES"/profile_*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -645,6 +653,7 @@ session() {
     server-gpu) server_gpu ;;
     spark-bench) spark_bench ;;
     spark-bench-35b) spark_bench_35b ;;
+    laguna-profile) laguna_profile ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
