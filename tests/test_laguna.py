@@ -268,3 +268,20 @@ def test_greedy_tokens_match_llama_cpp_on_the_cpu(tmp_path):
     theirs = crosscheck.llama_tokens(LLAMA_SERVER, path, prompts, port=8957, ngl=0)
     ours, _ = crosscheck.argmax_tokens(path, prompts, "cpu")
     assert ours == theirs
+
+
+def test_fused_projections_give_the_apart_logits(tiny_file):
+    """A backend that stacks projections (`fuse_rows`, as the CUDA one does) gets [q | k | v | g] and the MLPs'
+    [gate | up] back in the right rows: the same logits as the reference that keeps them apart."""
+    from lucebox_core.torch_backend import TorchBackend, concat_rows
+
+    class Stacking(TorchBackend):
+        def fuse_rows(self, weights):
+            return concat_rows(weights)
+
+    ids = torch.randint(0, 100352, (12,), generator=torch.Generator().manual_seed(3))
+    apart = load(tiny_file)
+    fused = load(tiny_file, backend=Stacking("cpu", torch.float32))
+    attention, shared = fused.layers[-1].self_attn, fused.layers[-1].mlp.shared_expert
+    assert attention.in_proj is not None and attention.in_proj_parts >= 2 and shared.gate_up_proj is not None
+    torch.testing.assert_close(fused(fused.new_state(32), ids), apart(apart.new_state(32), ids), atol=1e-4, rtol=1e-4)

@@ -4,6 +4,9 @@ These are op names a family defines (Gemma-4's `lucebox_gemma4.ops`: `qkv_norm_r
 `norm_sum`, `gelu_tanh_mul`, `softcap`, `moe_route`); the backend knows only the names and the reference's
 signature, registered like every other kernel (`plugin.py`). Each `accepts_<op>` says whether the kernel
 takes these arguments; where it does not, the family's reference runs.
+
+At the end, the same for a gated-attention, sigmoid-routed MoE decoder (Laguna's `qk_norm_rope_scaled`,
+`sigmoid_route`, `softplus_head_gate`): `triton_gates` and the generic q/k norm + RoPE kernel with a scale.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .op_kernels import _optional, _rows_indexable, _triton_takes
+from .op_kernels import _optional, _rows_indexable, _triton_takes, triton_fused
 
 triton_norms = functools.cache(lambda: _optional("triton_norms"))
 
@@ -88,3 +91,45 @@ def moe_route(ops: Any, h, proj, scale, per_expert_scale, top_k, eps):
     norms = triton_norms()
     logits = ops.linear(norms.router_norm(h, scale, eps), proj)
     return norms.softmax_topk(logits, per_expert_scale, top_k)
+
+
+# -- a gated-attention, sigmoid-routed MoE decoder's ops (Laguna's names), in `triton_gates` ---------------
+
+triton_gates = functools.cache(lambda: _optional("triton_gates"))
+
+
+def accepts_qk_norm_rope_scaled(ops: Any, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor,
+                                k_norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                                attention_factor: float, eps: float) -> bool:
+    return (triton_fused() is not None and _triton_takes(ops, query, key, q_norm, k_norm, positions, inv_freq)
+            and query.dim() == 4 and query.shape[0] == 1 and key.shape[:2] == query.shape[:2]
+            and key.shape[3] == query.shape[3] and 2 * inv_freq.numel() <= query.shape[3]
+            and query.stride(-1) == 1 and key.stride(-1) == 1)
+
+
+def qk_norm_rope_scaled(ops: Any, query, key, q_norm, k_norm, positions, inv_freq, attention_factor, eps):
+    """The generic q/k norm and RoPE kernel with the rotated dims' cos and sin times `attention_factor`."""
+    return triton_fused().qk_norm_rope(query, key, q_norm, k_norm, positions, 2 * inv_freq.numel(), 0.0, eps,
+                                       inv_freq=inv_freq.to(torch.float32), attention_factor=attention_factor)
+
+
+def accepts_sigmoid_route(ops: Any, x: torch.Tensor, proj: Any, selection_bias: torch.Tensor, top_k: int,
+                          scale: float) -> bool:
+    experts = selection_bias.numel()
+    return (triton_gates() is not None and _triton_takes(ops, x, selection_bias) and x.dim() == 2
+            and experts <= MAX_ROUTED_EXPERTS and 0 < top_k <= experts and top_k & (top_k - 1) == 0)
+
+
+def sigmoid_route(ops: Any, x, proj, selection_bias, top_k, scale):
+    """Two launches: the router's product (the backend's `linear`), then sigmoid, biased top-k,
+    renormalisation and scale in one kernel (torch's chain is eight)."""
+    return triton_gates().sigmoid_topk(ops.linear(x, proj), selection_bias, top_k, scale)
+
+
+def accepts_softplus_head_gate(ops: Any, out: torch.Tensor, gate: torch.Tensor) -> bool:
+    return (triton_gates() is not None and _triton_takes(ops, out, gate) and out.dim() >= 2
+            and tuple(gate.shape) == tuple(out.shape[:-1]) and out.stride(-1) == 1 and gate.stride(-1) == 1)
+
+
+def softplus_head_gate(ops: Any, out, gate):
+    return triton_gates().softplus_head_gate(out, gate)

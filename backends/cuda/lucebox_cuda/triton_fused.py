@@ -204,9 +204,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 @triton.jit
 def _norm_rope_row(src_ptr, w_ptr, inv_freq_ptr, dst_ptr, position, eps, head_dim, rot_dim,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, attention_factor):
     """RMSNorm one head's row (rounded to the output dtype, as the reference's norm output is), then
-    rotate its first rot_dim dims NeoX style: dim i pairs with i + rot_dim/2."""
+    rotate its first rot_dim dims NeoX style: dim i pairs with i + rot_dim/2. `attention_factor` scales
+    cos and sin (YaRN's magnitude on the rotated dims; 1 leaves them exact)."""
     dims = tl.arange(0, BLOCK_D)
     ok = dims < head_dim
     half = rot_dim // 2
@@ -227,8 +228,8 @@ def _norm_rope_row(src_ptr, w_ptr, inv_freq_ptr, dst_ptr, position, eps, head_di
     freq_index = tl.where(first_half, dims, dims - half)
     inv_freq = tl.load(inv_freq_ptr + freq_index, mask=partner_ok, other=0.0)
     angle = position.to(tl.float32) * inv_freq
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    cos = tl.cos(angle) * attention_factor
+    sin = tl.sin(angle) * attention_factor
     # first' = first*cos - second*sin; second' = second*cos + first*sin
     out = tl.where(rotated, normed * cos + tl.where(first_half, -partner_normed, partner_normed) * sin, normed)
     tl.store(dst_ptr + dims, out.to(dtype), mask=ok)
@@ -237,7 +238,7 @@ def _norm_rope_row(src_ptr, w_ptr, inv_freq_ptr, dst_ptr, position, eps, head_di
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, q_out_ptr, k_out_ptr,
-    q_heads, kv_heads, head_dim, rot_dim, eps,
+    q_heads, kv_heads, head_dim, rot_dim, eps, attention_factor,
     q_tok, q_head, k_tok, k_head,
     BLOCK_D: tl.constexpr,
 ):
@@ -246,11 +247,13 @@ def _qk_norm_rope_kernel(
     position = tl.load(pos_ptr + token)
     if head < q_heads:
         _norm_rope_row(q_ptr + token * q_tok + head * q_head, qw_ptr, inv_freq_ptr,
-                       q_out_ptr + (token * q_heads + head) * head_dim, position, eps, head_dim, rot_dim, BLOCK_D)
+                       q_out_ptr + (token * q_heads + head) * head_dim, position, eps, head_dim, rot_dim, BLOCK_D,
+                       attention_factor)
     else:
         kv = head - q_heads
         _norm_rope_row(k_ptr + token * k_tok + kv * k_head, kw_ptr, inv_freq_ptr,
-                       k_out_ptr + (token * kv_heads + kv) * head_dim, position, eps, head_dim, rot_dim, BLOCK_D)
+                       k_out_ptr + (token * kv_heads + kv) * head_dim, position, eps, head_dim, rot_dim, BLOCK_D,
+                       attention_factor)
 
 
 def rope_inv_freq(rot_dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -262,9 +265,11 @@ def rope_inv_freq(rot_dim: int, theta: float, device: torch.device) -> torch.Ten
 def qk_norm_rope(
     query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
     positions: torch.Tensor, rot_dim: int, theta: float, eps: float, *, inv_freq: torch.Tensor | None = None,
+    attention_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`TorchBackend.qk_norm_rope` for batch 1: query `[1, T, Hq, D]`, key `[1, T, Hkv, D]` (strided views
-    are fine), positions `[T]` or `[1, T]` integers on the device -> new contiguous query and key."""
+    are fine), positions `[T]` or `[1, T]` integers on the device -> new contiguous query and key.
+    `attention_factor`: cos and sin times it (YaRN's scale of the rotated dims; Laguna's full layers)."""
     batch, tokens, q_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     if batch != 1 or key.shape[:2] != (1, tokens) or key.shape[3] != head_dim or rot_dim > head_dim or rot_dim % 2:
@@ -283,7 +288,7 @@ def qk_norm_rope(
     with _device_scope(query):
         _qk_norm_rope_kernel[(tokens, q_heads + kv_heads)](
             query, key, q_norm, k_norm, inv_freq, positions, q_out, k_out,
-            q_heads, kv_heads, head_dim, rot_dim, eps,
+            q_heads, kv_heads, head_dim, rot_dim, eps, float(attention_factor),
             query.stride(1), query.stride(2), key.stride(1), key.stride(2),
             BLOCK_D=triton.next_power_of_2(head_dim),
         )

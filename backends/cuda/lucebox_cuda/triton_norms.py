@@ -153,11 +153,11 @@ def _qkv_norm_rope_kernel(
     position = tl.load(pos_ptr + token)
     if head < q_heads:
         _norm_rope_row(q_ptr + token * q_tok + head * q_head, qw_ptr, inv_freq_ptr,
-                       q_out_ptr + (token * q_heads + head) * head_dim, position, eps, head_dim, head_dim, BLOCK_D)
+                       q_out_ptr + (token * q_heads + head) * head_dim, position, eps, head_dim, head_dim, BLOCK_D, 1.0)
     elif head < q_heads + kv_heads:
         kv = head - q_heads
         _norm_rope_row(k_ptr + token * k_tok + kv * k_head, kw_ptr, inv_freq_ptr,
-                       k_out_ptr + (token * kv_heads + kv) * head_dim, position, eps, head_dim, head_dim, BLOCK_D)
+                       k_out_ptr + (token * kv_heads + kv) * head_dim, position, eps, head_dim, head_dim, BLOCK_D, 1.0)
     else:
         kv = head - q_heads - kv_heads
         _norm_row(v_ptr + token * v_tok + kv * v_head, vw_ptr, v_out_ptr + (token * kv_heads + kv) * head_dim,

@@ -46,6 +46,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> LagunaModel:
             attention_factor=1.0 if sliding else config.yarn_attention_factor,
             sliding_window=config.sliding_window if sliding else 0, eps=config.eps,
         )
+        attention.fuse_projections()
         m = "layers.{i}.mlp."
         if config.is_moe(i):
             shared = LagunaMLP(ops, *(src.weight(m + f"shared_experts.{part}_proj", i)
@@ -60,6 +61,7 @@ def load(gguf_file: Any, backend: Any = None, **options: Any) -> LagunaModel:
         else:
             mlp = LagunaMLP(ops, src.weight(m + "gate_proj", i), src.weight(m + "up_proj", i),
                             src.weight(m + "down_proj", i))
+        (mlp.shared_expert if isinstance(mlp, LagunaMoE) else mlp).fuse_projections()
         layers.append(LagunaDecoderLayer(
             index=i, self_attn=attention, mlp=mlp, input_layernorm=src.vector("layers.{i}.input_layernorm", i),
             post_attention_layernorm=src.vector("layers.{i}.post_attention_layernorm", i)))

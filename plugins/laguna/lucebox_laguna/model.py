@@ -82,6 +82,19 @@ class LagunaAttention:
     attention_factor: float  # YaRN's scale of the rotated dims (1 on sliding layers)
     sliding_window: int  # 0 for full layers
     eps: float
+    # The projections fused by the backend (`ops.fuse_rows`): rows [q | k | v | g], [q | k | v] or [q | k] (a
+    # part of another GGUF type stays apart); None: all apart.
+    in_proj: Weight | None = None
+    in_proj_parts: int = 0
+
+    def fuse_projections(self) -> None:
+        """Let the backend merge the projections of the layer's input into one product (one launch)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj, self.g_proj)
+        for count in (4, 3, 2):
+            fused = self.ops.fuse_rows(list(parts[:count]))
+            if fused is not None:
+                self.in_proj, self.in_proj_parts = fused, count
+                return
 
     @property
     def kv_shape(self) -> KVLayerShape:
@@ -95,10 +108,16 @@ class LagunaAttention:
         """q `[B, T, H, D]`, k and v `[B, T, Hkv, D]` and the gate `[B, T, H]` of `x` at `positions` `[T]`."""
         ops = self.ops
         batch, tokens, _ = x.shape
-        query = ops.linear(x, self.q_proj).reshape(batch, tokens, self.num_heads, self.head_dim)
-        key = ops.linear(x, self.k_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
-        value = ops.linear(x, self.v_proj).reshape(batch, tokens, self.num_kv_heads, self.head_dim)
-        gate = ops.linear(x, self.g_proj)
+        parts = [self.q_proj, self.k_proj, self.v_proj, self.g_proj]
+        if self.in_proj is not None:
+            projected = list(ops.linear(x, self.in_proj).split([w.shape[0] for w in parts[: self.in_proj_parts]], -1))
+        else:
+            projected = []
+        projected += [ops.linear(x, w) for w in parts[len(projected) :]]
+        query = projected[0].reshape(batch, tokens, self.num_heads, self.head_dim)
+        key = projected[1].reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        value = projected[2].reshape(batch, tokens, self.num_kv_heads, self.head_dim)
+        gate = projected[3]
         query, key = ops.qk_norm_rope_scaled(query, key, self.q_norm, self.k_norm, positions, self.inv_freq,
                                              self.attention_factor, self.eps)
         return query, key, value, gate
@@ -143,10 +162,18 @@ class LagunaMLP:
     gate_proj: Weight
     up_proj: Weight
     down_proj: Weight
+    gate_up_proj: Weight | None = None  # rows [gate | up], fused by the backend (`ops.fuse_rows`)
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = self.ops.fuse_rows([self.gate_proj, self.up_proj])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)), self.down_proj)
+        if self.gate_up_proj is not None:
+            gate, up = ops.linear(x, self.gate_up_proj).split([self.gate_proj.shape[0], self.up_proj.shape[0]], -1)
+        else:
+            gate, up = ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj)
+        return ops.linear(ops.silu_mul(gate, up), self.down_proj)
 
 
 @attrs.define

@@ -1,0 +1,105 @@
+"""Triton kernels for a gated-attention, sigmoid-routed MoE decoder's small ops (Laguna's names).
+
+Written as torch ops, each of these is a chain of launches that in a 40-layer decode step costs more than
+its bytes: the router's sigmoid, bias, top-k (a sort), gather, sum and division are eight; the per-head
+output gate's softplus, cast and product four. One program per token (router) or per token and head (gate):
+
+- `sigmoid_topk`: after the router's product, `scores = sigmoid(logits)` in fp32, the top `top_k` of
+  `scores + selection_bias` (the bias only chooses), their scores renormalised to sum 1 and times `scale`;
+- `softplus_head_gate`: `out * softplus(gate)` per head, softplus in fp32 rounded to the activation dtype
+  before the product, as the two-op reference.
+
+Roundings follow the torch references in `lucebox_laguna.ops`. The top-k takes the k-th largest on the k-th
+pass (descending, the lowest index among equals, as torch.topk on distinct values). Every wrapper runs
+under `TRITON_INTERPRET=1` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_ops import _device_scope
+
+SOFTPLUS_THRESHOLD = 20.0  # torch's default: above it softplus(x) is x
+
+
+@triton.jit
+def _sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, logits_row, scale,
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < experts
+    logits = tl.load(logits_ptr + row * logits_row + cols, mask=ok, other=0.0).to(tl.float32)
+    scores = tl.sigmoid(logits)
+    choice = scores + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    remaining = tl.where(ok, choice, -float("inf"))
+    slots = tl.arange(0, TOP_K)
+    ids = tl.zeros([TOP_K], dtype=tl.int64)
+    values = tl.zeros([TOP_K], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        index = tl.min(tl.where(remaining == best, cols, BLOCK_E), axis=0)
+        ids = tl.where(slots == k, index.to(tl.int64), ids)
+        values = tl.where(slots == k, tl.sum(tl.where(cols == index, scores, 0.0), axis=0), values)
+        remaining = tl.where(cols == index, -float("inf"), remaining)
+    total = tl.sum(values, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, values / total * scale)
+    tl.store(ids_ptr + row * TOP_K + slots, ids)
+
+
+def sigmoid_topk(logits: torch.Tensor, selection_bias: torch.Tensor, top_k: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its product: logits `[T, E]` (any float dtype, rows may be strided) -> weights
+    `[T, k]` fp32 and ids `[T, k]` long, descending by `sigmoid(logits) + selection_bias`."""
+    tokens, experts = logits.shape
+    if selection_bias.numel() != experts or top_k <= 0 or top_k & (top_k - 1) or top_k > experts:
+        raise ValueError(f"sigmoid_topk: {experts} experts, bias {tuple(selection_bias.shape)}, top_k {top_k}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+    if tokens:
+        with _device_scope(logits):
+            _sigmoid_topk_kernel[(tokens,)](logits, selection_bias.to(torch.float32).contiguous(), weights, ids,
+                                            experts, logits.stride(0), float(scale),
+                                            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(experts))
+    return weights, ids
+
+
+@triton.jit
+def _softplus_head_gate_kernel(out_ptr, gate_ptr, res_ptr, heads, head_dim, out_token, out_head, gate_token,
+                               threshold, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    ok = dims < head_dim
+    dtype = res_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + token * gate_token + head).to(tl.float32)
+    # log1p(u) as log(w) * u / (w - 1), w = 1 + u (exact where w rounds to 1: then u): accurate for tiny u, and
+    # the interpreter has no libdevice.
+    u = tl.exp(g)
+    w = 1.0 + u
+    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    soft = tl.where(g > threshold, g, log1p).to(dtype).to(tl.float32)
+    x = tl.load(out_ptr + token * out_token + head * out_head + dims, mask=ok, other=0.0).to(tl.float32)
+    tl.store(res_ptr + (token * heads + head) * head_dim + dims, (x * soft).to(dtype), mask=ok)
+
+
+def softplus_head_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`out [B, T, H, D] * softplus(gate [B, T, H])` per head -> a new contiguous tensor like `out`. The
+    leading dims of each must merge into one token stride (views of a projection's output do)."""
+    *lead, heads, head_dim = out.shape
+    if tuple(gate.shape) != (*lead, heads) or out.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError(f"softplus_head_gate shapes: out {tuple(out.shape)}, gate {tuple(gate.shape)}")
+    tokens = out.numel() // max(heads * head_dim, 1)
+    flat_out = out.reshape(tokens, heads, head_dim)  # a view where the leading dims merge, else a copy
+    flat_gate = gate.reshape(tokens, heads)
+    result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    if tokens and heads:
+        with _device_scope(out):
+            _softplus_head_gate_kernel[(tokens, heads)](
+                flat_out, flat_gate, result, heads, head_dim, flat_out.stride(0), flat_out.stride(1),
+                flat_gate.stride(0), SOFTPLUS_THRESHOLD, BLOCK_D=triton.next_power_of_2(head_dim))
+    return result
