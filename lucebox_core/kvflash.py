@@ -87,7 +87,7 @@ class PageTraffic:
     pages_in: int = 0  # chunks copied back into the pool
     bytes_out: int = 0
     bytes_in: int = 0
-    reselections: int = 0  # qk / drafter: times the resident set was chosen by score
+    reselections: int = 0  # qk / drafter: times they chose which chunks stay (due, or a chunk had to leave)
     reselect_seconds: float = 0.0  # ... host time they took (the drafter's scorer pass included)
 
 
