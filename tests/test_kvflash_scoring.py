@@ -312,3 +312,21 @@ def test_drafter_finds_the_scorer_beside_the_model_or_names_the_flag(target, sco
     named = check_options(EngineOptions(model=str(target), kvflash="auto", kvflash_policy="drafter",
                                         prefill_drafter=scorer_path)).kv_policy.factory
     assert named.scorer.path == scorer_path and not named.scorer.loaded
+
+
+def test_the_scorer_flags_parse_on_every_command(target, scorer_path):
+    from lucebox_core.assembly import check_options
+    from lucebox_core.cli import build_parser
+
+    for command in (["generate", "-p", "hi"], ["bench"], ["serve"]):
+        args = build_parser().parse_args([*command, "-m", str(target), "--kvflash", "auto", "--kvflash-policy",
+                                          "drafter", "--kvflash-scorer", scorer_path])
+        options = EngineOptions.from_args(args)
+        assert options.kvflash_scorer == scorer_path
+        described = check_options(options).kv_policy.factory.describe()
+        assert described["policy"] == "drafter" and described["scorer"] == scorer_path
+        assert not described["scorer_loaded"] and described["scorer_rescores"] == 0
+    for command in (["generate", "-p", "hi"], ["serve"]):  # PFlash's scorer flag is the default
+        args = build_parser().parse_args([*command, "-m", str(target), "--kvflash", "auto", "--kvflash-policy",
+                                          "drafter", "--prefill-drafter", scorer_path])
+        assert check_options(EngineOptions.from_args(args)).kv_policy.factory.scorer.path == scorer_path
