@@ -49,8 +49,11 @@ class EngineOptions:
     spark: bool = False  # --spark: MoE experts behind a bounded pool of device slots (spark.py)
     spark_vram: str | int | None = None  # --spark-vram SIZE: bytes for resident experts (default: half of them)
     kvflash: str | int | None = None  # --kvflash N|auto: bounded KV residency (implies --kv-policy kvflash)
-    kvflash_policy: str | None = None  # --kvflash-policy lru|qk (default lru)
+    kvflash_policy: str | None = None  # --kvflash-policy lru|qk|drafter (default lru)
     kvflash_tau: int | None = None  # --kvflash-tau N (default 64)
+    kvflash_scorer: str | None = None  # --kvflash-scorer FILE: the drafter policy's scorer
+    # --prefill-drafter FILE: PFlash's scorer GGUF (default: a qwen3 file beside -m), the drafter policy's too
+    prefill_drafter: str | None = None
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> EngineOptions:
@@ -67,6 +70,7 @@ class EngineOptions:
             "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
             "prefix_cache_ram": "prefix_cache_ram", "spark": "spark", "spark_vram": "spark_vram",
             "kvflash": "kvflash", "kvflash_policy": "kvflash_policy", "kvflash_tau": "kvflash_tau",
+            "kvflash_scorer": "kvflash_scorer", "prefill_drafter": "prefill_drafter",
         }
         values = {field: getattr(args, flag) for field, flag in names.items()
                   if getattr(args, flag, None) is not None}
@@ -77,6 +81,7 @@ class EngineOptions:
 # governor that decodes plainly while drafting does not pay (H200, 27B: 98.8% of plain speed with a drafter
 # that accepts nothing; forced 8.3: 320.8 tok/s against 280.6 with a fixed budget of 22).
 DEFAULT_TREE_BUDGET = "auto"
+SCORER_ALPHA = 0.85  # KVFlash's drafter scorer: block-sparse attention over long histories (PFlash's --prefill-alpha)
 
 
 @attrs.frozen
@@ -156,18 +161,52 @@ def _device_map(options: EngineOptions) -> Any:
 
 def _configured_kv_policy(options: EngineOptions, policy: Any) -> Any:
     """The KV policy spec, with KVFlash's flags bound into its factory (`--kvflash` implies the policy)."""
-    flags = options.kvflash is not None or options.kvflash_policy is not None or options.kvflash_tau is not None
+    flags = (options.kvflash is not None or options.kvflash_policy is not None or options.kvflash_tau is not None
+             or options.kvflash_scorer is not None)
     if options.kvflash is not None and options.kv_policy not in ("full", "kvflash"):
         raise LuceboxError(f"--kvflash is the kvflash KV policy; it cannot go with --kv-policy {options.kv_policy}")
     if policy.name != "kvflash":
         if flags:
-            raise LuceboxError("--kvflash-policy and --kvflash-tau need --kvflash N|auto")
+            raise LuceboxError("--kvflash-policy, --kvflash-tau and --kvflash-scorer need --kvflash N|auto")
         return policy
     from .kvflash import KVFlashPolicy
+    from .kvflash_policy import check_policy
 
-    factory = KVFlashPolicy(options.kvflash if options.kvflash is not None else "auto",
-                            options.kvflash_policy or "lru", 64 if options.kvflash_tau is None else options.kvflash_tau)
+    name = check_policy(options.kvflash_policy or "lru")
+    if options.kvflash_scorer is not None and name != "drafter":
+        raise LuceboxError(f"--kvflash-scorer scores chunks for --kvflash-policy drafter, not {name}")
+    factory = KVFlashPolicy(options.kvflash if options.kvflash is not None else "auto", name,
+                            64 if options.kvflash_tau is None else options.kvflash_tau,
+                            _kvflash_scorer(options) if name == "drafter" else None)
     return attrs.evolve(policy, factory=factory)
+
+
+def _kvflash_scorer(options: EngineOptions) -> Any:
+    """The drafter policy's scorer (`kvflash_policy.DrafterScorer`, loaded on its first reselection): the file
+    of --kvflash-scorer, else --prefill-drafter's, else the one qwen3 GGUF beside -m; a LuceboxError naming the
+    flag when there is none or the file is no model an installed family loads."""
+    from .kvflash_policy import DrafterScorer
+    from .pflash import find_scorer_beside
+
+    path = options.kvflash_scorer or options.prefill_drafter
+    flag = "--kvflash-scorer" if options.kvflash_scorer else "--prefill-drafter"
+    if path is None and options.model is not None:
+        path, flag = find_scorer_beside(options.model), f"the qwen3 GGUF beside {options.model}"
+    if path is None:
+        raise LuceboxError("--kvflash-policy drafter needs a scorer model: pass --kvflash-scorer FILE (a qwen3 GGUF "
+                           "such as Qwen3-0.6B; default --prefill-drafter's, or the one beside -m)")
+    if not os.path.isfile(path):
+        raise LuceboxError(f"{path}: no such file ({flag})")
+    _model_family(path)  # a file no family loads fails now, not at the first reselection
+
+    def load(scorer_path: str) -> Any:
+        from .loading import load_model
+
+        return load_model(scorer_path, backend=options.backend, device=options.device or options.target_device)
+
+    from .block_sparse import BlockSparseConfig
+
+    return DrafterScorer(path, load, sparse=BlockSparseConfig(alpha=SCORER_ALPHA))
 
 
 def _model_family(path: str) -> Any:

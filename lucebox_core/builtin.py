@@ -31,11 +31,11 @@ lucebox_kv_policies = provides(
     ),
     KVPolicy(
         name="kvflash",
-        factory="lucebox_core.kvflash:KVFlashCache",  # assembly configures it from --kvflash, -policy, -tau
+        factory="lucebox_core.kvflash:KVFlashCache",  # assembly configures it from --kvflash, -policy, -tau, -scorer
         cache_types=["f32", "f16", "bf16", "q8_0", "q4_0", "tq3_0"],
         bounded=True,
         description="bounded KV residency: a pool of N slots per layer, 64-token chunks paged to host memory "
-                    "(--kvflash N|auto, --kvflash-policy lru|qk, --kvflash-tau N)",
+                    "(--kvflash N|auto, --kvflash-policy lru|qk|drafter, --kvflash-tau N, --kvflash-scorer FILE)",
     ),
 )
 

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence as Seq
@@ -197,10 +198,19 @@ class Engine:
             sequence = Sequence(recycled.state)
             if self.speculative is not None:
                 sequence.draft = self.speculative.recycle(sequence.state, recycled.draft, self.ctx_size)
-            return sequence
+            return self._bind_tokens(sequence)
         sequence = Sequence(self.model.new_state(self.ctx_size))
         if self.speculative is not None:
             sequence.draft = self.speculative.prepare(sequence.state, self.ctx_size)
+        return self._bind_tokens(sequence)
+
+    def _bind_tokens(self, sequence: Sequence) -> Sequence:
+        """Show a KV policy that reads the sequence (KVFlash's drafter) its tokens: those the model has seen,
+        through a weak reference (the state must not keep its sequence alive)."""
+        from .kv import bind_tokens
+
+        owner = weakref.ref(sequence)
+        bind_tokens(getattr(sequence.state, "kv", None), lambda: getattr(owner(), "tokens", ()), self.tokenizer)
         return sequence
 
     def release(self, sequence: Sequence) -> None:

@@ -72,10 +72,14 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
                         "and the trailing chunks stay resident; a pool at least the context is exactly `full`")
     p.add_argument("--kvflash-policy", metavar="NAME",
                    help="which chunks stay resident with --kvflash: lru (least recently written or recalled out, "
-                        "the default) or qk (the current query against each chunk's mean key; host chunks come "
-                        "back when they score above the weakest resident one)")
+                        "the default), qk (the current query against each chunk's mean key; host chunks come "
+                        "back when they score above the weakest resident one) or drafter (PFlash's scorer model "
+                        "reads the sequence; the chunks its tail attention ranks highest stay or come back)")
     p.add_argument("--kvflash-tau", type=int, metavar="N",
-                   help="tokens between qk reselections with --kvflash (default 64)")
+                   help="tokens between reselections with --kvflash (default 64; drafter: at least history/45)")
+    p.add_argument("--kvflash-scorer", metavar="FILE",
+                   help="the scorer GGUF of --kvflash-policy drafter, loaded at its first reselection (a qwen3 "
+                        "model such as Qwen3-0.6B; default: --prefill-drafter's, else the one beside -m)")
     p.add_argument("-ub", "--ubatch-size", type=int, metavar="N",
                    help="prompt tokens per prefill forward pass (default: the model's, 4096 on a GPU, 512 on "
                         "the CPU); smaller takes less memory for activations and prefills more slowly")

@@ -31,7 +31,7 @@ op, so the families pass windows along as they are.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -100,6 +100,14 @@ def window_limit(kv: "KVCache") -> int:
     """The largest window a static step need read: the context, or a bounded policy's `max_window` (its pool),
     so steps past the pool replay one recording instead of one per window size."""
     return min(kv.max_context, getattr(kv, "max_window", kv.max_context))
+
+
+def bind_tokens(kv: "KVCache", source: Any, tokenizer: Any) -> None:
+    """Tell a policy that ranks chunks by reading the sequence (`kvflash --kvflash-policy drafter`) where its
+    tokens are (`source()`) and whose vocabulary they are in; a no-op for policies without `bind_tokens`."""
+    bind = getattr(kv, "bind_tokens", None)
+    if bind is not None:
+        bind(source, tokenizer)
 
 
 def observe_query(kv: "KVCache", layer: int, query: torch.Tensor) -> None:

@@ -32,23 +32,29 @@ Policies (which non-protected chunk leaves when the pool is full, and which come
   layer) against the chunk's mean key, summed over heads and layers; the lowest-scoring resident chunks leave
   and host chunks scoring above the weakest resident one come back. A swap keeps the resident count, so the
   partial tail stays contiguous on top (it moves only if recalls outnumber evictions, which a relayout does).
+- `drafter`: the same choice by PFlash's scorer model reading the sequence's tokens (which the engine binds,
+  `bind_tokens`), every `max(tau, history / 45)` tokens.
+How the scores are made and the top set chosen (on the device, one small copy to the host): `kvflash_policy`.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from .errors import LuceboxError
 from .kvflash_host import HostChunkArena, PageCopier
+from .kvflash_policy import (POLICIES, SCORING, UNSCORED, DrafterScorer, PooledKeys, check_policy,  # noqa: F401
+                             reselect_interval, top_chunks)
 from .kv import K_FLAG, V_FLAG, KV_CACHE_TYPES, KVLayerShape, _Codec, check_kv_pair, head_dim_multiple, kv_cache_type
 
 CHUNK = 64  # positions per chunk: the unit of mapping and paging
 AUTO_POOL = 4096  # `--kvflash auto`: this many tokens, or the context if smaller
-POLICIES = ("lru", "qk")
 SINK_CHUNKS = 1  # the first chunk: attention sinks, never paged out
 TRAILING_CHUNKS = 1  # complete chunks just before the tail, kept resident with it
 MIN_POOL_CHUNKS = SINK_CHUNKS + TRAILING_CHUNKS + 2  # room for the sink, the trailing chunk and a pass
@@ -73,17 +79,6 @@ def pool_tokens(value: str | int, max_context: int | None = None) -> int:
     return -(-tokens // CHUNK) * CHUNK
 
 
-def check_policy(name: str) -> str:
-    """A `--kvflash-policy` name, or a LuceboxError saying what there is."""
-    name = str(name).strip().lower()
-    if name == "drafter":
-        raise LuceboxError("--kvflash-policy drafter: needs a PFlash scorer model to rank chunks, which KVFlash "
-                           "cannot use yet; choose lru or qk")
-    if name not in POLICIES:
-        raise LuceboxError(f"--kvflash-policy: unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return name
-
-
 @attrs.define
 class PageTraffic:
     """What a cache has paged, for /props and /metrics."""
@@ -92,13 +87,16 @@ class PageTraffic:
     pages_in: int = 0  # chunks copied back into the pool
     bytes_out: int = 0
     bytes_in: int = 0
+    reselections: int = 0  # qk / drafter: times they chose which chunks stay (due, or a chunk had to leave)
+    reselect_seconds: float = 0.0  # ... host time they took (the drafter's scorer pass included)
 
 
 class KVFlashCache:
     """One sequence's attention K/V in a bounded pool of `pool` slots per layer (see the module doc).
 
     The constructor takes what every KV policy's factory takes, plus `pool` (tokens; default 4096, capped
-    at the context), `policy` (`lru` or `qk`) and `tau` (tokens between `qk` reselections)."""
+    at the context), `policy` (`lru`, `qk` or `drafter`), `tau` (tokens between reselections; the drafter's
+    interval grows with the history) and, for `drafter`, `scorer` (a `kvflash_policy.DrafterScorer`)."""
 
     def __init__(
         self,
@@ -113,6 +111,7 @@ class KVFlashCache:
         policy: str = "lru",
         tau: int = 64,
         traffic: PageTraffic | None = None,
+        scorer: DrafterScorer | None = None,
     ) -> None:
         """`traffic`: where the page counts go (a policy shares one among its sequences; default this cache's)."""
         if max_context <= 0:
@@ -125,6 +124,9 @@ class KVFlashCache:
         self.shapes = dict(layers)
         self.policy = check_policy(policy)
         self.tau = int(tau)
+        if self.policy == "drafter" and scorer is None:
+            raise LuceboxError("--kvflash-policy drafter needs a scorer model (--kvflash-scorer FILE)")
+        self.scorer = scorer
         for layer, s in self.shapes.items():
             if s.window:
                 raise LuceboxError(f"the kvflash KV policy pools global-attention layers only; layer {layer} is a "
@@ -167,8 +169,15 @@ class KVFlashCache:
              for layer in self.shapes for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer]))},
             pin=self.device.type != "cpu")  # pinned host memory makes the copies asynchronous
         self._copier = PageCopier(self.device)
-        # `qk`: each paged-out chunk's mean key, per layer `[context chunks, H, Dk]` on the device (made lazily).
-        self._mean_keys: dict[int, torch.Tensor] = {}
+        # `qk`: every closed chunk's mean key on the device; `drafter`: every chunk's last score (unscored ones
+        # above any scored, the newest highest) and where its tokens come from (`bind_tokens`).
+        self._pooled = PooledKeys()
+        newer = torch.arange(context_chunks, dtype=torch.float32, device=self.device) / context_chunks
+        self._unscored = UNSCORED + newer
+        self._drafter_scores = self._unscored.clone() if self.policy == "drafter" else None
+        self._drafter_scored = 0  # chunks below this hold a score of the drafter's
+        self._token_source: Callable[[], Sequence[int]] | None = None
+        self._target_tokenizer: Any = None
         self._used: dict[int, int] = {}  # chunk -> tick it was last written or recalled (lru)
         self._tick = 0
         self._scored_at = 0  # the length at the last qk reselection
@@ -214,13 +223,18 @@ class KVFlashCache:
         return (self.pool_chunks - SINK_CHUNKS - TRAILING_CHUNKS - 1) * CHUNK
 
     def info(self) -> dict[str, int | str]:
-        """Residency and page traffic (shared with the policy's other sequences when it made this one)."""
+        """Residency and page traffic (shared with the policy's other sequences when it made this one), and the
+        drafter's scorer cost."""
         return {"pool_tokens": self.pool_tokens, "policy": self.policy, "tau": self.tau,
                 "resident_chunks": len(self._where), "host_chunks": len(self._host),
-                "pages_out": self.traffic.pages_out, "pages_in": self.traffic.pages_in,
-                "bytes_out": self.traffic.bytes_out, "bytes_in": self.traffic.bytes_in,
-                "device_bytes": self.nbytes, "host_bytes": self.host_bytes,
-                "host_reserved_bytes": self._arena.capacity_bytes}
+                **attrs.asdict(self.traffic), "device_bytes": self.nbytes, "host_bytes": self.host_bytes,
+                "host_reserved_bytes": self._arena.capacity_bytes,
+                **(self.scorer.describe() if self.scorer is not None else {})}
+
+    def bind_tokens(self, source: Callable[[], Sequence[int]], tokenizer: Any) -> None:
+        """Where the drafter policy reads the sequence's tokens (`source()`: at least the `length` the cache
+        holds, in the target's vocabulary) and the target's tokenizer (to hand the scorer the same text)."""
+        self._token_source, self._target_tokenizer = source, tokenizer
 
     # -- planning (host side, between passes) -------------------------------------------------------------
 
@@ -251,17 +265,20 @@ class KVFlashCache:
             for chunk in [c for c in self._host if c * CHUNK >= length]:
                 self._drop_host(chunk)
             self._host_top = max(self._host, default=-1)
-        # `qk` reselects every `tau` tokens, chunk boundary or not: a swap keeps the resident count, so the
-        # tail stays contiguous at the top and only the swapped chunks' slots change.
-        reselect = self.policy == "qk" and bool(self._host) and length - self._scored_at >= self.tau
+        if self.policy == "qk" and first > self._pooled.closed:  # a chunk closed: pool its keys (before it may leave)
+            self._close_chunks(first)
+        # `qk` and `drafter` reselect every interval, chunk boundary or not: a swap keeps the resident count, so
+        # the tail stays contiguous at the top and only the swapped chunks' slots change.
+        reselect = (self.policy in SCORING and bool(self._host)
+                    and length - self._scored_at >= reselect_interval(self.policy, self.tau, length))
         if self._tail_in_place(tail) and not reselect:
             return
         old = sorted(c for c in self._where if c < first)
         room = self.pool_chunks - len(tail)
         protected = set(range(SINK_CHUNKS)) | set(range(first - TRAILING_CHUNKS, first))
         recalls: list[int] = []
-        if self.policy == "qk" and (self._host or len(old) > room):
-            old, recalls = self._select_qk(old, room, protected, length)
+        if self.policy in SCORING and (self._host or len(old) > room):
+            old, recalls = self._select_scored(old, room, protected, length)
         else:
             while len(old) > room:
                 victims = [c for c in old if c not in protected] or [c for c in old if c >= SINK_CHUNKS]
@@ -307,42 +324,78 @@ class KVFlashCache:
         self._tick += 1
         self._used[chunk] = self._tick
 
-    def _select_qk(self, old: list[int], room: int, protected: set[int], length: int) -> tuple[list[int], list[int]]:
-        """`qk`: which old chunks stay and which host chunks come back, by the current query's score against
-        each chunk's mean key (reselected every `tau` tokens; in between only what must leave, leaves)."""
-        due = length - self._scored_at >= self.tau
+    def _select_scored(self, old: list[int], room: int, protected: set[int],
+                       length: int) -> tuple[list[int], list[int]]:
+        """`qk` / `drafter`: which old chunks stay and which host chunks come back. When a reselection is due,
+        the best `room` of every materialized chunk (resident or paged out; the protected ones kept if resident,
+        never recalled); in between, only what must leave leaves, by the last scores. Chosen on the device
+        (`top_chunks`): the host sees the chosen ids only, never a loop over the host chunks."""
+        first = length // CHUNK
+        due = length - self._scored_at >= reselect_interval(self.policy, self.tau, length)
         if not due and len(old) <= room:
             return old, []
-        scores = self._scores(old, list(self._host) if due else [])
-        if due:
-            self._scored_at = length
+        started = time.perf_counter()
         keep = [c for c in old if c in protected]
-        candidates = sorted((c for c in (*old, *(self._host if due else ())) if c not in protected),
-                            key=lambda c: (-scores[c], -self._used.get(c, 0)))  # ties: the least recent leaves
-        chosen = candidates[: max(0, room - len(keep))]
+        count = room - len(keep)
+        scores = self._all_scores(first, length) if due else None
+        if scores is not None:
+            self._scored_at = length
+            chosen = top_chunks(scores, count, [c for c in protected if c < first])
+        else:  # between reselections (or nothing to score with yet): the resident candidates only
+            candidates = [c for c in old if c not in protected]
+            scores = self._scores_of(candidates)
+            if scores is None:  # no query seen, no tokens bound: the most recently used stay
+                chosen = sorted(candidates, key=lambda c: -self._used.get(c, 0))[:max(0, count)]
+            else:
+                chosen = [candidates[i] for i in top_chunks(scores, count)]
+        self.traffic.reselections += 1
+        self.traffic.reselect_seconds += time.perf_counter() - started
         kept = sorted(keep + [c for c in chosen if c in self._where])
         return kept, sorted(c for c in chosen if c in self._host)
 
-    def _scores(self, resident: list[int], host: list[int]) -> dict[int, float]:
-        """Each chunk's score: the last observed query of every layer against the chunk's mean key (a
-        query head against its KV head), summed over heads and layers."""
-        total = torch.zeros(len(resident) + len(host), dtype=torch.float32, device=self.device)
-        if not self._queries:
-            return {c: 0.0 for c in (*resident, *host)}
-        slots = torch.tensor([self._where[c] for c in resident], dtype=torch.long, device=self.device)
-        paged = torch.tensor(host, dtype=torch.long, device=self.device)
-        for layer, query in self._queries.items():
-            means = []
+    def _all_scores(self, first: int, length: int) -> torch.Tensor | None:
+        """Every materialized chunk's score `[first]` on the device (qk: the pooled keys against the last
+        queries; drafter: the scorer's pass over the tokens, which also updates the last scores), or None
+        when there is nothing to score with."""
+        if self.policy == "qk":
+            return self._pooled.scores(self._queries, first) if self._queries else None
+        ids = self._token_source() if self._token_source is not None else ()
+        if len(ids) < length or not length:
+            return None
+        scores = self.scorer.chunk_scores(ids[:length], self._target_tokenizer, CHUNK)[:first].to(self.device)
+        self._drafter_scores[:first] = scores
+        self._drafter_scored = first
+        return scores
+
+    def _scores_of(self, chunks: list[int]) -> torch.Tensor | None:
+        """The scores of resident `chunks` (qk: against the last queries; drafter: the last rescoring's,
+        chunks it has not seen yet above all)."""
+        index = torch.tensor(chunks, dtype=torch.long, device=self.device)
+        if self.policy == "drafter":
+            return self._drafter_scores.index_select(0, index) if self._token_source is not None else None
+        return self._pooled.scores(self._queries, index) if self._queries else None
+
+    def _close_chunks(self, first: int) -> None:
+        """Pool the keys of chunks `closed .. first - 1` (complete: their rows are final until a rollback
+        reaches them): resident ones in one gather a layer, a paged-out one (only after a rollback) from its
+        host record."""
+        chunks = list(range(self._pooled.closed, first))
+        if not chunks:
+            return
+        resident = [c for c in chunks if c in self._where]
+        paged = [c for c in chunks if c not in self._where]
+        rows = self._rows([self._where[c] for c in resident]) if resident else None
+        for layer, shape in self.shapes.items():
+            buffer = self._keys[layer]
+            table = self._pooled.store(layer, self._context_chunks, shape.kv_heads, shape.k_head_dim, self.device)
             if resident:
-                rows = self._k_codec.decode(self._keys[layer]).float().unflatten(0, (self.pool_chunks, CHUNK))
-                means.append(rows.mean(1).index_select(0, slots))  # [chunks, H, D]
-            if host:
-                means.append(self._mean_keys[layer].index_select(0, paged))
-            keys = torch.cat(means)
-            heads = keys.shape[1]
-            grouped = query.float().reshape(heads, -1, query.shape[-1])  # [H, Hq / H, D]
-            total += torch.einsum("chd,hgd->c", keys, grouped)
-        return dict(zip((*resident, *host), total.tolist()))
+                keys = self._k_codec.decode(buffer.index_select(0, rows)).float()
+                means = keys.unflatten(0, (len(resident), CHUNK)).mean(1)
+                table.index_copy_(0, torch.tensor(resident, dtype=torch.long, device=self.device), means)
+            for chunk in paged:
+                held = self.host_rows(chunk)[f"{layer}.k"].to(self.device)
+                table[chunk] = self._k_codec.decode(held).float().mean(0)
+        self._pooled.closed = first
 
     def observe_query(self, layer: int, query: torch.Tensor) -> None:
         """Keep the last token's query `[..., T, Hq, D]` of `layer` for `qk` scoring (in place: a recorded
@@ -399,23 +452,12 @@ class KVFlashCache:
             for layer in self.shapes:
                 for role, buffer in (("k", self._keys[layer]), ("v", self._values[layer])):
                     pairs.append((host[f"{layer}.{role}"], buffer[rows]))
-                if self.policy == "qk":
-                    self._mean_key_store(layer)[chunk] = self._k_codec.decode(self._keys[layer][rows]).float().mean(0)
             self._host[chunk] = record
             self._host_top = max(self._host_top, chunk)
             del self._where[chunk]
             self.traffic.pages_out += 1
             self.traffic.bytes_out += self._arena.chunk_bytes
         self._copier.copy_out(pairs)
-
-    def _mean_key_store(self, layer: int) -> torch.Tensor:
-        store = self._mean_keys.get(layer)
-        if store is None:
-            buffer = self._keys[layer]
-            store = torch.zeros(self._context_chunks, buffer.shape[1], self.shapes[layer].k_head_dim,
-                                dtype=torch.float32, device=self.device)
-            self._mean_keys[layer] = store
-        return store
 
     def _page_in(self, recalls: list[tuple[int, int]]) -> None:
         """Copy each `(chunk, pool chunk)` back from its host record (its record is free again once the copy
@@ -546,6 +588,10 @@ class KVFlashCache:
             raise ValueError(f"cannot crop to a negative length ({length})")
         for layer, held in self._lengths.items():
             self._lengths[layer] = min(held, length)
+        self._pooled.rollback(length // CHUNK)
+        if length // CHUNK < self._drafter_scored:  # chunks whose rows will be written again: unscored
+            self._drafter_scores[length // CHUNK:] = self._unscored[length // CHUNK:]
+            self._drafter_scored = length // CHUNK
         if length == 0:
             self._scored_at = 0
 
@@ -563,19 +609,24 @@ class KVFlashPolicy:
     """The `kvflash` policy as the flags configure it: the factory of each sequence's `KVFlashCache`
     (`KVPolicy.factory`), which also sums their residency and traffic for /props and /metrics."""
 
-    def __init__(self, pool: int | str = "auto", policy: str = "lru", tau: int = 64) -> None:
+    def __init__(self, pool: int | str = "auto", policy: str = "lru", tau: int = 64,
+                 scorer: DrafterScorer | None = None) -> None:
+        """`scorer`: the drafter policy's (loaded on its first reselection, shared by every sequence)."""
         if str(pool).strip().lower() != "auto":
             pool_tokens(pool)  # checked now: a bad size fails before the weights load
         if int(tau) < 1:
             raise LuceboxError(f"--kvflash-tau must be at least 1, got {tau}")
         self.pool, self.policy, self.tau = pool, check_policy(policy), int(tau)
+        if self.policy == "drafter" and scorer is None:
+            raise LuceboxError("--kvflash-policy drafter needs a scorer model (--kvflash-scorer FILE)")
+        self.scorer = scorer if self.policy == "drafter" else None
         self.traffic = PageTraffic()  # every sequence's paging, summed (counters: they never go down)
         self._caches: weakref.WeakSet[KVFlashCache] = weakref.WeakSet()
         self.pool_tokens = 0  # the pool of the last sequence made (it depends on the context)
 
     def __call__(self, layers: Mapping[int, KVLayerShape], max_context: int, **options) -> KVFlashCache:
         cache = KVFlashCache(layers, max_context, pool=self.pool, policy=self.policy, tau=self.tau,
-                             traffic=self.traffic, **options)
+                             traffic=self.traffic, scorer=self.scorer, **options)
         self._caches.add(cache)
         self.pool_tokens = cache.pool_tokens
         return cache
@@ -595,4 +646,5 @@ class KVFlashPolicy:
                               "host_reserved_bytes")}
         totals.update(attrs.asdict(self.traffic))
         return {"enabled": True, "pool": str(self.pool), "pool_tokens": self.pool_tokens, "policy": self.policy,
-                "tau": self.tau, "sequences": len(caches), **totals}
+                "tau": self.tau, "sequences": len(caches), **totals,
+                **(self.scorer.describe() if self.scorer is not None else {})}

@@ -107,6 +107,18 @@ def tail_scores(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], p
                                           count_include_pad=False)[0, 0]
 
 
+def chunk_means(scores: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The mean of `scores` `[S]` over each `chunk` positions (the last chunk over those it has), `[ceil(S /
+    chunk)]` float32 on the scores' device, in one pass (not a device sync per chunk). PFlash ranks its
+    32-token chunks by it; KVFlash's drafter policy its 64-token ones."""
+    length = int(scores.shape[0])
+    n_chunks = -(-length // chunk)
+    padded = torch.nn.functional.pad(scores.detach().float(), (0, n_chunks * chunk - length))
+    counts = torch.full((n_chunks,), float(chunk), device=padded.device)
+    counts[-1] = length - (n_chunks - 1) * chunk
+    return padded.view(n_chunks, chunk).sum(dim=1) / counts
+
+
 def anchor_chunks(token_ids: Sequence[int], config: CompressionConfig) -> set[int]:
     """Chunks holding an earlier occurrence of a query n-gram seen 1 to `anchor_max_hits` times (± radius)."""
     n, ids = config.anchor_ngram, list(token_ids)
@@ -141,11 +153,7 @@ def select_spans(scores: torch.Tensor, config: CompressionConfig, *, token_ids: 
     kept = set(range(min(head, n_chunks))) | set(range(max(0, n_chunks - tail), n_chunks))
     if token_ids is not None:
         kept |= anchor_chunks(token_ids, config)
-    # Chunk means in one pass, brought to the host once (not a device sync per chunk).
-    padded = torch.nn.functional.pad(scores.detach().float(), (0, n_chunks * config.chunk - length))
-    counts = torch.full((n_chunks,), float(config.chunk), device=padded.device)
-    counts[-1] = length - (n_chunks - 1) * config.chunk
-    chunk_scores = (padded.view(n_chunks, config.chunk).sum(dim=1) / counts).cpu().tolist()
+    chunk_scores = chunk_means(scores, config.chunk).cpu().tolist()  # brought to the host once
     for c in sorted(range(n_chunks), key=lambda c: (-chunk_scores[c], c)):
         if len(kept) >= n_keep:
             break

@@ -7,12 +7,15 @@ a depth several times the pool beside the full cache at a depth of one pool.
    paged chunk's host record are compared, byte for byte, with the rows as stored when written.
 2. Decode: one prefill of random ids to `--depth-pools` x `--pool` under KVFlash (lru; `--policies`), and
    to `--pool` under the full cache; then `-n` tokens fed one at a time (after a warm-up), the host waiting for the device
-   after each; the per-token ms (median, p90, max) of each.
+   after each; the per-token ms (median, p90, max) of each, and for `qk` / `drafter` the reselections in the
+   timed tokens and their mean host ms (`qk` chooses on the device: one small copy a reselection; `drafter`
+   adds its scorer's pass, `--scorer` or a synthetic Qwen3-0.6B).
 
 Prints a JSON summary (also written to `--json`); exits 1 if any byte differs.
 
     python scripts/kvflash_gpu_check.py --device cuda:0 --pool 4096 --depth-pools 8       # a synthetic 0.8B
     python scripts/kvflash_gpu_check.py -m tiny.gguf --device cpu --pool 256 --depth-pools 3 -n 8
+    python scripts/kvflash_gpu_check.py --device cuda:0 --pool 4096 --depth-pools 32 --policies lru,qk,drafter
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from lucebox_core.assembly import EngineOptions, build_engine
 from lucebox_core.bench import DECODE_WARMUP_STEPS
 from lucebox_core.engine import Engine
 from lucebox_core.kvflash import CHUNK, KVFlashCache, KVFlashPolicy
+from lucebox_core.kvflash_policy import DrafterScorer
 from lucebox_core.plugins import registry
 
 
@@ -43,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", help="kernel backend (default: the best available)")
     p.add_argument("--pool", type=int, default=4096, help="KVFlash pool in tokens (default 4096)")
     p.add_argument("--depth-pools", type=int, default=8, help="KVFlash decode depth in pools (default 8)")
-    p.add_argument("--policies", default="lru", help="KVFlash policies of the decode rows (default lru; e.g. lru,qk)")
+    p.add_argument("--policies", default="lru",
+                   help="KVFlash policies of the decode rows (default lru; e.g. lru,qk,drafter)")
+    p.add_argument("--scorer", help="the drafter policy's scorer GGUF (default: a synthetic qwen3 0.6b, q8_0)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens timed per row (default 128)")
     p.add_argument("--round-trip-steps", type=int, default=400, help="passes fed to the round-trip cache (default 400)")
     p.add_argument("-ctk", "--cache-type-k", help="KV cache type of K")
@@ -121,13 +127,20 @@ def decode_row(model, engine, tokenizer, label: str, policy, factory, depth: int
     sync()
     prefill_s = time.perf_counter() - start
     feed = iter(ids[depth:])
+
+    def step() -> None:  # fed past the engine: the tokens recorded as it would (the drafter policy reads them)
+        token = next(feed)
+        model.forward(sequence.state, torch.tensor([token]))
+        sequence.tokens.append(token)
+
     for _ in range(DECODE_WARMUP_STEPS + n_gen):  # warm-up at this depth (graphs recorded, a boundary crossed)
-        model.forward(sequence.state, torch.tensor([next(feed)]))
+        step()
     sync()
     token_ms = []
+    before_info = dict(sequence.state.kv.info()) if factory is not None else {}
     for _ in range(n_gen):
         before = time.perf_counter()
-        model.forward(sequence.state, torch.tensor([next(feed)]))
+        step()
         sync()
         token_ms.append((time.perf_counter() - before) * 1e3)
     row = {"kv": label, "depth": depth, "prefill_s": round(prefill_s, 2),
@@ -138,8 +151,31 @@ def decode_row(model, engine, tokenizer, label: str, policy, factory, depth: int
         info = sequence.state.kv.info()
         row.update({key: info[key] for key in ("pool_tokens", "resident_chunks", "host_chunks", "pages_out",
                                                "pages_in", "host_bytes", "host_reserved_bytes")})
+        reselections = info["reselections"] - before_info["reselections"]
+        seconds = info["reselect_seconds"] - before_info["reselect_seconds"]
+        row.update({"reselections_timed": reselections,
+                    "reselect_ms_mean": round(1e3 * seconds / reselections, 3) if reselections else None})
+        if "scorer_rescores" in info:
+            row.update({key: info[key] for key in ("scorer_rescores", "scorer_mean_seconds", "scorer_last_seconds",
+                                                   "scorer_last_tokens", "scorer_load_seconds")})
     runner.release(sequence)
     return row
+
+
+def drafter_scorer(args: argparse.Namespace) -> DrafterScorer:
+    """The drafter policy's scorer: `--scorer`, else a synthetic Qwen3-0.6B (q8_0) written to a temporary folder."""
+    from lucebox_core.assembly import SCORER_ALPHA
+    from lucebox_core.block_sparse import BlockSparseConfig
+    from lucebox_core.loading import load_model
+
+    path = args.scorer
+    if path is None:
+        from lucebox_qwen35 import synth
+
+        path = str(synth.write_qwen3(f"{tempfile.mkdtemp(prefix='kvflash-scorer-')}/qwen3.gguf", size="0.6b",
+                                     type="q8_0", seed=2))
+    return DrafterScorer(path, lambda file: load_model(file, backend=args.backend, device=args.device),
+                         sparse=BlockSparseConfig(alpha=SCORER_ALPHA))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = assembled.loaded.tokenizer
     summary["decode"] = [decode_row(model, engine, tokenizer, "full", full_policy, None, args.pool, args.n_gen, sync)]
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        factory = KVFlashPolicy(args.pool, name)
+        factory = KVFlashPolicy(args.pool, name, scorer=drafter_scorer(args) if name == "drafter" else None)
         flash_policy = attrs.evolve(registry().kv_policy("kvflash"), factory=factory)
         summary["decode"].append(decode_row(model, engine, tokenizer, f"kvflash {name}", flash_policy, factory,
                                             depth, args.n_gen, sync))

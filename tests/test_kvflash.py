@@ -249,8 +249,12 @@ def test_speculative_chain_decoding_over_an_overflowing_pool_equals_plain_decodi
 @pytest.mark.parametrize("options, message", [
     ({"kvflash": "100"}, r"--kvflash 100: the pool must hold at least 256 tokens"),
     ({"kvflash": "lots"}, r"--kvflash: expected a pool size in tokens or 'auto', got 'lots'"),
-    ({"kvflash": "auto", "kvflash_policy": "drafter"}, r"drafter: needs a PFlash scorer"),
-    ({"kvflash": "auto", "kvflash_policy": "mru"}, r"unknown policy 'mru'; choose one of lru, qk"),
+    ({"kvflash": "auto", "kvflash_policy": "drafter"}, r"drafter needs a scorer model: pass --kvflash-scorer FILE"),
+    ({"kvflash": "auto", "kvflash_policy": "drafter", "kvflash_scorer": "/nowhere.gguf"},
+     r"/nowhere.gguf: no such file \(--kvflash-scorer\)"),
+    ({"kvflash": "auto", "kvflash_policy": "qk", "kvflash_scorer": __file__}, r"--kvflash-scorer scores chunks for "
+                                                                             r"--kvflash-policy drafter, not qk"),
+    ({"kvflash": "auto", "kvflash_policy": "mru"}, r"unknown policy 'mru'; choose one of lru, qk, drafter"),
     ({"kvflash": "auto", "kvflash_tau": 0}, r"--kvflash-tau must be at least 1"),
     ({"kvflash_policy": "qk"}, r"need --kvflash N\|auto"),
     ({"kvflash": "auto", "kv_policy": "toy"}, r"cannot go with --kv-policy toy"),
@@ -345,7 +349,8 @@ def test_generate_names_a_kvflash_policy_it_cannot_run_in_one_line(target):
     result = _lucebox("generate", "-m", str(target), "-p", "hi", "--kvflash", "auto", "--kvflash-policy", "drafter")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
-    assert "--kvflash-policy drafter: needs a PFlash scorer" in lines[0] and "Traceback" not in result.stderr
+    assert "--kvflash-policy drafter needs a scorer model: pass --kvflash-scorer FILE" in lines[0]
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

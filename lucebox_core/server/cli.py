@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         force_tool_calls=tuple(args.force_tool_call), short_answers=args.short_answers,
         prefill_compression=args.prefill_compression, prefill_threshold=args.prefill_threshold,
         prefill_keep_ratio=args.prefill_keep_ratio, prefill_curve=tuple(args.prefill_curve),
-        prefill_drafter=args.prefill_drafter, prefill_alpha=args.prefill_alpha,
+        prefill_alpha=args.prefill_alpha,
         prefill_compressor=args.prefill_compressor, prefill_skip_park=args.prefill_skip_park,
         prefill_force_park=args.prefill_force_park,
     )

@@ -158,7 +158,13 @@ class ServerMetrics:
                               ("pages_out", "KV chunks copied to host memory"),
                               ("pages_in", "KV chunks copied back into a pool"),
                               ("bytes_out", "bytes of KV copied to host memory"),
-                              ("bytes_in", "bytes of KV copied back into a pool"))
+                              ("bytes_in", "bytes of KV copied back into a pool"),
+                              ("reselections", "times qk or drafter chose the resident chunks by score"),
+                              ("reselect_seconds", "host seconds those reselections took, scoring included"),
+                              ("scorer_rescores", "passes of the drafter policy's scorer over a sequence"),
+                              ("scorer_seconds", "seconds of those passes, all together"),
+                              ("scorer_mean_seconds", "seconds a drafter rescoring takes on average"),
+                              ("scorer_last_seconds", "seconds the last drafter rescoring took"))
         ]
         # The speculation governor's decision and the measured rates behind it (--tree-budget auto).
         self.speculation = [

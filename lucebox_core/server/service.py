@@ -44,7 +44,6 @@ class ServeConfig(EngineOptions):
     prefill_threshold: int = 32768  # --prefill-threshold: auto compresses prompts of at least this many tokens
     prefill_keep_ratio: float = 0.05  # --prefill-keep-ratio
     prefill_curve: tuple[str, ...] = ()  # --prefill-curve T:R ...
-    prefill_drafter: str | None = None  # --prefill-drafter: the scorer GGUF (default: a qwen3 file beside -m)
     prefill_compressor: str = "pflash"  # --prefill-compressor NAME (the prefill compressor hook)
     prefill_alpha: float = 0.85  # --prefill-alpha: the scorer's block-sparse attention keeps score >= alpha x max
     prefill_skip_park: bool = False  # --prefill-skip-park: the scorer stays loaded even where it does not fit
