@@ -84,8 +84,9 @@ class CudaBackend(TorchBackend):
         if function is None:
             module = self._modules.get(program)
             if module is None:
-                module = self._modules[program] = CudaModule(
-                    compile_program(program, self.arch, self.compile_options), self.device.index)
+                cubin = compile_program(program, self.arch, self.compile_options)
+                with torch.cuda.device(self.device):  # a module loads into the current context: this device's
+                    module = self._modules[program] = CudaModule(cubin, self.device.index)
             function = self._functions[name] = module.function(name)
         return function
 
@@ -95,7 +96,15 @@ class CudaBackend(TorchBackend):
         launches through HIP; the kernels' Python callers are the same)."""
         function = self.kernel(*kernel)
         ensure_context(self.device.index)
-        launch(function, grid, block, args, stream=torch.cuda.current_stream(self.device).cuda_stream)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if torch.cuda.current_device() == self.device.index:
+            launch(function, grid, block, args, stream=stream)
+            return
+        # A model split over GPUs launches on a device other than the thread's current one: the driver needs
+        # this device's (primary) context current, which making the device current gives; torch's scope
+        # puts the thread's device back afterwards.
+        with torch.cuda.device(self.device):
+            launch(function, grid, block, args, stream=stream)
 
     # -- weights ---------------------------------------------------------------------------------------
 

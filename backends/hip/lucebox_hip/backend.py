@@ -59,5 +59,9 @@ class HipBackend(SharedSourceProducts, CudaBackend):
 
     def _launch(self, kernel: tuple[KernelProgram, str], grid: int | tuple[int, int, int], block: int,
                 *args: Any) -> None:
-        hiprtc.launch(self.kernel(*kernel), grid, block, args,
-                      stream=torch.cuda.current_stream(self.device).cuda_stream)
+        function, stream = self.kernel(*kernel), torch.cuda.current_stream(self.device).cuda_stream
+        if torch.cuda.current_device() == self.device.index:
+            hiprtc.launch(function, grid, block, args, stream=stream)
+            return
+        with torch.cuda.device(self.device):  # a split model's other GPU (see CudaBackend._launch)
+            hiprtc.launch(function, grid, block, args, stream=stream)
