@@ -195,3 +195,41 @@ def test_props_reports_the_device_map_and_the_split_server_answers(url):
     body = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] is not None
+
+
+def test_what_fits_a_split_model_is_decided_per_device(tiny_target_and_draft):
+    """Context fitting with a split: each device holds its own parts' KV, so the device that runs out first
+    decides. On `cpu,cpu` every layer's KV is on the one device, as unsplit; with two devices of unequal free
+    memory (the parts' backends as the fitting sees them) the smaller budget over its own layers wins."""
+    import attrs
+
+    from lucebox_core.context import GRANULE, fit_context, kv_budget, kv_bytes_per_position, split_memory
+    from lucebox_core.kv import kv_bytes_per_token
+    from lucebox_core.loading import load_model
+
+    path, _ = tiny_target_and_draft
+    loaded = load_model(path, device_map=DeviceMap.from_split(["cpu", "cpu"], [4, 4]))
+    model = loaded.model
+    fits, per_position, _, device = split_memory(model, 1)
+    assert device == "cpu" and per_position == kv_bytes_per_position(model)
+    assert fit_context(loaded).kv_bytes_per_position == per_position
+
+    @attrs.define
+    class Part:  # what fitting reads of a part's backend: its device and its free memory
+        device: str
+        free: int
+
+        def free_memory(self) -> int:
+            return self.free
+
+    shapes = model.kv_layer_shapes()
+    share = [sum(kv_bytes_per_token(s, model.cache_type_k, model.cache_type_v) for i, s in shapes.items()
+                 if model.device_map.layer_part(i) == part and not s.window) for part in (0, 1)]
+    assert all(share), share  # both parts hold attention layers in this split
+    model.device_map = DeviceMap.from_split(["cuda:0", "cuda:1"], [4, 4])
+    model.part_ops = [Part("cuda:0", 40 << 30), Part("cuda:1", 3 << 30)]
+    fits, per_position, budget, device = split_memory(model, 1)
+    expected = {d: kv_budget(p.free, False, 1) // s // GRANULE * GRANULE
+                for d, p, s in zip(("cuda:0", "cuda:1"), model.part_ops, share)}
+    assert device == min(expected, key=expected.get) and fits == min(expected.values())
+    assert per_position == share[("cuda:0", "cuda:1").index(device)] < kv_bytes_per_position(model)
