@@ -105,7 +105,19 @@ GEMMA4_TIMING_CASES += [(fmt, name, 23) for fmt, name in (
     ("q6_k", "31b_head"), ("q6_k", "31b_v_swa"), ("q4_k", "26b_qkv_swa"), ("q4_k", "26b_qk_swa"),
     ("q4_k", "26b_o_swa"), ("q4_k", "26b_gate_up"), ("q4_k", "26b_qk_full"), ("q4_k", "26b_o_full"),
     ("q6_k", "26b_head"), ("q6_k", "26b_v_swa"))]
-MODELS = {"qwen35-27b": (SHAPES_27B, TIMING_CASES), "gemma4": (SHAPES_GEMMA4, GEMMA4_TIMING_CASES)}
+# Laguna-XS.2's (hidden 2048, heads of 128, 8 KV heads; 64 query heads on sliding layers, 48 on full ones):
+# [q | k | v | g] fused, or [q | k] beside a Q6_K v; the output projection (few rows, long rows: the shape
+# the profile found slowest per byte), the shared expert's [gate | up] and down, the dense first layer's MLP.
+SHAPES_LAGUNA: dict[str, tuple[int, int]] = {
+    "xs2_qkvg_swa": (10304, 2048), "xs2_qkvg_full": (8240, 2048), "xs2_qk_swa": (9216, 2048),
+    "xs2_qk_full": (7168, 2048), "xs2_v": (1024, 2048), "xs2_o_swa": (2048, 8192), "xs2_o_full": (2048, 6144),
+    "xs2_shared_gate_up": (1024, 2048), "xs2_shared_down": (2048, 512), "xs2_dense_gate_up": (16384, 2048),
+    "xs2_dense_down": (2048, 8192), "xs2_head": (100352, 2048),
+}
+LAGUNA_TIMING_CASES = [("q4_k", name, 1) for name in SHAPES_LAGUNA if name not in ("xs2_v", "xs2_head")]
+LAGUNA_TIMING_CASES += [("q6_k", name, 1) for name in ("xs2_v", "xs2_head", "xs2_o_swa", "xs2_dense_down")]
+MODELS = {"qwen35-27b": (SHAPES_27B, TIMING_CASES), "gemma4": (SHAPES_GEMMA4, GEMMA4_TIMING_CASES),
+          "laguna": (SHAPES_LAGUNA, LAGUNA_TIMING_CASES)}
 SHAPES = SHAPES_27B  # the --model's table (set by main)
 
 RESULTS: dict = {"correctness": [], "timing": [], "best": []}
