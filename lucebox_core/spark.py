@@ -161,6 +161,7 @@ class ExpertPages:
     pool: Any  # QuantTensor [slots, rows, cols]: the device slots
     host: torch.Tensor  # [experts, bytes]: every expert (pinned on a GPU)
     where: torch.Tensor  # [experts] long, on the slots' device: the slot holding each expert, or -1
+    pinned: bool = False  # whether `host` is pinned (found once: a kernel's check must not ask the driver)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -270,7 +271,8 @@ class OffloadedExperts:
             self.pools.append(pool)
             self.views.append(attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
                                            data=pool.stack.reshape(-1), volatile=True))
-        self.pages = [ExpertPages(view, pool.host, pool.slot_of) for view, pool in zip(self.views, self.pools)]
+        self.pages = [ExpertPages(view, pool.host, pool.slot_of, pool.host.is_pinned())
+                      for view, pool in zip(self.views, self.pools)]
         self.expert_bytes = sum(pool.host.shape[1] for pool in self.pools)
 
     def __call__(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -483,7 +483,7 @@ def _paged_stack(ops: Any, pages: Any) -> bool:
     in a kernel format, the table on this device, the host copy in pinned memory (device-readable)."""
     pool, host, where = (getattr(pages, name, None) for name in ("pool", "host", "where"))
     return (_expert_stack(ops, pool) and isinstance(host, torch.Tensor) and host.device.type == "cpu"
-            and host.is_pinned() and host.is_contiguous() and host.data_ptr() % 16 == 0
+            and getattr(pages, "pinned", False) and host.is_contiguous() and host.data_ptr() % 16 == 0
             and isinstance(where, torch.Tensor) and where.device == ops.device and where.dtype == torch.long)
 
 
