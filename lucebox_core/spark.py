@@ -340,28 +340,39 @@ class GraphedSteps:
         self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
         self.routed_host = torch.zeros(len(layers), experts, dtype=torch.long, pin_memory=device.type == "cuda")
         self.counted = torch.zeros(len(layers), experts, dtype=torch.long)  # of `routed_host`, accounted
-        self.inside = False  # a static step is being run (warmed up, recorded, replayed or run eagerly)
+        self._thread = threading.local()  # `inside`: per generation thread (-np: several drive steps)
+        self._lock = threading.Lock()  # the accounting and the promotions, one thread at a time
         self.steps = 0  # static steps run
         self._copied: Any = None  # the event after the last step's host copy; None once accounted
         self._pending = False
+
+    @property
+    def inside(self) -> bool:
+        """Whether this thread is running a static step (warming it up, recording, replaying or running it)."""
+        return getattr(self._thread, "inside", False)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """Around one static step: first what the steps before it routed is accounted and the hot misses
         promoted; inside, the experts run paged; after it, its counts are copied to the host (queued)."""
         self.between_steps()
-        self.inside = True
+        self._thread.inside = True
         try:
             yield
         finally:
-            self.inside = False
-            self.routed_host.copy_(self.routed, non_blocking=True)
-            self._copied, self._pending = self.ops.record_event(), True
-            self.steps += 1
+            self._thread.inside = False
+            with self._lock:  # steps of several threads share the one (current) stream: copies stay in order
+                self.routed_host.copy_(self.routed, non_blocking=True)
+                self._copied, self._pending = self.ops.record_event(), True
+                self.steps += 1
 
     def account(self) -> list[tuple[int, int, int]]:
         """Count the routing of the steps run since the last call into the profile and the layers' stats;
         the misses as (-pairs, MoE layer, expert), most routed first."""
+        with self._lock:
+            return self._account()
+
+    def _account(self) -> list[tuple[int, int, int]]:
         if not self._pending:
             return []
         self.ops.wait_event(self._copied)  # done already where the engine has read the step's token
@@ -375,13 +386,13 @@ class GraphedSteps:
     def between_steps(self) -> None:
         """`account`, then promote the most routed misses, most pairs first, within `promotion_bytes` (queued
         on the current stream: see the module's docstring)."""
-        missed = self.account()
-        budget = self.promotion_bytes
-        for _, index, expert in missed:
-            layer = self.layers[index]
-            if layer.expert_bytes <= budget:
-                budget -= layer.expert_bytes
-                layer.promote(expert)
+        with self._lock:
+            budget = self.promotion_bytes
+            for _, index, expert in self._account():
+                layer = self.layers[index]
+                if layer.expert_bytes <= budget:
+                    budget -= layer.expert_bytes
+                    layer.promote(expert)
 
 
 @attrs.define
