@@ -279,7 +279,8 @@ class OffloadedExperts:
         steps = self.steps
         if steps is not None and steps.inside:  # a static step: paged, nothing decided on the host
             flat = ids.reshape(-1)
-            steps.routed[self.layer].index_add_(0, flat, torch.ones_like(flat))
+            ones = steps.ones[: flat.numel()] if flat.numel() <= steps.ones.numel() else torch.ones_like(flat)
+            steps.routed[self.layer].index_add_(0, flat, ones)  # one launch a layer: read back between steps
             return ops.moe_experts_swiglu_paged(x, *self.pages, weights, ids)
         if self.profile is not None:
             self.profile.observe(self.layer, ids)
@@ -299,19 +300,16 @@ class OffloadedExperts:
         mapped = [pool.resident_ids(ids) for pool in self.pools]
         return ops.moe_experts_swiglu(x, *self.views, weights, mapped[0])
 
-    def settle(self, routed: torch.Tensor) -> list[tuple[int, int]]:
-        """Account one graphed step's routing (`routed` `[experts]`: pairs per expert, host): hits, misses
-        and pairs read from host; the resident experts it used marked recent. Returns the misses as
-        (pairs, expert)."""
-        stats, missed = self.pools[0].stats, []
-        for expert in torch.nonzero(routed).reshape(-1).tolist():
-            if all([pool.touch(expert) for pool in self.pools]):
-                stats.hits += 1
-            else:
-                stats.misses += 1
-                stats.zero_copy_reads += int(routed[expert])
-                missed.append((int(routed[expert]), expert))
-        return missed
+    def settle(self, expert: int, pairs: int) -> bool:
+        """Account `pairs` routed pairs of graphed steps to `expert`: a hit (marked recent) if it is
+        resident, else a miss whose pairs were read from host memory. Whether it was a miss."""
+        stats = self.pools[0].stats
+        if all([pool.touch(expert) for pool in self.pools]):
+            stats.hits += 1
+            return False
+        stats.misses += 1
+        stats.zero_copy_reads += pairs
+        return True
 
     def promote(self, expert: int) -> None:
         """Bring `expert` into a slot of each stack (queued on the current stream; see `ExpertSlots._bring`)."""
@@ -340,6 +338,7 @@ class GraphedSteps:
         self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
         self.routed_host = torch.zeros(len(layers), experts, dtype=torch.long, pin_memory=device.type == "cuda")
         self.counted = torch.zeros(len(layers), experts, dtype=torch.long)  # of `routed_host`, accounted
+        self.ones = torch.ones(4096, dtype=torch.long, device=device)  # what a step adds a routed pair
         self._thread = threading.local()  # `inside`: per generation thread (-np: several drive steps)
         self._lock = threading.Lock()  # the accounting and the promotions, one thread at a time
         self.steps = 0  # static steps run
@@ -380,8 +379,10 @@ class GraphedSteps:
         routed = self.routed_host - self.counted
         self.counted.copy_(self.routed_host)
         self.profile.add(routed)
-        return sorted((-pairs, index, expert) for index, layer in enumerate(self.layers)
-                      for pairs, expert in layer.settle(routed[index]))
+        used = routed > 0
+        places, counts = torch.nonzero(used).tolist(), routed[used].tolist()  # both in row-major order
+        return sorted((-pairs, index, expert) for (index, expert), pairs in zip(places, counts)
+                      if self.layers[index].settle(expert, pairs))
 
     def between_steps(self) -> None:
         """`account`, then promote the most routed misses, most pairs first, within `promotion_bytes` (queued
