@@ -122,17 +122,13 @@ def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file,
         assert states[1].verify.recordings()[0].replays == 2 and not lookups
 
 
-def test_without_graphs_spark_steps_eagerly():
+def test_without_graphs_spark_steps_eagerly(tmp_path):
     """A backend that records no graphs (plain torch on the CPU): the eager lookup, decode steps eager."""
     from lucebox_laguna import synth
 
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = synth.write(Path(folder) / "laguna.gguf", size="tiny", type="q8_0", seed=3)
-        model = _load("laguna", path, TorchBackend(kernel_table_for={}))
-        spark = attach_spark(model)
+    path = synth.write(tmp_path / "laguna.gguf", size="tiny", type="q8_0", seed=3)
+    model = _load("laguna", path, TorchBackend(kernel_table_for={}))
+    spark = attach_spark(model)
     assert spark.graphed is None and model.decode_graphs is False and not spark.describe()["graphed"]
     assert getattr(model, "static_step_scope", None) is None
 
