@@ -1,4 +1,4 @@
-"""Spark: MoE experts that do not all fit on the GPU, kept hot where routing traffic says (foundations).
+"""Spark: MoE experts that do not all fit on the GPU, kept hot where routing traffic says.
 
 Three parts, each independent of any family and device:
 
@@ -9,32 +9,45 @@ Three parts, each independent of any family and device:
   from a profile; uniform when there is none), at least `min_per_layer` in every layer.
 - `ExpertSlots`: one layer's expert stack as a fixed pool of device slots (raw bytes of the GGUF blocks,
   one row an expert) filled from a host copy of every expert, with a device lookup table expert -> slot
-  (-1: not resident). `resident_ids(ids)` brings the experts a batch routes to into slots (least recently
-  used out first) and returns the ids mapped to slots, so a routed-expert op runs over the slot stack
-  unchanged: the same bytes, the same arithmetic, the same output as the all-resident stack.
+  (-1: not resident), least recently used out first.
 
-`OffloadedExperts` puts one MoE layer's three stacks (gate, up, down) behind such pools and runs the
-routed-expert op over them; a batch that routes to more experts than the pool holds runs in groups of
-experts that fit, summed in fp32 (then not bit-identical to the all-resident sum: greedy tokens are what
-the tests hold equal). `attach_spark` gives every MoE block of a model (any family whose MoE block has
-`gate_exps`, `up_exps`, `down_exps`, `top_k` and an `offload` slot, and calls `run_experts`) its pools, sized by
-`place_experts` from a profile under a byte budget.
+`OffloadedExperts` puts one MoE layer's three stacks (gate, up, down) behind such pools. `attach_spark` gives
+every MoE block of a model (any family whose MoE block has `gate_exps`, `up_exps`, `down_exps`, `top_k` and
+an `offload` slot, and calls `run_experts`) its pools, sized by `place_experts` from a profile under a byte
+budget. The stacks never go to the GPU whole: a GPU backend reads weights from the file's memory map and
+uploads them at first use, and Spark replaces the stacks with its pools before any forward pass, so every
+expert's bytes sit once in pinned host memory and only the slots are on the device.
 
-The stacks never go to the GPU whole: a GPU backend reads weights from the file's memory map and uploads them
-at first use, and Spark replaces the stacks with its pools before any forward pass, so every expert's bytes
-sit once in pinned host memory and only the slots are on the device. Not done yet: the CPU path for a
-batch-1 miss, and a graphed decode step over the lookup tables (with Spark on, decode and verify run
-eagerly).
+Two ways to run a layer's routed experts, both exact:
+
+- Graphed (the decode step and the static verify pass, where the backend records graphs and runs the
+  paged op `moe_experts_swiglu_paged`): each stack is an `ExpertPages` (slots, host stack, table), and the
+  op reads a resident expert from its slot and any other straight from pinned host memory (zero-copy over
+  the bus: on CUDA the paged `moe_matvec` kernel): no host decision inside the step, the same bytes and the
+  same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The
+  step counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every
+  static step the model runs) Spark reads those counts back (a copy queued after the step, read once the
+  step is done), counts them into the profile, and promotes the most routed misses into slots (LRU out),
+  at most `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the
+  compute stream between two replays, so the previous replay has read an evicted slot before it is
+  overwritten and the next sees the new table.
+- Eager (prefill, and every step where the backend has no paged kernel or records no graphs, or a split
+  model): `resident_ids` brings the experts a batch routes to into slots on the host and maps the ids to
+  slots, so the plain op runs over the slot stack; a batch that routes to more experts than the pool holds
+  runs in groups of experts that fit, summed in fp32 (then not bit-identical to the all-resident sum:
+  greedy tokens are what the tests hold equal). Without the graphed mode the model's decode steps run
+  eagerly (`decode_graphs` off).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +57,9 @@ import torch
 from .errors import LuceboxError
 
 PROFILE_SUFFIX = ".spark.csv"
+# Expert bytes promoted into slots between two graphed steps at most (all layers together): ~1 ms of copy over
+# PCIe 4, so a promotion never holds a decode step up by much.
+PROMOTION_BYTES = 24 * 2**20
 
 
 class RoutingProfile:
@@ -59,6 +75,11 @@ class RoutingProfile:
         bins = torch.bincount(ids.reshape(-1).to("cpu", torch.int64), minlength=self.experts)[: self.experts]
         with self._lock:
             self.counts[layer] += bins
+
+    def add(self, counts: torch.Tensor) -> None:
+        """Count `counts` `[layers, experts]` (what graphed steps routed) in."""
+        with self._lock:
+            self.counts += counts.to("cpu", torch.int64)
 
     @staticmethod
     def path_for(model_path: str | os.PathLike) -> Path:
@@ -125,9 +146,35 @@ def place_experts(counts: torch.Tensor, expert_bytes: Sequence[int], budget: int
 
 @attrs.define
 class SlotStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_moved: int = 0
+    hits: int = 0  # routed experts found resident (per batch, or per graphed step)
+    misses: int = 0  # routed experts not resident
+    bytes_moved: int = 0  # host-to-device bytes copied into slots
+    zero_copy_reads: int = 0  # routed pairs of graphed steps computed from host memory
+    promotions: int = 0  # experts brought into slots between graphed steps
+
+
+@attrs.frozen(eq=False)
+class ExpertPages:
+    """One expert stack as the paged op (`moe_experts_swiglu_paged`) reads it: expert e's blocks are row
+    `where[e]` of the slots `pool` where that is >= 0, else row e of `host`."""
+
+    pool: Any  # QuantTensor [slots, rows, cols]: the device slots
+    host: torch.Tensor  # [experts, bytes]: every expert (pinned on a GPU)
+    where: torch.Tensor  # [experts] long, on the slots' device: the slot holding each expert, or -1
+    pinned: bool = False  # whether `host` is pinned (found once: a kernel's check must not ask the driver)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.host.shape[0], *self.pool.shape[1:])
+
+    def gather(self, experts: torch.Tensor) -> Any:
+        """Experts `experts` (`[n]`, ascending) as a stack `[n, rows, cols]` of their blocks, from where they are."""
+        slots = self.pool.data.reshape(self.pool.shape[0], -1)
+        slot = self.where[experts.to(self.where.device)]
+        from_host = self.host[experts.to(self.host.device)].to(slots.device)
+        rows = torch.where((slot >= 0)[:, None], slots[slot.clamp(min=0)], from_host)
+        return attrs.evolve(self.pool, name=f"{self.pool.name}.gathered", shape=(len(experts), *self.pool.shape[1:]),
+                            data=rows.reshape(-1), volatile=True)
 
 
 class ExpertSlots:
@@ -154,7 +201,16 @@ class ExpertSlots:
     def resident(self) -> list[int]:
         return sorted(self._lru)
 
+    def touch(self, expert: int) -> bool:
+        """Mark `expert` used now if it is resident; whether it is."""
+        if expert in self._lru:
+            self._lru.move_to_end(expert)
+            return True
+        return False
+
     def _bring(self, expert: int) -> None:
+        """`expert` into a free slot or the least recently used one's: the copy and the table updates queued
+        on the current stream (after the work that read the slot, before the work that reads the table)."""
         if self._free:
             slot = self._free.pop()
         else:
@@ -172,8 +228,7 @@ class ExpertSlots:
         if len(needed) > self.stack.shape[0]:
             raise LuceboxError(f"a batch routes to {len(needed)} experts but the pool has {self.stack.shape[0]} slots")
         for expert in needed:  # hits first, so a miss never evicts an expert this batch needs
-            if expert in self._lru:
-                self._lru.move_to_end(expert)
+            if self.touch(expert):
                 self.stats.hits += 1
         for expert in needed:
             if expert not in self._lru:
@@ -204,19 +259,29 @@ class OffloadedExperts:
         their first use, so the stacks are still on the host when Spark takes them (and never go up whole)."""
         self.layer, self.profile = layer, profile
         self.slots = slots
+        self.steps: GraphedSteps | None = None  # set by `attach_spark` where the steps run graphed
         self.pools, self.views = [], []
         for stack in stacks:
             experts = stack.shape[0]
             device = torch.device(device) if device is not None else stack.data.device
             host = stack.data.reshape(experts, -1).to("cpu")
             if device.type == "cuda":
-                host = host.pin_memory()  # copies into the slots overlap the step's work
+                host = host.pin_memory()  # copies into the slots overlap the step's work; kernels read it too
             pool = ExpertSlots(host, slots, device, initial=resident)
             self.pools.append(pool)
             self.views.append(attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
                                            data=pool.stack.reshape(-1), volatile=True))
+        self.pages = [ExpertPages(view, pool.host, pool.slot_of, pool.host.is_pinned())
+                      for view, pool in zip(self.views, self.pools)]
+        self.expert_bytes = sum(pool.host.shape[1] for pool in self.pools)
 
     def __call__(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        steps = self.steps
+        if steps is not None and steps.inside:  # a static step: paged, nothing decided on the host
+            flat = ids.reshape(-1)
+            ones = steps.ones[: flat.numel()] if flat.numel() <= steps.ones.numel() else torch.ones_like(flat)
+            steps.routed[self.layer].index_add_(0, flat, ones)  # one launch a layer: read back between steps
+            return ops.moe_experts_swiglu_paged(x, *self.pages, weights, ids)
         if self.profile is not None:
             self.profile.observe(self.layer, ids)
         needed = torch.unique(ids)
@@ -235,11 +300,100 @@ class OffloadedExperts:
         mapped = [pool.resident_ids(ids) for pool in self.pools]
         return ops.moe_experts_swiglu(x, *self.views, weights, mapped[0])
 
+    def settle(self, expert: int, pairs: int) -> bool:
+        """Account `pairs` routed pairs of graphed steps to `expert`: a hit (marked recent) if it is
+        resident, else a miss whose pairs were read from host memory. Whether it was a miss."""
+        stats = self.pools[0].stats
+        if all([pool.touch(expert) for pool in self.pools]):
+            stats.hits += 1
+            return False
+        stats.misses += 1
+        stats.zero_copy_reads += pairs
+        return True
+
+    def promote(self, expert: int) -> None:
+        """Bring `expert` into a slot of each stack (queued on the current stream; see `ExpertSlots._bring`)."""
+        for pool in self.pools:
+            pool._bring(expert)
+        self.pools[0].stats.promotions += 1
+
     def describe(self) -> dict[str, Any]:
         stats = self.pools[0].stats
         moved = sum(pool.stats.bytes_moved for pool in self.pools)
         return {"layer": self.layer, "slots": self.slots, "experts": self.pools[0].host.shape[0],
-                "hits": stats.hits, "misses": stats.misses, "bytes_moved": moved}
+                "hits": stats.hits, "misses": stats.misses, "bytes_moved": moved,
+                "zero_copy_reads": stats.zero_copy_reads, "promotions": stats.promotions}
+
+
+class GraphedSteps:
+    """The graphed mode's traffic, shared by a model's MoE layers (see the module's docstring): `routed`
+    `[layers, experts]`, the pairs the static steps routed (cumulative, on the device, counted inside the
+    steps); a host copy of it queued after each step; and, between steps, the accounting and the promotions."""
+
+    def __init__(self, ops: Any, layers: list[OffloadedExperts], profile: RoutingProfile, promotion_bytes: int):
+        self.ops, self.layers, self.profile = ops, layers, profile
+        self.promotion_bytes = promotion_bytes
+        device = torch.device(ops.device)
+        experts = layers[0].pools[0].host.shape[0]
+        self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
+        self.routed_host = torch.zeros(len(layers), experts, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.counted = torch.zeros(len(layers), experts, dtype=torch.long)  # of `routed_host`, accounted
+        self.ones = torch.ones(4096, dtype=torch.long, device=device)  # what a step adds a routed pair
+        self._thread = threading.local()  # `inside`: per generation thread (-np: several drive steps)
+        self._lock = threading.Lock()  # the accounting and the promotions, one thread at a time
+        self.steps = 0  # static steps run
+        self._copied: Any = None  # the event after the last step's host copy; None once accounted
+        self._pending = False
+
+    @property
+    def inside(self) -> bool:
+        """Whether this thread is running a static step (warming it up, recording, replaying or running it)."""
+        return getattr(self._thread, "inside", False)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Around one static step: first what the steps before it routed is accounted and the hot misses
+        promoted; inside, the experts run paged; after it, its counts are copied to the host (queued)."""
+        self.between_steps()
+        self._thread.inside = True
+        try:
+            yield
+        finally:
+            self._thread.inside = False
+            with self._lock:  # steps of several threads share the one (current) stream: copies stay in order
+                self.routed_host.copy_(self.routed, non_blocking=True)
+                self._copied, self._pending = self.ops.record_event(), True
+                self.steps += 1
+
+    def account(self) -> list[tuple[int, int, int]]:
+        """Count the routing of the steps run since the last call into the profile and the layers' stats;
+        the misses as (-pairs, MoE layer, expert), most routed first."""
+        with self._lock:
+            return self._account()
+
+    def _account(self) -> list[tuple[int, int, int]]:
+        if not self._pending:
+            return []
+        self.ops.wait_event(self._copied)  # done already where the engine has read the step's token
+        self._pending, self._copied = False, None
+        routed = self.routed_host - self.counted
+        self.counted.copy_(self.routed_host)
+        self.profile.add(routed)
+        used = routed > 0
+        places, counts = torch.nonzero(used).tolist(), routed[used].tolist()  # both in row-major order
+        return sorted((-pairs, index, expert) for (index, expert), pairs in zip(places, counts)
+                      if self.layers[index].settle(expert, pairs))
+
+    def between_steps(self) -> None:
+        """`account`, then promote the most routed misses, most pairs first, within `promotion_bytes` (queued
+        on the current stream: see the module's docstring)."""
+        with self._lock:
+            budget = self.promotion_bytes
+            for _, index, expert in self._account():
+                layer = self.layers[index]
+                if layer.expert_bytes <= budget:
+                    budget -= layer.expert_bytes
+                    layer.promote(expert)
 
 
 @attrs.define
@@ -251,19 +405,24 @@ class Spark:
     profile_path: Path | None
     budget: int
     expert_bytes: int  # of every layer's stacks, all experts
+    graphed: GraphedSteps | None = None  # where the static steps run graphed over paged experts
 
     def describe(self) -> dict[str, Any]:
         per_layer = [layer.describe() for layer in self.layers]
-        hits = sum(d["hits"] for d in per_layer)
-        misses = sum(d["misses"] for d in per_layer)
+        total = {key: sum(d[key] for d in per_layer)
+                 for key in ("hits", "misses", "bytes_moved", "zero_copy_reads", "promotions")}
+        hits, misses = total["hits"], total["misses"]
         resident = sum(d["slots"] for d in per_layer) / max(1, sum(d["experts"] for d in per_layer))
         return {"enabled": True, "budget_bytes": self.budget, "expert_bytes": self.expert_bytes,
-                "residency": round(resident, 4), "hits": hits, "misses": misses,
+                "residency": round(resident, 4), **total,
                 "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-                "bytes_moved": sum(d["bytes_moved"] for d in per_layer),
+                "graphed": self.graphed is not None,
                 "profile": str(self.profile_path) if self.profile_path else None}
 
     def save_profile(self) -> None:
+        """Write the profile (with the last graphed steps' routing counted in: call it between requests)."""
+        if self.graphed is not None:
+            self.graphed.account()
         if self.profile_path is not None:
             self.profile.save(self.profile_path)
 
@@ -274,11 +433,27 @@ def moe_blocks(model: Any) -> list[tuple[int, Any]]:
             if all(hasattr(layer.mlp, name) for name in (*STACKS, "top_k", "offload"))]
 
 
+def pages_supported(ops: Any, layer: OffloadedExperts, top_k: int) -> bool:
+    """Whether `ops` runs the paged op on `layer`'s pages without a host decision: the reference on the CPU
+    (where no graph is recorded, and the emulated graph contract of the tests re-runs it), else a kernel
+    that accepts them (the reference on a GPU gathers on the host: not recordable)."""
+    if torch.device(ops.device).type == "cpu":
+        return True
+    op = getattr(ops, "moe_experts_swiglu_paged", None)
+    if not hasattr(op, "choice"):  # no kernel installed for it on this backend
+        return False
+    x = torch.zeros(1, layer.views[0].shape[2], dtype=ops.dtype, device=ops.device)
+    weights = torch.zeros(1, top_k, dtype=torch.float32, device=ops.device)
+    ids = torch.zeros(1, top_k, dtype=torch.long, device=ops.device)
+    return op.choice(x, *layer.pages, weights, ids) != "reference"
+
+
 def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.PathLike | None = None,
-                 share: float = 0.5) -> Spark:
+                 share: float = 0.5, promotion_bytes: int = PROMOTION_BYTES) -> Spark:
     """Put every MoE block of `model` behind slot pools: resident experts chosen by the profile beside
     `model_path` (uniform when there is none) under `budget` bytes (default: `share` of the experts' bytes),
-    at least `top_k` a layer."""
+    at least `top_k` a layer. The static steps run graphed over paged experts where the model records graphs
+    and the backend runs the paged op (`model.static_step_scope` is then Spark's), else eagerly."""
     blocks = moe_blocks(model)
     if not blocks:
         raise LuceboxError(f"--spark: {type(model).__name__} has no MoE layers to offload")
@@ -299,8 +474,16 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
         for name in STACKS:  # the full stacks leave the device: the pools hold what is resident
             setattr(block, name, offload.views[STACKS.index(name)])
         layers.append(offload)
-    # A pool's lookup runs on the host (which experts a token needs decides what to copy), so the decode step
-    # and the verify pass cannot be replayed as graphs over it yet: they run eagerly, exact all the same.
-    model.decode_graphs = False
-    return Spark(layers, profile, path, budget, total)
+    graphed = None
+    split = len(getattr(model, "part_ops", None) or ()) > 1  # one device's slots: a split model steps eagerly
+    if model.decode_graphs and not split and pages_supported(model.ops, layers[0], top_k):
+        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes)
+        for layer in layers:
+            layer.steps = graphed
+        model.static_step_scope = graphed.scope
+    else:
+        # The eager lookup runs on the host (which experts a token needs decides what to copy), so the decode
+        # step and the verify pass cannot be replayed as graphs over it: they run eagerly, exact all the same.
+        model.decode_graphs = False
+    return Spark(layers, profile, path, budget, total, graphed)
 

@@ -23,6 +23,7 @@ masked-off padding), which keeps the number of recordings per sequence small.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Hashable
@@ -175,6 +176,13 @@ def _cloned(outputs: Any) -> Any:
     return outputs
 
 
+def step_scope(model: Any) -> contextlib.AbstractContextManager:
+    """What `model` does around each static step it runs (decode, verify): its `static_step_scope()` where
+    it has one (Spark's: experts promoted between steps, read paged inside), else nothing."""
+    scope = getattr(model, "static_step_scope", None)
+    return scope() if scope is not None else contextlib.nullcontext()
+
+
 def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, StaticInputs, int], Any], *,
                     graphs: bool | None = None) -> Any:
     """One token at position `state.length` through a family's static decode step: what every family's
@@ -201,8 +209,9 @@ def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, Sta
     inputs.set("embedded", model.embed(inputs.token).reshape(1, 1, -1))
     window = kv_window(length + 1, window_limit(state.kv), model.decode_min_window)
     key = window if state.features is None else (window, state.features.data_ptr())
-    logits = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
-                              graphs=graphs)
+    with step_scope(model):
+        logits = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
+                                  graphs=graphs)
     state.kv.commit(length + 1)
     state.length = length + 1
     state.captured = {}

@@ -368,6 +368,17 @@ class TorchBackend:
             out.index_add_(0, token, y.float() * weights[token, slot, None])
         return out.to(x.dtype)
 
+    def moe_experts_swiglu_paged(self, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
+                                 ids: torch.Tensor) -> torch.Tensor:
+        """`moe_experts_swiglu` over paged stacks (Spark's `ExpertPages`: a few experts in device slots, every
+        expert in a host stack, a device table `where[e]`, the slot holding expert e or -1): expert e's blocks
+        are slot `where[e]`'s where it is resident, else host row e; equal bit for bit to the op over the whole
+        stack. The reference gathers the chosen experts' rows (a host sync: no graph records it) and runs the
+        op on them, in the same expert order."""
+        chosen, local = torch.unique(ids, return_inverse=True)
+        return self.moe_experts_swiglu(x, gate.gather(chosen), up.gather(chosen), down.gather(chosen), weights,
+                                       local.reshape(ids.shape))
+
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """An output gate: `x * sigmoid(gate)`."""
         return x * self.sigmoid(gate)

@@ -10,7 +10,9 @@ llama.cpp's at the same expert bytes on the GPU.
   `--calibrate-seconds` (the requests sized to end near it); the routing profile it counted is written
   beside the model (after every request: a phase cut short keeps what it counted), as the server does at exit.
 - `spark`: a fresh load with `--spark --spark-vram B`, B = `--residency` of the file's expert bytes, placed by
-  that profile; tg N as above, with the pools' hit rate, misses and bytes moved counted after the warm-up run.
+  that profile; tg N as above, with the pools' hit rate, misses, bytes moved, pairs read from host memory
+  (`zero_copy_reads`) and promotions counted after the warm-up run. Where the backend runs Spark's paged
+  kernel the decode step replays as one graph (`graphed_step`, on every row: the full row's too).
 
 Each row: tok/s, per-token ms (median, p90, max), load seconds, the experts' bytes resident on the device, peak
 device memory (torch's allocator peak; with nvidia-smi on the PATH, the whole GPU's peak used, comparable with
@@ -170,6 +172,7 @@ def decode_rows(assembled: Any, n_gen: int, reps: int) -> dict[str, Any]:
 
     engine, model, spark = assembled.engine, assembled.loaded.model, assembled.spark
     sync = engine.backend.synchronize
+    replayed: list[bool] = []  # per run: whether its decode steps replayed a recorded graph
 
     def run(seed: int) -> list[float]:
         sequence = engine.new_sequence()
@@ -183,6 +186,8 @@ def decode_rows(assembled: Any, n_gen: int, reps: int) -> dict[str, Any]:
             model.forward(sequence.state, torch.tensor([token]))
             sync()  # as llama-bench: the host waits for every token
             token_s.append(time.perf_counter() - before)
+        step = sequence.state.decode  # the static decode step (None where one-token forwards run eagerly)
+        replayed.append(bool(step is not None and step.graphs and step.failure is None and len(step)))
         engine.release(sequence)
         return token_s
 
@@ -196,12 +201,19 @@ def decode_rows(assembled: Any, n_gen: int, reps: int) -> dict[str, Any]:
     token_ms = sorted(s * 1e3 for r in runs for s in r)
     row = {"test": f"tg{n_gen}", "tokens_per_s": n_gen / seconds, "seconds": seconds,
            "token_ms_median": round(statistics.median(token_ms), 3),
-           "token_ms_p90": round(token_ms[int(0.9 * (len(token_ms) - 1))], 3), "token_ms_max": round(token_ms[-1], 3)}
+           "token_ms_p90": round(token_ms[int(0.9 * (len(token_ms) - 1))], 3), "token_ms_max": round(token_ms[-1], 3),
+           # whether every timed run's decode step was one replayed graph (with Spark: over its paged experts)
+           "graphed_step": bool(replayed) and all(replayed)}
     if spark is not None:
+        if spark.graphed is not None:
+            spark.graphed.account()  # the last step's routing, counted in
         described = spark.describe()
-        row.update({key: described[key] for key in ("residency", "hits", "misses", "hit_rate", "bytes_moved")})
+        row.update({key: described[key] for key in ("residency", "hits", "misses", "hit_rate", "bytes_moved",
+                                                     "zero_copy_reads", "promotions", "graphed")})
         # every token fed after the warm-up run, the two untimed ones a run starts with included
-        row["bytes_moved_per_token"] = described["bytes_moved"] // max(1, (DECODE_WARMUP_STEPS + n_gen) * reps)
+        fed = max(1, (DECODE_WARMUP_STEPS + n_gen) * reps)
+        row["bytes_moved_per_token"] = described["bytes_moved"] // fed
+        row["zero_copy_reads_per_token"] = round(described["zero_copy_reads"] / fed, 2)
     return row
 
 
@@ -423,7 +435,8 @@ def report_main(args: argparse.Namespace) -> int:
             versus = f"{rate / full['tokens_per_s']:.2f}" if rate and full else ""
             moved = row.get("bytes_moved_per_token")
             experts = row.get("resident_expert_bytes", row.get("gpu_expert_bytes"))
-            lines.append(f"| {row.get('engine', '?')} | {row.get('label', row.get('phase'))}"
+            step = {True: " (graphed step)", False: " (eager step)"}.get(row.get("graphed_step"), "")
+            lines.append(f"| {row.get('engine', '?')} | {row.get('label', row.get('phase'))}{step}"
                          f"{' ERROR ' + str(row['error'])[:80] if 'error' in row else ''} | {_num(rate)} | {versus} | "
                          f"{_num(row.get('hit_rate'), 3)} | {_num(moved and moved / 2**20)} | "
                          f"{_num(experts and experts / 2**30)} | {_num(_peak(row))} |")

@@ -53,7 +53,7 @@ NAMES = r"""
 def _name(line):
     macro, args = line.split("(", 1)
     prefix = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm",
-              "LUCEBOX_MOE_MATVEC": "moe_matvec"}[macro]
+              "LUCEBOX_MOE_MATVEC": "moe_matvec", "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged"}[macro]
     return "_".join([prefix, *(part.strip() for part in args.rstrip(")").split(","))])
 """
 

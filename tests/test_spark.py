@@ -145,7 +145,8 @@ def test_offloaded_experts_decode_as_the_all_resident_model(moe_file):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
 def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_file):
     """On a GPU backend: the pools are device memory filled from pinned host copies, the whole stacks are never
-    uploaded, the steps run eagerly over the pools, and greedy tokens equal the all-resident model's."""
+    uploaded, the decode steps replay as graphs over the paged experts (misses read from pinned host memory),
+    and greedy tokens equal the all-resident model's."""
     from lucebox_core.assembly import EngineOptions
 
     prompt = torch.randint(10, 5000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -153,7 +154,7 @@ def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_
     offloaded, assembled = _greedy(EngineOptions(model=str(moe_file), ctx_size=128, device="cuda", spark=True), prompt)
     assert offloaded == plain
     model = assembled.loaded.model
-    assert model.decode_graphs is False
+    assert model.decode_graphs is True and assembled.spark.graphed is not None
     for layer in assembled.spark.layers:
         for pool in layer.pools:
             assert pool.stack.device.type == "cuda" and pool.host.device.type == "cpu" and pool.host.is_pinned()
@@ -163,6 +164,7 @@ def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_
     assert not [name for name in uploaded if name.endswith("_exps.weight")]
     described = assembled.spark.describe()
     assert described["misses"] > 0 and described["bytes_moved"] > 0
+    assert described["graphed"] and described["zero_copy_reads"] > 0
 
 
 def test_spark_needs_moe_layers_and_a_budget_that_holds_top_k(tiny_target_and_draft, moe_file):

@@ -147,8 +147,11 @@ class ServerMetrics:
             Gauge(f"spark_{key}", text, lambda key=key: float(spark().get(key) or 0))
             for key, text in (("residency", "fraction of MoE experts resident on the device (--spark)"),
                               ("hits", "expert lookups served by a resident slot"),
-                              ("misses", "experts brought into a slot from host memory"),
-                              ("bytes_moved", "bytes copied into expert slots"))
+                              ("misses", "expert lookups not served by a resident slot"),
+                              ("bytes_moved", "bytes copied into expert slots"),
+                              ("zero_copy_reads", "routed experts a graphed step read from host memory"),
+                              ("promotions", "experts promoted into slots between graphed steps"),
+                              ("graphed", "1 where decode and verify run as graphs over paged experts"))
         ]
         self.kvflash = [
             Gauge(f"kvflash_{key}", text, lambda key=key: float(kvflash().get(key) or 0))

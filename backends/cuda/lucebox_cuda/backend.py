@@ -231,11 +231,16 @@ class CudaBackend(TorchBackend):
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
         return out
 
-    def expert_matvec(self, x: torch.Tensor, experts: QuantTensor, ids: torch.Tensor, x_group: int) -> torch.Tensor:
+    def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int) -> torch.Tensor:
         """Mixture-of-experts products for few tokens: for each routed pair `s` (flat `ids` `[S]`, long, on the
         device), `x[s // x_group] @ experts[ids[s]].T`, from a stack `experts` `[E, rows, cols]` in its GGUF
         format, reading only the chosen experts' blocks. x `[S / x_group, cols]` -> `[S, rows]`.
-        Graph-capturable: no host value depends on the ids."""
+        `experts` may be Spark's paged stack (`lucebox_core.spark.ExpertPages`: device slots, a pinned host copy
+        of every expert and the device table expert -> slot): the paged kernel reads each expert where the table
+        says, the same bytes and arithmetic. Graph-capturable: no host value depends on the ids (or the table)."""
+        pages = None
+        if not isinstance(experts, QuantTensor):
+            pages, experts = experts, experts.pool
         weight_format = catalogue.WEIGHT_FORMATS[experts.ggml_type]
         n_experts, rows, cols = experts.shape
         x = x.contiguous()
@@ -247,9 +252,14 @@ class CudaBackend(TorchBackend):
         if pairs == 0:
             return out
         data = self.device_weight(experts).data
-        self._launch(catalogue.moe_matvec(weight_format, catalogue.ACTIVATIONS[x.dtype]), (-(-rows // 4), pairs, 1), 128,
-                     Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
-                     Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group))
+        grid, activation = (-(-rows // 4), pairs, 1), catalogue.ACTIVATIONS[x.dtype]
+        tail = (Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
+                Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group))
+        if pages is None:
+            self._launch(catalogue.moe_matvec(weight_format, activation), grid, 128, Pointer(data.data_ptr()), *tail)
+        else:  # the host stack's pinned address is the device's too (unified addressing)
+            self._launch(catalogue.moe_matvec_paged(weight_format, activation), grid, 128, Pointer(data.data_ptr()),
+                         Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), *tail)
         return out
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,

@@ -502,6 +502,13 @@ def moe_matvec(weight_format: str, activation: str) -> tuple[KernelProgram, str]
     return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({weight_format}, {activation})"]), name
 
 
+def moe_matvec_paged(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
+    """The expert products over a stack split between device slots and pinned host memory (Spark's paged
+    experts; see moe_matvec.cu)."""
+    name = f"moe_matvec_paged_{weight_format}_{activation}"
+    return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC_PAGED({weight_format}, {activation})"]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -524,6 +531,7 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),
-        "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({f}, {a})" for f in formats for a in acts]),
+        "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{paged}({f}, {a})" for paged in ("", "_PAGED")
+                                                         for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
     }

@@ -478,6 +478,37 @@ def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exp
     return (down.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
 
 
+def _paged_stack(ops: Any, pages: Any) -> bool:
+    """Spark's paged stack (`lucebox_core.spark.ExpertPages`) as the paged kernel reads it: slots on this device
+    in a kernel format, the table on this device, the host copy in pinned memory (device-readable)."""
+    pool, host, where = (getattr(pages, name, None) for name in ("pool", "host", "where"))
+    return (_expert_stack(ops, pool) and isinstance(host, torch.Tensor) and host.device.type == "cpu"
+            and getattr(pages, "pinned", False) and host.is_contiguous() and host.data_ptr() % 16 == 0
+            and isinstance(where, torch.Tensor) and where.device == ops.device and where.dtype == torch.long)
+
+
+def accepts_moe_experts_swiglu_paged(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any,
+                                     weights: torch.Tensor, ids: torch.Tensor) -> bool:
+    return (x.device == ops.device and x.dtype in catalogue.ACTIVATIONS and ids.device == ops.device
+            and ids.numel() <= EXPERT_PAIR_LIMIT and all(_paged_stack(ops, p) for p in (gate, up, down)))
+
+
+def moe_experts_swiglu_paged(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
+                             ids: torch.Tensor) -> torch.Tensor:
+    """`moe_experts_swiglu` over Spark's paged stacks for few pairs (decode, verify): the same three expert
+    products and combine, each expert's blocks read from its device slot or, not resident, straight from
+    pinned host memory (the paged moe_matvec kernel). No host value depends on the ids or the residency
+    table: the decode step and the verify pass stay one recorded graph while experts move between replays."""
+    tokens, top_k = ids.shape
+    hidden = down.pool.shape[1]
+    flat = ids.reshape(-1)
+    act = ops.silu_mul(ops.expert_matvec(x, gate, flat, top_k), ops.expert_matvec(x, up, flat, top_k))
+    out = ops.expert_matvec(act, down, flat, 1)  # [T * k, hidden]
+    if triton_moe() is not None:
+        return triton_moe().combine_pairs(out, weights)
+    return (out.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
+
+
 def _dense_decodable(stack: QuantTensor) -> bool:
     """Whether the dequant kernel decodes the stack's rows whole (its pieces are 8 or more values)."""
     return stack.shape[2] % catalogue.ROW_MULTIPLE[catalogue.WEIGHT_FORMATS[stack.ggml_type]] == 0

@@ -16,6 +16,7 @@ GENERIC_KERNEL_OPS = (
     "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm",
     "qk_norm_rope", "attention", "decode_attention", "tree_attention",
     "moe_experts_swiglu",  # routed SwiGLU experts over separate gate and up stacks (Laguna, Qwen3.5-MoE)
+    "moe_experts_swiglu_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)
     "block_sparse_attention",  # FlashPrefill's block-sparse causal prefill (PFlash's scorer at long prompts)
 )
 FAMILY_KERNEL_OPS = (

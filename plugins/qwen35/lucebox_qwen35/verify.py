@@ -22,7 +22,7 @@ from lucebox_core.kv import window_limit
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.split_step import SplitStaticStep
-from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
+from lucebox_core.static_step import StaticInputs, StaticStep, kv_window, step_scope
 
 
 class SpeculativeTarget(FeatureCapture):
@@ -61,7 +61,8 @@ class SpeculativeTarget(FeatureCapture):
         # whichever pass runs, so a static and a dynamic verify leave the same residency.
         state.kv.ensure_room(tree.size if static else tree.max_depth + 1)
         if static:
-            return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
+            with step_scope(self):  # Spark's promotions between steps, paged experts inside (static_step)
+                return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
         visible = tree.visibility()
         kv_rows, conv, recurrent, taps = {}, {}, {}, []

@@ -10,6 +10,14 @@
 // One warp per output row, as matvec.cu (whose body, matvec_body.cuh, this reuses); blockIdx.y is the pair. Instantiate with
 // LUCEBOX_MOE_MATVEC(format, activation), defining `moe_matvec_<format>_<activation>`. Launch with 128
 // threads per block, (ceil(rows / 4), pairs) blocks.
+//
+// The paged variant (Spark, `lucebox_core.spark`: a stack split between device slots and host memory):
+// LUCEBOX_MOE_MATVEC_PAGED(format, activation) defines `moe_matvec_paged_<format>_<activation>`, which reads
+// expert e's blocks from `pool + where[e] * expert_bytes` where `where[e] >= 0` (a device slot holds it) and
+// else from `host + e * expert_bytes`: every expert's bytes in pinned host memory, read by the GPU over the
+// bus (zero-copy, through unified addressing). The table is read on the device, so which experts are resident
+// may change between replays of a recorded step without recording it again; the bytes and the arithmetic are
+// the plain kernel's, so the products equal the all-resident stack's bit for bit. Launched as the plain one.
 #include "matvec_body.cuh"
 
 #define LUCEBOX_MOE_MATVEC(FORMAT, ACT)                                                                      \
@@ -20,5 +28,19 @@
         const int pair = blockIdx.y;                                                                         \
         const u8* expert = weight + ids[pair] * expert_bytes;                                                \
         matvec_body<W_##FORMAT, ACT, 1>(expert, x + static_cast<i64>(pair / x_group) * cols,               \
+                                        y + static_cast<i64>(pair) * rows, rows, cols, 1);                   \
+    }
+
+#define LUCEBOX_MOE_MATVEC_PAGED(FORMAT, ACT)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * LUCEBOX_MATVEC_WARPS)                                \
+        moe_matvec_paged_##FORMAT##_##ACT(const u8* __restrict__ pool, const u8* __restrict__ host,          \
+                                          const long long* __restrict__ where, const ACT* __restrict__ x,    \
+                                          ACT* __restrict__ y, const long long* __restrict__ ids,            \
+                                          long long expert_bytes, int rows, int cols, int x_group) {         \
+        const int pair = blockIdx.y;                                                                         \
+        const long long expert = ids[pair];                                                                  \
+        const long long slot = where[expert];                                                                \
+        const u8* blocks = slot >= 0 ? pool + slot * expert_bytes : host + expert * expert_bytes;            \
+        matvec_body<W_##FORMAT, ACT, 1>(blocks, x + static_cast<i64>(pair / x_group) * cols,               \
                                         y + static_cast<i64>(pair) * rows, rows, cols, 1);                   \
     }
