@@ -618,6 +618,22 @@ laguna_profile() {  # ~2 min: where a Laguna-XS.2 decode step's time goes (torch
   return 0
 }
 
+s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of the graphed Spark step and of the
+  #             Laguna kernels, Laguna-XS.2's decode profile, then spark_rows (all on GPU, calibration, Spark at
+  #             60%, llama.cpp beside), then the matvec sweep of Laguna's shapes while time is left.
+  #             carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py \
+    tests/test_spark_graphed.py tests/test_laguna_cuda.py -k "gpu or cuda"
+  step spark-synth 170 spark_synth laguna xs2
+  step profile-laguna 90 python3 scripts/bench_vs_llamacpp.py profile "$(sparkmodel laguna xs2)" --out "$RES"
+  cp "$RES"/profile_*.json "$OUT/" 2>/dev/null
+  spark_rows laguna xs2
+  step sweep-laguna 120 python3 scripts/matvec_sweep.py --out "$RES" --budget-s 50 --skip-correctness --model laguna
+  cp "$RES/matvec_sweep.json" "$OUT/matvec_sweep_laguna.json" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -654,6 +670,7 @@ session() {
     spark-bench) spark_bench ;;
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
+    s13-spark) s13_spark ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
