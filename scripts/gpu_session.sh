@@ -624,7 +624,7 @@ s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of th
   #             carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
   step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py \
-    tests/test_spark_graphed.py tests/test_laguna_cuda.py -k "gpu or cuda"
+    tests/test_spark_graphed.py tests/test_laguna_cuda.py -k "gpu or cuda or routed_expert"
   step spark-synth 170 spark_synth laguna xs2
   step profile-laguna 90 python3 scripts/bench_vs_llamacpp.py profile "$(sparkmodel laguna xs2)" --out "$RES"
   cp "$RES"/profile_*.json "$OUT/" 2>/dev/null
