@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 import torch
 
+from .errors import LuceboxError
 from .sampling import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -195,6 +196,9 @@ class DeviceSampler:
         if suppressed is not None:
             buffers.get("suppressed", (vocab,), torch.bool).copy_(suppressed, non_blocking=True)
         if self.shape.bias:
+            outside = [t for t, _ in p.logit_bias if not 0 <= t < vocab]
+            if outside:  # on a GPU an index past the vector would be a device-side assert, not an error
+                raise LuceboxError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})")
             bias = buffers.get("bias", (vocab,), torch.float32).zero_()
             ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
             values = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32)

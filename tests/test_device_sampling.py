@@ -17,6 +17,7 @@ import torch
 
 from lucebox_core.device_sampling import (DeviceSampler, DrawShape, SamplerBuffers, adjusted_logits,
                                           filtered_logits, uniforms)
+from lucebox_core.errors import LuceboxError
 from lucebox_core.sampling import Sampler, SamplingParams
 
 VOCAB = 40  # small, so histories repeat tokens often
@@ -84,6 +85,11 @@ def test_filters_and_temperature_give_the_probabilities_of_the_host_sampler(ties
         assert torch.equal(ours, Sampler(params).probabilities(logits)), (case, params)
 
 
+def test_a_bias_outside_the_vocabulary_is_a_clear_error():
+    with pytest.raises(LuceboxError, match="token 40, outside the vocabulary"):
+        DeviceSampler(SamplingParams(logit_bias={40: 1.0}), SamplerBuffers("cpu"), VOCAB)
+
+
 def test_a_top_k_of_the_whole_vocabulary_or_more_is_off():
     assert DrawShape.of(SamplingParams(top_k=VOCAB), VOCAB, False).top_k == 0
     assert DrawShape.of(SamplingParams(top_k=VOCAB + 5), VOCAB, False).top_k == 0
@@ -114,7 +120,8 @@ def test_uniforms_are_open_and_flat():
     histogram = torch.histc(u.float(), bins=16, min=0, max=1)
     assert float(histogram.min()) > 0.9 * len(u) / 16  # no bucket starved
     # Another draw counter, or another seed, gives other numbers.
-    assert not torch.equal(uniforms(seed, torch.tensor([0]), torch.arange(64)), uniforms(seed, torch.tensor([1]), torch.arange(64)))
+    assert not torch.equal(uniforms(seed, torch.tensor([0]), torch.arange(64)),
+                           uniforms(seed, torch.tensor([1]), torch.arange(64)))
     assert not torch.equal(uniforms(seed, torch.tensor([0]), torch.arange(64)),
                            uniforms(torch.tensor([124, 456]), torch.tensor([0]), torch.arange(64)))
 
