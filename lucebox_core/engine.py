@@ -32,6 +32,7 @@ import torch
 from .errors import LuceboxError
 from .mask_ahead import MaskAhead
 from .prefix_cache import PrefixCache, turn_boundaries
+from .device_sampling import DeviceSampler, SamplerBuffers
 from .sampling import Sampler, SamplingParams, StopMatcher
 from .speculative.loop import ForcedStep, forced_accept_counts
 
@@ -135,6 +136,8 @@ class Sequence:
     unfed: list[int] = attrs.Factory(list)  # generated tokens the model has not seen yet (the last one)
     draft: Any = None  # the drafter's state for this sequence (speculative decoding)
     streaming: bool = False  # a `stream` over it is open: it cannot be released or streamed again
+    # The device tensors sampling keeps between draws: the state's, like its recordings, which read them.
+    sampler_buffers: SamplerBuffers | None = None
 
     @property
     def length(self) -> int:
@@ -195,7 +198,7 @@ class Engine:
             recycled = self._idle.pop() if self._idle and reset is not None else None
         if recycled is not None:
             reset(recycled.state)
-            sequence = Sequence(recycled.state)
+            sequence = Sequence(recycled.state, sampler_buffers=recycled.sampler_buffers)
             if self.speculative is not None:
                 sequence.draft = self.speculative.recycle(sequence.state, recycled.draft, self.ctx_size)
             return self._bind_tokens(sequence)
@@ -345,6 +348,12 @@ class Engine:
             raise LuceboxError("nothing to generate from: the prompt is empty")
         device = sequence.pending_logits.device
         sampler = Sampler(request.sampling, device=device, suppressed=self._suppressed_mask(device))
+        on_device = self._device_sampler(sequence, request.sampling, device)
+        # Plain steps end with the draw (recorded with the step where the model records its decode step),
+        # unless a constraint masks each step's logits on the host's word first.
+        fused = (ahead is None and getattr(self.model, "decode_graphs", False)
+                 and "sampler" in inspect.signature(self.model.decode_step).parameters)
+        drawn, drawn_from = None, None  # a token the step drew from the pending logits it made
         detokenizer = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         generated: list[int] = []
@@ -394,20 +403,25 @@ class Engine:
                     tokens = block.tokens
                 else:
                     logits = step_logits = sequence.pending_logits
-                    if ahead is not None:
-                        logits = self._masked(logits, ahead.mask())
-                    history = sequence.tokens + sequence.unfed
-                    chosen = sampler.sample_tensor(logits, history)
+                    if drawn is not None and drawn_from is logits:
+                        chosen = drawn
+                    else:
+                        if ahead is not None:
+                            logits = self._masked(logits, ahead.mask())
+                        chosen = on_device.sample(logits, sequence.tokens + sequence.unfed)
+                    drawn = drawn_from = None
                     fed_ahead = ((not speculative or (governed and governor.plain_ahead()))
                                  and self._more_wanted_after_next(sequence, generated, request))
                     if fed_ahead:
                         if landing is None:  # pinned, so the copy does not wait for the step queued after it
                             landing = self._host_buffer()
-                        token, next_logits = self._feed_before_reading(
-                            sequence, chosen, landing, ahead.after if ahead is not None else None)
+                        token, next_logits, drawn = self._feed_before_reading(
+                            sequence, chosen, landing, ahead.after if ahead is not None else None,
+                            on_device if fused else None)
                         # Recorded at once: the model holds the token whatever the checks below raise.
                         sequence.tokens.append(token)
                         sequence.unfed, sequence.pending_logits = [], next_logits[-1]
+                        drawn_from = sequence.pending_logits
                     else:
                         token = int(chosen)
                         if ahead is not None:  # the next mask is made while this token is emitted and fed
@@ -481,6 +495,16 @@ class Engine:
         sequence.tokens.extend(sequence.unfed)
         sequence.unfed, sequence.pending_logits = [], logits[-1]
 
+    def _device_sampler(self, sequence: Sequence, params: SamplingParams, device: torch.device) -> DeviceSampler:
+        """The request's device sampler over the sequence's sampling buffers (made on first use)."""
+        if sequence.sampler_buffers is None or sequence.sampler_buffers.device != torch.device(device):
+            sequence.sampler_buffers = SamplerBuffers(device)
+        vocab = sequence.pending_logits.shape[-1]
+        suppressed = self._suppressed_mask(device)
+        if suppressed is not None and suppressed.shape[0] != vocab:
+            suppressed = None  # as `Sampler.suppress` does
+        return DeviceSampler(params, sequence.sampler_buffers, vocab, suppressed, sequence.tokens + sequence.unfed)
+
     def _suppressed_mask(self, device: torch.device) -> torch.Tensor | None:
         if self.suppressed is None:
             return None
@@ -498,21 +522,27 @@ class Engine:
                 and len(sequence.tokens) + 1 < self.ctx_size)
 
     def _feed_before_reading(self, sequence: Sequence, chosen: torch.Tensor, landing: torch.Tensor,
-                             on_sampled: Callable[[Callable[[], int]], None] | None = None) -> tuple[int, torch.Tensor]:
+                             on_sampled: Callable[[Callable[[], int]], None] | None = None,
+                             drawing: DeviceSampler | None = None) -> tuple[int, torch.Tensor, torch.Tensor | None]:
         """Feed the sampled token `chosen` (still on the device) to the model, then read it: the device
         computes the next step while the host detokenizes, checks stops and hands the token out, instead of
         idling between steps (what a host-side round trip per token costs: ~0.8 ms of a 27B step, ~0.4 ms of
         a 0.8B one on an H200). The read waits for the sampling only, not the step queued after it.
         `on_sampled(read)` is told how to read the token before the step is run (a constraint's worker
-        computes the next mask meanwhile)."""
+        computes the next mask meanwhile). With `drawing`, the model's decode step also draws the token after
+        `chosen` (in its recording): returned third, still on the device (else None)."""
         landing.copy_(chosen, non_blocking=True)
         # Marks the copy on the model's device's stream (the backend's device, which need not be the
         # current device).
         sampled = self.backend.record_event() if self.backend is not None else None
         if on_sampled is not None:
             on_sampled(lambda: self._read_sampled(landing, sampled))
-        logits = self.model.forward(sequence.state, chosen)
-        return self._read_sampled(landing, sampled), logits
+        drawn = None
+        if drawing is None:
+            logits = self.model.forward(sequence.state, chosen)
+        else:
+            logits, drawn = self.model.decode_step(sequence.state, chosen, sampler=drawing.recorded())
+        return self._read_sampled(landing, sampled), logits, drawn
 
     def _read_sampled(self, landing: torch.Tensor, sampled: Any) -> int:
         """The token copied to `landing`, once the copy (marked by the event `sampled`) has run."""

@@ -2,7 +2,9 @@
 
 The order and the meaning of each knob follow llama.cpp's default chain, so that the same flags give the
 same distribution in both engines. All work is done in torch on the logits' device; only the chosen id
-comes back to the host.
+comes back to the host. This sampler reads the history as a host list and draws with a `torch.Generator`:
+it serves the speculative verifier's walk, logprobs and eager callers, and is the reference the engine's
+plain decoding sampler (`device_sampling.DeviceSampler`, device state only, recordable in a graph) equals.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class Sampler:
 
     def sample_tensor(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
         """The next token id as a one-element long tensor where `logits` are, without waiting for the device
-        (the engine feeds it to the model before the host reads it)."""
+        (though the penalties' history goes to the device as small tensors each call)."""
         if self.params.greedy:
             return torch.argmax(self.apply_penalties(self.suppress(logits.float()), history)).reshape(1)
         probs = self.probabilities(logits, history)

@@ -93,13 +93,14 @@ class SplitStaticStep:
 
 def run_split_decode_step(model: Any, state: Any, token: Any,
                           part_step: Callable[[Any, int, StaticInputs, int], tuple[dict[str, torch.Tensor], Any]], *,
-                          graphs: bool | None = None) -> Any:
+                          graphs: bool | None = None, sampler: Any = None) -> Any:
     """`static_step.run_decode_step` for a model split into parts: one token at position `state.length`
     through each part's static step in turn (`part_step(state, part, inputs, window)`, see
     `SplitStaticStep`); the last part's result is the logits `[1, vocab]`. The model gives `part_ops` (a
     backend per part), `embed(ids)`, `decode_graphs` and `decode_min_window`; the state as
     `run_decode_step`'s. Every part holds the position in a buffer of its own, on its device; the token and
-    its embedding are the first part's."""
+    its embedding are the first part's. A `sampler` (see `run_decode_step`) draws after the last part, on
+    its device but outside the parts' recordings: `(logits, token)` comes back."""
     first = model.part_ops[0]
     length = state.length
     state.kv.ensure_room(1)
@@ -120,4 +121,8 @@ def run_split_decode_step(model: Any, state: Any, token: Any,
     state.kv.commit(length + 1)
     state.length = length + 1
     state.captured = {}
+    if sampler is not None:
+        token = sampler(logits[-1])
+        sampler.drawn()
+        return logits, token
     return logits

@@ -184,7 +184,7 @@ def step_scope(model: Any) -> contextlib.AbstractContextManager:
 
 
 def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, StaticInputs, int], Any], *,
-                    graphs: bool | None = None) -> Any:
+                    graphs: bool | None = None, sampler: Any = None) -> Any:
     """One token at position `state.length` through a family's static decode step: what every family's
     `decode_step` does around its own `step(state, inputs, window)` (the layers, as a function of the
     fixed inputs and the KV window alone). Returns logits `[1, vocab]` and advances the state as a
@@ -196,6 +196,10 @@ def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, Sta
     outside the recording (the GGUF dequantizers build small host constants a graph cannot record).
     Recordings with a feature ring are keyed on the ring too: a recording writes into the buffer it was
     made with.
+
+    `sampler`: a `device_sampling.RecordedDraw`. The step then ends with the draw of the next token from its
+    logits (in the recording: no logits go to the host, nothing waits) and returns `(logits, token [1])`;
+    recordings are keyed on the draw's shape too.
     """
     ops = model.ops
     length = state.length
@@ -210,9 +214,18 @@ def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, Sta
     window = kv_window(length + 1, window_limit(state.kv), model.decode_min_window)
     key = window if state.features is None else (window, state.features.data_ptr())
     with step_scope(model):
-        logits = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
-                                  graphs=graphs)
+        if sampler is None:
+            result = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
+                                      graphs=graphs)
+        else:
+            result = state.decode.run((key, sampler.key), lambda step_inputs: _then_draw(
+                step(state, step_inputs, window), sampler), inputs, clone=True, graphs=graphs)
+            sampler.drawn()
     state.kv.commit(length + 1)
     state.length = length + 1
     state.captured = {}
-    return logits
+    return result
+
+
+def _then_draw(logits: torch.Tensor, sampler: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits, sampler(logits[-1])

@@ -200,3 +200,55 @@ def test_engine_feeding_ahead_equals_token_by_token_greedy_on_cuda(tmp_path, bac
         expected.append(int(logits.index_fill(-1, unused, float("-inf")).argmax()))
         logits = model.forward(state, torch.tensor([expected[-1]]))[-1]
     assert result.token_ids == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend_name", ["torch", "cuda"])
+def test_sampling_recorded_with_the_decode_step_on_cuda(tmp_path, backend_name):
+    """Sampled decoding through the engine on CUDA: each plain step's graph ends with the draw (penalties
+    from the device window, Gumbel-max from the hashed counter), so no logits reach the host. A seed replays
+    (the second round replays the first round's graphs, on the recycled sequence), and the tokens equal a
+    loop of eager static steps followed by eager device draws."""
+    from lucebox_core.device_sampling import DeviceSampler, SamplerBuffers
+    from lucebox_core.engine import Engine, GenerationRequest
+    from lucebox_core.sampling import SamplingParams
+
+    path = tmp_path / "tiny-f32.gguf"
+    synth.write(path, size="tiny", type="f32", seed=23)
+    loaded = load_model(path, backend=backend_name, device="cuda")
+    model = loaded.model
+    prompt = _prompt(model, 9, seed=3).tolist()
+    engine = Engine(model, loaded.tokenizer, ctx_size=256)
+    settings = [
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repeat_penalty=1.3, repeat_last_n=8,
+                       presence_penalty=0.2, logit_bias={3: 2.0}, seed=5),
+        SamplingParams(temperature=1.3, top_k=40, top_p=0.7, min_p=0.05, repeat_penalty=0.8, repeat_last_n=8,
+                       frequency_penalty=0.3, logit_bias={4: -1.0}, seed=6),
+        SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7),
+        SamplingParams(temperature=0, repeat_penalty=1.6, repeat_last_n=-1),
+    ]
+
+    def generate(params):
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=STEPS, sampling=params, ignore_eos=True)
+        return engine.generate(request).token_ids
+
+    first = [generate(params) for params in settings]
+    (kept,) = engine._idle
+    assert kept.state.decode is not None and kept.state.decode.failure is None
+    recorded = len(kept.state.decode)
+    assert recorded >= 1 and all(isinstance(out, tuple) for _, out in kept.state.decode._recorded.values())
+    assert [generate(params) for params in settings] == first
+    assert len(kept.state.decode) == recorded  # the second round only replayed
+    assert first[0] != first[1]
+
+    suppressed = engine.suppressed.to("cuda") if engine.suppressed is not None else None
+    for params, tokens in zip(settings, first):
+        state = model.new_state(256)
+        logits = model.forward(state, torch.tensor(prompt))[-1]
+        sampler = DeviceSampler(params, SamplerBuffers("cuda"), logits.shape[-1], suppressed, prompt)
+        history, expected = list(prompt), []
+        for _ in range(STEPS):
+            expected.append(int(sampler.sample(logits, history)))
+            history.append(expected[-1])
+            logits = model.decode_step(state, expected[-1], graphs=False)[-1]
+        assert tokens == expected, params

@@ -165,3 +165,49 @@ def test_qwen35_decode_verify_and_draft_replayed_as_recorded_equal_eager(tiny_ta
     assert _generate(target, None, emulated)[0] == plain_tokens
     tokens, lengths = _generate(target, draft, emulated, force=3)
     assert tokens == plain_tokens and set(lengths[:-1]) == {4}
+
+
+def _engine_on(target, backend) -> Engine:
+    from lucebox_core.tokenizer import Tokenizer
+    from lucebox_qwen35.loader import load
+
+    model = load(target, backend)
+    model.decode_min_window = 8
+    return Engine(model, Tokenizer.from_gguf(target), ctx_size=96)
+
+
+# Two requests of one draw shape (top-k, penalty window and bias on): the second replays the first's
+# recordings, with another seed, temperature, filters, penalties and biases.
+SAMPLED = [
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repeat_penalty=1.3, repeat_last_n=8,
+                   presence_penalty=0.2, logit_bias={3: 2.0}, seed=5),
+    SamplingParams(temperature=1.4, top_k=20, top_p=0.7, min_p=0.1, repeat_penalty=0.8, repeat_last_n=8,
+                   frequency_penalty=0.3, logit_bias={4: -1.0, 9: 1.5}, seed=6),
+]
+GREEDY_PENALIZED = SamplingParams(temperature=0, repeat_penalty=1.6, repeat_last_n=16, presence_penalty=0.5)
+
+
+def test_sampling_ends_the_recorded_decode_step_and_its_replays_read_no_host_values(tiny_target_and_draft):
+    """With the graph contract emulated, plain decoding's steps end with the draw (their recordings hand out
+    the token); the tokens equal those of eager steps followed by eager device draws. The second request of
+    a shape only replays the first's recordings: had the draw read its seed, knobs or window from the host
+    when recorded, it would replay the first request's and its tokens would differ."""
+    target, _ = tiny_target_and_draft
+    eager = _engine_on(target, TorchBackend(kernel_table_for={}))
+    emulated = _engine_on(target, GraphStandIn(kernel_table_for={}))
+
+    def generate(engine, params):
+        request = GenerationRequest(prompt_ids=[7, 8, 9, 10, 11], max_tokens=16, sampling=params, ignore_eos=True)
+        return engine.generate(request).token_ids
+
+    first = generate(emulated, SAMPLED[0])
+    assert first == generate(eager, SAMPLED[0])
+    (kept,) = emulated._idle
+    recordings = dict(kept.state.decode._recorded)
+    assert recordings and all(isinstance(outputs, tuple) for _, outputs in recordings.values())  # (logits, token)
+    replays = sum(graph.replays for graph, _ in recordings.values())
+    second = generate(emulated, SAMPLED[1])
+    assert second == generate(eager, SAMPLED[1]) and second != first
+    assert kept.state.decode._recorded.keys() == recordings.keys()  # nothing recorded anew
+    assert sum(graph.replays for graph, _ in recordings.values()) >= replays + 12
+    assert generate(emulated, GREEDY_PENALIZED) == generate(eager, GREEDY_PENALIZED)

@@ -347,10 +347,11 @@ class Gemma4Model(Gemma4SpeculativeTarget, DecoderModel):
 
     # -- the static decode step ------------------------------------------------------------------------
 
-    def decode_step(self, state: Gemma4State, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+    def decode_step(self, state: Gemma4State, token: int | torch.Tensor, *, graphs: bool | None = None,
+                    sampler: Any = None) -> Any:
         """One token at position `state.length` through the static-shape step (recorded as a graph per KV
         window where the backend records); the same logits and state as `forward` for one token."""
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: Gemma4State, inputs: StaticInputs, window: int) -> torch.Tensor:
         taps: list[torch.Tensor] = []

@@ -273,10 +273,11 @@ class LagunaModel(DecoderModel):
 
     # -- the static decode step ------------------------------------------------------------------------
 
-    def decode_step(self, state: LagunaState, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+    def decode_step(self, state: LagunaState, token: int | torch.Tensor, *, graphs: bool | None = None,
+                    sampler: Any = None) -> Any:
         """One token at position `state.length` through the static-shape step (recorded as a graph per KV
         window where the backend records); the same logits and state as `forward` for one token."""
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: LagunaState, inputs: StaticInputs, window: int) -> torch.Tensor:
         one_node = torch.ones(1, 1, dtype=torch.bool, device=inputs.position.device)

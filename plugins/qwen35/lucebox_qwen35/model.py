@@ -617,18 +617,21 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
 
     # -- the static decode step ------------------------------------------------------------------------
 
-    def decode_step(self, state: Qwen35State, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+    def decode_step(self, state: Qwen35State, token: int | torch.Tensor, *, graphs: bool | None = None,
+                    sampler: Any = None) -> Any:
         """Feed one token at position `state.length` through the static-shape step; return logits `[1, vocab]`
         and advance the state, exactly as `forward` does for one token.
 
         The step reads the token and its position from fixed device buffers, writes K/V at that position
         (attention reads a fixed window of the cache, masked on the device), updates the Gated DeltaNet
         state in place and leaves the logits in a buffer of its own, so with `graphs` (default: where the
-        backend records graphs) each window size is recorded once per sequence and then replayed.
+        backend records graphs) each window size is recorded once per sequence and then replayed. With a
+        `sampler` (a `device_sampling.RecordedDraw`) the step ends with drawing the next token and returns
+        `(logits, token)` (see `static_step.run_decode_step`).
         """
         if self.split_steps:
-            return run_split_decode_step(self, state, token, self._static_part_step, graphs=graphs)
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
+            return run_split_decode_step(self, state, token, self._static_part_step, graphs=graphs, sampler=sampler)
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: Qwen35State, inputs: StaticInputs, window: int) -> torch.Tensor:
         """The decode step as a function of its static inputs and `window` alone (what a graph records)."""

@@ -232,10 +232,11 @@ class Qwen3Model(DecoderModel):
 
     # -- the static decode step ------------------------------------------------------------------------
 
-    def decode_step(self, state: Qwen3State, token: int | torch.Tensor, *, graphs: bool | None = None) -> torch.Tensor:
+    def decode_step(self, state: Qwen3State, token: int | torch.Tensor, *, graphs: bool | None = None,
+                    sampler: Any = None) -> Any:
         """One token at position `state.length` through the static-shape step (recorded as a graph per KV
         window where the backend records); the same logits and state as `forward` for one token."""
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs)
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: Qwen3State, inputs: StaticInputs, window: int) -> torch.Tensor:
         hidden = self._run_layers(
