@@ -634,6 +634,12 @@ s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of th
   return 0
 }
 
+s13_tests() {  # ~1.5 min: the recorded decode step's device draw (seed replay, equal to eager draws) and the graphed
+  #             Spark step's GPU tests.                                        carry: .whl
+  step gpu-tests 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -x tests/test_decode_graph.py \
+    tests/test_spark_graphed.py -k "sampling_recorded or gpu"
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -671,6 +677,7 @@ session() {
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
+    s13-tests) s13_tests ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
