@@ -1,4 +1,4 @@
-"""Laguna's small ops as the CUDA backend's Triton kernels (lucebox_cuda.triton_gates, and the generic q/k
+"""Laguna's small ops (and Qwen3.5-MoE's router) as the CUDA backend's Triton kernels (lucebox_cuda.triton_gates, and the generic q/k
 norm + RoPE kernel with YaRN's scale) against the family's torch references, run on the CPU by Triton's
 interpreter, on random inputs; and a tiny Laguna model on the CUDA backend's kernel table for these ops
 giving the reference's greedy tokens."""
@@ -14,11 +14,12 @@ import pytest
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
 
 import torch
-from lucebox_cuda import norm_kernels, triton_fused, triton_gates
+from lucebox_cuda import norm_kernels, triton_fused, triton_gates, triton_norms
 from triton.runtime.interpreter import InterpretedFunction
 
 from lucebox_core.torch_backend import TorchBackend
 from lucebox_laguna.ops import LAGUNA_OPS
+from lucebox_qwen35.ops import QWEN35_OPS
 
 if not isinstance(triton_gates._sigmoid_topk_kernel, InterpretedFunction) or not isinstance(
         triton_fused._qk_norm_rope_kernel, InterpretedFunction):
@@ -118,3 +119,20 @@ def test_the_backend_takes_the_ops():
     w, pos, freq = torch.ones(16), torch.tensor([3]), torch.ones(4)
     assert norm_kernels.accepts_qk_norm_rope_scaled(ops, q, k, w, w, pos, freq, 1.5, EPS)
     assert not norm_kernels.accepts_qk_norm_rope_scaled(ops, q, k, w, w, pos, torch.ones(9), 1.5, EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("experts", "top_k", "tokens"), [(256, 8, 3), (64, 4, 5)])
+def test_softmax_topk_route(dtype, experts, top_k, tokens):
+    """Qwen3.5-MoE's router on the router kernel without a per-expert scale: the reference's experts, in order,
+    and its renormalised weights within fp32 roundoff."""
+    gen = torch.Generator().manual_seed(experts * top_k)
+    x = torch.randn(tokens, 64, generator=gen).to(dtype)
+    proj = (torch.randn(experts, 64, generator=gen) * 0.3).to(dtype)
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype, kernel_table_for={}))
+    want_weights, want_ids = ops.softmax_topk_route(x, proj, top_k)
+    weights, ids = triton_norms.softmax_topk(ops.linear(x, proj), None, top_k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-6)
+    assert norm_kernels.accepts_softmax_topk_route(ops, x, proj, top_k)
+    assert not norm_kernels.accepts_softmax_topk_route(ops, x, proj, 3)

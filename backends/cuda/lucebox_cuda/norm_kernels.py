@@ -133,3 +133,18 @@ def accepts_softplus_head_gate(ops: Any, out: torch.Tensor, gate: torch.Tensor) 
 
 def softplus_head_gate(ops: Any, out, gate):
     return triton_gates().softplus_head_gate(out, gate)
+
+
+# -- a softmax-routed MoE's router (Qwen3.5-MoE's name), on `triton_norms`' router kernel -------------------
+
+
+def accepts_softmax_topk_route(ops: Any, x: torch.Tensor, proj: Any, top_k: int) -> bool:
+    experts = proj.shape[0]
+    return (_available(ops, x) and x.dim() == 2 and experts <= MAX_ROUTED_EXPERTS and 0 < top_k <= experts
+            and top_k & (top_k - 1) == 0)
+
+
+def softmax_topk_route(ops: Any, x, proj, top_k):
+    """Two launches: the router's product, then softmax, top-k and renormalisation in one kernel (Gemma-4's,
+    without its per-expert scale)."""
+    return triton_norms().softmax_topk(ops.linear(x, proj), None, top_k)

@@ -287,7 +287,7 @@ def router_norm(h: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tenso
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, experts,
-                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SCALE: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
@@ -307,20 +307,26 @@ def _softmax_topk_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, exp
         values = tl.where(slots == k, best, values)
         remaining = tl.where(cols == index, -1.0, remaining)
     total = tl.sum(values, axis=0)
-    expert_scale = tl.load(expert_scale_ptr + ids).to(tl.float32)
-    tl.store(weights_ptr + row * TOP_K + slots, values / total * expert_scale)
+    if HAS_SCALE:
+        tl.store(weights_ptr + row * TOP_K + slots, values / total * tl.load(expert_scale_ptr + ids).to(tl.float32))
+    else:
+        tl.store(weights_ptr + row * TOP_K + slots, values / total)
     tl.store(ids_ptr + row * TOP_K + slots, ids)
 
 
-def softmax_topk(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits: torch.Tensor, per_expert_scale: torch.Tensor | None,
+                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The router after its product: softmax of `logits` `[T, E]` in fp32, the top `top_k` renormalised to
-    sum 1 and times their `per_expert_scale` -> weights `[T, k]` fp32, ids `[T, k]` long (descending)."""
+    sum 1 and times their `per_expert_scale` (None: no scale) -> weights `[T, k]` fp32, ids `[T, k]` long
+    (descending)."""
     logits = logits.contiguous()
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
     if tokens:
         with _device_scope(logits):
-            _softmax_topk_kernel[(tokens,)](logits, per_expert_scale.to(torch.float32), weights, ids, experts,
-                                            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(experts))
+            scale = weights if per_expert_scale is None else per_expert_scale.to(torch.float32)  # unread if None
+            _softmax_topk_kernel[(tokens,)](logits, scale, weights, ids, experts, TOP_K=top_k,
+                                            BLOCK_E=triton.next_power_of_2(experts),
+                                            HAS_SCALE=per_expert_scale is not None)
     return weights, ids
