@@ -37,13 +37,13 @@ def _sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, lo
     remaining = tl.where(ok, choice, -float("inf"))
     slots = tl.arange(0, TOP_K)
     ids = tl.zeros([TOP_K], dtype=tl.int64)
-    values = tl.zeros([TOP_K], dtype=tl.float32)
+    # One reduction a pass (the first index of the largest: the lowest among equals); the chosen scores are
+    # read back once after the loop and put through the same sigmoid, so they are the very values above.
     for k in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        index = tl.min(tl.where(remaining == best, cols, BLOCK_E), axis=0)
+        index = tl.argmax(remaining, axis=0, tie_break_left=True)
         ids = tl.where(slots == k, index.to(tl.int64), ids)
-        values = tl.where(slots == k, tl.sum(tl.where(cols == index, scores, 0.0), axis=0), values)
         remaining = tl.where(cols == index, -float("inf"), remaining)
+    values = tl.sigmoid(tl.load(logits_ptr + row * logits_row + ids).to(tl.float32))
     total = tl.sum(values, axis=0)
     tl.store(weights_ptr + row * TOP_K + slots, values / total * scale)
     tl.store(ids_ptr + row * TOP_K + slots, ids)
