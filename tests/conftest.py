@@ -111,3 +111,25 @@ def claude(url):
     import anthropic
 
     return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+class CountingDict(dict):
+    """A dict that counts the entries every iteration over it visits (a planner's or a policy's scans)."""
+
+    visited = 0
+
+    def __iter__(self):
+        self.visited += len(self)
+        return super().__iter__()
+
+    def keys(self):
+        self.visited += len(self)
+        return super().keys()
+
+    def values(self):
+        self.visited += len(self)
+        return super().values()
+
+    def items(self):
+        self.visited += len(self)
+        return super().items()

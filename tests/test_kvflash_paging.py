@@ -22,32 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import CountingDict
 from lucebox_core.kv import KVLayerShape
 from lucebox_core.kvflash import CHUNK, KVFlashCache
 
 SMALL = {0: KVLayerShape(1, 32, 32), 3: KVLayerShape(1, 32, 32)}
-
-
-class CountingDict(dict):
-    """A dict that counts the entries every iteration over it visits (the planner's scans)."""
-
-    visited = 0
-
-    def __iter__(self):
-        self.visited += len(self)
-        return super().__iter__()
-
-    def keys(self):
-        self.visited += len(self)
-        return super().keys()
-
-    def values(self):
-        self.visited += len(self)
-        return super().values()
-
-    def items(self):
-        self.visited += len(self)
-        return super().items()
 
 
 def _decode(cache, tokens, gen):

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import loaded_service
+from conftest import CountingDict, loaded_service
 from lucebox_core.assembly import EngineOptions, build_engine
 from lucebox_core.engine import GenerationRequest
 from lucebox_core.kv import KVLayerShape
@@ -35,27 +35,6 @@ GREEDY = SamplingParams(temperature=0)
 LAYERS = {0: KVLayerShape(2, 32, 32), 3: KVLayerShape(2, 32, 32)}  # 2 KV heads, 4 query heads (GQA 2)
 QUERY_HEADS = 4
 
-
-class CountingDict(dict):
-    """A dict that counts the entries every iteration over it visits."""
-
-    visited = 0
-
-    def __iter__(self):
-        self.visited += len(self)
-        return super().__iter__()
-
-    def keys(self):
-        self.visited += len(self)
-        return super().keys()
-
-    def values(self):
-        self.visited += len(self)
-        return super().values()
-
-    def items(self):
-        self.visited += len(self)
-        return super().items()
 
 
 def _append(cache, tokens, gen, truth=None):
