@@ -122,7 +122,8 @@ def test_graphs_off_runs_eagerly():
     assert len(step) == 0
 
 
-def _generate(target, draft, backend, *, force: float | None = None) -> tuple[list[int], list[int]]:
+def _generate(target, draft, backend, *, force: float | None = None,
+              split_head: bool = False) -> tuple[list[int], list[int]]:
     from lucebox_core.assembly import load_drafter
     from lucebox_core.speculative import SpeculativeDecoder
     from lucebox_core.tokenizer import Tokenizer
@@ -133,7 +134,9 @@ def _generate(target, draft, backend, *, force: float | None = None) -> tuple[li
     tokenizer = Tokenizer.from_gguf(target)
     speculative = None
     if draft is not None:
-        speculative = SpeculativeDecoder(model, load_drafter(str(draft), model, backend), "ddtree", budget=6)
+        drafter = load_drafter(str(draft), model, backend)
+        drafter.split_head = split_head
+        speculative = SpeculativeDecoder(model, drafter, "ddtree", budget=6)
     engine = Engine(model, tokenizer, ctx_size=96, speculative=speculative)
     request = GenerationRequest(prompt_ids=[7, 8, 9, 10, 11], max_tokens=40, sampling=SamplingParams(temperature=0),
                                 ignore_eos=True)
@@ -152,6 +155,7 @@ def _generate(target, draft, backend, *, force: float | None = None) -> tuple[li
             assert len(kept.state.decode) >= 2  # several KV windows, each recorded once
         else:  # every token comes out of a verify pass
             assert len(kept.state.verify) >= 2 and len(kept.draft.step) == 1
+            assert (kept.draft.head_step is not None and len(kept.draft.head_step) == 1) == split_head
     return result.token_ids, result.timings.accepted_lengths
 
 
@@ -165,6 +169,16 @@ def test_qwen35_decode_verify_and_draft_replayed_as_recorded_equal_eager(tiny_ta
     assert _generate(target, None, emulated)[0] == plain_tokens
     tokens, lengths = _generate(target, draft, emulated, force=3)
     assert tokens == plain_tokens and set(lengths[:-1]) == {4}
+
+
+def test_a_drafter_recorded_in_two_parts_drafts_as_one(tiny_target_and_draft):
+    """A drafter on another device than the target's head records its layers there and the borrowed output
+    layer on the head's device (a graph records one device); forced here on the CPU: the same tokens and the
+    same accepted lengths as the one-part recording, each part recorded once."""
+    target, draft = tiny_target_and_draft
+    emulated = GraphStandIn(kernel_table_for={})
+    one_part = _generate(target, draft, emulated, force=3)
+    assert _generate(target, draft, GraphStandIn(kernel_table_for={}), force=3, split_head=True) == one_part
 
 
 def _engine_on(target, backend) -> Engine:

@@ -136,6 +136,9 @@ class DraftState:
     length: int = 0  # committed positions projected so far
     block_ids: dict[int, torch.Tensor] = attrs.Factory(dict)  # per block size: [last token, MASK, ...] [B]
     step: StaticStep | None = None  # the block forward's static inputs and recordings
+    # With the drafter on another device than the target's head (whose output layer it borrows): the output
+    # layer's own static step there, so each device records its part (one graph records one device).
+    head_step: StaticStep | None = None
 
     @property
     def capacity(self) -> int:
@@ -169,6 +172,9 @@ class DFlashDrafter:
     """A loaded DFlash drafter bound to one target model (it shares the target's embedding and head)."""
 
     name = "dflash"
+    # Record the block as two parts (layers, then the target's output layer) even on one device: what a drafter
+    # on another device than the target's head always does (tests run that path on the CPU).
+    split_head = False
 
     def __init__(self, config: DraftConfig, ops: Any, fc: Any, hidden_norm: torch.Tensor, layers: list[_Layer],
                  output_norm: torch.Tensor, *, mask_token_id: int, source: str = "",
@@ -258,18 +264,28 @@ class DFlashDrafter:
             ids = state.block_ids[block] = torch.full((block,), self.mask_token_id, dtype=torch.long, device=ops.device)
         ids[:1].fill_(int(tokens[-1]))
         if state.step is None:
-            # A graph records one device: a drafter away from the target's head (whose output layer it
-            # borrows) runs its block eagerly.
+            state.step = StaticStep(ops, "draft block")
             head = torch.device(getattr(target, "feature_device", None) or target.ops.device)
-            state.step = StaticStep(ops, "draft block", graphs=None if head == torch.device(ops.device) else False)
+            if self.split_head or head != torch.device(ops.device):
+                # A graph records one device: the layers here, the borrowed output layer on its own device.
+                state.head_step = StaticStep(getattr(target, "head_ops", target.ops), "draft head")
         inputs = state.step.inputs(start=target_state.length)
         # The embedding lookup decodes GGUF rows with small host constants: eagerly, outside the recording.
         inputs.set("embedded", target.embed(ids)[None].to(ops.dtype))
-        return state.step.run(block, lambda step_inputs: self._draft_block(target, state, step_inputs), inputs,
-                              clone=True)
+        if state.head_step is None:
+            return state.step.run(block, lambda step_inputs: self._draft_block(target, state, step_inputs), inputs,
+                                  clone=True)
+        hidden = state.step.run(block, lambda step_inputs: self._draft_layers(state, step_inputs), inputs)
+        head_inputs = state.head_step.inputs(hidden=hidden)  # copied into the head's buffer, across devices too
+        return state.head_step.run(block, lambda step_inputs: target.output_logits(step_inputs.hidden).float(),
+                                   head_inputs, clone=True)
 
     def _draft_block(self, target: Any, state: DraftState, inputs: Any) -> torch.Tensor:
         """The block's forward as a function of its static inputs and the block size alone."""
+        return target.output_logits(self._draft_layers(state, inputs)).float()
+
+    def _draft_layers(self, state: DraftState, inputs: Any) -> torch.Tensor:
+        """The block's layers and final norm: the hidden states `[block - 1, hidden]` the output layer reads."""
         c, ops = self.config, self.ops
         block = inputs.embedded.shape[1]
         x = inputs.embedded  # [1, B, hidden]
@@ -294,8 +310,7 @@ class DFlashDrafter:
             x_normed, x = ops.add_rms_norm(ops.linear(out.reshape(1, block, -1), layer.o), x, layer.ffn_norm, c.eps)
             x = x + ops.linear(ops.silu_mul(ops.linear(x_normed, layer.gate), ops.linear(x_normed, layer.up)),
                                layer.down)
-        hidden = ops.rms_norm(x[0, 1:], self.output_norm, c.eps)
-        return target.output_logits(hidden).float()
+        return ops.rms_norm(x[0, 1:], self.output_norm, c.eps)
 
 
 # -- loading ----------------------------------------------------------------------------------------
