@@ -336,14 +336,18 @@ class GraphedSteps:
         device = torch.device(ops.device)
         experts = layers[0].pools[0].host.shape[0]
         self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
-        self.routed_host = torch.zeros(len(layers), experts, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.counted = torch.zeros(len(layers), experts, dtype=torch.long)  # of `routed_host`, accounted
+        # Two host copies, the steps' in turn: the accounting before a step reads the newest copy that has
+        # landed and never waits for the step the engine has just queued (decode fed ahead keeps the GPU
+        # busy while the host accounts; waiting here left it idle between steps).
+        self.routed_host = [torch.zeros(len(layers), experts, dtype=torch.long, pin_memory=device.type == "cuda")
+                            for _ in range(2)]
+        self._copies: list[tuple[int, Any] | None] = [None, None]  # (step, event after its copy) per buffer
+        self._accounted_step = 0  # the step whose cumulative counts `counted` holds
+        self.counted = torch.zeros(len(layers), experts, dtype=torch.long)  # of the copies, accounted
         self.ones = torch.ones(4096, dtype=torch.long, device=device)  # what a step adds a routed pair
         self._thread = threading.local()  # `inside`: per generation thread (-np: several drive steps)
         self._lock = threading.Lock()  # the accounting and the promotions, one thread at a time
         self.steps = 0  # static steps run
-        self._copied: Any = None  # the event after the last step's host copy; None once accounted
-        self._pending = False
 
     @property
     def inside(self) -> bool:
@@ -361,23 +365,36 @@ class GraphedSteps:
         finally:
             self._thread.inside = False
             with self._lock:  # steps of several threads share the one (current) stream: copies stay in order
-                self.routed_host.copy_(self.routed, non_blocking=True)
-                self._copied, self._pending = self.ops.record_event(), True
                 self.steps += 1
+                buffer = self.steps % 2  # the other one may still be read by an accounting
+                self.routed_host[buffer].copy_(self.routed, non_blocking=True)
+                self._copies[buffer] = (self.steps, self.ops.record_event())
 
-    def account(self) -> list[tuple[int, int, int]]:
-        """Count the routing of the steps run since the last call into the profile and the layers' stats;
-        the misses as (-pairs, MoE layer, expert), most routed first."""
+    def account(self, *, wait: bool = True) -> list[tuple[int, int, int]]:
+        """Count the routing of the steps run since the last accounted one into the profile and the layers'
+        stats (with `wait`, up to the last step run; else up to the newest whose copy has landed); the misses
+        as (-pairs, MoE layer, expert), most routed first."""
         with self._lock:
-            return self._account()
+            return self._account(wait)
 
-    def _account(self) -> list[tuple[int, int, int]]:
-        if not self._pending:
+    def _account(self, wait: bool) -> list[tuple[int, int, int]]:
+        landed = None
+        for copy in sorted((c for c in self._copies if c is not None), key=lambda c: -c[0]):  # newest first
+            step, event = copy
+            if step <= self._accounted_step:
+                break
+            if wait:
+                self.ops.wait_event(event)
+            elif not self.ops.event_done(event):
+                continue
+            landed = copy
+            break
+        if landed is None:
             return []
-        self.ops.wait_event(self._copied)  # done already where the engine has read the step's token
-        self._pending, self._copied = False, None
-        routed = self.routed_host - self.counted
-        self.counted.copy_(self.routed_host)
+        self._accounted_step = landed[0]
+        host = self.routed_host[landed[0] % 2]
+        routed = host - self.counted
+        self.counted.copy_(host)
         self.profile.add(routed)
         used = routed > 0
         places, counts = torch.nonzero(used).tolist(), routed[used].tolist()  # both in row-major order
@@ -389,7 +406,7 @@ class GraphedSteps:
         on the current stream: see the module's docstring)."""
         with self._lock:
             budget = self.promotion_bytes
-            for _, index, expert in self._account():
+            for _, index, expert in self._account(wait=False):
                 layer = self.layers[index]
                 if layer.expert_bytes <= budget:
                     budget -= layer.expert_bytes

@@ -244,6 +244,10 @@ class TorchBackend:
         if event is not None:
             event.synchronize()
 
+    def event_done(self, event: Any) -> bool:
+        """Whether the work before `event` (from `record_event`) has run, without waiting."""
+        return event is None or bool(event.query())
+
     def free_memory(self) -> int:
         """Bytes the device can still allocate: on a GPU the free memory plus what torch's caching allocator
         holds unused; on the CPU what the OS reports as available (`MemAvailable`)."""
