@@ -11,26 +11,30 @@ Three parts, each independent of any family and device:
   one row an expert) filled from a host copy of every expert, with a device lookup table expert -> slot
   (-1: not resident), least recently used out first.
 
-`OffloadedExperts` puts one MoE layer's three stacks (gate, up, down) behind such pools. `attach_spark` gives
-every MoE block of a model (any family whose MoE block has `gate_exps`, `up_exps`, `down_exps`, `top_k` and
-an `offload` slot, and calls `run_experts`) its pools, sized by `place_experts` from a profile under a byte
-budget. The stacks never go to the GPU whole: a GPU backend reads weights from the file's memory map and
-uploads them at first use, and Spark replaces the stacks with its pools before any forward pass, so every
-expert's bytes sit once in pinned host memory and only the slots are on the device.
+Spark knows no family's experts: a MoE block declares them as an `ExpertLayout` (its `expert_layout`): the
+attributes holding its expert stacks, the op that runs the experts over them and that op's paged variant
+(`SWIGLU_EXPERTS`: separate gate, up and down stacks and the core's `moe_experts_swiglu`; a family may name
+its own, such as a fused `[gate | up]` stack and a GeGLU op). `OffloadedExperts` puts one MoE layer's stacks
+behind such pools, one table for all of them. `attach_spark` gives every MoE block of a model (a layer's
+`mlp` or `moe` that declares its layout, has `top_k` and an `offload` slot, and calls `run_experts`) its
+pools, sized by `place_experts` from a profile under a byte budget. The stacks never go to the GPU whole: a
+GPU backend reads weights from the file's memory map and uploads them at first use, and Spark replaces the
+stacks with its pools before any forward pass, so every expert's bytes sit once in pinned host memory and
+only the slots are on the device.
 
 Two ways to run a layer's routed experts, both exact:
 
-- Graphed (the decode step and the static verify pass, where the backend records graphs and runs the
-  paged op `moe_experts_swiglu_paged`): each stack is an `ExpertPages` (slots, host stack, table), and the
-  op reads a resident expert from its slot and any other straight from pinned host memory (zero-copy over
+- Graphed (the decode step and the static verify pass, where the backend records graphs and runs the layout's
+  paged op, e.g. `moe_experts_swiglu_paged`): each stack is an `ExpertPages` (slots, host stack, table), and
+  the op reads a resident expert from its slot and any other straight from pinned host memory (zero-copy over
   the bus: on CUDA the paged `moe_matvec` kernel): no host decision inside the step, the same bytes and the
-  same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The
-  step counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every
-  static step the model runs) Spark reads those counts back (a copy queued after the step, read once the
-  step is done), counts them into the profile, and promotes the most routed misses into slots (LRU out),
-  at most `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the
-  compute stream between two replays, so the previous replay has read an evicted slot before it is
-  overwritten and the next sees the new table.
+  same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The step
+  counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every static
+  step the model runs) Spark reads those counts back (a copy queued after the step, read once the step is
+  done), counts them into the profile, and promotes the most routed misses into slots (LRU out), at most
+  `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the compute stream
+  between two replays, so the previous replay has read an evicted slot before it is overwritten and the next
+  sees the new table.
 - Eager (prefill, and every step where the backend has no paged kernel or records no graphs, or a split
   model): `resident_ids` brings the experts a batch routes to into slots on the host and maps the ids to
   slots, so the plain op runs over the slot stack; a batch that routes to more experts than the pool holds
@@ -155,8 +159,8 @@ class SlotStats:
 
 @attrs.frozen(eq=False)
 class ExpertPages:
-    """One expert stack as the paged op (`moe_experts_swiglu_paged`) reads it: expert e's blocks are row
-    `where[e]` of the slots `pool` where that is >= 0, else row e of `host`."""
+    """One expert stack as a layout's paged op (e.g. `moe_experts_swiglu_paged`) reads it: expert e's blocks
+    are row `where[e]` of the slots `pool` where that is >= 0, else row e of `host`."""
 
     pool: Any  # QuantTensor [slots, rows, cols]: the device slots
     host: torch.Tensor  # [experts, bytes]: every expert (pinned on a GPU)

@@ -429,7 +429,8 @@ def _geglu_pairs(ops: Any, x: torch.Tensor, gate_up: Any, down: Any, weights: to
 
 
 def _combine(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`sum_k weights[t, k] * pairs[t * top_k + k]`: each token's routed products `[T * k, hidden]` weighted, in fp32."""
+    """`sum_k weights[t, k] * pairs[t * top_k + k]`: each token's routed products `[T * k, hidden]` weighted,
+    in fp32."""
     if triton_moe() is not None:
         return triton_moe().combine_pairs(pairs, weights)
     tokens, top_k = weights.shape
