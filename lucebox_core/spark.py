@@ -11,26 +11,30 @@ Three parts, each independent of any family and device:
   one row an expert) filled from a host copy of every expert, with a device lookup table expert -> slot
   (-1: not resident), least recently used out first.
 
-`OffloadedExperts` puts one MoE layer's three stacks (gate, up, down) behind such pools. `attach_spark` gives
-every MoE block of a model (any family whose MoE block has `gate_exps`, `up_exps`, `down_exps`, `top_k` and
-an `offload` slot, and calls `run_experts`) its pools, sized by `place_experts` from a profile under a byte
-budget. The stacks never go to the GPU whole: a GPU backend reads weights from the file's memory map and
-uploads them at first use, and Spark replaces the stacks with its pools before any forward pass, so every
-expert's bytes sit once in pinned host memory and only the slots are on the device.
+Spark knows no family's experts: a MoE block declares them as an `ExpertLayout` (its `expert_layout`): the
+attributes holding its expert stacks, the op that runs the experts over them and that op's paged variant
+(`SWIGLU_EXPERTS`: separate gate, up and down stacks and the core's `moe_experts_swiglu`; a family may name
+its own, such as a fused `[gate | up]` stack and a GeGLU op). `OffloadedExperts` puts one MoE layer's stacks
+behind such pools, one table for all of them. `attach_spark` gives every MoE block of a model (a layer's
+`mlp` or `moe` that declares its layout, has `top_k` and an `offload` slot, and calls `run_experts`) its
+pools, sized by `place_experts` from a profile under a byte budget. The stacks never go to the GPU whole: a
+GPU backend reads weights from the file's memory map and uploads them at first use, and Spark replaces the
+stacks with its pools before any forward pass, so every expert's bytes sit once in pinned host memory and
+only the slots are on the device.
 
 Two ways to run a layer's routed experts, both exact:
 
-- Graphed (the decode step and the static verify pass, where the backend records graphs and runs the
-  paged op `moe_experts_swiglu_paged`): each stack is an `ExpertPages` (slots, host stack, table), and the
-  op reads a resident expert from its slot and any other straight from pinned host memory (zero-copy over
+- Graphed (the decode step and the static verify pass, where the backend records graphs and runs the layout's
+  paged op, e.g. `moe_experts_swiglu_paged`): each stack is an `ExpertPages` (slots, host stack, table), and
+  the op reads a resident expert from its slot and any other straight from pinned host memory (zero-copy over
   the bus: on CUDA the paged `moe_matvec` kernel): no host decision inside the step, the same bytes and the
-  same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The
-  step counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every
-  static step the model runs) Spark reads those counts back (a copy queued after the step, read once the
-  step is done), counts them into the profile, and promotes the most routed misses into slots (LRU out),
-  at most `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the
-  compute stream between two replays, so the previous replay has read an evicted slot before it is
-  overwritten and the next sees the new table.
+  same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The step
+  counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every static
+  step the model runs) Spark reads those counts back (a copy queued after the step, read once the step is
+  done), counts them into the profile, and promotes the most routed misses into slots (LRU out), at most
+  `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the compute stream
+  between two replays, so the previous replay has read an evicted slot before it is overwritten and the next
+  sees the new table.
 - Eager (prefill, and every step where the backend has no paged kernel or records no graphs, or a split
   model): `resident_ids` brings the experts a batch routes to into slots on the host and maps the ids to
   slots, so the plain op runs over the slot stack; a batch that routes to more experts than the pool holds
@@ -155,8 +159,8 @@ class SlotStats:
 
 @attrs.frozen(eq=False)
 class ExpertPages:
-    """One expert stack as the paged op (`moe_experts_swiglu_paged`) reads it: expert e's blocks are row
-    `where[e]` of the slots `pool` where that is >= 0, else row e of `host`."""
+    """One expert stack as a layout's paged op (e.g. `moe_experts_swiglu_paged`) reads it: expert e's blocks
+    are row `where[e]` of the slots `pool` where that is >= 0, else row e of `host`."""
 
     pool: Any  # QuantTensor [slots, rows, cols]: the device slots
     host: torch.Tensor  # [experts, bytes]: every expert (pinned on a GPU)
@@ -239,25 +243,48 @@ class ExpertSlots:
 
 # -- wiring: a model's MoE blocks behind slot pools -------------------------------------------------------
 
-STACKS = ("gate_exps", "up_exps", "down_exps")
+
+@attrs.frozen
+class ExpertLayout:
+    """How a MoE block stores and runs its routed experts, as the block declares it to Spark (its
+    `expert_layout`): Spark needs no more to offload any family's experts."""
+
+    stacks: tuple[str, ...]  # the block's attributes holding the stacks `[E, rows, cols]`, the output's last
+    op: str  # the op over the stacks: `ops.<op>(x, *stacks, weights, ids)`, weights `[T, k]`, ids `[T, k]`
+    paged_op: str  # the same over `ExpertPages`, one per stack: `ops.<paged_op>(x, *pages, weights, ids)`
+
+    def run(self, ops: Any, stacks: Sequence[Any], x: torch.Tensor, weights: torch.Tensor,
+            ids: torch.Tensor) -> torch.Tensor:
+        return getattr(ops, self.op)(x, *stacks, weights, ids)
+
+
+# Routed SwiGLU experts over separate gate, up and down stacks: the core's generic op and its paged variant.
+SWIGLU_EXPERTS = ExpertLayout(("gate_exps", "up_exps", "down_exps"), "moe_experts_swiglu", "moe_experts_swiglu_paged")
 
 
 def run_experts(ops: Any, block: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A MoE block's routed experts: the op over its stacks, or through its Spark pools when it has them."""
+    """A MoE block's routed experts: its layout's op over its stacks, or through its Spark pools when it has them."""
     if block.offload is None:
-        return ops.moe_experts_swiglu(x, block.gate_exps, block.up_exps, block.down_exps, weights, ids)
+        layout = block.expert_layout
+        return layout.run(ops, [getattr(block, name) for name in layout.stacks], x, weights, ids)
     return block.offload(ops, x, weights, ids)
 
 
 class OffloadedExperts:
-    """One MoE layer's gate, up and down stacks behind `ExpertSlots` pools of `slots` experts each."""
+    """One MoE layer's expert stacks (those its `ExpertLayout` names) behind `ExpertSlots` pools of `slots`
+    experts each, one table for all: an expert is resident in every stack or in none."""
 
     def __init__(self, layer: int, stacks: Sequence[Any], slots: int, resident: Sequence[int],
-                 profile: RoutingProfile | None = None, device: str | torch.device | None = None):
-        """`device`: where the slots live, the model's compute device (default: where the stacks' bytes are).
-        Not the bytes' device by default on a GPU: a GPU backend leaves weights in the file's memory map until
-        their first use, so the stacks are still on the host when Spark takes them (and never go up whole)."""
-        self.layer, self.profile = layer, profile
+                 profile: RoutingProfile | None = None, device: str | torch.device | None = None,
+                 layout: ExpertLayout = SWIGLU_EXPERTS):
+        """`stacks`: the layer's stacks in `layout`'s order. `device`: where the slots live, the model's compute
+        device (default: where the stacks' bytes are). Not the bytes' device by default on a GPU: a GPU backend
+        leaves weights in the file's memory map until their first use, so the stacks are still on the host when
+        Spark takes them (and never go up whole)."""
+        if len(stacks) != len(layout.stacks):
+            raise LuceboxError(f"an expert layout of {len(layout.stacks)} stacks ({', '.join(layout.stacks)}) "
+                               f"was given {len(stacks)}")
+        self.layer, self.profile, self.layout = layer, profile, layout
         self.slots = slots
         self.steps: GraphedSteps | None = None  # set by `attach_spark` where the steps run graphed
         self.pools, self.views = [], []
@@ -281,14 +308,14 @@ class OffloadedExperts:
             flat = ids.reshape(-1)
             ones = steps.ones[: flat.numel()] if flat.numel() <= steps.ones.numel() else torch.ones_like(flat)
             steps.routed[self.layer].index_add_(0, flat, ones)  # one launch a layer: read back between steps
-            return ops.moe_experts_swiglu_paged(x, *self.pages, weights, ids)
+            return getattr(ops, self.layout.paged_op)(x, *self.pages, weights, ids)
         if self.profile is not None:
             self.profile.observe(self.layer, ids)
         needed = torch.unique(ids)
         if needed.numel() <= self.slots:
             return self._run(ops, x, weights, ids)
         # More experts than slots (a long prefill chunk): groups of experts that fit, in expert order.
-        out = torch.zeros(x.shape[0], self.views[2].shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape[0], self.views[-1].shape[1], dtype=torch.float32, device=x.device)
         for start in range(0, needed.numel(), self.slots):
             group = needed[start : start + self.slots]
             chosen = torch.isin(ids, group)
@@ -298,7 +325,7 @@ class OffloadedExperts:
 
     def _run(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         mapped = [pool.resident_ids(ids) for pool in self.pools]
-        return ops.moe_experts_swiglu(x, *self.views, weights, mapped[0])
+        return self.layout.run(ops, self.views, x, weights, mapped[0])
 
     def settle(self, expert: int, pairs: int) -> bool:
         """Account `pairs` routed pairs of graphed steps to `expert`: a hit (marked recent) if it is
@@ -444,10 +471,26 @@ class Spark:
             self.profile.save(self.profile_path)
 
 
+# Where a decoder layer may hold its MoE block: in place of the MLP, or beside it.
+BLOCK_PLACES = ("mlp", "moe")
+
+
+def is_moe_block(block: Any) -> bool:
+    """Whether `block` is a MoE block Spark can offload: it declares its `expert_layout` (and holds those
+    stacks), its `top_k`, and an `offload` slot, and runs its experts through `run_experts`."""
+    layout = getattr(block, "expert_layout", None)
+    return (isinstance(layout, ExpertLayout) and all(hasattr(block, name) for name in layout.stacks)
+            and hasattr(block, "top_k") and hasattr(block, "offload"))
+
+
 def moe_blocks(model: Any) -> list[tuple[int, Any]]:
-    """(layer index, MoE block) of a model whose layers' `mlp` may be a MoE block (see `attach_spark`)."""
-    return [(i, layer.mlp) for i, layer in enumerate(getattr(model, "layers", []))
-            if all(hasattr(layer.mlp, name) for name in (*STACKS, "top_k", "offload"))]
+    """(layer index, MoE block) of a model's layers that have one (in `BLOCK_PLACES`; see `is_moe_block`)."""
+    found = []
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        block = next((b for b in (getattr(layer, place, None) for place in BLOCK_PLACES) if is_moe_block(b)), None)
+        if block is not None:
+            found.append((i, block))
+    return found
 
 
 def pages_supported(ops: Any, layer: OffloadedExperts, top_k: int) -> bool:
@@ -456,7 +499,7 @@ def pages_supported(ops: Any, layer: OffloadedExperts, top_k: int) -> bool:
     that accepts them (the reference on a GPU gathers on the host: not recordable)."""
     if torch.device(ops.device).type == "cpu":
         return True
-    op = getattr(ops, "moe_experts_swiglu_paged", None)
+    op = getattr(ops, layer.layout.paged_op, None)
     if not hasattr(op, "choice"):  # no kernel installed for it on this backend
         return False
     x = torch.zeros(1, layer.views[0].shape[2], dtype=ops.dtype, device=ops.device)
@@ -474,8 +517,9 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     blocks = moe_blocks(model)
     if not blocks:
         raise LuceboxError(f"--spark: {type(model).__name__} has no MoE layers to offload")
-    experts = blocks[0][1].gate_exps.shape[0]
-    per_expert = [sum(getattr(block, name).nbytes for name in STACKS) // experts for _, block in blocks]
+    experts = getattr(blocks[0][1], blocks[0][1].expert_layout.stacks[0]).shape[0]
+    per_expert = [sum(getattr(block, name).nbytes for name in block.expert_layout.stacks) // experts
+                  for _, block in blocks]
     total = sum(per_expert) * experts
     budget = int(total * share) if budget is None else budget
     path = RoutingProfile.path_for(model_path) if model_path is not None else None
@@ -485,11 +529,12 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     placed = place_experts(profile.counts, per_expert, budget, min_per_layer=top_k)
     layers = []
     for moe_index, ((layer, block), resident) in enumerate(zip(blocks, placed)):
-        offload = OffloadedExperts(moe_index, [getattr(block, name) for name in STACKS], len(resident), resident,
-                                   profile, device=model.ops.device)
+        layout = block.expert_layout
+        offload = OffloadedExperts(moe_index, [getattr(block, name) for name in layout.stacks], len(resident),
+                                   resident, profile, device=model.ops.device, layout=layout)
         block.offload = offload
-        for name in STACKS:  # the full stacks leave the device: the pools hold what is resident
-            setattr(block, name, offload.views[STACKS.index(name)])
+        for name, view in zip(layout.stacks, offload.views):  # the full stacks leave the device: the pools hold
+            setattr(block, name, view)  # what is resident
         layers.append(offload)
     graphed = None
     split = len(getattr(model, "part_ops", None) or ()) > 1  # one device's slots: a split model steps eagerly

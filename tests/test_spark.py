@@ -96,13 +96,21 @@ def test_least_recently_used_experts_leave_first():
 # -- wired into the families ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["laguna", "qwen35moe"])
-def moe_file(request, tmp_path_factory):
+# The MoE families, each with its synthetic size that has experts: separate SwiGLU stacks (laguna, qwen35moe),
+# and GeGLU over a fused [gate | up] stack with a per-expert scale in the router (gemma4).
+MOE_SIZES = {"laguna": "tiny", "qwen35moe": "tiny", "gemma4": "tiny-moe"}
+
+
+def write_moe(arch: str, folder, seed: int):
     from lucebox_core.plugins import registry
 
-    folder = tmp_path_factory.mktemp(f"spark-{request.param}")
-    synth = registry().named("lucebox_synthesizers", request.param, "synth")
-    return synth.write(folder / f"{request.param}.gguf", size="tiny", type="q8_0", seed=7)
+    synth = registry().named("lucebox_synthesizers", arch, "synth")
+    return synth.write(folder / f"{arch}.gguf", size=MOE_SIZES[arch], type="q8_0", seed=seed)
+
+
+@pytest.fixture(scope="module", params=list(MOE_SIZES))
+def moe_file(request, tmp_path_factory):
+    return write_moe(request.param, tmp_path_factory.mktemp(f"spark-{request.param}"), seed=7)
 
 
 def _greedy(options, prompt, n=12):
@@ -165,6 +173,34 @@ def test_on_the_gpu_the_slots_live_on_the_device_and_decode_as_all_resident(moe_
     described = assembled.spark.describe()
     assert described["misses"] > 0 and described["bytes_moved"] > 0
     assert described["graphed"] and described["zero_copy_reads"] > 0
+
+
+@pytest.mark.slow  # two CLI runs over the real Gemma-4 vocabulary: ~20 s on two cores
+def test_generate_with_spark_on_a_gemma4_moe_file(tmp_path, capsys, monkeypatch):
+    """`lucebox generate --spark` on a Gemma-4 MoE file (fused [gate | up] experts): the CLI assembles Spark
+    around the model's experts, and the greedy tokens are the all-resident run's."""
+    import json
+
+    from lucebox_core import assembly, cli
+
+    built, original = [], assembly.build_engine
+
+    def recording(options, **kwargs):
+        built.append(original(options, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(assembly, "build_engine", recording)
+    path = write_moe("gemma4", tmp_path, seed=11)
+    runs = []
+    for extra in ([], ["--spark"]):  # half the experts resident (the default budget)
+        args = ["generate", "-m", str(path), "--prompt-ids", ",".join(str(i) for i in range(100, 112)), "-n", "4",
+                "--temp", "0", "--json", "--ignore-eos", "-c", "128", *extra]
+        assert cli.main(args) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert len(runs[0]) == 4 and runs[1] == runs[0]
+    assert built[0].spark is None
+    described = built[1].spark.describe()  # the CLI's engine ran Gemma-4's experts through the slot pools
+    assert 0 < described["residency"] < 1 and described["misses"] > 0 and described["bytes_moved"] > 0
 
 
 def test_spark_needs_moe_layers_and_a_budget_that_holds_top_k(tiny_target_and_draft, moe_file):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from test_spark import _q8_0_stack
+from test_spark import MOE_SIZES, _q8_0_stack, write_moe
 from test_static_step import GraphStandIn
 
 from lucebox_core.quants import QuantTensor
@@ -49,18 +49,51 @@ def test_the_paged_op_equals_the_stacked_op_bit_for_bit():
         assert pages[0].shape == (experts, inter, hidden)
 
 
-@pytest.fixture(scope="module", params=["laguna", "qwen35moe"])
-def moe_file(request, tmp_path_factory):
-    from lucebox_core.plugins import registry
+def test_the_paged_geglu_op_equals_the_stacked_op_bit_for_bit():
+    """Gemma-4's `moe_experts_paged` (GeGLU over a fused [gate | up] stack) against `moe_experts` over the whole
+    stacks, on real Q8_0 blocks, the routed experts resident, on the host, or some of each; the routing weights
+    carry a per-expert scale (as Gemma-4's router gives them), which the paged op must pass through alike."""
+    from lucebox_gemma4.ops import GEMMA4_OPS
 
-    folder = tmp_path_factory.mktemp(f"spark-graphed-{request.param}")
-    synth = registry().named("lucebox_synthesizers", request.param, "synth")
-    return request.param, synth.write(folder / f"{request.param}.gguf", size="tiny", type="q8_0", seed=21)
+    experts, hidden, inter, top_k, slots = 8, 64, 32, 2, 3
+    stacks = {name: _q8_0_stack(experts, *shape, seed) for name, shape, seed in
+              (("gate_up", (2 * inter, hidden), 14), ("down", (hidden, inter), 15))}
+    full = {name: QuantTensor(name, GGMLQuantizationType.Q8_0, shape, host.reshape(-1))
+            for name, (host, shape) in stacks.items()}
+    ops = GEMMA4_OPS.bind(TorchBackend("cpu", torch.float32, weight_cache_bytes=0))
+    generator = torch.Generator().manual_seed(6)
+    per_expert_scale = torch.rand(experts, generator=generator) * 2
+    for resident in ([0, 1, 2], [6], [4, 7, 5], []):
+        pools = {name: ExpertSlots(host.clone(), slots, "cpu", initial=resident) for name, (host, _) in stacks.items()}
+        for pool in pools.values():  # what must never be read: resident experts' host rows, empty slots
+            pool.host[resident] = 0x7F
+            if len(resident) < slots:
+                pool.stack[len(resident):] = 0x7F
+        pages = [ExpertPages(QuantTensor(f"{name}.slots", GGMLQuantizationType.Q8_0, (slots, *stacks[name][1][1:]),
+                                         pools[name].stack.reshape(-1)), pools[name].host, pools[name].slot_of)
+                 for name in stacks]
+        for tokens in (1, 6):
+            x = torch.randn(tokens, hidden, generator=generator)
+            ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+            weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1) * per_expert_scale[ids]
+            reference = ops.moe_experts(x, full["gate_up"], full["down"], weights, ids)
+            paged = ops.moe_experts_paged(x, *pages, weights, ids)
+            assert torch.equal(paged, reference), (resident, tokens)
+        assert pages[0].shape == (experts, 2 * inter, hidden)
+
+
+@pytest.fixture(scope="module", params=list(MOE_SIZES))
+def moe_file(request, tmp_path_factory):
+    return request.param, write_moe(request.param, tmp_path_factory.mktemp(f"spark-graphed-{request.param}"), seed=21)
 
 
 def _load(arch, path, backend):
     if arch == "laguna":
         from lucebox_laguna.loader import load
+
+        return load(path, backend)
+    if arch == "gemma4":
+        from lucebox_gemma4.loader import load
 
         return load(path, backend)
     from lucebox_qwen35.loader import load_moe
@@ -75,9 +108,9 @@ def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file,
     arch, path = moe_file
     backend = GraphStandIn(kernel_table_for={})
     plain, offloaded = _load(arch, path, backend), _load(arch, path, backend)
-    per_expert = offloaded.layers[moe_blocks(offloaded)[0][0]].mlp
-    one_expert = sum(stack.nbytes for stack in (per_expert.gate_exps, per_expert.up_exps, per_expert.down_exps)) \
-        // per_expert.gate_exps.shape[0]
+    block = moe_blocks(offloaded)[0][1]
+    stacks = [getattr(block, name) for name in block.expert_layout.stacks]
+    one_expert = sum(stack.nbytes for stack in stacks) // stacks[0].shape[0]
     spark = attach_spark(offloaded, share=0.5, promotion_bytes=2 * one_expert)  # two promotions a step at most
     assert spark.graphed is not None and offloaded.decode_graphs and spark.describe()["graphed"]
     prompt = torch.randint(10, 5000, (24,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -104,7 +137,7 @@ def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file,
     assert len(recorded) == 1 and recorded.recordings()[0].replays == len(fed) + 10 and recorded.failure is None
     assert max(promotions) <= 2 and sum(promotions) > 0
     assert any(not torch.equal(table, layer.pools[0].slot_of) for table, layer in zip(tables, spark.layers))
-    for layer in spark.layers:  # the three stacks' tables stay one
+    for layer in spark.layers:  # the stacks' tables stay one
         assert all(torch.equal(layer.pools[0].slot_of, pool.slot_of) for pool in layer.pools)
         assert sorted(torch.nonzero(layer.pools[0].slot_of >= 0).reshape(-1).tolist()) == layer.pools[0].resident
     described = spark.describe()
@@ -114,7 +147,7 @@ def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file,
     spark.save_profile()
     top_k = moe_blocks(offloaded)[0][1].top_k
     assert (spark.profile.counts.sum(dim=1) == (24 + 10) * top_k).all()
-    if arch == "qwen35moe":  # the static verify pass: recorded per (window, nodes) and replayed likewise
+    if arch in ("qwen35moe", "gemma4"):  # the static verify pass: recorded per (window, nodes), replayed likewise
         for tokens in ([token, 5, 6, 7], [token, 9, 10, 11], [token, 12, 13, 14]):
             results = [model.verify(state, tokens, [-1, 0, 1, 2], static=True)
                        for model, state in zip((plain, offloaded), states)]
@@ -134,15 +167,15 @@ def test_without_graphs_spark_steps_eagerly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
-def test_gpu_decode_graph_over_paged_experts_at_60_percent_equals_all_resident(tmp_path):
-    """On the GPU: a tiny Laguna with 60% of its experts resident decodes through one recorded CUDA graph per
-    KV window over the paged kernel, misses read from pinned host memory, promotions between replays, and
-    every step's logits equal the all-resident model's bit for bit."""
-    from lucebox_laguna import synth
-
+@pytest.mark.parametrize("arch", ["laguna", "gemma4"])
+def test_gpu_decode_graph_over_paged_experts_at_60_percent_equals_all_resident(tmp_path, arch):
+    """On the GPU: a tiny Laguna (SwiGLU stacks) or Gemma-4 MoE (GeGLU over a fused [gate | up] stack) with 60%
+    of its experts resident decodes through one recorded CUDA graph per KV window over the paged kernel,
+    misses read from pinned host memory, promotions between replays, and every step's logits equal the
+    all-resident model's bit for bit."""
     from lucebox_core.loading import load_model
 
-    path = synth.write(tmp_path / "laguna.gguf", size="tiny", type="q8_0", seed=13)
+    path = write_moe(arch, tmp_path, seed=13)
     plain = load_model(str(path), device="cuda").model
     offloaded = load_model(str(path), device="cuda").model
     spark = attach_spark(offloaded, share=0.6)
@@ -150,7 +183,8 @@ def test_gpu_decode_graph_over_paged_experts_at_60_percent_equals_all_resident(t
     layer = spark.layers[0]
     x = torch.zeros(1, layer.views[0].shape[2], dtype=offloaded.ops.dtype, device=offloaded.ops.device)
     ids = torch.zeros(1, 2, dtype=torch.long, device=offloaded.ops.device)
-    assert offloaded.ops.moe_experts_swiglu_paged.choice(x, *layer.pages, ids.float(), ids) != "reference"
+    paged_op = getattr(offloaded.ops, layer.layout.paged_op)
+    assert paged_op.choice(x, *layer.pages, ids.float(), ids) != "reference"
     prompt = torch.randint(10, 5000, (40,), generator=torch.Generator().manual_seed(8)).tolist()
     states = [model.new_state(512) for model in (plain, offloaded)]
     # Every token through the decode step (a multi-token prefill over the slots is greedy-equal, not bit-equal).
@@ -217,4 +251,55 @@ def test_gpu_paged_kernel_recorded_once_follows_the_table_bit_for_bit():
         torch.cuda.synchronize()
         for pool in pools.values():  # the stacked reference reads the unspoiled bytes of `full`
             assert torch.equal(torch.nonzero(pool.slot_of >= 0).reshape(-1).cpu(), torch.tensor(pool.resident))
+        assert torch.equal(out, stacked()), moved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
+def test_gpu_paged_geglu_kernel_recorded_once_follows_the_table_bit_for_bit():
+    """Gemma-4's paged op on CUDA (`moe_experts_paged`: the paged moe_matvec kernel over the fused [gate | up]
+    stack and the down stack) against `moe_experts` over the whole stacks: eagerly, then recorded as one CUDA
+    graph and replayed while experts move (resident experts' host rows spoiled: they must come from slots)."""
+    from lucebox_cuda.backend import CudaBackend
+    from lucebox_gemma4.ops import GEMMA4_OPS
+
+    ops = GEMMA4_OPS.bind(CudaBackend("cuda", torch.bfloat16))
+    experts, hidden, inter, top_k, slots = 8, 256, 128, 2, 3
+    stacks = {name: _q8_0_stack(experts, *shape, seed) for name, shape, seed in
+              (("gate_up", (2 * inter, hidden), 41), ("down", (hidden, inter), 42))}
+    full = {name: QuantTensor(name, GGMLQuantizationType.Q8_0, shape, host.reshape(-1))
+            for name, (host, shape) in stacks.items()}
+    pools = {name: ExpertSlots(host.clone().pin_memory(), slots, ops.device, initial=[1, 4])
+             for name, (host, _) in stacks.items()}
+    pages = [ExpertPages(QuantTensor(f"{name}.slots", GGMLQuantizationType.Q8_0, (slots, *stacks[name][1][1:]),
+                                     pools[name].stack.reshape(-1), volatile=True),
+                         pools[name].host, pools[name].slot_of, True) for name in stacks]
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, hidden, generator=generator).to(ops.device, torch.bfloat16)
+    weights = (torch.softmax(torch.randn(4, top_k, generator=generator), dim=-1) * 1.7).to(ops.device)
+    ids = torch.tensor([[1, 0], [4, 7], [2, 1], [6, 4]], device=ops.device)
+    assert ops.moe_experts_paged.choice(x, *pages, weights, ids) != "reference"
+
+    def stacked():
+        return ops.moe_experts(x, full["gate_up"], full["down"], weights, ids)
+
+    assert torch.equal(ops.moe_experts_paged(x, *pages, weights, ids), stacked())
+    graph, out = torch.cuda.CUDAGraph(), None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.moe_experts_paged(x, *pages, weights, ids)  # warm-up off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = ops.moe_experts_paged(x, *pages, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    pristine = {name: pool.host.clone() for name, pool in pools.items()}
+    for moved in ([], [6], [0, 2], [7]):
+        for name, pool in pools.items():
+            pool.host.copy_(pristine[name])
+            for expert in moved:
+                pool._bring(expert)
+        torch.cuda.synchronize()
+        for pool in pools.values():
+            pool.host[pool.resident] = 0x7F
+        graph.replay()
+        torch.cuda.synchronize()
         assert torch.equal(out, stacked()), moved

@@ -381,7 +381,8 @@ def conv_silu_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch
 
 
 
-# -- mixture-of-experts products (Gemma-4's own `moe_experts`; the core's generic `moe_experts_swiglu`) --
+# -- mixture-of-experts products (Gemma-4's own `moe_experts`; the core's generic `moe_experts_swiglu`; both
+# over Spark's paged stacks too) --
 
 # Routed (token, expert) pairs up to which the experts run on the pair kernel (each pair reads its expert's
 # blocks: decode and speculative verify, which must share the decode step's kernel to get its bits); beyond
@@ -408,19 +409,32 @@ def moe_experts(ops: Any, x: torch.Tensor, gate_up_exps: QuantTensor, down_exps:
     the device (no host sync: the decode step stays one graph). Many (prefill): each stack decoded once into
     the backend's scratch buffer and a grouped GEMM over the pairs sorted by expert (`_moe_grouped`), still
     without a host sync; without Triton, each expert any token chose once, on its tokens (`_moe_by_expert`)."""
-    tokens, top_k = ids.shape
-    hidden, inter = down_exps.shape[1], down_exps.shape[2]
-    if tokens * top_k > EXPERT_PAIR_LIMIT:
+    if ids.numel() > EXPERT_PAIR_LIMIT:
         if triton_moe() is not None and _dense_decodable(gate_up_exps) and _dense_decodable(down_exps):
             return _moe_grouped(ops, x, gate_up_exps, down_exps, weights, ids)
         return _moe_by_expert(ops, x, gate_up_exps, down_exps, weights, ids)
+    return _geglu_pairs(ops, x, gate_up_exps, down_exps, weights, ids, down_exps.shape[2])
+
+
+def _geglu_pairs(ops: Any, x: torch.Tensor, gate_up: Any, down: Any, weights: torch.Tensor, ids: torch.Tensor,
+                 inter: int) -> torch.Tensor:
+    """The GeGLU experts' pair path: the fused `[gate | up]` product, the activation, the down product and the
+    weighted sum, over whole stacks or Spark's paged ones alike (`expert_matvec` reads either): the one
+    arithmetic, so the paged op gets the stacked op's bits."""
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)
-    gate_up = ops.expert_matvec(x, gate_up_exps, flat, top_k)  # [T * k, 2I]
-    act = ops.gelu_tanh_mul(gate_up[:, :inter], gate_up[:, inter:])
-    down = ops.expert_matvec(act, down_exps, flat, 1)  # [T * k, hidden]
+    products = ops.expert_matvec(x, gate_up, flat, top_k)  # [T * k, 2I]
+    act = ops.gelu_tanh_mul(products[:, :inter], products[:, inter:])
+    return _combine(ops.expert_matvec(act, down, flat, 1), weights, x.dtype)  # down: [T * k, hidden]
+
+
+def _combine(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`sum_k weights[t, k] * pairs[t * top_k + k]`: each token's routed products `[T * k, hidden]` weighted,
+    in fp32."""
     if triton_moe() is not None:
-        return triton_moe().combine_pairs(down, weights)
-    return (down.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
+        return triton_moe().combine_pairs(pairs, weights)
+    tokens, top_k = weights.shape
+    return (pairs.float().reshape(tokens, top_k, -1) * weights[..., None]).sum(1).to(dtype)
 
 
 def _expert_view(ops: Any, stack: QuantTensor, expert: int) -> QuantTensor:
@@ -466,16 +480,18 @@ def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exp
     generic op: Laguna's and Qwen3.5-MoE's experts). Few pairs: the same expert products as
     `moe_experts`, reading only the chosen experts' blocks, ids on the device; many: each chosen expert on
     its tokens (no grouped SwiGLU product yet)."""
-    tokens, top_k = ids.shape
-    hidden = down_exps.shape[1]
-    if tokens * top_k > EXPERT_PAIR_LIMIT:
+    if ids.numel() > EXPERT_PAIR_LIMIT:
         return _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
+    return _swiglu_pairs(ops, x, gate_exps, up_exps, down_exps, weights, ids)
+
+
+def _swiglu_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU experts' pair path over whole stacks or Spark's paged ones alike (see `_geglu_pairs`)."""
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)
-    act = ops.silu_mul(ops.expert_matvec(x, gate_exps, flat, top_k), ops.expert_matvec(x, up_exps, flat, top_k))
-    down = ops.expert_matvec(act, down_exps, flat, 1)  # [T * k, hidden]
-    if triton_moe() is not None:
-        return triton_moe().combine_pairs(down, weights)
-    return (down.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
+    act = ops.silu_mul(ops.expert_matvec(x, gate, flat, top_k), ops.expert_matvec(x, up, flat, top_k))
+    return _combine(ops.expert_matvec(act, down, flat, 1), weights, x.dtype)  # down: [T * k, hidden]
 
 
 def _paged_stack(ops: Any, pages: Any) -> bool:
@@ -499,14 +515,22 @@ def moe_experts_swiglu_paged(ops: Any, x: torch.Tensor, gate: Any, up: Any, down
     products and combine, each expert's blocks read from its device slot or, not resident, straight from
     pinned host memory (the paged moe_matvec kernel). No host value depends on the ids or the residency
     table: the decode step and the verify pass stay one recorded graph while experts move between replays."""
-    tokens, top_k = ids.shape
-    hidden = down.pool.shape[1]
-    flat = ids.reshape(-1)
-    act = ops.silu_mul(ops.expert_matvec(x, gate, flat, top_k), ops.expert_matvec(x, up, flat, top_k))
-    out = ops.expert_matvec(act, down, flat, 1)  # [T * k, hidden]
-    if triton_moe() is not None:
-        return triton_moe().combine_pairs(out, weights)
-    return (out.float().reshape(tokens, top_k, hidden) * weights[..., None]).sum(1).to(x.dtype)
+    return _swiglu_pairs(ops, x, gate, up, down, weights, ids)
+
+
+def accepts_moe_experts_paged(ops: Any, x: torch.Tensor, gate_up: Any, down: Any, weights: torch.Tensor,
+                              ids: torch.Tensor) -> bool:
+    return (x.device == ops.device and x.dtype in catalogue.ACTIVATIONS and ids.device == ops.device
+            and ids.numel() <= EXPERT_PAIR_LIMIT and _paged_stack(ops, gate_up) and _paged_stack(ops, down))
+
+
+def moe_experts_paged(ops: Any, x: torch.Tensor, gate_up: Any, down: Any, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """`moe_experts` (GeGLU over a fused `[gate | up]` stack) over Spark's paged stacks for few pairs (decode,
+    verify): the stacked op's pair path, each expert's blocks read from its device slot or, not resident,
+    straight from pinned host memory (the paged moe_matvec kernel); no host value depends on the ids or the
+    table, so the step stays one recorded graph while experts move between replays."""
+    return _geglu_pairs(ops, x, gate_up, down, weights, ids, down.pool.shape[2])
 
 
 def _dense_decodable(stack: QuantTensor) -> bool:

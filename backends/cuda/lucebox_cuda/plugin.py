@@ -24,6 +24,7 @@ FAMILY_KERNEL_OPS = (
     "gated_delta_tree", "causal_conv1d", "causal_conv1d_step", "causal_conv1d_tree", "conv_silu_update_",
     "conv_silu_tree",
     "moe_experts",  # Gemma-4's (and any family's of that name and signature) routed experts, GeGLU
+    "moe_experts_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)
 )
 # A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route",

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.kv import KVCache, KVLayerShape, window_start
+from lucebox_core.spark import ExpertLayout, run_experts
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout import Gemma4Config
@@ -206,6 +207,11 @@ class Gemma4MLP:
         return ops.linear(ops.gelu_tanh_mul(gate, up), self.down_proj)
 
 
+# The routed GeGLU experts over the fused `[gate | up]` stack and the down stack, as Spark offloads them (the
+# router's per-expert scale is in the routing weights, so the experts' ops need nothing more).
+GEMMA4_EXPERTS = ExpertLayout(("gate_up_proj", "down_proj"), "moe_experts", "moe_experts_paged")
+
+
 @attrs.define
 class Gemma4MoE:
     """The 26B-A4B's experts beside the dense MLP: router on the residual, top-k GeGLU experts."""
@@ -221,13 +227,15 @@ class Gemma4MoE:
     post_feedforward_layernorm_2: torch.Tensor
     top_k: int
     eps: float
+    offload: Any = None  # Spark's `OffloadedExperts` for this layer's stacks (`spark.attach_spark`), or None
+    expert_layout: ClassVar[ExpertLayout] = GEMMA4_EXPERTS
 
     def __call__(self, residual: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         ops, eps = self.ops, self.eps
         flat = residual.reshape(-1, residual.shape[-1])
         weights, ids = ops.moe_route(flat, self.proj, self.scale, self.per_expert_scale, self.top_k, eps)
-        experts = ops.moe_experts(ops.rms_norm(flat, self.pre_feedforward_layernorm_2, eps), self.gate_up_proj,
-                                  self.down_proj, weights, ids).reshape(residual.shape)
+        normed = ops.rms_norm(flat, self.pre_feedforward_layernorm_2, eps)
+        experts = run_experts(ops, self, normed, weights, ids).reshape(residual.shape)
         return ops.norm_sum(mlp_out, self.post_feedforward_layernorm_1, experts, self.post_feedforward_layernorm_2, eps)
 
 

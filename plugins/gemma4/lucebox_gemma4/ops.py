@@ -113,3 +113,16 @@ def moe_experts(
         y = F.linear(ops.gelu_tanh_mul(gate, up), down[expert])
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
+
+
+@GEMMA4_OPS.reference
+def moe_experts_paged(
+    ops: Any, x: torch.Tensor, gate_up_exps: Any, down_exps: Any, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """`moe_experts` over paged stacks (Spark's `ExpertPages`: a few experts in device slots, every expert in a
+    host stack, a device table `where[e]`, the slot holding expert e or -1): expert e's blocks are slot
+    `where[e]`'s where it is resident, else host row e; equal bit for bit to the op over the whole stacks. The
+    reference gathers the chosen experts' rows (a host sync: no graph records it) and runs `moe_experts` on
+    them, in the same expert order."""
+    chosen, local = torch.unique(ids, return_inverse=True)
+    return ops.moe_experts(x, gate_up_exps.gather(chosen), down_exps.gather(chosen), weights, local.reshape(ids.shape))

@@ -28,7 +28,7 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.kv import window_start
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
-from lucebox_core.static_step import StaticInputs, StaticStep, kv_window
+from lucebox_core.static_step import StaticInputs, StaticStep, kv_window, step_scope
 
 
 class Gemma4SpeculativeTarget(FeatureCapture):
@@ -53,7 +53,8 @@ class Gemma4SpeculativeTarget(FeatureCapture):
             raise LuceboxError(f"context overflow: verifying {tree.size} nodes at position {committed} needs "
                                f"positions up to {committed + tree.max_depth}; the context holds {state.kv.max_context}")
         if self.decode_graphs if static is None else static:
-            return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
+            with step_scope(self):  # Spark's promotions between steps, paged experts inside (static_step)
+                return self._verify_static(state, tree, token_ids, self.decode_graphs if graphs is None else graphs)
         positions = committed + tree.depths
         ancestry = tree.visibility().to(ops.device)  # [N, N]: node n sees node i
         kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

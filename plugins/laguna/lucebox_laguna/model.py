@@ -20,14 +20,14 @@ Sliding layers' K/V live in a ring of `window` rows (`KVLayerShape.window`), ful
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.kv import KVCache, KVLayerShape, window_start
-from lucebox_core.spark import run_experts
+from lucebox_core.spark import SWIGLU_EXPERTS, ExpertLayout, run_experts
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 
@@ -191,6 +191,7 @@ class LagunaMoE:
     top_k: int
     routed_scale: float
     offload: Any = None  # Spark's `OffloadedExperts` for this layer's stacks (`spark.attach_spark`), or None
+    expert_layout: ClassVar[ExpertLayout] = SWIGLU_EXPERTS  # its stacks and ops, as Spark reads them
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops

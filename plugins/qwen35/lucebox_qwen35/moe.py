@@ -11,12 +11,12 @@ core's generic `moe_experts_swiglu` (separate gate and up stacks, as in the GGUF
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
-from lucebox_core.spark import run_experts
+from lucebox_core.spark import SWIGLU_EXPERTS, ExpertLayout, run_experts
 
 from .model import MLP, Weight
 
@@ -46,6 +46,7 @@ class SparseMoeBlock:
     shared_expert_gate: torch.Tensor  # [hidden]: one logit per token
     top_k: int
     offload: Any = None  # Spark's `OffloadedExperts` for this layer's stacks (`spark.attach_spark`), or None
+    expert_layout: ClassVar[ExpertLayout] = SWIGLU_EXPERTS  # its stacks and ops, as Spark reads them
 
     def fuse_projections(self) -> None:
         self.shared_expert.fuse_projections()
