@@ -30,8 +30,10 @@ Two ways to run a layer's routed experts, both exact:
   the bus: on CUDA the paged `moe_matvec` kernel): no host decision inside the step, the same bytes and the
   same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The step
   counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every static
-  step the model runs) Spark reads those counts back (a copy queued after the step, read once the step is
-  done), counts them into the profile, and promotes the most routed misses into slots (LRU out), at most
+  step the model runs) Spark reads those counts back (a copy queued after each step into one of two host
+  buffers in turn; before a step it reads the newest copy that has landed, never waiting for the step the
+  engine has just fed ahead, so the accounting lags a step rather than idling the GPU), counts them into the
+  profile, and promotes the most routed misses into slots (LRU out), at most
   `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the compute stream
   between two replays, so the previous replay has read an evicted slot before it is overwritten and the next
   sees the new table.
