@@ -229,14 +229,21 @@ def test_gpu_paged_kernel_recorded_once_follows_the_table_bit_for_bit():
     def stacked():
         return ops.moe_experts_swiglu(x, full["gate"], full["up"], full["down"], weights, ids)
 
-    assert torch.equal(ops.moe_experts_swiglu_paged(x, *pages, weights, ids), stacked())
+    _recorded_paged_op_follows_the_table(lambda: ops.moe_experts_swiglu_paged(x, *pages, weights, ids), stacked,
+                                         pools)
+
+
+def _recorded_paged_op_follows_the_table(paged, stacked, pools) -> None:
+    """`paged()` equals `stacked()` eagerly, then recorded once as a CUDA graph and replayed while experts move
+    between slots and host memory, the resident experts' host rows spoiled (they must come from the slots)."""
+    assert torch.equal(paged(), stacked())
     graph, out = torch.cuda.CUDAGraph(), None
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ops.moe_experts_swiglu_paged(x, *pages, weights, ids)  # warm-up off the capture
+        paged()  # warm-up off the capture
         with torch.cuda.graph(graph, stream=stream):
-            out = ops.moe_experts_swiglu_paged(x, *pages, weights, ids)
+            out = paged()
     torch.cuda.current_stream().wait_stream(stream)
     pristine = {name: pool.host.clone() for name, pool in pools.items()}
     for moved in ([], [6], [0, 2], [7]):
@@ -249,7 +256,7 @@ def test_gpu_paged_kernel_recorded_once_follows_the_table_bit_for_bit():
             pool.host[pool.resident] = 0x7F
         graph.replay()
         torch.cuda.synchronize()
-        for pool in pools.values():  # the stacked reference reads the unspoiled bytes of `full`
+        for pool in pools.values():  # the stacked reference reads the unspoiled bytes of the whole stacks
             assert torch.equal(torch.nonzero(pool.slot_of >= 0).reshape(-1).cpu(), torch.tensor(pool.resident))
         assert torch.equal(out, stacked()), moved
 
@@ -282,24 +289,4 @@ def test_gpu_paged_geglu_kernel_recorded_once_follows_the_table_bit_for_bit():
     def stacked():
         return ops.moe_experts(x, full["gate_up"], full["down"], weights, ids)
 
-    assert torch.equal(ops.moe_experts_paged(x, *pages, weights, ids), stacked())
-    graph, out = torch.cuda.CUDAGraph(), None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.moe_experts_paged(x, *pages, weights, ids)  # warm-up off the capture
-        with torch.cuda.graph(graph, stream=stream):
-            out = ops.moe_experts_paged(x, *pages, weights, ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    pristine = {name: pool.host.clone() for name, pool in pools.items()}
-    for moved in ([], [6], [0, 2], [7]):
-        for name, pool in pools.items():
-            pool.host.copy_(pristine[name])
-            for expert in moved:
-                pool._bring(expert)
-        torch.cuda.synchronize()
-        for pool in pools.values():
-            pool.host[pool.resident] = 0x7F
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, stacked()), moved
+    _recorded_paged_op_follows_the_table(lambda: ops.moe_experts_paged(x, *pages, weights, ids), stacked, pools)
