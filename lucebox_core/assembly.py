@@ -132,6 +132,11 @@ def check_options(options: EngineOptions) -> Choices:
         ChatTemplate.from_file(options.chat_template_file)  # a syntax error is reported now, not after loading
     named = "kvflash" if options.kvflash is not None else options.kv_policy  # --kvflash implies the policy
     policy = _configured_kv_policy(options, registry().kv_policy(named))
+    if policy.name == "kvflash" and device_map is not None and device_map.is_split:
+        # Each part would page its own layers and map positions to slots on its own, while the attention's
+        # mask position and the static steps' window come from the one (split) cache: not built yet.
+        raise LuceboxError("--kvflash cannot go with --target-devices yet (a split target keeps its whole KV "
+                           "with the full policy); drop one of them")
     cache_type_k, cache_type_v = policy.check_types(options.cache_type_k, options.cache_type_v)
     verifier = drafter = None
     if options.model_draft is not None:

@@ -157,6 +157,8 @@ def test_engine_options_check_the_split_against_the_model(tiny_target_and_draft)
         build_engine(EngineOptions(model=target, ctx_size=64, target_devices="cpu,cpu", target_layer_split="4,5"))
     with pytest.raises(LuceboxError, match=r"--draft-device needs a drafter"):
         build_engine(EngineOptions(model=target, ctx_size=64, draft_device="cpu"))
+    with pytest.raises(LuceboxError, match=r"--kvflash cannot go with --target-devices"):
+        build_engine(EngineOptions(model=target, ctx_size=64, target_devices="cpu,cpu", kvflash="4096"))
 
 
 def test_a_family_that_cannot_split_says_so(tmp_path):
