@@ -220,11 +220,16 @@ def test_the_ttft_benchmark_restores_the_first_turn(tiny_target_and_draft, tmp_p
     assert bench.main(["-m", str(tiny_target_and_draft[0]), "--context", "160", "--turn-tokens", "40",
                        "--answer-tokens", "8", "--new-tokens", "8", "--reps", "1", "-ub", "32",
                        "--kv-cache-dir", str(tmp_path / "kv"), "--json", str(out)]) == 0
-    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    written = json.loads(out.read_text())
+    rows = {row["mode"]: row for row in written if row["test"] == "ttft_second_turn"}
     assert rows["cold"]["restored_tokens"] == 0 and rows["cold"]["prefilled_tokens"] == 160 + 16 + 3
     for mode in ("ram", "disk"):
         assert rows[mode]["restored_tokens"] == rows[mode]["expected_restore"] == 157  # up to the open header
         assert rows[mode]["snapshot_bytes"] > 0
+    # The breakdown of one more RAM-restored turn: a restore, then forward calls over exactly the new tokens.
+    (breakdown,) = [row for row in written if row["test"] == "ttft_breakdown"]
+    assert breakdown["restore_s"] > 0 and sum(tokens for tokens, _ in breakdown["forward_calls"]) == 179 - 157
+    assert breakdown["seconds"] >= breakdown["restore_s"] + breakdown["forward_s"]
 
 
 def test_the_ram_budget_holds_and_an_oversized_snapshot_stays_out(caplog):
