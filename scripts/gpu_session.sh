@@ -640,6 +640,22 @@ s13_tests() {  # ~1.5 min: the recorded decode step's device draw (seed replay, 
     tests/test_spark_graphed.py -k "sampling_recorded or gpu"
 }
 
+s14_a() {  # ~9 min: session 14's checks: session 13's unverified GPU tests (device draw, graphed Spark incl. Gemma-4,
+  #          then the Laguna CUDA test alone), the second-turn TTFT of a 32K conversation with its breakdown, and
+  #          KVFlash on the 27B with the lru, qk and drafter policies.                 carry: .whl
+  step gpu-tests 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+    tests/test_spark_graphed.py -k "sampling_recorded or gpu"
+  step laguna-cuda-test 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_laguna_cuda.py \
+    --durations=5
+  step synth-27b 60 synth 27b
+  step ttft-32k 100 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
+    --json "$RES/prefix_cache_ttft.json"
+  step kvflash 170 python3 scripts/kvflash_gpu_check.py -m "$(model 27b)" --device cuda:0 --pool 4096 --depth-pools 8 \
+    --policies lru,qk,drafter -n 64 --round-trip-steps 100 --json "$RES/kvflash.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -678,6 +694,7 @@ session() {
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
     s13-tests) s13_tests ;;
+    s14-a) s14_a ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
