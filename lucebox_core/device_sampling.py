@@ -133,7 +133,9 @@ def filtered_logits(shape: DrawShape, buffers: SamplerBuffers, x: torch.Tensor) 
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = before >= params[_TOP_P]
-        drop_sorted[0] = False
+        # The most likely id always stays. Not `drop_sorted[0] = False`: on CUDA that copies a host scalar,
+        # which a graph capture refuses (a fill is a kernel with the value as its argument).
+        drop_sorted.narrow(0, 0, 1).fill_(False)
         keep &= ~torch.zeros_like(keep).scatter(0, order, drop_sorted)
         masked = x.masked_fill(~keep, float("-inf"))
     if shape.min_p:

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lucebox_core.device_sampling import (DeviceSampler, DrawShape, SamplerBuffers, adjusted_logits,
                                           filtered_logits, uniforms)
@@ -146,3 +147,35 @@ def test_reusing_the_buffers_for_a_new_request_starts_afresh():
     tokens = [int(first.sample(_logits(i), [1, 2] + [0] * i)) for i in range(5)]
     again = DeviceSampler(params, buffers, VOCAB, None, [1, 2])
     assert [int(again.sample(_logits(i), [1, 2] + [0] * i)) for i in range(5)] == tokens
+
+
+class _HostValuesSpy(TorchDispatchMode):
+    """Records the operations that turn a Python value into a tensor (`lift_fresh`) or copy one tensor into
+    another wholesale (`copy_`): on CUDA either copies from the host, which a graph capture refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.copy_.default):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, top_k=7, top_p=0.9, min_p=0.02, repeat_penalty=1.3, repeat_last_n=8,
+                   presence_penalty=0.2, frequency_penalty=0.1, logit_bias={3: 2.0}, seed=5),
+    SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0, seed=7),
+    SamplingParams(temperature=0, repeat_penalty=1.6, repeat_last_n=-1),
+])
+def test_the_recorded_draw_copies_nothing_from_the_host(params):
+    """What a recorded decode step ends with must be device work only: no host scalar becomes a tensor and
+    nothing is copied wholesale (the GPU failure this guards: `t[0] = False` in top-p's filter made CUDA
+    graph capture refuse the step, which then ran eagerly)."""
+    sampler = DeviceSampler(params, SamplerBuffers("cpu"), VOCAB, _suppressed(1), [1, 2, 3, 2])
+    draw = sampler.recorded()
+    with _HostValuesSpy() as spy:
+        for seed in range(3):
+            draw(_logits(seed))
+    assert spy.seen == []
