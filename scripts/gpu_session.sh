@@ -656,6 +656,33 @@ s14_a() {  # ~9 min: session 14's checks: session 13's unverified GPU tests (dev
   return 0
 }
 
+s14_b() {  # ~8 min: the fixed device draw's GPU test, split prefill attention at the 27B's heads, the engine's
+  #          host overhead per decode step (Laguna-XS.2 before the llama.cpp build starts, then the 27B), the
+  #          second-turn TTFT again (short pieces over a long cache now split their keys), Laguna's Spark rows with
+  #          llama.cpp beside.                                                   carry: .whl .llamacpp
+  step gpu-tests 80 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+    -k sampling_recorded
+  step split-attention 60 python3 -m lucebox_cuda.triton_attention_split
+  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
+  step overhead-laguna 60 python3 scripts/decode_overhead.py -m "$skewed" -n 128 --json "$RES/overhead_laguna.json"
+  LLAMA_NICE=19 llama_build_bg
+  step synth-27b 60 synth 27b
+  step ttft-32k 100 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
+    --json "$RES/prefix_cache_ttft.json"
+  step overhead-27b 70 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 64 --json "$RES/overhead_27b.json"
+  step spark-laguna-skewed 200 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
+    --calibrate 2048 --calibrate-seconds 20 --phase-timeout 120 --json "$RES/spark_laguna_skewed.json"
+  if llama_wait; then
+    step llama-laguna-skewed 100 python3 scripts/bench_spark.py llama -m "$skewed" --residency "$SPARK_RESIDENCY" \
+      --llama-bench "$LB" --timeout 80 --json "$RES/llama_laguna_skewed.json"
+  fi
+  python3 scripts/bench_spark.py report "$RES"/spark_laguna_*.json "$RES"/llama_laguna_*.json --md "$OUT/spark_bench_laguna.md"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -695,6 +722,7 @@ session() {
     s13-spark) s13_spark ;;
     s13-tests) s13_tests ;;
     s14-a) s14_a ;;
+    s14-b) s14_b ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -49,6 +49,7 @@ triton_gdn = functools.cache(lambda: _optional("triton_gdn"))
 triton_fused = functools.cache(lambda: _optional("triton_fused"))
 triton_moe = functools.cache(lambda: _optional("triton_moe"))
 triton_block_sparse = functools.cache(lambda: _optional("triton_block_sparse"))
+triton_attention_split = functools.cache(lambda: _optional("triton_attention_split"))
 
 
 def _triton_takes(ops: Any, *tensors: torch.Tensor) -> bool:
@@ -216,7 +217,12 @@ def accepts_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               causal_offset: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """A FlashAttention-2 forward in Triton (GQA, causal offset, bool mask): the reference materialises
-    every score (14 GB for a 4096-token chunk at depth 32K)."""
+    every score (14 GB for a 4096-token chunk at depth 32K). A short chunk over a long cache, whose plain
+    grid would leave most SMs idle, has its keys cut into spans (`triton_attention_split`)."""
+    split = triton_attention_split()
+    splits = split.key_splits(q, k, has_mask=mask is not None) if split is not None else 1
+    if splits > 1:
+        return split.attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, splits=splits)
     return triton_attention().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
 
 
