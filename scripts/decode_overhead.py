@@ -17,8 +17,6 @@ import json
 import pstats
 import time
 
-import torch
-
 from lucebox_core.assembly import EngineOptions, build_engine
 from lucebox_core.engine import GenerationRequest
 from lucebox_core.sampling import SamplingParams
@@ -34,31 +32,32 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     assembled = build_engine(EngineOptions(model=args.model, ctx_size=4096, no_draft=True))
     engine, model = assembled.engine, assembled.loaded.model
+    sync = engine.backend.synchronize if engine.backend is not None else (lambda: None)
     prompt = list(range(100, 164))
     params = SamplingParams(temperature=args.temperature, top_k=40, top_p=0.95, seed=1)
     request = GenerationRequest(prompt_ids=prompt, max_tokens=args.n_gen, sampling=params, ignore_eos=True)
 
     def run() -> float:
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         result = engine.generate(request)
-        torch.cuda.synchronize()
+        sync()
         assert len(result.token_ids) == args.n_gen
         return (time.perf_counter() - start) * 1000 / args.n_gen
 
     run()  # warm-up: recordings made
     engine_ms = min(run() for _ in range(3))
     # The recorded step alone: replays of the sequence's decode step back to back.
-    recordings = [r for seq in engine._idle for r in seq.state.decode.recordings()] if engine._idle else []
+    recordings = [r for seq in engine._idle if seq.state.decode is not None for r in seq.state.decode.recordings()]
     replay_ms = None
     if recordings:
         graph = recordings[-1]
         graph.replay()
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(50):
             graph.replay()
-        torch.cuda.synchronize()
+        sync()
         replay_ms = (time.perf_counter() - start) * 1000 / 50
     profiler = cProfile.Profile()
     profiler.enable()
