@@ -683,6 +683,19 @@ s14_b() {  # ~8 min: the fixed device draw's GPU test, split prefill attention a
   return 0
 }
 
+s14_c() {  # ~4 min: where the host time of a decode step and of short prefill pieces goes (sync debug mode,
+  #          torch.profiler, cProfile): the 27B (pieces of 3 and 256 tokens at depth 8192), Laguna-XS.2. carry: .whl
+  step synth-27b 60 synth 27b
+  step overhead-27b 150 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 64 --pieces 3,256 --depth 8192 \
+    --json "$RES/overhead_27b.json"
+  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
+  step overhead-laguna 90 python3 scripts/decode_overhead.py -m "$skewed" -n 128 --json "$RES/overhead_laguna.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -723,6 +736,7 @@ session() {
     s13-tests) s13_tests ;;
     s14-a) s14_a ;;
     s14-b) s14_b ;;
+    s14-c) s14_c ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
