@@ -38,6 +38,11 @@ from .speculative.loop import ForcedStep, forced_accept_counts
 
 log = logging.getLogger("lucebox.engine")
 
+# Prefill pieces of at most this many tokens run as recorded decode steps where the model records them (see
+# `Engine._prefill_piece`): the prompt's tail after its last turn boundary (a chat template's header of the
+# answer, ~3 tokens) and short turns restored from the prefix cache.
+STEPPED_PIECE_TOKENS = 6
+
 
 class CausalLM(Protocol):
     vocab_size: int
@@ -259,11 +264,7 @@ class Engine:
         logits = None
         for begin, end in self._prefill_pieces(done, len(token_ids), boundaries):
             chunk = list(token_ids[begin:end])
-            tensor = torch.tensor(chunk, dtype=torch.long)
-            if self._last_only:
-                logits = self.model.forward(sequence.state, tensor, last_only=True)
-            else:
-                logits = self.model.forward(sequence.state, tensor)
+            logits = self._prefill_piece(sequence, chunk)
             sequence.tokens.extend(chunk)
             if end == snapshot_at:
                 self._take_snapshot(sequence)
@@ -274,6 +275,23 @@ class Engine:
             timings.prompt_tokens += len(token_ids) - done
             timings.cached_tokens += done
             timings.prompt_seconds += time.perf_counter() - start
+
+    def _prefill_piece(self, sequence: Sequence, chunk: list[int]) -> torch.Tensor:
+        """One piece of a prefill through the model; the logits of (at least) its last token.
+
+        A piece of at most `STEPPED_PIECE_TOKENS` on a model whose decode step is recorded goes through that
+        step token by token: an eager forward call costs a thousand kernel launches of host time whatever its
+        length (the 27B on the H200: 85 ms for 3 tokens at depth 32K, 13 ms of it on the GPU), a replayed step
+        ~10 ms a token. What a piece runs on depends on its length alone, so a cold prefill and one restored
+        from the prefix cache still cut and run the same pieces (the same bits)."""
+        if len(chunk) <= STEPPED_PIECE_TOKENS and getattr(self.model, "decode_graphs", False):
+            for token in chunk:
+                logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
+            return logits
+        tensor = torch.tensor(chunk, dtype=torch.long)
+        if self._last_only:
+            return self.model.forward(sequence.state, tensor, last_only=True)
+        return self.model.forward(sequence.state, tensor)
 
     def _prefill_pieces(self, begin: int, end: int, boundaries: Seq[int]) -> Iterator[tuple[int, int]]:
         """Spans of the prefill from `begin` to `end`: cut at each turn boundary, then every `prefill_chunk`."""

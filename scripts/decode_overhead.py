@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     pieces = [int(n) for n in args.pieces.split(",") if n]
-    assembled = build_engine(EngineOptions(model=args.model, ctx_size=args.depth + sum(pieces) * 3 + 512,
+    assembled = build_engine(EngineOptions(model=args.model, ctx_size=args.depth + sum(pieces) * 4 + 512,
                                            no_draft=True))
     engine, model = assembled.engine, assembled.loaded.model
     sync = engine.backend.synchronize
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     print(cprofile(generate, args.top), flush=True)
 
     if pieces:
-        state = model.new_state(args.depth + sum(pieces) * 3 + 512)
+        state = model.new_state(args.depth + sum(pieces) * 4 + 512)
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(10, 1000, (args.depth,), generator=generator)
         for start in range(0, args.depth, 4096):

@@ -696,6 +696,21 @@ s14_c() {  # ~4 min: where the host time of a decode step and of short prefill p
   return 0
 }
 
+s14_d() {  # ~4.5 min: the device draw and graphed Spark GPU tests again, the second-turn TTFT with short pieces
+  #          stepped through the recorded decode step and the matvec choice cached, the pieces' host time at
+  #          depth 8192, the 27B's prefill rows.                                     carry: .whl
+  step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+    tests/test_spark_graphed.py -k "cuda or gpu"
+  step synth-27b 60 synth 27b
+  step ttft-32k 100 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
+    --json "$RES/prefix_cache_ttft.json"
+  step pieces-27b 100 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 3,256 --depth 8192 \
+    --top 12 --json "$RES/overhead_27b.json"
+  step prefill-27b 80 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -737,6 +752,7 @@ session() {
     s14-a) s14_a ;;
     s14-b) s14_b ;;
     s14-c) s14_c ;;
+    s14-d) s14_d ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -211,7 +211,9 @@ def test_sampling_ends_the_recorded_decode_step_and_its_replays_read_no_host_val
     emulated = _engine_on(target, GraphStandIn(kernel_table_for={}))
 
     def generate(engine, params):
-        request = GenerationRequest(prompt_ids=[7, 8, 9, 10, 11], max_tokens=16, sampling=params, ignore_eos=True)
+        # A prompt longer than STEPPED_PIECE_TOKENS: one forward call, so every recording is a sampled step's.
+        request = GenerationRequest(prompt_ids=[7, 8, 9, 10, 11, 12, 13, 14], max_tokens=16, sampling=params,
+                                    ignore_eos=True)
         return engine.generate(request).token_ids
 
     first = generate(emulated, SAMPLED[0])
@@ -225,3 +227,40 @@ def test_sampling_ends_the_recorded_decode_step_and_its_replays_read_no_host_val
     assert kept.state.decode._recorded.keys() == recordings.keys()  # nothing recorded anew
     assert sum(graph.replays for graph, _ in recordings.values()) >= replays + 12
     assert generate(emulated, GREEDY_PENALIZED) == generate(eager, GREEDY_PENALIZED)
+
+
+def test_short_prefill_pieces_run_as_recorded_decode_steps(tiny_target_and_draft):
+    """A prompt's pieces of at most STEPPED_PIECE_TOKENS (here the 3-token tail after the last turn boundary)
+    go through the recorded decode step where the model records one; longer pieces through one forward call.
+    The prefix cache still gives the uncached output: a restored sequence runs the same pieces."""
+    from lucebox_core import engine as engine_module
+    from lucebox_core.prefix_cache import PrefixCache, PrefixCacheConfig
+    from lucebox_core.tokenizer import Tokenizer
+    from lucebox_qwen35.loader import load
+
+    tiny_target, _ = tiny_target_and_draft
+    backend = GraphStandIn(kernel_table_for={})
+    model = load(tiny_target, backend)
+    tokenizer = Tokenizer.from_gguf(tiny_target)
+    end_of_turn = min(Engine(model, tokenizer, ctx_size=128).eog_ids)
+    turn = [5, 6, 7, 8, 9, 10, 11, end_of_turn]
+    prompt = turn * 3 + [12, 13, 14]  # pieces of 8, 8, 8, then the 3-token tail
+    calls = []
+    forward = model.forward
+
+    def counting(state, token_ids, *args, **kwargs):
+        calls.append(int(token_ids.numel()))
+        return forward(state, token_ids, *args, **kwargs)
+
+    model.forward = counting
+    request = GenerationRequest(prompt_ids=prompt, max_tokens=6, sampling=SamplingParams(temperature=0),
+                                ignore_eos=True)
+    plain = Engine(model, tokenizer, ctx_size=128).generate(request).token_ids
+    assert calls[:6] == [8, 8, 8, 1, 1, 1] and engine_module.STEPPED_PIECE_TOKENS >= 3
+    cache = PrefixCache(PrefixCacheConfig(slots=2, min_tokens=1), "test")
+    cached_engine = Engine(model, tokenizer, ctx_size=128, prefix_cache=cache)
+    assert cached_engine.generate(request).token_ids == plain  # takes the snapshot
+    calls.clear()
+    second = cached_engine.generate(request)
+    assert second.token_ids == plain and second.timings.cached_tokens == 24
+    assert calls[:3] == [1, 1, 1]  # only the tail was prefilled, stepped
