@@ -18,7 +18,8 @@ from lucebox_core.sampling import SamplingParams
 from lucebox_core.split_step import SplitStaticStep
 from lucebox_core.torch_backend import TorchBackend
 
-PROMPT = [7, 8, 9, 10, 11]
+# Longer than engine.STEPPED_PIECE_TOKENS: the prompt is one eager forward call (the eager hand-overs counted below).
+PROMPT = [7, 8, 9, 10, 11, 12, 13, 14]
 
 
 def _load(target, backend, counts=None, part_backends=None):
