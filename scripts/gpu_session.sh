@@ -711,6 +711,14 @@ s14_d() {  # ~4.5 min: the device draw and graphed Spark GPU tests again, the se
   return 0
 }
 
+s14_e() {  # ~2 min: the second-turn TTFT of a 32K conversation, one engine a mode (slots recycled). carry: .whl
+  step synth-27b 60 synth 27b
+  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
+    --json "$RES/prefix_cache_ttft.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -753,6 +761,7 @@ session() {
     s14-b) s14_b ;;
     s14-c) s14_c ;;
     s14-d) s14_d ;;
+    s14-e) s14_e ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
