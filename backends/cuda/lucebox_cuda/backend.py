@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from lucebox_core.errors import LuceboxError
 from lucebox_core.quants import QuantTensor
-from lucebox_core.torch_backend import STREAM_BLOCK_BYTES, TorchBackend, Weight
+from lucebox_core.torch_backend import TorchBackend, Weight
 
 from . import catalogue
 from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgram, Pointer, compile_program, ensure_context,
@@ -33,6 +33,11 @@ from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgra
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
 _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
+# A prefill product's weight rows are dequantized into a scratch tile of at most this many bytes, then
+# multiplied by cuBLAS: 192 MiB holds the 27B's largest matrix (17408 x 5120 in bf16) whole, so each product is
+# one dequant and one GEMM. At 64 MiB a 256-token piece of the 27B took 888 of each for 336 products (the
+# H200, session 14: ~180 ms of host time against 75 ms of GPU work).
+PREFILL_TILE_BYTES = 192 * 1024 * 1024
 
 
 def device_arch(device: torch.device) -> str:
@@ -314,7 +319,7 @@ class CudaBackend(TorchBackend):
         """`x @ weight.T` for many rows (prefill): bounded tiles of weight rows dequantized on the GPU into
         a scratch buffer, each multiplied with cuBLAS."""
         out_features, in_features = weight.shape
-        rows_per_tile = max(1, STREAM_BLOCK_BYTES // (in_features * x.element_size()))
+        rows_per_tile = max(1, PREFILL_TILE_BYTES // (in_features * x.element_size()))
         if rows_per_tile < out_features:
             # Tiles start on rows whose bytes stay 16-byte aligned (rows of 34- or 210-byte blocks may not be).
             rows_per_tile = max(8, rows_per_tile // 8 * 8)
