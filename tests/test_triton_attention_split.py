@@ -76,7 +76,7 @@ def test_split_attention_with_a_mask():
 
 def test_the_split_is_chosen_for_short_chunks_over_long_caches_only():
     """The 27B's heads (24 query, 4 KV, dim 256) on 132 SMs: a 3- or 256-token piece at depth 32K is split, a
-    4096-token chunk (768 programs) and a short cache are not, and the CPU never is."""
+    512- or 4096-token chunk (96, 768 programs) and a short cache are not, and the CPU never is."""
     def splits(tokens: int, keys: int, device: str = "meta") -> int:
         q = torch.empty(1, tokens, 24, 256, dtype=torch.bfloat16, device=device)
         k = torch.empty(1, keys, 4, 256, dtype=torch.bfloat16, device=device)
@@ -84,6 +84,7 @@ def test_the_split_is_chosen_for_short_chunks_over_long_caches_only():
 
     assert splits(3, 32768) == 32768 // triton_attention_split.MIN_SPAN_KEYS  # 4 programs: as many spans as allowed
     assert splits(256, 33024) == 6  # 48 programs -> 6 spans, 288 programs
+    assert splits(512, 33280) == 1  # 96 programs: split, slower on the H200
     assert splits(4096, 36864) == 1
     assert splits(3, 1500) == 1
     assert splits(3, 32768, device="cpu") == 1
