@@ -131,3 +131,18 @@ def test_router_matches_moe_route(dtype, experts, top_k):
     weights, ids = triton_norms.softmax_topk(logits, per_expert_scale, top_k)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_l2norm_matches_the_generic_reference(dtype, head_dim):
+    """The generic `l2norm` op's kernel (Qwen3.5's Gated DeltaNet q and k in prefill) against
+    `TorchBackend.l2norm`, on a strided view as the model passes it (a head split of a projection)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    both = (torch.randn(1, 7, 4, 2 * head_dim, generator=gen) * 3).to(dtype)
+    x = both[..., :head_dim]
+    result = triton_norms.l2norm(x, EPS)
+    expected = TorchBackend("cpu", dtype, kernel_table_for={}).l2norm(x, EPS)
+    assert_close(result, expected, dtype)
+    norms = result.float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -13,7 +13,7 @@ MIN_CAPABILITY = (8, 0)
 # generic ops, then the Qwen3.5 family's Gated DeltaNet and convolution ops (names only: the backend does not
 # import the family).
 GENERIC_KERNEL_OPS = (
-    "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm",
+    "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm", "l2norm",
     "qk_norm_rope", "attention", "decode_attention", "tree_attention",
     "moe_experts_swiglu",  # routed SwiGLU experts over separate gate and up stacks (Laguna, Qwen3.5-MoE)
     "moe_experts_swiglu_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)

@@ -13,7 +13,9 @@ a 60-layer decode step the launches, not the bytes, set the time. Each kernel he
 - `gelu_tanh_mul`: GeGLU's middle, `gelu_tanh(gate) * up`;
 - `softcap`: `tanh(x / cap) * cap` over the logits;
 - `router_norm` and `softmax_topk`: the MoE router's input norm and its softmax, top-k, renormalisation
-  and per-expert scale, around the router's product.
+  and per-expert scale, around the router's product;
+- `l2norm`: the generic op (`x / sqrt(sum(x^2) + eps)` per row; Qwen3.5's Gated DeltaNet q and k in prefill,
+  seven torch launches each as the reference, twice in each of the 27B's 48 such layers a forward call).
 
 Roundings follow the torch references in `lucebox_gemma4.ops` and `TorchBackend`: every intermediate the
 reference rounds to the activation dtype (a norm's output before the add, the sum before the scalar), the
@@ -330,3 +332,28 @@ def softmax_topk(logits: torch.Tensor, per_expert_scale: torch.Tensor | None,
                                             BLOCK_E=triton.next_power_of_2(experts),
                                             HAS_SCALE=per_expert_scale is not None)
     return weights, ids
+
+
+# -- L2 norm (the generic op) ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _l2norm_kernel(x_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + eps))
+    tl.store(out_ptr + row * n + cols, normed.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`TorchBackend.l2norm`: `x / sqrt(sum(x^2) + eps)` over the last dim in fp32, rounded to x's dtype, one
+    program a row."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    if x.numel():
+        with _device_scope(x):
+            _l2norm_kernel[(x.numel() // n,)](x, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+    return out
