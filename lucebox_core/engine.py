@@ -282,9 +282,12 @@ class Engine:
         A piece of at most `STEPPED_PIECE_TOKENS` on a model whose decode step is recorded goes through that
         step token by token: an eager forward call costs a thousand kernel launches of host time whatever its
         length (the 27B on the H200: 85 ms for 3 tokens at depth 32K, 13 ms of it on the GPU), a replayed step
-        ~10 ms a token. What a piece runs on depends on its length alone, so a cold prefill and one restored
+        ~10 ms a token. What a piece runs on depends on its length alone (while the step records: one whose
+        recording failed has warned, and runs pieces as forward calls again), so a cold prefill and one restored
         from the prefix cache still cut and run the same pieces (the same bits)."""
-        if len(chunk) <= STEPPED_PIECE_TOKENS and getattr(self.model, "decode_graphs", False):
+        decode = getattr(sequence.state, "decode", None)
+        recorded = getattr(self.model, "decode_graphs", False) and getattr(decode, "failure", None) is None
+        if len(chunk) <= STEPPED_PIECE_TOKENS and recorded:  # (a step whose recording failed runs eagerly: slower)
             for token in chunk:
                 logits = self.model.forward(sequence.state, torch.tensor([token], dtype=torch.long))
             return logits
