@@ -719,6 +719,20 @@ s14_e() {  # ~2 min: the second-turn TTFT of a 32K conversation, one engine a mo
   return 0
 }
 
+fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill products straight from the blocks
+  #                (lucebox_cuda.triton_quant_matmul) against the dequantized tiles + cuBLAS at the 27B's shapes,
+  #                then the 27B's pp512/pp4096 and the second-turn TTFT with LUCEBOX_FUSED_PREFILL off and on.
+  #                carry: .whl
+  step fused-check 120 python3 -m lucebox_cuda.triton_quant_matmul
+  step synth-27b 60 synth 27b
+  step prefill-tiles 80 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
+  step prefill-fused 80 env LUCEBOX_FUSED_PREFILL=1 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
+  step ttft-fused 110 env LUCEBOX_FUSED_PREFILL=1 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" \
+    --context 32768 --reps 3 --json "$RES/prefix_cache_ttft_fused.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -762,6 +776,7 @@ session() {
     s14-c) s14_c ;;
     s14-d) s14_d ;;
     s14-e) s14_e ;;
+    fused-prefill) fused_prefill ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -40,6 +40,11 @@ _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
 PREFILL_TILE_BYTES = 192 * 1024 * 1024
 
 
+def _fused_prefill() -> bool:
+    """`LUCEBOX_FUSED_PREFILL=1`: Q4_K prefill products through `triton_quant_matmul` (read at each call)."""
+    return os.environ.get("LUCEBOX_FUSED_PREFILL", "0") not in ("", "0")
+
+
 def device_arch(device: torch.device) -> str:
     """The NVRTC architecture name of a CUDA device: `sm_90` for compute capability 9.0."""
     major, minor = torch.cuda.get_device_capability(device)
@@ -319,6 +324,12 @@ class CudaBackend(TorchBackend):
         """`x @ weight.T` for many rows (prefill): bounded tiles of weight rows dequantized on the GPU into
         a scratch buffer, each multiplied with cuBLAS."""
         out_features, in_features = weight.shape
+        if weight_format == "q4_k" and _fused_prefill() and in_features % 256 == 0:
+            # Tensor cores straight from the Q4_K blocks, no dequantized tile (LUCEBOX_FUSED_PREFILL=1: not yet
+            # measured on a GPU, so off by default).
+            from . import triton_quant_matmul
+
+            return triton_quant_matmul.q4_k_matmul(x.contiguous(), self.device_weight(weight).data, out_features)
         rows_per_tile = max(1, PREFILL_TILE_BYTES // (in_features * x.element_size()))
         if rows_per_tile < out_features:
             # Tiles start on rows whose bytes stay 16-byte aligned (rows of 34- or 210-byte blocks may not be).
