@@ -278,6 +278,48 @@ class CudaBackend(TorchBackend):
                          Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), *tail)
         return out
 
+    def expert_matvec_pair(self, x: torch.Tensor, first: Any, second: Any, ids: torch.Tensor,
+                           x_group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`expert_matvec` over two stacks of one format and shape (a SwiGLU block's gate and up) in one launch,
+        the same bits as two; None where the two cannot pair (formats or shapes differ, or one is Spark's paged
+        stack and the other not, or their residency tables differ): the caller runs two launches then."""
+        paged = not isinstance(first, QuantTensor)
+        if paged != (not isinstance(second, QuantTensor)):
+            return None
+        if paged:
+            if first.where is not second.where:
+                return None
+            stacks = (first.pool, second.pool)
+        else:
+            stacks = (first, second)
+        if stacks[0].ggml_type != stacks[1].ggml_type or tuple(stacks[0].shape) != tuple(stacks[1].shape):
+            return None
+        weight_format = catalogue.WEIGHT_FORMATS[stacks[0].ggml_type]
+        n_experts, rows, cols = stacks[0].shape
+        x = x.contiguous()
+        if not _aligned(x):
+            x = x.clone()
+        ids = ids.reshape(-1).to(torch.long).contiguous()
+        pairs = ids.numel()
+        out = torch.empty(2, pairs, rows, dtype=x.dtype, device=self.device)
+        if pairs == 0:
+            return out[0], out[1]
+        data = [self.device_weight(stack).data for stack in stacks]
+        expert_bytes = data[0].numel() // n_experts
+        if data[1].numel() // n_experts != expert_bytes:
+            return None
+        grid, activation = (-(-rows // 4), pairs, 2), catalogue.ACTIVATIONS[x.dtype]
+        tail = (Pointer(x.data_ptr()), Pointer(out[0].data_ptr()), Pointer(out[1].data_ptr()),
+                Pointer(ids.data_ptr()), Int64(expert_bytes), Int(rows), Int(cols), Int(x_group))
+        if not paged:
+            self._launch(catalogue.moe_matvec_pair(weight_format, activation), grid, 128,
+                         Pointer(data[0].data_ptr()), Pointer(data[1].data_ptr()), *tail)
+        else:  # the host stacks' pinned addresses are the device's too (unified addressing)
+            self._launch(catalogue.moe_matvec_pair(weight_format, activation, paged=True), grid, 128,
+                         Pointer(data[0].data_ptr()), Pointer(first.host.data_ptr()), Pointer(data[1].data_ptr()),
+                         Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), *tail)
+        return out[0], out[1]
+
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,
                         weight_format: str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `start:stop` of `weight` as a dense `[stop - start, in]` tensor, decoded on the GPU

@@ -509,6 +509,13 @@ def moe_matvec_paged(weight_format: str, activation: str) -> tuple[KernelProgram
     return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC_PAGED({weight_format}, {activation})"]), name
 
 
+def moe_matvec_pair(weight_format: str, activation: str, paged: bool = False) -> tuple[KernelProgram, str]:
+    """Two expert stacks of one format and shape (a SwiGLU block's gate and up) in one launch (moe_matvec.cu)."""
+    kind = "_paged" if paged else ""
+    name = f"moe_matvec_pair{kind}_{weight_format}_{activation}"
+    return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC_PAIR{kind.upper()}({weight_format}, {activation})"]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -531,7 +538,8 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),
-        "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{paged}({f}, {a})" for paged in ("", "_PAGED")
+        "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"
+                                                         for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
                                                          for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
     }

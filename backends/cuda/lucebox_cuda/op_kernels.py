@@ -507,7 +507,11 @@ def _swiglu_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weig
     """The SwiGLU experts' pair path over whole stacks or Spark's paged ones alike (see `_geglu_pairs`)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
-    act = ops.silu_mul(ops.expert_matvec(x, gate, flat, top_k), ops.expert_matvec(x, up, flat, top_k))
+    # Gate and up in one launch where they pair (same format and shape): the same bits as two launches.
+    products = ops.expert_matvec_pair(x, gate, up, flat, top_k) if hasattr(ops, "expert_matvec_pair") else None
+    if products is None:
+        products = ops.expert_matvec(x, gate, flat, top_k), ops.expert_matvec(x, up, flat, top_k)
+    act = ops.silu_mul(*products)
     return _combine(ops.expert_matvec(act, down, flat, 1), weights, x.dtype)  # down: [T * k, hidden]
 
 
