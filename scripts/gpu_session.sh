@@ -733,6 +733,29 @@ fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill
   return 0
 }
 
+s15_verify() {  # ~9 min (not run yet): what session 14 merged after its last GPU call: the paired gate/up expert
+  #               kernel (Laguna's CUDA tests, the graphed Spark tests), split attention's new threshold, the
+  #               l2norm kernel and 192 MiB prefill tiles (TTFT, pieces' profile); then Spark's Laguna rows after
+  #               the llama.cpp build has finished (session 14's ran beside it).       carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_laguna_cuda.py \
+    tests/test_spark_graphed.py tests/test_decode_graph.py -k "cuda or gpu or routed_expert"
+  step synth-27b 60 synth 27b
+  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
+    --json "$RES/prefix_cache_ttft.json"
+  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
+  llama_wait || true
+  step spark-laguna-skewed 200 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
+    --calibrate 2048 --calibrate-seconds 20 --phase-timeout 120 --json "$RES/spark_laguna_skewed.json"
+  [ -x "$LB" ] && step llama-laguna-skewed 100 python3 scripts/bench_spark.py llama -m "$skewed" \
+    --residency "$SPARK_RESIDENCY" --llama-bench "$LB" --timeout 80 --json "$RES/llama_laguna_skewed.json"
+  python3 scripts/bench_spark.py report "$RES"/spark_laguna_*.json "$RES"/llama_laguna_*.json --md "$OUT/spark_bench_laguna.md"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -777,6 +800,7 @@ session() {
     s14-d) s14_d ;;
     s14-e) s14_e ;;
     fused-prefill) fused_prefill ;;
+    s15-verify) s15_verify ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
