@@ -634,12 +634,6 @@ s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of th
   return 0
 }
 
-s13_tests() {  # ~1.5 min: the recorded decode step's device draw (seed replay, equal to eager draws) and the graphed
-  #             Spark step's GPU tests.                                        carry: .whl
-  step gpu-tests 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -x tests/test_decode_graph.py \
-    tests/test_spark_graphed.py -k "sampling_recorded or gpu"
-}
-
 s14_a() {  # ~9 min: session 14's checks: session 13's unverified GPU tests (device draw, graphed Spark incl. Gemma-4,
   #          then the Laguna CUDA test alone), the second-turn TTFT of a 32K conversation with its breakdown, and
   #          KVFlash on the 27B with the lru, qk and drafter policies.                 carry: .whl
@@ -707,14 +701,6 @@ s14_d() {  # ~4.5 min: the device draw and graphed Spark GPU tests again, the se
   step pieces-27b 100 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 3,256 --depth 8192 \
     --top 12 --json "$RES/overhead_27b.json"
   step prefill-27b 80 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
-s14_e() {  # ~2 min: the second-turn TTFT of a 32K conversation, one engine a mode (slots recycled). carry: .whl
-  step synth-27b 60 synth 27b
-  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
-    --json "$RES/prefix_cache_ttft.json"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
@@ -793,12 +779,10 @@ session() {
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
-    s13-tests) s13_tests ;;
     s14-a) s14_a ;;
     s14-b) s14_b ;;
     s14-c) s14_c ;;
     s14-d) s14_d ;;
-    s14-e) s14_e ;;
     fused-prefill) fused_prefill ;;
     s15-verify) s15_verify ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
