@@ -709,7 +709,7 @@ fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill
   #                (lucebox_cuda.triton_quant_matmul) against the dequantized tiles + cuBLAS at the 27B's shapes,
   #                then the 27B's pp512/pp4096 and the second-turn TTFT with LUCEBOX_FUSED_PREFILL off and on.
   #                carry: .whl
-  step fused-check 120 python3 -m lucebox_cuda.triton_quant_matmul
+  step fused-check 120 python3 scripts/quant_matmul_check.py
   step synth-27b 60 synth 27b
   step prefill-tiles 80 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
   step prefill-fused 80 env LUCEBOX_FUSED_PREFILL=1 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2

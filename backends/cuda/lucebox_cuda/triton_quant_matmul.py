@@ -17,8 +17,8 @@ The weight values are rounded to the activation dtype before the product, as the
 accumulated in fp32: the same products as the tiled path up to the order of the additions.
 
 Off by default until measured on a GPU: `LUCEBOX_FUSED_PREFILL=1` makes `tiled_linear` use it for Q4_K
-weights. `python -m lucebox_cuda.triton_quant_matmul` checks it against the dequantized product and times
-both on a GPU at the 27B's shapes.
+weights. `scripts/quant_matmul_check.py` checks it against the dequantized product and times both on a GPU
+at the 27B's shapes.
 """
 
 from __future__ import annotations
@@ -126,35 +126,3 @@ def q4_k_matmul(x: torch.Tensor, data: torch.Tensor, out_features: int,
         )
     return out
 
-
-def _main() -> None:  # pragma: no cover - needs a GPU
-    """On a GPU: the 27B's Q4_K shapes at 256 and 4096 rows, fused against dequantize + cuBLAS (relative
-    difference, ms each after a warm-up at each shape)."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-
-    from lucebox_core.kquants import random_blocks
-    from lucebox_core.quants import QuantTensor, dequantize
-
-    from .backend import CudaBackend
-    from .timing import median_ms, relative_error
-
-    backend = CudaBackend("cuda", torch.bfloat16)
-
-    q4_k = GGMLQuantizationType.Q4_K
-    for out_features, in_features in ((17408, 5120), (5120, 17408), (6144, 5120)):
-        blocks = random_blocks(q4_k, out_features * in_features, 0.02, np.random.default_rng(0))
-        data = torch.from_numpy(blocks.copy()).cuda()
-        dense = dequantize(data, q4_k, (out_features, in_features)).to(torch.bfloat16)
-        for rows in (256, 4096):
-            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
-            fused = lambda: q4_k_matmul(x, data, out_features)  # noqa: E731
-            weight = QuantTensor("w", q4_k, (out_features, in_features), data)
-            tiled = lambda: backend.tiled_linear(x, weight, "q4_k")  # noqa: E731  (the nvrtc dequant + cuBLAS)
-            error = relative_error(fused().float(), (x @ dense.T).float())
-            print(f"{out_features}x{in_features} rows {rows}: fused {median_ms(fused):.3f} ms, dequant tiles + "
-                  f"cuBLAS {median_ms(tiled):.3f} ms, relative difference {error:.2e}", flush=True)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _main()
