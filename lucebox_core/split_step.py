@@ -64,6 +64,11 @@ class SplitStaticStep:
         """Which parts record and replay graphs (the others run eagerly)."""
         return [step.graphs and step.failure is None for step in self.steps]
 
+    @property
+    def failure(self) -> str | None:
+        """The first part's recording failure, if any (what `StaticStep.failure` tells a caller)."""
+        return next((step.failure for step in self.steps if step.failure is not None), None)
+
     def recordings(self) -> list[Any]:
         return [graph for step in self.steps for graph in step.recordings()]
 
