@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 times.append(seconds)
         row = {"test": "ttft_second_turn", "mode": mode, "prompt_tokens": len(second), "restored_tokens": restored,
                "prefilled_tokens": len(second) - restored, "seconds": round(statistics.median(times), 4),
-               "reps": args.reps, "snapshot_bytes": snapshot.nbytes if mode != "cold" else None,
+               "reps": args.reps, "each_s": [round(t, 4) for t in times],
+               "snapshot_bytes": snapshot.nbytes if mode != "cold" else None,
                "expected_restore": boundary, "backend": loaded.backend_name,
                "kv": f"{model.cache_type_k}/{model.cache_type_v}",
                "note": "file in the OS page cache" if mode == "disk" else None}

@@ -634,58 +634,19 @@ s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of th
   return 0
 }
 
-s14_a() {  # ~9 min: session 14's checks: session 13's unverified GPU tests (device draw, graphed Spark incl. Gemma-4,
-  #          then the Laguna CUDA test alone), the second-turn TTFT of a 32K conversation with its breakdown, and
-  #          KVFlash on the 27B with the lru, qk and drafter policies.                 carry: .whl
-  step gpu-tests 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
-    tests/test_spark_graphed.py -k "sampling_recorded or gpu"
-  step laguna-cuda-test 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_laguna_cuda.py \
-    --durations=5
+s15_probe() {  # ~9 min: the GPU tests session 15's first call cut off (now alone: no build beside them), the
+  #              second-turn TTFT with each repetition's time, where a 256-token piece's time goes after the
+  #              prefill tiles, the Laguna step's profile with the paired expert kernel, and the matvec sweep on
+  #              Laguna's shapes (its output projection's few long rows).                    carry: .whl
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
+    tests/test_spark_graphed.py tests/test_decode_graph.py -k "cuda or gpu or routed_expert"
   step synth-27b 60 synth 27b
-  step ttft-32k 100 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
+  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 5 \
     --json "$RES/prefix_cache_ttft.json"
-  step kvflash 170 python3 scripts/kvflash_gpu_check.py -m "$(model 27b)" --device cuda:0 --pool 4096 --depth-pools 8 \
-    --policies lru,qk,drafter -n 64 --round-trip-steps 100 --json "$RES/kvflash.json"
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
-s14_b() {  # ~8 min: the fixed device draw's GPU test, split prefill attention at the 27B's heads, the engine's
-  #          host overhead per decode step (Laguna-XS.2 before the llama.cpp build starts, then the 27B), the
-  #          second-turn TTFT again (short pieces over a long cache now split their keys), Laguna's Spark rows with
-  #          llama.cpp beside.                                                   carry: .whl .llamacpp
-  step gpu-tests 80 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
-    -k sampling_recorded
-  step split-attention 60 python3 -m lucebox_cuda.triton_attention_split
-  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
-  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
-    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
-  step overhead-laguna 60 python3 scripts/decode_overhead.py -m "$skewed" -n 128 --json "$RES/overhead_laguna.json"
-  LLAMA_NICE=19 llama_build_bg
-  step synth-27b 60 synth 27b
-  step ttft-32k 100 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 2 \
-    --json "$RES/prefix_cache_ttft.json"
-  step overhead-27b 70 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 64 --json "$RES/overhead_27b.json"
-  step spark-laguna-skewed 200 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
-    --calibrate 2048 --calibrate-seconds 20 --phase-timeout 120 --json "$RES/spark_laguna_skewed.json"
-  if llama_wait; then
-    step llama-laguna-skewed 100 python3 scripts/bench_spark.py llama -m "$skewed" --residency "$SPARK_RESIDENCY" \
-      --llama-bench "$LB" --timeout 80 --json "$RES/llama_laguna_skewed.json"
-  fi
-  python3 scripts/bench_spark.py report "$RES"/spark_laguna_*.json "$RES"/llama_laguna_*.json --md "$OUT/spark_bench_laguna.md"
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
-s14_c() {  # ~4 min: where the host time of a decode step and of short prefill pieces goes (sync debug mode,
-  #          torch.profiler, cProfile): the 27B (pieces of 3 and 256 tokens at depth 8192), Laguna-XS.2. carry: .whl
-  step synth-27b 60 synth 27b
-  step overhead-27b 150 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 64 --pieces 3,256 --depth 8192 \
-    --json "$RES/overhead_27b.json"
-  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
-  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
-    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
-  step overhead-laguna 90 python3 scripts/decode_overhead.py -m "$skewed" -n 128 --json "$RES/overhead_laguna.json"
+  step pieces-27b 100 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 256 --depth 8192 \
+    --top 30 --json "$RES/overhead_27b.json"
+  laguna_profile
+  step sweep-laguna 100 python3 scripts/matvec_sweep.py --model laguna --skip-correctness --budget-s 50 --out "$RES"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
@@ -779,9 +740,7 @@ session() {
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
-    s14-a) s14_a ;;
-    s14-b) s14_b ;;
-    s14-c) s14_c ;;
+    s15-probe) s15_probe ;;
     s14-d) s14_d ;;
     fused-prefill) fused_prefill ;;
     s15-verify) s15_verify ;;
