@@ -40,6 +40,14 @@ _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
 PREFILL_TILE_BYTES = 192 * 1024 * 1024
 
 
+def _current_raw_stream(device_index: int) -> int:
+    """The handle of torch's current stream on the device (a capture's stream while recording a graph)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is None:  # not a private name every torch build keeps: the public way
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return getter(device_index)
+
+
 def _fused_prefill() -> bool:
     """`LUCEBOX_FUSED_PREFILL=1`: Q4_K prefill products through `triton_quant_matmul` (read at each call)."""
     return os.environ.get("LUCEBOX_FUSED_PREFILL", "0") not in ("", "0")
@@ -105,9 +113,13 @@ class CudaBackend(TorchBackend):
         """Launch a kernel of `program` on the device's current torch stream (the HIP backend's override
         launches through HIP; the kernels' Python callers are the same)."""
         function = self.kernel(*kernel)
-        ensure_context(self.device.index)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        if torch.cuda.current_device() == self.device.index:
+        index = self.device.index
+        ensure_context(index)
+        # torch's raw getter, as Triton's launcher uses it: `torch.cuda.current_stream(device)` builds a
+        # Stream object and normalises the device each call (~20 us of host time a launch on the H200's
+        # host, a few hundred launches a prefill piece that the host, not the GPU, paces).
+        stream = _current_raw_stream(index)
+        if torch.cuda.current_device() == index:
             launch(function, grid, block, args, stream=stream)
             return
         # A model split over GPUs launches on a device other than the thread's current one: the driver needs

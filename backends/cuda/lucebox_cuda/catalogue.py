@@ -146,7 +146,8 @@ PIPE_MAX_BATCH_TWO_GROUPS = 16
 # Measured on an H200 (scripts/matvec_sweep.py, 2026-11-30 session 4; bf16 activations; the fused 27B decode
 # shapes from docs/results/raw/2026-11-30-s4-matvec_sweep_fused.json, the unfused ones from
 # 2026-11-30-s4-matvec_sweep_stream.json); the Gemma-4 31B / 26B-A4B shapes (marked) from
-# docs/results/raw/2026-12-02-s7-matvec_sweep_gemma4.json (session 7).
+# docs/results/raw/2026-12-02-s7-matvec_sweep_gemma4.json (session 7); the Laguna-XS.2 shapes (marked) from
+# docs/results/raw/2026-12-03-s15/call3_matvec_sweep.json (session 15, batch 1).
 MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q4_k', 1, 48, 5120): 'pipe_w8_d3_m1_k4',
     ('q4_k', 1, 96, 5120): 'pipe_w8_d3_m1_k4',
@@ -273,6 +274,18 @@ MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q6_k', 24, 5376, 21504): 'mma',  # gemma4
     ('q6_k', 24, 262144, 2816): 'pipe_w4_d3_m1_k1',  # gemma4
     ('q6_k', 24, 262144, 5376): 'mma_r2',  # gemma4
+    ('q4_k', 1, 1024, 2048): 'mma8',  # laguna (its shared expert's [gate | up]; simt won by 0.4 us)
+    ('q4_k', 1, 2048, 512): 'mma',  # laguna (simt won by 0.3 us)
+    ('q4_k', 1, 2048, 6144): 'mma8',  # laguna
+    ('q4_k', 1, 2048, 8192): 'mma8',  # laguna
+    ('q4_k', 1, 7168, 2048): 'mma',  # laguna
+    ('q4_k', 1, 8240, 2048): 'mma',  # laguna
+    ('q4_k', 1, 9216, 2048): 'mma',  # laguna
+    ('q4_k', 1, 10304, 2048): 'mma',  # laguna
+    ('q4_k', 1, 16384, 2048): 'mma',  # laguna
+    ('q6_k', 1, 1024, 2048): 'pipe_w8_d4_m1_k1',  # laguna
+    ('q6_k', 1, 2048, 8192): 'pipe_w8_d4_m1_k1',  # laguna
+    ('q6_k', 1, 100352, 2048): 'pipe_w4_d3_m1_k1',  # laguna
 }
 
 
