@@ -51,6 +51,7 @@ triton_moe = functools.cache(lambda: _optional("triton_moe"))
 triton_block_sparse = functools.cache(lambda: _optional("triton_block_sparse"))
 triton_attention_split = functools.cache(lambda: _optional("triton_attention_split"))
 triton_norms = functools.cache(lambda: _optional("triton_norms"))
+triton_gdn_glue = functools.cache(lambda: _optional("triton_gdn_glue"))
 
 
 def _triton_takes(ops: Any, *tensors: torch.Tensor) -> bool:
@@ -337,6 +338,19 @@ def accepts_gated_delta_tree(ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: 
 def gated_delta_tree(ops: Any, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim):
     """One Triton kernel walking the nodes (parents read on the device)."""
     return triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+
+
+def accepts_gdn_gates(ops: Any, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor) -> bool:
+    glue = triton_gdn_glue()
+    heads = a.shape[-1]
+    return (glue is not None and _triton_takes(ops, a, b, ssm_a, dt_bias) and a.shape == b.shape and a.numel() > 0
+            and a.is_floating_point() and b.is_floating_point() and 0 < heads <= glue.MAX_GATE_HEADS
+            and ssm_a.numel() == dt_bias.numel() == heads and ssm_a.dtype == dt_bias.dtype == torch.float32)
+
+
+def gdn_gates(ops: Any, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
+    """One launch for both gates (the reference's cast, add, softplus, product and sigmoid are five)."""
+    return triton_gdn_glue().gdn_gates(a, b, ssm_a, dt_bias)
 
 
 def accepts_gated_delta_rule_chunked(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -166,9 +166,8 @@ class GatedDeltaNet:
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         value = value.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
-        beta = ops.sigmoid(b)
-        # g: the log of the per-token decay of the state, <= 0. In fp32: exp(A_log) can be large.
-        g = self.ssm_a * ops.softplus(a.float() + self.dt_bias)
+        # g: the log of the per-token decay of the state, <= 0, fp32; beta = sigmoid(b). One launch on CUDA.
+        g, beta = ops.gdn_gates(a, b, self.ssm_a, self.dt_bias)
         core, new_recurrent = ops.gated_delta_rule_chunked(
             query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
         )
