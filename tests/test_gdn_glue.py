@@ -85,3 +85,53 @@ def test_the_backend_takes_the_gates_at_the_models_shapes():
     assert not op_kernels.accepts_gdn_gates(ops, a, b[..., :47], ssm_a, dt_bias)
     with pytest.raises(ValueError, match="gdn_gates"):
         triton_gdn_glue.gdn_gates(a, b, ssm_a[:47], dt_bias)
+
+
+# -- causal_conv1d_silu_ ------------------------------------------------------------------------------------
+
+
+def conv_inputs(tokens: int, channels: int, kernel: int, dtype: torch.dtype, seed: int, batch: int = 1):
+    """x as the first channels of a wider projection's output (a strided view, as the model's split of
+    [qkv | z] gives it), a non-zero state in x's dtype (the model keeps it so)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(batch, tokens, channels + 40, generator=gen).to(dtype)
+    weight = torch.randn(channels, kernel, generator=gen).to(dtype)
+    state = torch.randn(batch, kernel - 1, channels, generator=gen).to(dtype)
+    return wide[..., :channels], weight, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2, 17, 64, 300])
+def test_causal_conv1d_silu_matches_the_reference_and_updates_the_state(tokens, dtype):
+    x, weight, state = conv_inputs(tokens, 600, 4, dtype, seed=tokens)  # 600: not a whole channel block
+    original, expected_state = state.clone(), state.clone()
+    expected = REFERENCE.causal_conv1d_silu_(x, weight, expected_state)
+    address = state.data_ptr()
+    y = op_kernels.causal_conv1d_silu_(REFERENCE, x, weight, state)
+    assert state.data_ptr() == address and y.shape == x.shape and y.dtype == dtype
+    assert torch.equal(state, expected_state)  # the window's last rows, copied: exact
+    # fp32: summation order only; bf16: the reference sums in bf16, the kernel in fp32.
+    assert relative_error(y, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # And the SiLU is the one the unfused kernel's output would get, rounded first (as the tree kernel does).
+    plain, _ = triton_gdn.causal_conv1d(x, weight, original)
+    assert relative_error(y, torch.nn.functional.silu(plain)) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize(("tokens", "kernel"), [(1, 2), (5, 3), (40, 3), (2, 4)])
+def test_causal_conv1d_silu_other_kernels_and_a_batch(tokens, kernel):
+    x, weight, state = conv_inputs(tokens, 300, kernel, torch.float32, seed=10 * tokens + kernel, batch=2)
+    expected_state = state.clone()
+    expected = REFERENCE.causal_conv1d_silu_(x, weight, expected_state)
+    y, _ = triton_gdn.causal_conv1d(x, weight, state, activation="silu", new_state=state)
+    assert torch.equal(state, expected_state)
+    assert relative_error(y, expected) < 1e-6
+
+
+def test_causal_conv1d_silu_accept_check():
+    ops = TorchBackend("cpu", torch.float32, kernel_table_for={})
+    x, weight, state = conv_inputs(5, 64, 4, torch.bfloat16, seed=2)
+    assert op_kernels.accepts_causal_conv1d_silu_(ops, x, weight, state)
+    assert not op_kernels.accepts_causal_conv1d_silu_(ops, x, weight, state.float())  # written in x's dtype
+    assert not op_kernels.accepts_causal_conv1d_silu_(ops, x, weight, state.transpose(1, 2).contiguous().mT)
+    with pytest.raises(ValueError, match="new_state"):
+        triton_gdn.causal_conv1d(x, weight, state, new_state=state.float())

@@ -389,6 +389,18 @@ def causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.
     return triton_gdn().causal_conv1d(x, weight, state)
 
 
+def accepts_causal_conv1d_silu_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> bool:
+    return (accepts_causal_conv1d(ops, x, weight, state) and state.dtype == x.dtype and state.is_contiguous()
+            and weight.shape[1] - 1 <= triton_gdn().CONV_BLOCK_TOKENS)
+
+
+def causal_conv1d_silu_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One launch for the reference's three (convolution, the state's copy, SiLU): SiLU applied as the tree
+    and step kernels apply it, the new state written over the old one in the kernel."""
+    y, _ = triton_gdn().causal_conv1d(x, weight, state, activation="silu", new_state=state)
+    return y
+
+
 def accepts_causal_conv1d_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
                                parents: torch.Tensor) -> bool:
     return (triton_gdn() is not None and weight.shape[1] >= 2 and x.shape[0] == 1

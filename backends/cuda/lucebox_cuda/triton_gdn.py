@@ -19,7 +19,8 @@ a CUDA graph. Value head `h` reads key head `h % H_k` (the tiled GGUF order).
   simple oracle and fallback; one program per (value head, slice of value dims).
 - `gated_delta_rule_tree`: `_walk_kernel` over the nodes of a tree in index order; a node whose parent
   is not the previous node reloads its parent's state from the node states the program already wrote.
-- `causal_conv1d`: the prefill depthwise convolution, one program per (block of tokens, block of channels).
+- `causal_conv1d`: the prefill depthwise convolution, one program per (block of tokens, block of channels);
+  optionally SiLU and the state updated in place (the family's `causal_conv1d_silu_`).
 - `causal_conv1d_tree`: the qwen35 family's `causal_conv1d_tree` reference (`lucebox_qwen35.ops`) in one launch; each node's window is its own
   ancestry, then the committed state.
 
@@ -500,11 +501,13 @@ def gated_delta_rule_tree(
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, state_ptr, y_ptr, new_state_ptr, tokens, channels,
     stride_xb, stride_xt, stride_wc, stride_wk, stride_sb, stride_sk,
-    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
 ):
-    """y[t] = sum_j weight[:, j] * window[t + j] over the window cat(state, x); the programs of the first
-    token block also write the new state, the window's last KERNEL-1 rows. y and the new state are
-    contiguous [B, T, C] and [B, K-1, C]."""
+    """y[t] = sum_j weight[:, j] * window[t + j] over the window cat(state, x), then SiLU if SILU; the
+    programs of the first token block also write the new state, the window's last KERNEL-1 rows. y and the
+    new state are contiguous [B, T, C] and [B, K-1, C]; the new state may be the state itself: only the
+    first token block's programs read state rows (BLOCK_T >= KERNEL-1), each its own channels, and each
+    writes those channels after its reads."""
     batch = tl.program_id(0)
     times = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -525,6 +528,9 @@ def _causal_conv1d_kernel(
         row = from_x.to(tl.float32) + from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weight_ptr + cols * stride_wc + j * stride_wk, mask=col_ok, other=0.0).to(tl.float32)
         acc += row * weight[None, :]
+    if SILU:  # as the tree and step kernels: rounded to the activation dtype, then SiLU
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc * tl.sigmoid(acc)
     y_rows = (batch * tokens + times).to(tl.int64) * channels
     tl.store(y_ptr + y_rows[:, None] + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=time_ok[:, None] & col_ok[None, :])
@@ -538,31 +544,42 @@ def _causal_conv1d_kernel(
         kept_state = tl.load(state_base + (KERNEL - 1 + kept_source)[:, None] * stride_sk + cols[None, :],
                              mask=(kept_ok & (kept_source < 0))[:, None] & col_ok[None, :], other=0.0)
         rows = kept_x + kept_state.to(x_ptr.dtype.element_ty)
+        # Written in place, the state's rows move between threads: every read of the old rows lands first.
+        tl.debug_barrier()
         new_state_rows = (batch * (KERNEL - 1) + kept).to(tl.int64) * channels
         tl.store(new_state_ptr + new_state_rows[:, None] + cols[None, :], rows,
                  mask=kept_ok[:, None] & col_ok[None, :])
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, *, activation: str | None = None,
+    new_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """the qwen35 family's `causal_conv1d` reference (`lucebox_qwen35.ops`): x `[B, T, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, T, C]`,
-    new state `[B, K-1, C]`), both in x's dtype (fp32 accumulation; no activation)."""
+    new state `[B, K-1, C]`), both in x's dtype (fp32 accumulation). `activation="silu"`: SiLU on y in the
+    same kernel (the family's `causal_conv1d_silu_`). `new_state`: where to write the new state (x's dtype,
+    contiguous), `state` itself to update it in place; by default a new tensor."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', not {activation!r}")
     batch, tokens, channels = x.shape
     kernel = weight.shape[1]
-    if weight.shape[0] != channels or state.shape != (batch, kernel - 1, channels) or kernel < 2:
+    if (weight.shape[0] != channels or state.shape != (batch, kernel - 1, channels) or kernel < 2
+            or kernel - 1 > CONV_BLOCK_TOKENS):
         raise ValueError(f"causal_conv1d shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"state {tuple(state.shape)}")
+    if new_state is None:
+        new_state = torch.empty(batch, kernel - 1, channels, device=x.device, dtype=x.dtype)
+    elif new_state.shape != state.shape or new_state.dtype != x.dtype or not new_state.is_contiguous():
+        raise ValueError(f"new_state must be a contiguous {x.dtype} tensor of shape {tuple(state.shape)}")
     x, state = _last_dim_contiguous(x), _last_dim_contiguous(state)
     y = torch.empty(batch, tokens, channels, device=x.device, dtype=x.dtype)
-    new_state = torch.empty(batch, kernel - 1, channels, device=x.device, dtype=x.dtype)
     grid = (batch, max(1, triton.cdiv(tokens, CONV_BLOCK_TOKENS)), triton.cdiv(channels, CONV_BLOCK_CHANNELS))
     with _device_scope(x):
         _causal_conv1d_kernel[grid](
             x, weight, state, y, new_state, tokens, channels,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), state.stride(0), state.stride(1),
             KERNEL=kernel, BLOCK_T=CONV_BLOCK_TOKENS, BLOCK_C=CONV_BLOCK_CHANNELS,
-            BLOCK_K=triton.next_power_of_2(kernel - 1),
+            BLOCK_K=triton.next_power_of_2(kernel - 1), SILU=activation == "silu",
         )
     return y, new_state
 

@@ -159,9 +159,7 @@ class GatedDeltaNet:
             core = ops.gated_rms_norm(core, z, self.norm, self.eps)
             return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
 
-        conv_out, new_conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
-        state.conv.copy_(new_conv)
-        conv_out = ops.silu(conv_out)
+        conv_out = ops.causal_conv1d_silu_(mixed_qkv, self.conv1d, state.conv)  # the conv state in place
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))

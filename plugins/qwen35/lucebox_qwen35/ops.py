@@ -111,6 +111,15 @@ def causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.
 
 
 @QWEN35_OPS.reference
+def causal_conv1d_silu_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d`, then SiLU on y, `state` `[B, K-1, C]` replaced in place by the new state (the prefill
+    form of `conv_silu_update_`): x `[B, T, C]` -> `[B, T, C]`."""
+    y, new_state = ops.causal_conv1d(x, weight, state)
+    state.copy_(new_state)
+    return ops.silu(y)
+
+
+@QWEN35_OPS.reference
 def causal_conv1d_step(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One-token `causal_conv1d` (the decode kernel): x `[B, C]` -> y `[B, C]`, new state `[B, K-1, C]`."""
     window = torch.cat([state.to(x.dtype), x[:, None]], dim=1)  # [B, K, C]
