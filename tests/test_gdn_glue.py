@@ -5,6 +5,8 @@ by Triton's interpreter on random inputs; then a tiny qwen35 model prefilling th
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules are first imported
 
@@ -135,3 +137,123 @@ def test_causal_conv1d_silu_accept_check():
     assert not op_kernels.accepts_causal_conv1d_silu_(ops, x, weight, state.transpose(1, 2).contiguous().mT)
     with pytest.raises(ValueError, match="new_state"):
         triton_gdn.causal_conv1d(x, weight, state, new_state=state.float())
+
+
+# -- gated_delta_rule_chunked_ -------------------------------------------------------------------------------
+
+
+def delta_inputs(tokens: int, key_heads: int, value_heads: int, dim: int, dtype: torch.dtype, seed: int):
+    """Model-like ranges: unit q and k, g <= 0 in fp32, beta in (0, 1), a non-zero fp32 state."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(1, tokens, key_heads, dim, generator=gen), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(1, tokens, key_heads, dim, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(1, tokens, value_heads, dim, generator=gen).to(dtype)
+    g = -torch.rand(1, tokens, value_heads, generator=gen)
+    beta = torch.rand(1, tokens, value_heads, generator=gen).to(dtype)
+    state = torch.randn(1, value_heads, dim, dim, generator=gen)
+    return q, k, v, g, beta, state
+
+
+# 300 tokens: past op_kernels.SEQUENTIAL_PREFILL_TOKENS, so the chunk scan; the rest walk token by token.
+@pytest.mark.parametrize(("tokens", "dtype"), [(1, torch.float32), (17, torch.float32), (64, torch.bfloat16),
+                                               (300, torch.float32)])
+def test_gated_delta_rule_chunked_in_place_matches_the_reference(tokens, dtype):
+    q, k, v, g, beta, state = delta_inputs(tokens, 2, 6, 16, dtype, seed=tokens)
+    expected_out, expected_state = REFERENCE.gated_delta_rule_chunked(q.float(), k.float(), v.float(), g,
+                                                                      beta.float(), state)
+    separate_out, separate_state = op_kernels.gated_delta_rule_chunked(REFERENCE, q, k, v, g, beta, state)
+    address = state.data_ptr()
+    out = op_kernels.gated_delta_rule_chunked_(REFERENCE, q, k, v, g, beta, state)
+    assert state.data_ptr() == address
+    # The same kernels and arithmetic as the out-of-place op: the same bits.
+    assert torch.equal(out, separate_out) and torch.equal(state, separate_state)
+    assert relative_error(out, expected_out) < (1e-4 if dtype == torch.float32 else 2e-2)
+    assert relative_error(state, expected_state) < (1e-4 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("tokens", [17, 70])
+def test_both_scans_write_the_state_in_place(tokens):
+    """Each scan, whatever the token count (the op picks one by length), over tiled heads (H_v = 3 H_k)."""
+    q, k, v, g, beta, state = delta_inputs(tokens, 1, 3, 32, torch.float32, seed=tokens + 5)
+    expected_out, expected_state = REFERENCE.gated_delta_rule_chunked(q, k, v, g, beta, state)
+    for scan in (triton_gdn.gated_delta_rule_chunked, triton_gdn.gated_delta_rule_sequential):
+        written = state.clone()
+        out, returned = scan(q, k, v, g, beta, written, new_state=written)
+        assert returned is written
+        assert relative_error(out, expected_out) < 1e-4 and relative_error(written, expected_state) < 1e-4
+    with pytest.raises(ValueError, match="new_state"):
+        triton_gdn.gated_delta_rule_sequential(q, k, v, g, beta, state, new_state=state[..., :8])
+
+
+def test_gated_delta_rule_chunked_in_place_accept_check():
+    ops = TorchBackend("cpu", torch.float32, kernel_table_for={})
+    q, k, v, g, beta, state = delta_inputs(3, 2, 6, 16, torch.bfloat16, seed=0)
+    assert op_kernels.accepts_gated_delta_rule_chunked_(ops, q, k, v, g, beta, state)
+    assert not op_kernels.accepts_gated_delta_rule_chunked_(ops, q, k, v, g, beta, state.mT)  # not contiguous
+    assert not op_kernels.accepts_gated_delta_rule_chunked_(ops, q, k, v, g, beta, state, chunk_size=48)
+
+
+# -- a tiny qwen35 model prefilling through the three kernels ------------------------------------------------
+
+GLUE_OPS = ("gdn_gates", "causal_conv1d_silu_", "gated_delta_rule_chunked_")
+
+
+def glue_on_cpu(ran: set[str]) -> list[OpKernel]:
+    """The backend's own kernel and check for each glue op, noting in `ran` which ops they computed."""
+    def kernel(op):
+        def run(ops, *args, **kwargs):
+            ran.add(op)
+            return getattr(op_kernels, op)(ops, *args, **kwargs)
+        return run
+
+    return [OpKernel(op=op, backend="glue-cpu", kernel=kernel(op), accepts=getattr(op_kernels, f"accepts_{op}"))
+            for op in GLUE_OPS]
+
+
+def test_tiny_model_prefills_through_the_kernels(tmp_path):
+    """Two prefill pieces (the second continues from the states the first wrote in place), then a decode
+    step from them, on the reference backend and on one whose three glue ops are the Triton kernels."""
+    from lucebox_qwen35 import loader, synth
+
+    path = tmp_path / "tiny.gguf"
+    synth.write(path, size="tiny", type="q8_0", seed=4)
+    ran: set[str] = set()
+    reference = loader.load(path, TorchBackend())
+    glued = loader.load(path, TorchBackend(kernel_table_for=kernel_table("glue-cpu", glue_on_cpu(ran))))
+    prompt = torch.randint(0, reference.vocab_size, (23,), generator=torch.Generator().manual_seed(2))
+    a, b = reference.new_state(), glued.new_state()
+    for piece in (prompt[:17], prompt[17:]):
+        expected, result = reference.forward(a, piece), glued.forward(b, piece)
+        assert relative_error(result, expected) < 1e-4
+    assert ran == set(GLUE_OPS)  # every glue op took the model's tensors
+    expected = reference.decode_step(a, int(prompt[-1]), graphs=False)
+    assert relative_error(glued.decode_step(b, int(prompt[-1]), graphs=False), expected) < 1e-4
+
+
+# -- the gates kernel compiles for the GPU (no GPU needed; the scans and the convolution: test_triton_gdn) -----
+
+COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lucebox_cuda import triton_gdn_glue as glue
+
+kernel = glue._gdn_gates_kernel
+types = dict(a_ptr="*bf16", b_ptr="*bf16", ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", g_ptr="*fp32", beta_ptr="*bf16",
+             threshold="fp32")
+constants = dict(BLOCK_T=glue.GATES_BLOCK_TOKENS, BLOCK_H=64)
+signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
+binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32))
+assert binary.asm["cubin"][:4] == b"\\x7fELF"
+print("compiled")
+"""
+
+
+def test_the_gates_kernel_compiles_for_hopper(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, check=False,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip() == "compiled"

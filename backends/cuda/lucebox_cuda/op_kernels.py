@@ -362,11 +362,28 @@ def accepts_gated_delta_rule_chunked(ops: Any, q: torch.Tensor, k: torch.Tensor,
             and _triton_takes(ops, *tensors))
 
 
+def _delta_prefill(q, k, v, g, beta, state, chunk_size, scale, new_state):
+    if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
+        return triton_gdn().gated_delta_rule_sequential(q, k, v, g, beta, state, scale, new_state=new_state)
+    return triton_gdn().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale, new_state=new_state)
+
+
 def gated_delta_rule_chunked(ops: Any, q, k, v, g, beta, state, chunk_size=64, scale=None):
     """Two Triton kernels (chunk inverses, then the chunk scan); short runs token by token."""
-    if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
-        return triton_gdn().gated_delta_rule_sequential(q, k, v, g, beta, state, scale)
-    return triton_gdn().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
+    return _delta_prefill(q, k, v, g, beta, state, chunk_size, scale, None)
+
+
+def accepts_gated_delta_rule_chunked_(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64,
+                                      scale: float | None = None) -> bool:
+    return (state is not None and state.dtype == torch.float32 and state.is_contiguous()
+            and accepts_gated_delta_rule_chunked(ops, q, k, v, g, beta, state, chunk_size, scale))
+
+
+def gated_delta_rule_chunked_(ops: Any, q, k, v, g, beta, state, chunk_size=64, scale=None) -> torch.Tensor:
+    """The scan writes the new state over the old (each program owns its state tile), saving the copy."""
+    out, _ = _delta_prefill(q, k, v, g, beta, state, chunk_size, scale, state)
+    return out
 
 
 def accepts_gated_delta_rule_tree(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

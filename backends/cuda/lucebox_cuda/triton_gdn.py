@@ -259,6 +259,7 @@ def _chunk_scan_kernel(
                                 tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
                                 stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
                                 KEY_DIM, VALUE_DIM, CHUNK, BLOCK_K, DOT_PRECISION, SPLIT_BF16, INTERPRETED)
+    tl.debug_barrier()  # the new state may overwrite the old (`_state_out`): every thread's read lands first
     tl.store(new_state_ptr + tile, state, mask=tile_ok)
 
 
@@ -279,6 +280,17 @@ def _initial_state(state: torch.Tensor | None, v: torch.Tensor, key_dim: int) ->
     if state.shape != (batch, value_heads, key_dim, value_dim):
         raise ValueError(f"state shape {tuple(state.shape)}, expected {(batch, value_heads, key_dim, value_dim)}")
     return state.float().contiguous()
+
+
+def _state_out(new_state: torch.Tensor | None, state: torch.Tensor) -> torch.Tensor:
+    """Where a scan writes the new state: a new tensor, or `new_state` (fp32, contiguous, the state's shape).
+    That may be the state itself: each program reads its own tile of it whole before writing the tile, and
+    no other program reads that tile."""
+    if new_state is None:
+        return torch.empty_like(state)
+    if new_state.shape != state.shape or new_state.dtype != torch.float32 or not new_state.is_contiguous():
+        raise ValueError(f"new_state must be a contiguous fp32 tensor of shape {tuple(state.shape)}")
+    return new_state
 
 
 def _strides(tensor: torch.Tensor, dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -302,13 +314,15 @@ def gated_delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None, chunk_size: int = 64, scale: float | None = None, *,
     block_values: int | None = None, num_warps: int = SCAN_WARPS, num_stages: int | None = None,
+    new_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """the qwen35 family's `gated_delta_rule_chunked` reference (`lucebox_qwen35.ops`): q, k `[B, T, H_k, D_k]` (L2-normalised), v `[B, T, H_v, D_v]`,
     g (fp32 log decay) and beta `[B, T, H_v]`, state `[B, H_v, D_k, D_v]` fp32 or None (zeros; not
     modified) -> (o `[B, T, H_v, D_v]` in v's dtype, the new fp32 state).
 
     `chunk_size` must be one of `CHUNK_SIZES`. The keywords tune the scan launch (value dims per program,
-    default `scan_block_values`; warps; pipeline stages) and change no result beyond rounding.
+    default `scan_block_values`; warps; pipeline stages) and change no result beyond rounding; `new_state`:
+    where to write the new state (`_state_out`), `state` itself to update it in place.
     """
     _check_delta_shapes("gated_delta_rule_chunked", q, k, v, g, beta)
     if chunk_size not in CHUNK_SIZES:
@@ -317,9 +331,10 @@ def gated_delta_rule_chunked(
     value_heads, value_dim = v.shape[2], v.shape[3]
     state = _initial_state(state, v, key_dim)
     out = torch.empty(batch, tokens, value_heads, value_dim, device=v.device, dtype=v.dtype)
-    new_state = torch.empty_like(state)
+    new_state = _state_out(new_state, state)
     if tokens == 0:
-        new_state.copy_(state)
+        if new_state is not state:
+            new_state.copy_(state)
         return out, new_state
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = key_dim**-0.5 if scale is None else scale
@@ -438,6 +453,7 @@ def _walk_kernel(
         i += 1
 
     if not TREE:
+        tl.debug_barrier()  # as the chunk scan: the new state may overwrite the old
         tl.store(states_out_ptr + sequence_head.to(tl.int64) * head_state_size + slice_in_head, state, mask=tile_ok)
 
 
@@ -462,14 +478,15 @@ def _walk(q, k, v, g, beta, state, parents, scale, states_out, block_values, num
 def gated_delta_rule_sequential(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None, scale: float | None = None, *, block_values: int = WALK_BLOCK_VALUES,
-    num_warps: int = WALK_WARPS,
+    num_warps: int = WALK_WARPS, new_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """the qwen35 family's `gated_delta_rule_recurrent` reference (`lucebox_qwen35.ops`) (any T) as one kernel walking the tokens in order: the
     simple form of `gated_delta_rule_chunked`, same arguments less `chunk_size`. Slower for long T
-    (every token is a dependent step); kept as a fallback and as a second oracle."""
+    (every token is a dependent step); kept as a fallback and as a second oracle. `new_state`: as
+    `gated_delta_rule_chunked`'s."""
     _check_delta_shapes("gated_delta_rule_sequential", q, k, v, g, beta)
     state = _initial_state(state, v, k.shape[3])
-    new_state = torch.empty_like(state)
+    new_state = _state_out(new_state, state)
     out = _walk(q, k, v, g, beta, state, None, scale, new_state, block_values, num_warps)
     return out, new_state
 

@@ -166,10 +166,9 @@ class GatedDeltaNet:
         value = value.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
         # g: the log of the per-token decay of the state, <= 0, fp32; beta = sigmoid(b). One launch on CUDA.
         g, beta = ops.gdn_gates(a, b, self.ssm_a, self.dt_bias)
-        core, new_recurrent = ops.gated_delta_rule_chunked(
+        core = ops.gated_delta_rule_chunked_(  # the recurrent state in place
             query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
         )
-        state.recurrent.copy_(new_recurrent)
         # Gated RMSNorm, norm before gate: rmsnorm(core) * w * silu(z), per value head.
         core = ops.gated_rms_norm(core, z, self.norm, self.eps)
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)

@@ -297,6 +297,18 @@ def gated_delta_rule_chunked(
     return out.transpose(1, 2).to(input_dtype), state
 
 
+@QWEN35_OPS.reference
+def gated_delta_rule_chunked_(
+    ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk_size: int = 64, scale: float | None = None,
+) -> torch.Tensor:
+    """`gated_delta_rule_chunked` with `state` (fp32 `[B, H_v, D_k, D_v]`) replaced in place by the new
+    state (the prefill's form: a backend writes it from the scan, without a copy). Returns o."""
+    out, new_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size, scale=scale)
+    state.copy_(new_state)
+    return out
+
+
 # -- the MoE router (qwen35moe) ------------------------------------------------------------------------------
 
 
