@@ -246,7 +246,7 @@ if True:
                             out_ptr=p, states_out_ptr="*fp32", scale="fp32"),
                        dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=16, TREE=tree), num_warps=gdn.WALK_WARPS)
     compile_kernel(gdn._causal_conv1d_kernel, dict(x_ptr=p, weight_ptr=p, state_ptr="*fp32", y_ptr=p, new_state_ptr=p),
-                   dict(KERNEL=4, BLOCK_T=16, BLOCK_C=256, BLOCK_K=4))
+                   dict(KERNEL=4, BLOCK_T=16, BLOCK_C=256, BLOCK_K=4, SILU=True))
     compile_kernel(gdn._causal_conv1d_tree_kernel,
                    dict(x_ptr=p, weight_ptr=p, state_ptr="*fp32", parents_ptr="*i64", y_ptr=p, node_states_ptr=p),
                    dict(KERNEL=4, BLOCK_K=4, BLOCK_C=256, SILU=True))

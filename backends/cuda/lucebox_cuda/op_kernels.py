@@ -51,6 +51,7 @@ triton_moe = functools.cache(lambda: _optional("triton_moe"))
 triton_block_sparse = functools.cache(lambda: _optional("triton_block_sparse"))
 triton_attention_split = functools.cache(lambda: _optional("triton_attention_split"))
 triton_norms = functools.cache(lambda: _optional("triton_norms"))
+triton_gdn_glue = functools.cache(lambda: _optional("triton_gdn_glue"))
 
 
 def _triton_takes(ops: Any, *tensors: torch.Tensor) -> bool:
@@ -339,6 +340,19 @@ def gated_delta_tree(ops: Any, mixed, a, b, ssm_a, dt_bias, state, parents, num_
     return triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
 
 
+def accepts_gdn_gates(ops: Any, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor) -> bool:
+    glue = triton_gdn_glue()
+    heads = a.shape[-1]
+    return (glue is not None and _triton_takes(ops, a, b, ssm_a, dt_bias) and a.shape == b.shape and a.numel() > 0
+            and a.is_floating_point() and b.is_floating_point() and 0 < heads <= glue.MAX_GATE_HEADS
+            and ssm_a.numel() == dt_bias.numel() == heads and ssm_a.dtype == dt_bias.dtype == torch.float32)
+
+
+def gdn_gates(ops: Any, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor):
+    """One launch for both gates (the reference's cast, add, softplus, product and sigmoid are five)."""
+    return triton_gdn_glue().gdn_gates(a, b, ssm_a, dt_bias)
+
+
 def accepts_gated_delta_rule_chunked(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                      beta: torch.Tensor, state: torch.Tensor | None, chunk_size: int = 64,
                                      scale: float | None = None) -> bool:
@@ -348,11 +362,28 @@ def accepts_gated_delta_rule_chunked(ops: Any, q: torch.Tensor, k: torch.Tensor,
             and _triton_takes(ops, *tensors))
 
 
+def _delta_prefill(q, k, v, g, beta, state, chunk_size, scale, new_state):
+    if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
+        return triton_gdn().gated_delta_rule_sequential(q, k, v, g, beta, state, scale, new_state=new_state)
+    return triton_gdn().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale, new_state=new_state)
+
+
 def gated_delta_rule_chunked(ops: Any, q, k, v, g, beta, state, chunk_size=64, scale=None):
     """Two Triton kernels (chunk inverses, then the chunk scan); short runs token by token."""
-    if q.shape[1] <= SEQUENTIAL_PREFILL_TOKENS:
-        return triton_gdn().gated_delta_rule_sequential(q, k, v, g, beta, state, scale)
-    return triton_gdn().gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size, scale)
+    return _delta_prefill(q, k, v, g, beta, state, chunk_size, scale, None)
+
+
+def accepts_gated_delta_rule_chunked_(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64,
+                                      scale: float | None = None) -> bool:
+    return (state is not None and state.dtype == torch.float32 and state.is_contiguous()
+            and accepts_gated_delta_rule_chunked(ops, q, k, v, g, beta, state, chunk_size, scale))
+
+
+def gated_delta_rule_chunked_(ops: Any, q, k, v, g, beta, state, chunk_size=64, scale=None) -> torch.Tensor:
+    """The scan writes the new state over the old (each program owns its state tile), saving the copy."""
+    out, _ = _delta_prefill(q, k, v, g, beta, state, chunk_size, scale, state)
+    return out
 
 
 def accepts_gated_delta_rule_tree(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -373,6 +404,18 @@ def accepts_causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state
 
 def causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
     return triton_gdn().causal_conv1d(x, weight, state)
+
+
+def accepts_causal_conv1d_silu_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> bool:
+    return (accepts_causal_conv1d(ops, x, weight, state) and state.dtype == x.dtype and state.is_contiguous()
+            and weight.shape[1] - 1 <= triton_gdn().CONV_BLOCK_TOKENS)
+
+
+def causal_conv1d_silu_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One launch for the reference's three (convolution, the state's copy, SiLU): SiLU applied as the tree
+    and step kernels apply it, the new state written over the old one in the kernel."""
+    y, _ = triton_gdn().causal_conv1d(x, weight, state, activation="silu", new_state=state)
+    return y
 
 
 def accepts_causal_conv1d_tree(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,

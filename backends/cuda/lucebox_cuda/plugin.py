@@ -22,7 +22,7 @@ GENERIC_KERNEL_OPS = (
 FAMILY_KERNEL_OPS = (
     "gated_delta_rule_recurrent", "gated_delta_rule_chunked", "gated_delta_rule_tree", "gated_delta_decode_",
     "gated_delta_tree", "causal_conv1d", "causal_conv1d_step", "causal_conv1d_tree", "conv_silu_update_",
-    "conv_silu_tree",
+    "conv_silu_tree", "gdn_gates", "causal_conv1d_silu_", "gated_delta_rule_chunked_",
     "moe_experts",  # Gemma-4's (and any family's of that name and signature) routed experts, GeGLU
     "moe_experts_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)
 )

@@ -69,6 +69,18 @@ def sigmoid_topk(logits: torch.Tensor, selection_bias: torch.Tensor, top_k: int,
 
 
 @triton.jit
+def softplus_fp32(x, threshold):
+    """torch's softplus of fp32 `x`: x above `threshold`, else log1p(exp(x)). log1p(u) as log(w) * u / (w - 1),
+    w = 1 + u (exact where w rounds to 1: then u): accurate for tiny u, and the interpreter has no libdevice.
+    Shared with `triton_gdn_glue`'s Gated DeltaNet gates."""
+    u = tl.exp(x)
+    w = 1.0 + u
+    # The unused branch divides by 1, not 0 (no inf * 0 left behind in masked-off lanes).
+    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+    return tl.where(x > threshold, x, log1p)
+
+
+@triton.jit
 def _softplus_head_gate_kernel(out_ptr, gate_ptr, res_ptr, heads, head_dim, out_token, out_head, gate_token,
                                threshold, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
@@ -77,12 +89,7 @@ def _softplus_head_gate_kernel(out_ptr, gate_ptr, res_ptr, heads, head_dim, out_
     ok = dims < head_dim
     dtype = res_ptr.dtype.element_ty
     g = tl.load(gate_ptr + token * gate_token + head).to(tl.float32)
-    # log1p(u) as log(w) * u / (w - 1), w = 1 + u (exact where w rounds to 1: then u): accurate for tiny u, and
-    # the interpreter has no libdevice.
-    u = tl.exp(g)
-    w = 1.0 + u
-    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
-    soft = tl.where(g > threshold, g, log1p).to(dtype).to(tl.float32)
+    soft = softplus_fp32(g, threshold).to(dtype).to(tl.float32)
     x = tl.load(out_ptr + token * out_token + head * out_head + dims, mask=ok, other=0.0).to(tl.float32)
     tl.store(res_ptr + (token * heads + head) * head_dim + dims, (x * soft).to(dtype), mask=ok)
 

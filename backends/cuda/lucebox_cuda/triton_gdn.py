@@ -19,7 +19,8 @@ a CUDA graph. Value head `h` reads key head `h % H_k` (the tiled GGUF order).
   simple oracle and fallback; one program per (value head, slice of value dims).
 - `gated_delta_rule_tree`: `_walk_kernel` over the nodes of a tree in index order; a node whose parent
   is not the previous node reloads its parent's state from the node states the program already wrote.
-- `causal_conv1d`: the prefill depthwise convolution, one program per (block of tokens, block of channels).
+- `causal_conv1d`: the prefill depthwise convolution, one program per (block of tokens, block of channels);
+  optionally SiLU and the state updated in place (the family's `causal_conv1d_silu_`).
 - `causal_conv1d_tree`: the qwen35 family's `causal_conv1d_tree` reference (`lucebox_qwen35.ops`) in one launch; each node's window is its own
   ancestry, then the committed state.
 
@@ -258,6 +259,7 @@ def _chunk_scan_kernel(
                                 tokens, scale, head, batch, value_heads, key_dims, key_ok, value_dims, value_ok,
                                 stride_qt, stride_kt, stride_vt, stride_gt, stride_betat,
                                 KEY_DIM, VALUE_DIM, CHUNK, BLOCK_K, DOT_PRECISION, SPLIT_BF16, INTERPRETED)
+    tl.debug_barrier()  # the new state may overwrite the old (`_state_out`): every thread's read lands first
     tl.store(new_state_ptr + tile, state, mask=tile_ok)
 
 
@@ -278,6 +280,17 @@ def _initial_state(state: torch.Tensor | None, v: torch.Tensor, key_dim: int) ->
     if state.shape != (batch, value_heads, key_dim, value_dim):
         raise ValueError(f"state shape {tuple(state.shape)}, expected {(batch, value_heads, key_dim, value_dim)}")
     return state.float().contiguous()
+
+
+def _state_out(new_state: torch.Tensor | None, state: torch.Tensor) -> torch.Tensor:
+    """Where a scan writes the new state: a new tensor, or `new_state` (fp32, contiguous, the state's shape).
+    That may be the state itself: each program reads its own tile of it whole before writing the tile, and
+    no other program reads that tile."""
+    if new_state is None:
+        return torch.empty_like(state)
+    if new_state.shape != state.shape or new_state.dtype != torch.float32 or not new_state.is_contiguous():
+        raise ValueError(f"new_state must be a contiguous fp32 tensor of shape {tuple(state.shape)}")
+    return new_state
 
 
 def _strides(tensor: torch.Tensor, dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -301,13 +314,15 @@ def gated_delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None, chunk_size: int = 64, scale: float | None = None, *,
     block_values: int | None = None, num_warps: int = SCAN_WARPS, num_stages: int | None = None,
+    new_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """the qwen35 family's `gated_delta_rule_chunked` reference (`lucebox_qwen35.ops`): q, k `[B, T, H_k, D_k]` (L2-normalised), v `[B, T, H_v, D_v]`,
     g (fp32 log decay) and beta `[B, T, H_v]`, state `[B, H_v, D_k, D_v]` fp32 or None (zeros; not
     modified) -> (o `[B, T, H_v, D_v]` in v's dtype, the new fp32 state).
 
     `chunk_size` must be one of `CHUNK_SIZES`. The keywords tune the scan launch (value dims per program,
-    default `scan_block_values`; warps; pipeline stages) and change no result beyond rounding.
+    default `scan_block_values`; warps; pipeline stages) and change no result beyond rounding; `new_state`:
+    where to write the new state (`_state_out`), `state` itself to update it in place.
     """
     _check_delta_shapes("gated_delta_rule_chunked", q, k, v, g, beta)
     if chunk_size not in CHUNK_SIZES:
@@ -316,9 +331,10 @@ def gated_delta_rule_chunked(
     value_heads, value_dim = v.shape[2], v.shape[3]
     state = _initial_state(state, v, key_dim)
     out = torch.empty(batch, tokens, value_heads, value_dim, device=v.device, dtype=v.dtype)
-    new_state = torch.empty_like(state)
+    new_state = _state_out(new_state, state)
     if tokens == 0:
-        new_state.copy_(state)
+        if new_state is not state:
+            new_state.copy_(state)
         return out, new_state
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     scale = key_dim**-0.5 if scale is None else scale
@@ -437,6 +453,7 @@ def _walk_kernel(
         i += 1
 
     if not TREE:
+        tl.debug_barrier()  # as the chunk scan: the new state may overwrite the old
         tl.store(states_out_ptr + sequence_head.to(tl.int64) * head_state_size + slice_in_head, state, mask=tile_ok)
 
 
@@ -461,14 +478,15 @@ def _walk(q, k, v, g, beta, state, parents, scale, states_out, block_values, num
 def gated_delta_rule_sequential(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor | None, scale: float | None = None, *, block_values: int = WALK_BLOCK_VALUES,
-    num_warps: int = WALK_WARPS,
+    num_warps: int = WALK_WARPS, new_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """the qwen35 family's `gated_delta_rule_recurrent` reference (`lucebox_qwen35.ops`) (any T) as one kernel walking the tokens in order: the
     simple form of `gated_delta_rule_chunked`, same arguments less `chunk_size`. Slower for long T
-    (every token is a dependent step); kept as a fallback and as a second oracle."""
+    (every token is a dependent step); kept as a fallback and as a second oracle. `new_state`: as
+    `gated_delta_rule_chunked`'s."""
     _check_delta_shapes("gated_delta_rule_sequential", q, k, v, g, beta)
     state = _initial_state(state, v, k.shape[3])
-    new_state = torch.empty_like(state)
+    new_state = _state_out(new_state, state)
     out = _walk(q, k, v, g, beta, state, None, scale, new_state, block_values, num_warps)
     return out, new_state
 
@@ -500,11 +518,13 @@ def gated_delta_rule_tree(
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, state_ptr, y_ptr, new_state_ptr, tokens, channels,
     stride_xb, stride_xt, stride_wc, stride_wk, stride_sb, stride_sk,
-    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
 ):
-    """y[t] = sum_j weight[:, j] * window[t + j] over the window cat(state, x); the programs of the first
-    token block also write the new state, the window's last KERNEL-1 rows. y and the new state are
-    contiguous [B, T, C] and [B, K-1, C]."""
+    """y[t] = sum_j weight[:, j] * window[t + j] over the window cat(state, x), then SiLU if SILU; the
+    programs of the first token block also write the new state, the window's last KERNEL-1 rows. y and the
+    new state are contiguous [B, T, C] and [B, K-1, C]; the new state may be the state itself: only the
+    first token block's programs read state rows (BLOCK_T >= KERNEL-1), each its own channels, and each
+    writes those channels after its reads."""
     batch = tl.program_id(0)
     times = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -525,6 +545,9 @@ def _causal_conv1d_kernel(
         row = from_x.to(tl.float32) + from_state.to(x_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weight_ptr + cols * stride_wc + j * stride_wk, mask=col_ok, other=0.0).to(tl.float32)
         acc += row * weight[None, :]
+    if SILU:  # as the tree and step kernels: rounded to the activation dtype, then SiLU
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc * tl.sigmoid(acc)
     y_rows = (batch * tokens + times).to(tl.int64) * channels
     tl.store(y_ptr + y_rows[:, None] + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=time_ok[:, None] & col_ok[None, :])
@@ -538,31 +561,42 @@ def _causal_conv1d_kernel(
         kept_state = tl.load(state_base + (KERNEL - 1 + kept_source)[:, None] * stride_sk + cols[None, :],
                              mask=(kept_ok & (kept_source < 0))[:, None] & col_ok[None, :], other=0.0)
         rows = kept_x + kept_state.to(x_ptr.dtype.element_ty)
+        # Written in place, the state's rows move between threads: every read of the old rows lands first.
+        tl.debug_barrier()
         new_state_rows = (batch * (KERNEL - 1) + kept).to(tl.int64) * channels
         tl.store(new_state_ptr + new_state_rows[:, None] + cols[None, :], rows,
                  mask=kept_ok[:, None] & col_ok[None, :])
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, *, activation: str | None = None,
+    new_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """the qwen35 family's `causal_conv1d` reference (`lucebox_qwen35.ops`): x `[B, T, C]`, weight `[C, K]`, state `[B, K-1, C]` -> (y `[B, T, C]`,
-    new state `[B, K-1, C]`), both in x's dtype (fp32 accumulation; no activation)."""
+    new state `[B, K-1, C]`), both in x's dtype (fp32 accumulation). `activation="silu"`: SiLU on y in the
+    same kernel (the family's `causal_conv1d_silu_`). `new_state`: where to write the new state (x's dtype,
+    contiguous), `state` itself to update it in place; by default a new tensor."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', not {activation!r}")
     batch, tokens, channels = x.shape
     kernel = weight.shape[1]
-    if weight.shape[0] != channels or state.shape != (batch, kernel - 1, channels) or kernel < 2:
+    if (weight.shape[0] != channels or state.shape != (batch, kernel - 1, channels) or kernel < 2
+            or kernel - 1 > CONV_BLOCK_TOKENS):
         raise ValueError(f"causal_conv1d shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"state {tuple(state.shape)}")
+    if new_state is None:
+        new_state = torch.empty(batch, kernel - 1, channels, device=x.device, dtype=x.dtype)
+    elif new_state.shape != state.shape or new_state.dtype != x.dtype or not new_state.is_contiguous():
+        raise ValueError(f"new_state must be a contiguous {x.dtype} tensor of shape {tuple(state.shape)}")
     x, state = _last_dim_contiguous(x), _last_dim_contiguous(state)
     y = torch.empty(batch, tokens, channels, device=x.device, dtype=x.dtype)
-    new_state = torch.empty(batch, kernel - 1, channels, device=x.device, dtype=x.dtype)
     grid = (batch, max(1, triton.cdiv(tokens, CONV_BLOCK_TOKENS)), triton.cdiv(channels, CONV_BLOCK_CHANNELS))
     with _device_scope(x):
         _causal_conv1d_kernel[grid](
             x, weight, state, y, new_state, tokens, channels,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), state.stride(0), state.stride(1),
             KERNEL=kernel, BLOCK_T=CONV_BLOCK_TOKENS, BLOCK_C=CONV_BLOCK_CHANNELS,
-            BLOCK_K=triton.next_power_of_2(kernel - 1),
+            BLOCK_K=triton.next_power_of_2(kernel - 1), SILU=activation == "silu",
         )
     return y, new_state
 

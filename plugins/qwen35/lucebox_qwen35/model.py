@@ -159,20 +159,16 @@ class GatedDeltaNet:
             core = ops.gated_rms_norm(core, z, self.norm, self.eps)
             return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
 
-        conv_out, new_conv = ops.causal_conv1d(mixed_qkv, self.conv1d, state.conv)
-        state.conv.copy_(new_conv)
-        conv_out = ops.silu(conv_out)
+        conv_out = ops.causal_conv1d_silu_(mixed_qkv, self.conv1d, state.conv)  # the conv state in place
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         value = value.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
-        beta = ops.sigmoid(b)
-        # g: the log of the per-token decay of the state, <= 0. In fp32: exp(A_log) can be large.
-        g = self.ssm_a * ops.softplus(a.float() + self.dt_bias)
-        core, new_recurrent = ops.gated_delta_rule_chunked(
+        # g: the log of the per-token decay of the state, <= 0, fp32; beta = sigmoid(b). One launch on CUDA.
+        g, beta = ops.gdn_gates(a, b, self.ssm_a, self.dt_bias)
+        core = ops.gated_delta_rule_chunked_(  # the recurrent state in place
             query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
         )
-        state.recurrent.copy_(new_recurrent)
         # Gated RMSNorm, norm before gate: rmsnorm(core) * w * silu(z), per value head.
         core = ops.gated_rms_norm(core, z, self.norm, self.eps)
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)

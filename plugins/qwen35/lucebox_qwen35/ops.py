@@ -24,6 +24,18 @@ from lucebox_core.ops import OpSet
 QWEN35_OPS = OpSet("qwen35")
 
 
+# -- the gates of the mixer --------------------------------------------------------------------------------
+
+
+@QWEN35_OPS.reference
+def gdn_gates(ops: Any, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token, per-value-head gates from the `a` and `b` projections `[..., H_v]`, with `ssm_a`
+    (= -exp(A_log)) and `dt_bias` `[H_v]` fp32: g, the log of the state's decay (<= 0), in fp32, as exp(A_log)
+    can be large; and beta = sigmoid(b), the write strength, in b's dtype. Returns (g, beta)."""
+    return ssm_a * ops.softplus(a.float() + dt_bias), ops.sigmoid(b)
+
+
 # -- the fused one-token and tree forms of the mixer (what the decode step and a verify pass run) -------
 
 
@@ -44,8 +56,8 @@ def gated_delta_decode_(
     """One Gated DeltaNet token from the convolved channels to the core output, the state updated in
     place. `mixed` `[B, C]` (after SiLU: q, k, v channels), `a`, `b` `[B, H_v]` (the decay and write
     projections), `ssm_a` (= -exp(A_log)) and `dt_bias` `[H_v]` fp32, `state` `[B, H_v, D_k, D_v]`
-    fp32. Returns o `[B, 1, H_v, D_v]`: q and k L2-normalised, `beta = sigmoid(b)`,
-    `g = ssm_a * softplus(a + dt_bias)`, then `gated_delta_rule_recurrent`."""
+    fp32. Returns o `[B, 1, H_v, D_v]`: q and k L2-normalised, g and beta from `gdn_gates`, then
+    `gated_delta_rule_recurrent`."""
     batch = mixed.shape[0]
     key_dim = num_k_heads * head_k_dim
     value_heads = state.shape[1]
@@ -53,9 +65,8 @@ def gated_delta_decode_(
     query = ops.l2norm(query.reshape(batch, 1, num_k_heads, head_k_dim))
     key = ops.l2norm(key.reshape(batch, 1, num_k_heads, head_k_dim))
     value = value.reshape(batch, 1, value_heads, -1)
-    beta = ops.sigmoid(b)[:, None]
-    g = (ssm_a * ops.softplus(a.float() + dt_bias))[:, None]
-    out, new_state = ops.gated_delta_rule_recurrent(query, key, value, g, beta, state)
+    g, beta = ops.gdn_gates(a, b, ssm_a, dt_bias)
+    out, new_state = ops.gated_delta_rule_recurrent(query, key, value, g[:, None], beta[:, None], state)
     state.copy_(new_state)
     return out
 
@@ -75,8 +86,7 @@ def gated_delta_tree(
     query = ops.l2norm(query.reshape(1, nodes, num_k_heads, head_k_dim))
     key = ops.l2norm(key.reshape(1, nodes, num_k_heads, head_k_dim))
     value = value.reshape(1, nodes, value_heads, -1)
-    beta = ops.sigmoid(b)
-    g = ssm_a * ops.softplus(a.float() + dt_bias)
+    g, beta = ops.gdn_gates(a, b, ssm_a, dt_bias)
     return ops.gated_delta_rule_tree(query, key, value, g, beta, state, parents)
 
 
@@ -98,6 +108,15 @@ def causal_conv1d(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.
     w = weight.to(x.dtype)
     y = sum(window[:, j : j + tokens] * w[:, j] for j in range(kernel))
     return y, window[:, tokens:]
+
+
+@QWEN35_OPS.reference
+def causal_conv1d_silu_(ops: Any, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d`, then SiLU on y, `state` `[B, K-1, C]` replaced in place by the new state (the prefill
+    form of `conv_silu_update_`): x `[B, T, C]` -> `[B, T, C]`."""
+    y, new_state = ops.causal_conv1d(x, weight, state)
+    state.copy_(new_state)
+    return ops.silu(y)
 
 
 @QWEN35_OPS.reference
@@ -276,6 +295,18 @@ def gated_delta_rule_chunked(
 
     out = outputs.reshape(batch, heads, chunks * chunk_size, value_dim)[:, :, :tokens]
     return out.transpose(1, 2).to(input_dtype), state
+
+
+@QWEN35_OPS.reference
+def gated_delta_rule_chunked_(
+    ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk_size: int = 64, scale: float | None = None,
+) -> torch.Tensor:
+    """`gated_delta_rule_chunked` with `state` (fp32 `[B, H_v, D_k, D_v]`) replaced in place by the new
+    state (the prefill's form: a backend writes it from the scan, without a copy). Returns o."""
+    out, new_state = ops.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size, scale=scale)
+    state.copy_(new_state)
+    return out
 
 
 # -- the MoE router (qwen35moe) ------------------------------------------------------------------------------
