@@ -703,6 +703,23 @@ s15_verify() {  # ~9 min (not run yet): what session 14 merged after its last GP
   return 0
 }
 
+s15_final() {  # ~7 min: session 15's merges on the GPU: the Gated DeltaNet prefill glue kernels (the tiny and
+  #              0.8B models against torch f32 through a 100-token prefill; the Triton modules' checks), the
+  #              decode-graph tests, the second-turn TTFT (pinned piece ids, glue kernels), a 256-token piece's
+  #              profile, Laguna's step with its measured matvec winners.                     carry: .whl
+  step model-check 170 python3 scripts/cuda_check.py --skip-correctness --skip-timing --models tiny:f32,0.8b:q4_k_m \
+    --steps 32 --out "$RES"
+  step gpu-tests 70 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py -k cuda
+  step synth-27b 60 synth 27b
+  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 5 \
+    --json "$RES/prefix_cache_ttft.json"
+  step pieces-27b 60 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 256 --depth 8192 \
+    --top 30 --json "$RES/overhead_27b.json"
+  laguna_profile
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -741,6 +758,7 @@ session() {
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
     s15-probe) s15_probe ;;
+    s15-final) s15_final ;;
     s14-d) s14_d ;;
     fused-prefill) fused_prefill ;;
     s15-verify) s15_verify ;;
