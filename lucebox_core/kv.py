@@ -110,6 +110,20 @@ def bind_tokens(kv: "KVCache", source: Any, tokenizer: Any) -> None:
         bind(source, tokenizer)
 
 
+def write_rows(kv: "KVCache", ops: Any, layer: int, positions: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+    """`kv.write`, through the backend's `write_kv_rows` (one launch on a GPU backend, where the cache's own write
+    is two index copies and a ring's modulo) when the policy lends its plain buffers (`plain_rows`); otherwise the
+    policy's `write` (quantized types, a paged pool, a split cache)."""
+    lend = getattr(kv, "plain_rows", None)
+    buffers = None if lend is None else lend(layer)
+    if buffers is None:
+        kv.write(layer, positions, k, v)
+        return
+    keys, values, ring = buffers
+    ops.write_kv_rows(keys, values, positions, ring, k, v)
+
+
 def observe_query(kv: "KVCache", layer: int, query: torch.Tensor) -> None:
     """Show a policy that ranks chunks by attention (`kvflash --kvflash-policy qk`) a layer's query; a no-op
     for policies without `observe_query`."""
@@ -245,6 +259,9 @@ class KVCache(Protocol):
     # slot a static attention op masks at, for a policy whose slot is not the position, and the queries,
     # for a policy that ranks what stays resident by attention.
     def attention_position(self, position: torch.Tensor) -> torch.Tensor: ...
+    # Optional (`write_rows` of this module): a layer's K and V buffers and ring size, for a policy that stores
+    # plain values at slot = position (or position % ring), so the backend may store a step's rows itself.
+    def plain_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None: ...
     def observe_query(self, layer: int, query: torch.Tensor) -> None: ...
     def import_rows(self, rows: Mapping[str, torch.Tensor], length: int, *, check_only: bool = False) -> None: ...
 
@@ -406,6 +423,14 @@ class FullKVCache:
         slots = positions % self._rows[layer] if self.shapes[layer].window else positions
         self._keys[layer].index_copy_(0, slots, self._k_codec.encode(k))
         self._values[layer].index_copy_(0, slots, self._v_codec.encode(v))
+
+    def plain_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For `write_rows`: a layer's K and V buffers and its ring size (0: slot = position) when both are
+        stored as plain values (what `write` does then is a copy at the slots); None for quantized types."""
+        if self._k_codec.quantized or self._v_codec.quantized:
+            return None
+        ring = self._rows[layer] if self.shapes[layer].window else 0
+        return self._keys[layer], self._values[layer], ring
 
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy the rows of positions `source` to positions `destination` (device long tensors) in every

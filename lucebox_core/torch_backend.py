@@ -353,6 +353,15 @@ class TorchBackend:
         summed = residual + x
         return self.rms_norm(summed, weight, eps), summed
 
+    def write_kv_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ring: int,
+                      k: torch.Tensor, v: torch.Tensor) -> None:
+        """A static step's K/V store (`kv.write_rows`): rows `k` `[N, heads, k_dim]` and `v` into a plain cache's
+        buffers `keys` `[slots, heads, k_dim]` and `values` at the slots of the device positions `positions`
+        `[N]`: the position, or in a ring of `ring` slots (a sliding layer) position % ring."""
+        slots = positions % ring if ring else positions
+        keys.index_copy_(0, slots, k.to(keys.dtype))
+        values.index_copy_(0, slots, v.to(values.dtype))
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's middle: `silu(gate) * up`."""
         return self.silu(gate) * up

@@ -231,6 +231,56 @@ def test_causal_conv1d_step_casts_the_state_to_the_input_dtype():
     torch.testing.assert_close(new_state.float(), expected_state.float(), rtol=2**-7, atol=0)
 
 
+# -- KV rows stored at device positions (`write_kv_rows`) ----------------------------------------------
+
+
+# (ring, cache dtype, activation dtype): bf16 rows into an fp32 cache are cast (exactly: the interpreter's
+# narrowing casts truncate where the GPU rounds, so none is tested here).
+@pytest.mark.parametrize("ring, cache_dtype, dtype", [(0, torch.float32, torch.float32),
+                                                      (16, torch.float32, torch.bfloat16),
+                                                      (16, torch.bfloat16, torch.bfloat16)])
+def test_write_kv_rows_matches_the_reference_store(ring, cache_dtype, dtype):
+    """The kernel stores what the reference's index copies store, at slot = position or position % ring;
+    rows of other slots keep what they held."""
+    torch.manual_seed(11)
+    slots, heads, k_dim, v_dim = 40, 3, 48, 20  # neither dim a power of two
+    keys, values = torch.randn(slots, heads, k_dim).to(cache_dtype), torch.randn(slots, heads, v_dim).to(cache_dtype)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    # k and v as strided views of one projection's output, as the models pass them
+    projected = torch.randn(3, heads * (k_dim + v_dim)).to(dtype)
+    k = projected[:, : heads * k_dim].unflatten(-1, (heads, k_dim))
+    v = projected[:, heads * k_dim :].unflatten(-1, (heads, v_dim))
+    positions = torch.tensor([5, 22, 39]) if not ring else torch.tensor([17, 18, 35])  # a ring wraps them
+    REFERENCE.write_kv_rows(expected_keys, expected_values, positions, ring, k, v)
+    triton_ops.write_kv_rows(keys, values, positions, ring, k, v)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    written = (positions % ring if ring else positions).tolist()
+    assert torch.equal(keys[written].float(), k.to(cache_dtype).float())  # the rows landed, not only agree
+
+
+def test_a_full_cache_stores_static_rows_through_the_backend(backend_on_cpu, monkeypatch):
+    """`kv.write_rows` hands a plain cache's buffers to the backend's one-launch store (a ring layer with its
+    size) and leaves a quantized cache to its own `write`; both end as the cache's `write` would."""
+    from lucebox_core.kv import FullKVCache, KVLayerShape, write_rows
+
+    calls = []
+    kernel = triton_ops.write_kv_rows
+    monkeypatch.setattr(triton_ops, "write_kv_rows", lambda *a: calls.append(a[3]) or kernel(*a))
+    torch.manual_seed(12)
+    shapes = {0: KVLayerShape(2, 32, 32), 1: KVLayerShape(2, 32, 32, window=8)}
+    for k_type, expect_kernel in ((None, True), ("q8_0", False)):
+        through, direct = (FullKVCache(shapes, 64, k_type=k_type, v_type=k_type) for _ in range(2))
+        for layer in shapes:
+            k, v = torch.randn(1, 2, 32), torch.randn(1, 2, 32)
+            position = torch.tensor([13])
+            write_rows(through, backend_on_cpu, layer, position, k, v)
+            direct.write(layer, position, k, v)
+            for mine, theirs in zip(through.gather(layer, 64), direct.gather(layer, 64)):
+                assert torch.equal(mine, theirs)
+        assert calls == ([0, 8] if expect_kernel else [])
+        calls.clear()
+
+
 # -- the CudaBackend's registered kernels dispatch here -------------------------------------------------
 
 
@@ -295,69 +345,75 @@ def signature(kernel, types, constants):
     names = kernel.arg_names
     return {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
 
-for capability in map(int, sys.argv[1:]):
-    target = GPUTarget("cuda", capability, 32)
-    for act in ("bf16", "fp32"):
-        pointer = "*" + act
-        kernels = [
-            (attention._path_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", visible_ptr="*u8",
-                  max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
-                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
-            # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
-            (attention._path_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
-                  max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
-                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
-            # Q4_0 K and TQ3_0 V blocks, decoded in registers.
-            (attention._path_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
-                  max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
-                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_FORMAT=2, V_FORMAT=3, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
-            # Gemma-4: the nodes' rows beside the cache; a full layer's 512-dim heads, a sliding layer's ring
-            # of 1024 slots over a Q8_0 cache (the node rows in its storage format).
-            (attention._path_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, node_k_ptr=pointer, node_v_ptr=pointer,
-                  position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
-                  scale="fp32"),
-             dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
-                  BLOCK_D=512, BLOCK_DV=512, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=True, RING=0, STATIC_TRIPS=0)),
-            (attention._path_attention_split_kernel,
-             dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", node_k_ptr="*u8", node_v_ptr="*u8",
-                  position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
-                  scale="fp32"),
-             dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
-                  BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
-                  UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=True, RING=1024, STATIC_TRIPS=0)),
-            (attention._path_attention_combine_kernel,
-             dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
-             dict(Q_HEADS=24, VALUE_DIM=256, BLOCK_S=128, BLOCK_DV=64)),
-            (ops._gated_delta_step_kernel,
-             dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
-                  new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),
-             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
-            (ops._causal_conv1d_step_kernel,
-             dict(x_ptr=pointer, weight_ptr=pointer, state_ptr=pointer, y_ptr=pointer, new_state_ptr=pointer),
-             dict(KERNEL=4, BLOCK_K=4, BLOCK_C=256, SILU=True)),
-        ]
-        for kernel, types, constants in kernels:
-            source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
-            binary = triton.compile(source, target=target)
-            assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__
-            print("compiled", kernel.__name__, act, f"sm_{capability}")
+capability = int(sys.argv[1])
+target = GPUTarget("cuda", capability, 32)
+for act in sys.argv[2:]:
+    pointer = "*" + act
+    kernels = [
+        (attention._path_attention_split_kernel,
+         dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", visible_ptr="*u8",
+              max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+              BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+              UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
+        # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
+        (attention._path_attention_split_kernel,
+         dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
+              max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+              BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+              UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
+        # Q4_0 K and TQ3_0 V blocks, decoded in registers.
+        (attention._path_attention_split_kernel,
+         dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
+              max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+              BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+              UPCAST_DOT=False, K_FORMAT=2, V_FORMAT=3, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
+        # Gemma-4: the nodes' rows beside the cache; a full layer's 512-dim heads, a sliding layer's ring
+        # of 1024 slots over a Q8_0 cache (the node rows in its storage format).
+        (attention._path_attention_split_kernel,
+         dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, node_k_ptr=pointer, node_v_ptr=pointer,
+              position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
+              scale="fp32"),
+         dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+              BLOCK_D=512, BLOCK_DV=512, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+              UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=True, RING=0, STATIC_TRIPS=0)),
+        (attention._path_attention_split_kernel,
+         dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", node_k_ptr="*u8", node_v_ptr="*u8",
+              position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
+              scale="fp32"),
+         dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+              BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
+              UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=True, RING=1024, STATIC_TRIPS=0)),
+        (attention._path_attention_combine_kernel,
+         dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
+         dict(Q_HEADS=24, VALUE_DIM=256, BLOCK_S=128, BLOCK_DV=64)),
+        (ops._gated_delta_step_kernel,
+         dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
+              new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),
+         dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
+        (ops._causal_conv1d_step_kernel,
+         dict(x_ptr=pointer, weight_ptr=pointer, state_ptr=pointer, y_ptr=pointer, new_state_ptr=pointer),
+         dict(KERNEL=4, BLOCK_K=4, BLOCK_C=256, SILU=True)),
+        (ops._write_kv_rows_kernel,
+         dict(k_ptr=pointer, v_ptr=pointer, keys_ptr=pointer, values_ptr=pointer, positions_ptr="*i64"),
+         dict(K_DIM=128, V_DIM=128, BLOCK_K=128, BLOCK_V=128, RING=True)),
+    ]
+    for kernel, types, constants in kernels:
+        source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
+        binary = triton.compile(source, target=target)
+        assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__
+        print("compiled", kernel.__name__, act, f"sm_{capability}")
 """
 
 
-def test_kernels_compile_for_each_gpu_architecture(tmp_path):
+# bf16 (what the engine runs) on each architecture; the fp32 variants once, on the H200's: each compile of the
+# 512-dim attention kernels takes several seconds on a 2-core CPU.
+@pytest.mark.parametrize("capability, activations", [(86, ["bf16"]), (90, ["bf16", "fp32"]), (120, ["bf16"])])
+def test_kernels_compile_for_each_gpu_architecture(tmp_path, capability, activations):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90", "120"], env=env,
-                            capture_output=True, check=False, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(capability), *activations], env=env,
+                            capture_output=True, check=False, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 3 * 2 * 8  # 3 architectures x 2 dtypes x 8 kernel variants
+    assert result.stdout.count("compiled") == len(activations) * 9  # 9 kernel variants per activation type

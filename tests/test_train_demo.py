@@ -314,7 +314,9 @@ def test_output_vocabulary_loss_equals_the_full_softmax_and_its_zero_rows_stay_z
                                                       vocabulary=model.vocabulary, skip_outside=True)
     assert weight == 3
     kept, _ = demo_models.chunked_cross_entropy(hidden[1:], model.embed_tokens.weight, outside[1:])
-    torch.testing.assert_close(total, kept, rtol=1e-5, atol=1e-5)
+    # The subset's log-sum-exp (used rows, the rest as one column) adds in another order than the full one: at ~12
+    # nats a token, float32 differs in the fifth digit. A wrongly skipped or counted label moves it by whole nats.
+    torch.testing.assert_close(total, kept, rtol=1e-4, atol=1e-4)
 
 
 # -- corpus -------------------------------------------------------------------------------------------

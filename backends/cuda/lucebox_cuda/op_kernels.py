@@ -248,6 +248,19 @@ def silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return triton_fused().silu_mul(gate, up)
 
 
+def accepts_write_kv_rows(ops: Any, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ring: int,
+                          k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (_triton_takes(ops, keys, values, positions, k, v) and keys.dim() == values.dim() == k.dim() == v.dim() == 3
+            and keys.is_contiguous() and values.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1
+            and keys.shape[1:] == k.shape[1:] and values.shape[1:] == v.shape[1:] and k.shape[:2] == v.shape[:2]
+            and positions.numel() == k.shape[0] and not positions.is_floating_point())
+
+
+def write_kv_rows(ops: Any, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ring: int,
+                  k: torch.Tensor, v: torch.Tensor) -> None:
+    triton_ops().write_kv_rows(keys, values, positions, ring, k, v)
+
+
 def accepts_sigmoid_mul(ops: Any, x: torch.Tensor, gate: torch.Tensor) -> bool:
     return _triton_takes(ops, x, gate) and x.shape == gate.shape and x.dtype == gate.dtype and _rows_indexable(x, gate)
 

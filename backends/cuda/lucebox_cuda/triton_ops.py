@@ -271,6 +271,56 @@ def causal_conv1d_step(
     return out, new_state
 
 
+# -- KV rows stored at device-held positions ---------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_rows_kernel(
+    k_ptr, v_ptr, keys_ptr, values_ptr, positions_ptr, ring, kv_heads,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, RING: tl.constexpr,
+):
+    """One (row, KV head): its K and V rows copied into the cache buffers (`[slots, heads, dim]`, contiguous) at
+    the slot of the row's position (the position itself, or in a ring of `ring` slots position % ring)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    position = tl.load(positions_ptr + row)
+    slot = position % ring if RING else position
+    destination = slot * kv_heads + head
+    k_dims = tl.arange(0, BLOCK_K)
+    k = tl.load(k_ptr + row * stride_kn + head * stride_kh + k_dims, mask=k_dims < K_DIM)
+    tl.store(keys_ptr + destination * K_DIM + k_dims, k.to(keys_ptr.dtype.element_ty), mask=k_dims < K_DIM)
+    v_dims = tl.arange(0, BLOCK_V)
+    v = tl.load(v_ptr + row * stride_vn + head * stride_vh + v_dims, mask=v_dims < V_DIM)
+    tl.store(values_ptr + destination * V_DIM + v_dims, v.to(values_ptr.dtype.element_ty), mask=v_dims < V_DIM)
+
+
+def write_kv_rows(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ring: int, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """The core's `write_kv_rows` (`TorchBackend.write_kv_rows`) in one launch, where the reference takes two
+    index copies and, for a ring, the slots' modulo: `k` `[N, heads, k_dim]` and `v` into the contiguous plain
+    buffers `keys` `[slots, heads, k_dim]` and `values` at the slots of `positions` `[N]` (device integers)."""
+    rows, heads = k.shape[:2]
+    if (keys.dim() != 3 or values.dim() != 3 or k.dim() != 3 or v.shape[:2] != (rows, heads)
+            or keys.shape[1:] != k.shape[1:] or values.shape[1:] != v.shape[1:] or keys.shape[0] != values.shape[0]):
+        raise ValueError(f"write_kv_rows shapes: keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("write_kv_rows needs contiguous cache buffers")
+    positions = positions.reshape(-1)
+    if positions.numel() != rows:
+        raise ValueError(f"{positions.numel()} positions for {rows} rows")
+    if rows == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    with _device_scope(k):
+        _write_kv_rows_kernel[(rows, heads)](
+            k, v, keys, values, positions, max(ring, 1), heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            K_DIM=k.shape[2], V_DIM=v.shape[2], BLOCK_K=triton.next_power_of_2(k.shape[2]),
+            BLOCK_V=triton.next_power_of_2(v.shape[2]), RING=ring > 0,
+        )
+
+
 # -- GPU check and timing: python -m lucebox_cuda.triton_ops -----------------------------------------
 
 

@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from lucebox_core.decoder_model import DecoderModel
-from lucebox_core.kv import KVCache, KVLayerShape, window_start
+from lucebox_core.kv import KVCache, KVLayerShape, window_start, write_rows
 from lucebox_core.spark import ExpertLayout, run_experts
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
@@ -168,7 +168,7 @@ class Gemma4Attention:
         node (`one_node`: `[[True]]`) whose rows are passed beside the cache, so that a verified node gets
         this step's bits (see `verify.py`)."""
         query, key, value = self.project(x, position)
-        kv.write(self.layer_index, position, key[0], value[0])
+        write_rows(kv, self.ops, self.layer_index, position, key[0], value[0])
         keys, values = kv.gather(self.layer_index, window)
         node_k, node_v = kv.as_stored(key[0], value[0])
         return self.output(self.tree_attention(query, keys, values, position, one_node, node_k, node_v))

@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from lucebox_core.decoder_model import DecoderModel
-from lucebox_core.kv import KVCache, KVLayerShape, window_start
+from lucebox_core.kv import KVCache, KVLayerShape, window_start, write_rows
 from lucebox_core.spark import SWIGLU_EXPERTS, ExpertLayout, run_experts
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
@@ -146,7 +146,7 @@ class LagunaAttention:
         `tree_attention` with one node over a fixed window of the cache (a sliding layer's ring: its slots),
         the node's rows passed beside the cache, as Gemma-4's decode step does."""
         query, key, value, gate = self.project(x, position)
-        kv.write(self.layer_index, position, key[0], value[0])
+        write_rows(kv, self.ops, self.layer_index, position, key[0], value[0])
         keys, values = kv.gather(self.layer_index, window)
         node_k, node_v = kv.as_stored(key[0], value[0])
         out = self.ops.tree_attention(query, keys, values, position, one_node, scale=self.scale, node_k=node_k,

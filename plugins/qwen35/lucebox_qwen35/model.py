@@ -34,7 +34,7 @@ import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.device_map import SplitKVCache, hand_over
-from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query
+from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query, write_rows
 from lucebox_core.split_step import run_split_decode_step
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
@@ -273,7 +273,7 @@ class GatedAttention:
         attention over the first `window` positions masked past it. No host value but `window`."""
         query, gate, key, value = self._project(x, position)
         observe_query(kv, self.layer_index, query)
-        kv.write(self.layer_index, position, key[0], value[0])
+        write_rows(kv, self.ops, self.layer_index, position, key[0], value[0])
         # As stored: a Q8_0 window goes to the attention op undecoded (its kernel decodes in registers).
         keys, values = kv.gather(self.layer_index, window)
         out = self.ops.decode_attention(query, keys, values, attention_position(kv, position),
@@ -305,7 +305,8 @@ class GatedAttention:
         the first `window` positions with each node seeing the committed ones and its `visible` ancestors.
         No host value but `window` and N: what a CUDA graph records. `commit` moves the accepted rows."""
         query, gate, key, value = self._project(x, positions)
-        kv.write(self.layer_index, start + torch.arange(x.shape[1], device=start.device), key[0], value[0])
+        write_rows(kv, self.ops, self.layer_index, start + torch.arange(x.shape[1], device=start.device), key[0],
+                   value[0])
         # As stored, as the decode step reads them: a Q8_0 window is decoded by the attention op.
         keys, values = kv.gather(self.layer_index, window)
         out = self.ops.tree_attention(query, keys, values, attention_position(kv, start), visible,

@@ -24,7 +24,7 @@ import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.ggufio import MetadataView
-from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query
+from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query, write_rows
 from lucebox_core.loading import LayoutTensors, start_family_load
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
@@ -121,7 +121,7 @@ class Qwen3Attention:
         `window` rows of the cache masked past it (no host value but `window`: what a graph records)."""
         query, key, value = self.project(x, position)
         observe_query(kv, self.layer_index, query)
-        kv.write(self.layer_index, position, key[0], value[0])
+        write_rows(kv, self.ops, self.layer_index, position, key[0], value[0])
         keys, values = kv.gather(self.layer_index, window)  # as stored: a Q8_0 window is decoded by the op
         return self.output(self.ops.decode_attention(query, keys, values, attention_position(kv, position),
                                                      scale=self.scale))
