@@ -634,38 +634,6 @@ s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of th
   return 0
 }
 
-s15_probe() {  # ~9 min: the GPU tests session 15's first call cut off (now alone: no build beside them), the
-  #              second-turn TTFT with each repetition's time, where a 256-token piece's time goes after the
-  #              prefill tiles, the Laguna step's profile with the paired expert kernel, and the matvec sweep on
-  #              Laguna's shapes (its output projection's few long rows).                    carry: .whl
-  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
-    tests/test_spark_graphed.py tests/test_decode_graph.py -k "cuda or gpu or routed_expert"
-  step synth-27b 60 synth 27b
-  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 5 \
-    --json "$RES/prefix_cache_ttft.json"
-  step pieces-27b 100 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 256 --depth 8192 \
-    --top 30 --json "$RES/overhead_27b.json"
-  laguna_profile
-  step sweep-laguna 100 python3 scripts/matvec_sweep.py --model laguna --skip-correctness --budget-s 50 --out "$RES"
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
-s14_d() {  # ~4.5 min: the device draw and graphed Spark GPU tests again, the second-turn TTFT with short pieces
-  #          stepped through the recorded decode step and the matvec choice cached, the pieces' host time at
-  #          depth 8192, the 27B's prefill rows.                                     carry: .whl
-  step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
-    tests/test_spark_graphed.py -k "cuda or gpu"
-  step synth-27b 60 synth 27b
-  step ttft-32k 100 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
-    --json "$RES/prefix_cache_ttft.json"
-  step pieces-27b 100 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 3,256 --depth 8192 \
-    --top 12 --json "$RES/overhead_27b.json"
-  step prefill-27b 80 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
 fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill products straight from the blocks
   #                (lucebox_cuda.triton_quant_matmul) against the dequantized tiles + cuBLAS at the 27B's shapes,
   #                then the 27B's pp512/pp4096 and the second-turn TTFT with LUCEBOX_FUSED_PREFILL off and on.
@@ -676,29 +644,6 @@ fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill
   step prefill-fused 80 env LUCEBOX_FUSED_PREFILL=1 python3 -m lucebox_core.cli bench -m "$(model 27b)" -p 512,4096 -n 0 -r 2
   step ttft-fused 110 env LUCEBOX_FUSED_PREFILL=1 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" \
     --context 32768 --reps 3 --json "$RES/prefix_cache_ttft_fused.json"
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
-s15_verify() {  # ~9 min (not run yet): what session 14 merged after its last GPU call: the paired gate/up expert
-  #               kernel (Laguna's CUDA tests, the graphed Spark tests), split attention's new threshold, the
-  #               l2norm kernel and 192 MiB prefill tiles (TTFT, pieces' profile); then Spark's Laguna rows after
-  #               the llama.cpp build has finished (session 14's ran beside it).       carry: .whl .llamacpp
-  LLAMA_NICE=19 llama_build_bg
-  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_laguna_cuda.py \
-    tests/test_spark_graphed.py tests/test_decode_graph.py -k "cuda or gpu or routed_expert"
-  step synth-27b 60 synth 27b
-  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 3 \
-    --json "$RES/prefix_cache_ttft.json"
-  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
-  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
-    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
-  llama_wait || true
-  step spark-laguna-skewed 200 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
-    --calibrate 2048 --calibrate-seconds 20 --phase-timeout 120 --json "$RES/spark_laguna_skewed.json"
-  [ -x "$LB" ] && step llama-laguna-skewed 100 python3 scripts/bench_spark.py llama -m "$skewed" \
-    --residency "$SPARK_RESIDENCY" --llama-bench "$LB" --timeout 80 --json "$RES/llama_laguna_skewed.json"
-  python3 scripts/bench_spark.py report "$RES"/spark_laguna_*.json "$RES"/llama_laguna_*.json --md "$OUT/spark_bench_laguna.md"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
@@ -715,6 +660,20 @@ s15_final() {  # ~7 min: session 15's merges on the GPU: the Gated DeltaNet pref
     --json "$RES/prefix_cache_ttft.json"
   step pieces-27b 60 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 256 --depth 8192 \
     --top 30 --json "$RES/overhead_27b.json"
+  laguna_profile
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s16() {  # ~7 min (not run yet): session 16's `write_kv_rows` (every family's static step stores its K/V rows
+  #      through it): the CUDA tests of Laguna, the decode graph and the graphed Spark step; Gemma-4's GPU
+  #      checks (its static verify and tiny models); the tiny and 0.8B models against torch f32; Laguna-XS.2's
+  #      step profile (the KV store was 80 index copies and 30 modulos a step).            carry: .whl
+  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
+    tests/test_laguna_cuda.py tests/test_decode_graph.py tests/test_spark_graphed.py -k "cuda or gpu or routed_expert"
+  step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
+  step model-check 170 python3 scripts/cuda_check.py --skip-correctness --skip-timing --models tiny:f32,0.8b:q4_k_m \
+    --steps 32 --out "$RES"
   laguna_profile
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
@@ -757,11 +716,9 @@ session() {
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
-    s15-probe) s15_probe ;;
     s15-final) s15_final ;;
-    s14-d) s14_d ;;
+    s16) s16 ;;
     fused-prefill) fused_prefill ;;
-    s15-verify) s15_verify ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
