@@ -15,6 +15,7 @@ multiply it with torch (tensor cores through cuBLAS).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any
 
@@ -357,20 +358,29 @@ class CudaBackend(TorchBackend):
         prefill product's weights), as the `[E * rows, cols]` matrix it is in memory. The result is a view of
         one scratch buffer kept here and grown when needed (a 26B-A4B layer's stacks are ~1.5 GB in bf16):
         it holds until the next call, and a call on the same stream is ordered after the work queued on it."""
-        n_experts, rows, cols = experts.shape
-        weight_format = catalogue.WEIGHT_FORMATS[experts.ggml_type]
-        count = n_experts * rows * cols
-        need = count * torch.empty(0, dtype=dtype).element_size()
+        return self.dequantize_expert_stacks([experts], dtype)[0]
+
+    def dequantize_expert_stacks(self, stacks: list[QuantTensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """`dequantize_experts` for stacks read by one product (SwiGLU's gate and up), side by side in the
+        scratch buffer: views that hold together until the next call."""
+        sizes = [math.prod(stack.shape) * torch.empty(0, dtype=dtype).element_size() for stack in stacks]
+        need = sum(sizes)
         scratch = self.__dict__.get("_expert_scratch")
         if scratch is None or scratch.numel() < need:
             self.__dict__["_expert_scratch"] = None  # freed before the larger one is taken
             scratch = self.__dict__["_expert_scratch"] = torch.empty(need, dtype=torch.uint8, device=self.device)
-        dense = scratch[:need].view(dtype).view(n_experts, rows, cols)
-        data = self.device_weight(experts).data
-        grid = min(-(-count // 8 // 256), 65535)  # a piece is 8 or more values; the kernel loops over the rest
-        self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[dtype]), grid, 256,
-                     Pointer(data.data_ptr()), Pointer(dense.data_ptr()), Int(n_experts * rows), Int(cols))
-        return dense
+        dense_stacks, start = [], 0
+        for stack, size in zip(stacks, sizes):
+            n_experts, rows, cols = stack.shape
+            count = n_experts * rows * cols
+            dense = scratch[start : start + size].view(dtype).view(n_experts, rows, cols)
+            start += size
+            data = self.device_weight(stack).data
+            grid = min(-(-count // 8 // 256), 65535)  # a piece is 8 or more values; the kernel loops over the rest
+            self._launch(catalogue.dequant(catalogue.WEIGHT_FORMATS[stack.ggml_type], catalogue.ACTIVATIONS[dtype]),
+                         grid, 256, Pointer(data.data_ptr()), Pointer(dense.data_ptr()), Int(n_experts * rows), Int(cols))
+            dense_stacks.append(dense)
+        return dense_stacks
 
     def tiled_linear(self, x: torch.Tensor, weight: QuantTensor, weight_format: str) -> torch.Tensor:
         """`x @ weight.T` for many rows (prefill): bounded tiles of weight rows dequantized on the GPU into

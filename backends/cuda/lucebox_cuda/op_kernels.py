@@ -551,9 +551,14 @@ def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exp
                        down_exps: QuantTensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """`sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over separate gate and up stacks (the core's
     generic op: Laguna's and Qwen3.5-MoE's experts). Few pairs: the same expert products as
-    `moe_experts`, reading only the chosen experts' blocks, ids on the device; many: each chosen expert on
-    its tokens (no grouped SwiGLU product yet)."""
+    `moe_experts`, reading only the chosen experts' blocks, ids on the device; many (prefill): the grouped
+    product as `moe_experts`' (gate and up decoded side by side), or without Triton each chosen expert on its
+    tokens."""
     if ids.numel() > EXPERT_PAIR_LIMIT:
+        stacks = (gate_exps, up_exps, down_exps)
+        if (triton_moe() is not None and all(_dense_decodable(stack) for stack in stacks)
+                and gate_exps.shape == up_exps.shape):
+            return _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids)
         return _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
     return _swiglu_pairs(ops, x, gate_exps, up_exps, down_exps, weights, ids)
 
@@ -622,4 +627,14 @@ def _moe_grouped(ops: Any, x, gate_up_exps, down_exps, weights, ids) -> torch.Te
     grouped = triton_moe()
     schedule = grouped.Schedule.build(ids, gate_up_exps.shape[0])
     act = grouped.gate_up_geglu(x, ops.dequantize_experts(gate_up_exps, x.dtype), ids.shape[1], schedule)
+    return grouped.down_weighted_sum(act, ops.dequantize_experts(down_exps, x.dtype), weights, schedule)
+
+
+def _moe_grouped_swiglu(ops: Any, x, gate_exps, up_exps, down_exps, weights, ids) -> torch.Tensor:
+    """`_moe_grouped` for SwiGLU experts: the gate and up stacks decoded side by side in the scratch buffer (a
+    Laguna-XS.2 or Qwen3.5-35B-A3B layer's: 1 GiB in bf16), the down stack over them after their product."""
+    grouped = triton_moe()
+    schedule = grouped.Schedule.build(ids, gate_exps.shape[0])
+    gate, up = ops.dequantize_expert_stacks([gate_exps, up_exps], x.dtype)
+    act = grouped.gate_up_swiglu(x, gate, up, ids.shape[1], schedule)
     return grouped.down_weighted_sum(act, ops.dequantize_experts(down_exps, x.dtype), weights, schedule)

@@ -9,9 +9,10 @@ Gemma-4 26B-A4B layer); here it is two products over every (token, expert) pair 
   out in blocks of `BLOCK_M` slots, each block holding pairs of one expert only (an expert's group padded up
   to whole blocks). Built on the device with no host sync, and sized by an upper bound of the block count,
   so the grids below are fixed by the shapes alone: blocks past the end are marked and their programs exit.
-- `_gate_up_geglu_kernel`: per block and column tile, the tile of gate (weight rows j) and the matching tile
-  of up (rows I + j) of the block's expert over the gathered token rows, GeGLU in the epilogue, stored as
-  `act[pair]` at the pair's original index.
+- `_gate_up_kernel`: per block and column tile, the tile of gate (weight rows j) and the matching tile of up
+  (rows I + j of a fused stack, or rows j of a separate up stack) of the block's expert over the gathered
+  token rows, GeGLU (or SwiGLU: Laguna, Qwen3.5-MoE) in the epilogue, stored as `act[pair]` at the pair's
+  original index.
 - `_down_kernel`: `act[pair] @ down_e.T`, times the pair's routing weight in fp32, stored per pair; the k
   pairs of each token are then summed in a fixed order (deterministic, unlike atomics).
 
@@ -160,14 +161,16 @@ def _block_rows(slot_pair_ptr, block, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_geglu_kernel(
-    x_ptr, w_ptr, act_ptr, slot_pair_ptr, block_expert_ptr,
-    top_k, coeff, stride_x, stride_we, stride_wr, stride_act,
+def _gate_up_kernel(
+    x_ptr, gate_ptr, up_ptr, act_ptr, slot_pair_ptr, block_expert_ptr,
+    top_k, coeff, stride_x, stride_ge, stride_gr, stride_ue, stride_ur, stride_act,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SILU: tl.constexpr,
 ):
-    """act[pair, j] = gelu_tanh(x[token] . w_e[j]) * (x[token] . w_e[INTER + j]) for the pairs of one block
-    and one tile of j; w `[E, 2 * INTER, HIDDEN]`."""
+    """act[pair, j] = act_fn(x[token] . gate_e[j]) * (x[token] . up_e[j]) for the pairs of one block and one
+    tile of j; gate and up `[E, INTER, HIDDEN]` (the halves of one fused stack, or two stacks); act_fn
+    gelu_tanh (GeGLU) or, with SILU, silu (SwiGLU)."""
     # Column tiles of one block are neighbours in launch order: they share the block's gathered x rows.
     n_tiles = tl.cdiv(INTER, BLOCK_N)
     block = tl.program_id(0) // n_tiles
@@ -182,9 +185,9 @@ def _gate_up_geglu_kernel(
         cols = tl.where(col_ok, cols, 0)  # in-bounds rows for the tail tile's unused columns
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + (pair // top_k)[:, None] * stride_x + ks[None, :]
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    gate_tile = w_expert + cols[None, :].to(tl.int64) * stride_wr + ks[:, None]  # [BLOCK_K, BLOCK_N]: w^T
-    up_tile = gate_tile + INTER * stride_wr
+    rows = cols[None, :].to(tl.int64)
+    gate_tile = gate_ptr + expert.to(tl.int64) * stride_ge + rows * stride_gr + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    up_tile = up_ptr + expert.to(tl.int64) * stride_ue + rows * stride_ur + ks[:, None]
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -203,12 +206,16 @@ def _gate_up_geglu_kernel(
         gate_tile += BLOCK_K
         up_tile += BLOCK_K
     dtype = act_ptr.dtype.element_ty
-    # The reference rounds each product to the activation dtype, then GELU's output before the product.
+    # The reference rounds each product to the activation dtype, then the activation's output before the
+    # product with up (the two-op `F.gelu(gate, approximate="tanh") * up`, `F.silu(gate) * up`).
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
-    inner = coeff * (gate + 0.044715 * gate * gate * gate)
-    gelu = (gate * tl.sigmoid(2.0 * inner)).to(dtype).to(tl.float32)  # 0.5 (1 + tanh(u)) = sigmoid(2u)
-    tl.store(act_ptr + pair[:, None] * stride_act + cols[None, :], (gelu * up).to(dtype),
+    if SILU:
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    else:
+        inner = coeff * (gate + 0.044715 * gate * gate * gate)
+        activated = (gate * tl.sigmoid(2.0 * inner)).to(dtype).to(tl.float32)  # 0.5 (1 + tanh(u)) = sigmoid(2u)
+    tl.store(act_ptr + pair[:, None] * stride_act + cols[None, :], (activated * up).to(dtype),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -279,23 +286,40 @@ def gate_up_geglu(x: torch.Tensor, gate_up: torch.Tensor, top_k: int, schedule: 
     per expert) -> act `[T * k, I]`, `gelu_tanh(gate) * up` of each pair (pair `p`: token `p // top_k`) in
     x's dtype. The kernel reads `gate_up` in stream order, so work queued after this call on the same stream
     (the down stack decoded into the same scratch) may overwrite it."""
-    n_experts, rows, hidden = gate_up.shape
-    inter = rows // 2
-    if x.dim() != 2 or x.shape[1] != hidden or rows != 2 * inter or gate_up.dtype != x.dtype:
-        raise ValueError(f"gate_up_geglu shapes: x {tuple(x.shape)} {x.dtype}, gate_up {tuple(gate_up.shape)} "
-                         f"{gate_up.dtype}")
+    rows = gate_up.shape[1]
+    if gate_up.dim() != 3 or rows % 2:
+        raise ValueError(f"gate_up_geglu: gate_up {tuple(gate_up.shape)} is not [E, 2I, hidden]")
+    gate_up = gate_up.contiguous()
+    return _gate_up(x, gate_up[:, : rows // 2], gate_up[:, rows // 2 :], top_k, schedule, config, silu=False)
+
+
+def gate_up_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, top_k: int, schedule: Schedule,
+                   config: GroupedConfig | None = None) -> torch.Tensor:
+    """`gate_up_geglu` for SwiGLU experts over separate gate and up stacks `[E, I, hidden]` (Laguna's and
+    Qwen3.5-MoE's): act `[T * k, I]`, `silu(gate) * up` of each pair, in x's dtype."""
+    return _gate_up(x, gate, up, top_k, schedule, config, silu=True)
+
+
+def _gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, top_k: int, schedule: Schedule,
+             config: GroupedConfig | None, *, silu: bool) -> torch.Tensor:
+    n_experts, inter, hidden = gate.shape
+    if (x.dim() != 2 or x.shape[1] != hidden or up.shape != gate.shape or gate.dtype != x.dtype
+            or up.dtype != x.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1):
+        raise ValueError(f"grouped gate/up product shapes: x {tuple(x.shape)} {x.dtype}, gate {tuple(gate.shape)} "
+                         f"{gate.dtype}, up {tuple(up.shape)} {up.dtype} (rows contiguous)")
     config = config or grouped_configs(x.dtype)[0]
-    x, gate_up = x.contiguous(), gate_up.contiguous()
+    x = x.contiguous()
     act = torch.empty(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)
     if act.shape[0] == 0:
         return act
     grid = (schedule.block_expert.numel() * triton.cdiv(inter, config.block_n),)
     with _device_scope(x):
-        _gate_up_geglu_kernel[grid](
-            x, gate_up, act, schedule.slot_pair, schedule.block_expert,
-            top_k, GELU_TANH_COEFF, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        _gate_up_kernel[grid](
+            x, gate, up, act, schedule.slot_pair, schedule.block_expert,
+            top_k, GELU_TANH_COEFF, x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
+            act.stride(0),
             HIDDEN=hidden, INTER=inter, BLOCK_M=schedule.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            EVEN_K=hidden % config.block_k == 0, EVEN_N=inter % config.block_n == 0, **_precision(x),
+            EVEN_K=hidden % config.block_k == 0, EVEN_N=inter % config.block_n == 0, **_precision(x), SILU=silu,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return act
@@ -332,13 +356,15 @@ def down_weighted_sum(act: torch.Tensor, down: torch.Tensor, weights: torch.Tens
 
 def moe_grouped(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
-    block_m: int = BLOCK_M, configs: tuple[GroupedConfig, GroupedConfig] | None = None,
+    up: torch.Tensor | None = None, block_m: int = BLOCK_M, configs: tuple[GroupedConfig, GroupedConfig] | None = None,
 ) -> torch.Tensor:
     """`lucebox_gemma4.ops.moe_experts` on dense expert weights: x `[T, hidden]` (bf16, f16 or f32), gate_up
     `[E, 2I, hidden]` (rows [gate | up] per expert) and down `[E, hidden, I]` in x's dtype, weights `[T, k]`
-    (fp32), ids `[T, k]` (integers) -> `[T, hidden]` in x's dtype. No host sync (every size comes from the
-    shapes), so consecutive layers queue without waiting on the GPU. (The CUDA op, `op_kernels.moe_experts`,
-    runs the two halves itself, decoding each stack into one scratch buffer just before its product.)
+    (fp32), ids `[T, k]` (integers) -> `[T, hidden]` in x's dtype. With `up` (`[E, I, hidden]`), `gate_up` is
+    the gate stack alone and the experts are SwiGLU's (the core's `moe_experts_swiglu`). No host sync (every
+    size comes from the shapes), so consecutive layers queue without waiting on the GPU. (The CUDA ops, in
+    `op_kernels`, run the two halves themselves, decoding the stacks into one scratch buffer just before their
+    product.)
 
     `block_m`, `configs`: tiles other than `BLOCK_M` and `grouped_configs`' (tests, tuning)."""
     gate_up_config, down_config = configs or grouped_configs(x.dtype)
@@ -346,7 +372,10 @@ def moe_grouped(
         raise ValueError(f"moe_grouped shapes: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
                          f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
     schedule = Schedule.build(ids, gate_up.shape[0], block_m)
-    act = gate_up_geglu(x, gate_up, ids.shape[1], schedule, gate_up_config)
+    if up is None:
+        act = gate_up_geglu(x, gate_up, ids.shape[1], schedule, gate_up_config)
+    else:
+        act = gate_up_swiglu(x, gate_up, up, ids.shape[1], schedule, gate_up_config)
     return down_weighted_sum(act, down, weights, schedule, down_config)
 
 
