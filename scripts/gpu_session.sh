@@ -665,16 +665,31 @@ s15_final() {  # ~7 min: session 15's merges on the GPU: the Gated DeltaNet pref
   return 0
 }
 
-s16() {  # ~7 min (not run yet): session 16's `write_kv_rows` (every family's static step stores its K/V rows
-  #      through it): the CUDA tests of Laguna, the decode graph and the graphed Spark step; Gemma-4's GPU
-  #      checks (its static verify and tiny models); the tiny and 0.8B models against torch f32; Laguna-XS.2's
-  #      step profile (the KV store was 80 index copies and 30 modulos a step).            carry: .whl
+s16_check() {  # ~8.5 min (not run yet): session 16's `write_kv_rows` (every family's static step stores its K/V
+  #            rows through it) and the grouped SwiGLU prefill: the CUDA tests of Laguna, the decode graph and
+  #            the graphed Spark step; Gemma-4's GPU checks (its static verify and tiny models); the tiny and
+  #            0.8B models against torch f32.                                               carry: .whl
   step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
     tests/test_laguna_cuda.py tests/test_decode_graph.py tests/test_spark_graphed.py -k "cuda or gpu or routed_expert"
   step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
   step model-check 170 python3 scripts/cuda_check.py --skip-correctness --skip-timing --models tiny:f32,0.8b:q4_k_m \
     --steps 32 --out "$RES"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s16_laguna() {  # ~8 min (not run yet): Laguna-XS.2 after session 16: the step's profile (the K/V store was 80
+  #             index copies and 30 modulos a step), pp512/pp2048 on the grouped SwiGLU prefill and tg128,
+  #             llama-bench beside on the same file (built meanwhile).          carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
   laguna_profile
+  local m; m=$(sparkmodel laguna xs2)
+  step lucebox-laguna 150 sh -c "python3 -m lucebox_core.cli bench -m $m -p 512,2048 -n 128 -r 3 --json \
+    > $RES/lucebox_laguna.json; cat $RES/lucebox_laguna.json"
+  if llama_wait; then
+    step llama-laguna 120 sh -c "$LB -m $m -ngl 99 -fa 1 -p 512,2048 -n 128 -r 3 -o json > $RES/llama_laguna.json; \
+      python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(open(sys.argv[1]))]' $RES/llama_laguna.json"
+  fi
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
@@ -717,7 +732,8 @@ session() {
     laguna-profile) laguna_profile ;;
     s13-spark) s13_spark ;;
     s15-final) s15_final ;;
-    s16) s16 ;;
+    s16-check) s16_check ;;
+    s16-laguna) s16_laguna ;;
     fused-prefill) fused_prefill ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
