@@ -47,7 +47,7 @@ class EngineOptions:
     kv_cache_budget: str | int = "4G"  # --kv-cache-budget
     prefix_cache_ram: str | int = "8G"  # --prefix-cache-ram
     spark: bool = False  # --spark: MoE experts behind a bounded pool of device slots (spark.py)
-    spark_vram: str | int | None = None  # --spark-vram SIZE: bytes for resident experts (default: half of them)
+    spark_vram: str | int | None = None  # --spark-vram SIZE|P%: resident experts' bytes (default: half of them)
     kvflash: str | int | None = None  # --kvflash N|auto: bounded KV residency (implies --kv-policy kvflash)
     kvflash_policy: str | None = None  # --kvflash-policy lru|qk|drafter (default lru)
     kvflash_tau: int | None = None  # --kvflash-tau N (default 64)
@@ -117,8 +117,9 @@ def check_options(options: EngineOptions) -> Choices:
     from .prefix_cache import parse_size
 
     parse_size(options.prefix_cache_ram, "--prefix-cache-ram")
-    if options.spark_vram is not None:
-        parse_size(options.spark_vram, "--spark-vram")
+    from .spark import spark_budget
+
+    spark_budget(options.spark_vram)  # a bad size or share is refused before any weight is read
     if options.kv_cache_dir is not None:
         parse_size(options.kv_cache_budget)
         if os.path.exists(options.kv_cache_dir) and not os.path.isdir(options.kv_cache_dir):
@@ -318,11 +319,10 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     _announce_device_map(loaded)
     spark = None
     if options.spark:
-        from .prefix_cache import parse_size
-        from .spark import attach_spark
+        from .spark import attach_spark, spark_budget
 
-        budget = None if options.spark_vram is None else parse_size(options.spark_vram, "--spark-vram")
-        spark = attach_spark(loaded.model, budget, model_path=loaded.path)
+        budget, share = spark_budget(options.spark_vram)
+        spark = attach_spark(loaded.model, budget, model_path=loaded.path, share=share)
     speculative = build_speculative(options, loaded, choices)
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)

@@ -64,8 +64,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
                    help="MoE models: keep only the most routed experts on the device, the rest in host memory, "
                         "brought into a bounded pool of slots on demand; the routing profile is kept beside the "
                         "model as MODEL.gguf.spark.csv")
-    p.add_argument("--spark-vram", metavar="SIZE",
-                   help="bytes for the resident experts with --spark (default: half of the experts' bytes)")
+    p.add_argument("--spark-vram", metavar="SIZE|P%",
+                   help="device memory for the resident experts with --spark: bytes (24G, 512M) or a share of the "
+                        "experts' bytes (60%%) (default: 50%%)")
     p.add_argument("--kvflash", metavar="N|auto",
                    help="KVFlash (implies --kv-policy kvflash): attention K/V in a pool of N tokens per layer (auto: "
                         "4096, or the context if smaller), 64-token chunks paged to host memory and back; the first "

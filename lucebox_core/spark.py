@@ -510,6 +510,26 @@ def pages_supported(ops: Any, layer: OffloadedExperts, top_k: int) -> bool:
     return op.choice(x, *layer.pages, weights, ids) != "reference"
 
 
+def spark_budget(text: str | int | None) -> tuple[int | None, float]:
+    """`--spark-vram`: (bytes, None's share) for a size (`4G`, `512M`, `100000`), or (None, the share) for a
+    percentage of the experts' bytes (`60%`); (None, 0.5) when not given (half of them)."""
+    from .prefix_cache import parse_size
+
+    if text is None:
+        return None, 0.5
+    if isinstance(text, str) and text.strip().endswith("%"):
+        number = text.strip()[:-1]
+        try:
+            percent = float(number)
+        except ValueError:
+            raise LuceboxError(f"--spark-vram: cannot read {text!r} as a percentage of the experts' bytes "
+                               "(e.g. 60%)") from None
+        if not 0 < percent <= 100:
+            raise LuceboxError(f"--spark-vram: {text!r} is not a share of the experts' bytes in (0%, 100%]")
+        return None, percent / 100
+    return parse_size(text, "--spark-vram"), 0.5
+
+
 def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.PathLike | None = None,
                  share: float = 0.5, promotion_bytes: int = PROMOTION_BYTES) -> Spark:
     """Put every MoE block of `model` behind slot pools: resident experts chosen by the profile beside

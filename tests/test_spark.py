@@ -210,6 +210,24 @@ def test_spark_needs_moe_layers_and_a_budget_that_holds_top_k(tiny_target_and_dr
         build_engine(EngineOptions(model=str(tiny_target_and_draft[0]), ctx_size=64, spark=True))
     with pytest.raises(LuceboxError, match="expert budget"):
         build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_vram="1K"))
+    for bad in ("150%", "0%", "lots%"):  # refused before the model is read, naming the flag
+        with pytest.raises(LuceboxError, match="--spark-vram"):
+            build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_vram=bad))
+
+
+def test_spark_vram_takes_bytes_or_a_share_of_the_experts(moe_file):
+    """`--spark-vram 25%` holds a quarter of the experts' bytes, `75%` three quarters; a size is bytes."""
+    from lucebox_core.assembly import EngineOptions, build_engine
+    from lucebox_core.spark import spark_budget
+
+    assert spark_budget(None) == (None, 0.5)
+    assert spark_budget("512M") == (512 << 20, 0.5) and spark_budget(" 60% ") == (None, 0.6)
+    budgets = {}
+    for share in ("25%", "75%"):
+        spark = build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_vram=share)).spark
+        budgets[share] = spark.budget
+        assert spark.budget == int(spark.expert_bytes * float(share[:-1]) / 100)
+    assert budgets["25%"] < budgets["75%"]
 
 
 @pytest.fixture(scope="module")
