@@ -4,7 +4,10 @@ prefill. A family subclasses `DecoderModel`, names its state class, and writes i
 
 Its layers each have an `index` and, where they cache K/V, a `self_attn` with a `kv_shape` (a
 `KVLayerShape`); a family whose layers differ (hybrid models: some layers carry recurrent state instead)
-overrides `kv_layer_shapes` and `new_state`.
+overrides `kv_layer_shapes` and `new_state`. A pre-norm decoder (`input_layernorm`, attention,
+`post_attention_layernorm`, `mlp`) runs its stack through `_run_layers`; a family whose layers are shaped
+otherwise (Gemma-4's sandwich norms, Qwen3.5's split parts) writes its own. The decode step is
+`run_decode_step` over the family's `_static_step`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from .kv import K_FLAG, V_FLAG, KVLayerShape, kv_cache_type
 from .state_snapshot import StateSnapshots
-from .static_step import MIN_WINDOW
+from .static_step import MIN_WINDOW, run_decode_step
 
 Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tensor
 
@@ -85,3 +88,26 @@ class DecoderModel(StateSnapshots):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[T, hidden]`, unscaled (a family that scales them overrides this)."""
         return self.ops.embedding(token_ids.reshape(-1).to(self.ops.device), self.embed_tokens)
+
+    def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, *,
+                    last_only: bool = False) -> torch.Tensor:
+        """A pre-norm decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states;
+        `attend(layer, x)` runs a layer's attention (the forward pass and the decode step differ only there),
+        `tap(layer, hidden)` sees each layer's output. Each residual add is fused with the norm after it
+        (`ops.add_rms_norm`)."""
+        ops, eps = self.ops, self.config.eps
+        normed = ops.rms_norm(hidden, self.layers[0].input_layernorm, eps)
+        for i, layer in enumerate(self.layers):
+            mlp_in, hidden = ops.add_rms_norm(attend(layer, normed), hidden, layer.post_attention_layernorm, eps)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            normed, hidden = ops.add_rms_norm(layer.mlp(mlp_in), hidden, next_norm, eps)
+            if tap is not None:
+                tap(layer, hidden)
+        return normed[:, -1:] if last_only else normed
+
+    def decode_step(self, state: Any, token: int | torch.Tensor, *, graphs: bool | None = None,
+                    sampler: Any = None) -> Any:
+        """One token at position `state.length` through the family's static-shape step (`_static_step`,
+        recorded as a graph per KV window where the backend records); the same logits and state as `forward`
+        for one token (see `static_step.run_decode_step`)."""
+        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)

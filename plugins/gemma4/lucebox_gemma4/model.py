@@ -33,7 +33,7 @@ import torch
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.kv import KVCache, KVLayerShape, window_start, write_rows
 from lucebox_core.spark import ExpertLayout, run_experts
-from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
+from lucebox_core.static_step import StaticInputs, StaticStep
 
 from .layout import Gemma4Config
 from .verify import Gemma4SpeculativeTarget
@@ -354,12 +354,6 @@ class Gemma4Model(Gemma4SpeculativeTarget, DecoderModel):
         return normed[:, -1:] if last_only else normed
 
     # -- the static decode step ------------------------------------------------------------------------
-
-    def decode_step(self, state: Gemma4State, token: int | torch.Tensor, *, graphs: bool | None = None,
-                    sampler: Any = None) -> Any:
-        """One token at position `state.length` through the static-shape step (recorded as a graph per KV
-        window where the backend records); the same logits and state as `forward` for one token."""
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: Gemma4State, inputs: StaticInputs, window: int) -> torch.Tensor:
         taps: list[torch.Tensor] = []

@@ -28,7 +28,7 @@ import torch
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.kv import KVCache, KVLayerShape, window_start, write_rows
 from lucebox_core.spark import SWIGLU_EXPERTS, ExpertLayout, run_experts
-from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
+from lucebox_core.static_step import StaticInputs, StaticStep
 
 
 ARCHITECTURE = "laguna"
@@ -258,27 +258,7 @@ class LagunaModel(DecoderModel):
 
     __call__ = forward
 
-    def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, *,
-                    last_only: bool = False) -> torch.Tensor:
-        """The decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states; `attend(layer,
-        x)` runs a layer's attention (the forward pass and the decode step differ only there)."""
-        ops, eps = self.ops, self.config.eps
-        normed = ops.rms_norm(hidden, self.layers[0].input_layernorm, eps)
-        for i, layer in enumerate(self.layers):
-            mlp_in, hidden = ops.add_rms_norm(attend(layer, normed), hidden, layer.post_attention_layernorm, eps)
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            normed, hidden = ops.add_rms_norm(layer.mlp(mlp_in), hidden, next_norm, eps)
-            if tap is not None:
-                tap(layer, hidden)
-        return normed[:, -1:] if last_only else normed
-
     # -- the static decode step ------------------------------------------------------------------------
-
-    def decode_step(self, state: LagunaState, token: int | torch.Tensor, *, graphs: bool | None = None,
-                    sampler: Any = None) -> Any:
-        """One token at position `state.length` through the static-shape step (recorded as a graph per KV
-        window where the backend records); the same logits and state as `forward` for one token."""
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: LagunaState, inputs: StaticInputs, window: int) -> torch.Tensor:
         one_node = torch.ones(1, 1, dtype=torch.bool, device=inputs.position.device)

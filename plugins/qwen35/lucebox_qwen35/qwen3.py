@@ -26,7 +26,7 @@ from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.ggufio import MetadataView
 from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query, write_rows
 from lucebox_core.loading import LayoutTensors, start_family_load
-from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
+from lucebox_core.static_step import StaticInputs, StaticStep
 
 from .layout_qwen3 import ARCH, Qwen3Config, tensor_shapes
 from .model import MLP
@@ -215,28 +215,7 @@ class Qwen3Model(DecoderModel):
         self._run_layers(self.embed(ids)[None], attend, last_only=True)
         return [queries[layer.index] for layer in self.layers], [keys[layer.index] for layer in self.layers]
 
-    def _run_layers(self, hidden: torch.Tensor, attend: Any, tap: Any = None, *,
-                    last_only: bool = False) -> torch.Tensor:
-        """The decoder stack from embeddings `[1, T, hidden]` to the final-normed hidden states; `attend(layer,
-        x)` runs a layer's attention (the forward pass and the decode step differ only there). Each residual
-        add is fused with the norm after it (`ops.add_rms_norm`)."""
-        ops, eps = self.ops, self.config.eps
-        normed = ops.rms_norm(hidden, self.layers[0].input_layernorm, eps)
-        for i, layer in enumerate(self.layers):
-            mlp_in, hidden = ops.add_rms_norm(attend(layer, normed), hidden, layer.post_attention_layernorm, eps)
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            normed, hidden = ops.add_rms_norm(layer.mlp(mlp_in), hidden, next_norm, eps)
-            if tap is not None:
-                tap(layer, hidden)
-        return normed[:, -1:] if last_only else normed
-
     # -- the static decode step ------------------------------------------------------------------------
-
-    def decode_step(self, state: Qwen3State, token: int | torch.Tensor, *, graphs: bool | None = None,
-                    sampler: Any = None) -> Any:
-        """One token at position `state.length` through the static-shape step (recorded as a graph per KV
-        window where the backend records); the same logits and state as `forward` for one token."""
-        return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: Qwen3State, inputs: StaticInputs, window: int) -> torch.Tensor:
         hidden = self._run_layers(
