@@ -595,8 +595,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     model = loaded.model
     print(f"profile {Path(args.model).name}: backend {loaded.backend_name}, {model.ops!r}")
+    spark = None
+    if args.spark is not None:
+        from lucebox_core.spark import attach_spark
+
+        # The experts behind Spark's pools, placed by the profile beside the model (uniform without one).
+        spark = attach_spark(model, None, model_path=loaded.path, share=args.spark)
     state = model.new_state(args.ctx)
     model.forward(state, torch.randint(0, model.vocab_size, (16,)))
+    # Spark: tokens that vary, so the routing does (one token repeated routes the same way every step).
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (4096,), generator=generator).tolist() if spark else [1000]
+    turn = iter(range(10**9))
+
+    def next_token() -> int:
+        return tokens[next(turn) % len(tokens)]
+
     token = 1000
 
     def per_step(run: Callable[[], Any], steps: int) -> float:
@@ -607,9 +621,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         _sync()
         return (time.perf_counter() - start) / steps
 
-    eager = per_step(lambda: model.decode_step(state, token, graphs=False), 8)
+    eager = per_step(lambda: model.decode_step(state, next_token(), graphs=False), 8)
     model.decode_step(state, token, graphs=True)  # records the window's graph
-    graphed = statistics.median(per_step(lambda: model.decode_step(state, token, graphs=True), 32) for _ in range(3))
+    if spark is not None:  # warm the pools up: the accounting promotes the hot misses between steps
+        per_step(lambda: model.decode_step(state, next_token(), graphs=True), 256)
+    graphed = statistics.median(per_step(lambda: model.decode_step(state, next_token(), graphs=True), 32)
+                                for _ in range(3))
     graph = state.decode.recordings()[0]
     bare = statistics.median(per_step(graph.replay, 32) for _ in range(3))
     weight_bytes = decode_bytes_per_token(loaded.gguf)
@@ -621,8 +638,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     replays = 10
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graph.replay()
+            if spark is None:
+                graph.replay()
+            else:  # whole steps: the promotions' copies and table updates between replays count too
+                model.decode_step(state, next_token(), graphs=True)
         torch.cuda.synchronize()
+    if spark is not None:
+        summary["spark"] = spark.describe()
     kernels = []
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
@@ -639,7 +661,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"  {us:9.1f} us {us / max(total, 1e-9):6.1%} x{n:5.0f}  {name[:80]}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"profile_{Path(args.model).stem}.json").write_text(json.dumps(summary, indent=1))
+        suffix = "" if spark is None else f"_spark{args.spark:g}"
+        (Path(args.out) / f"profile_{Path(args.model).stem}{suffix}.json").write_text(json.dumps(summary, indent=1))
     return 0
 
 
@@ -709,6 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="where one decode step's time goes")
     p.add_argument("model")
     p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--spark", type=float, metavar="SHARE",
+                   help="MoE models: the experts behind Spark's slot pools at this share of their bytes (e.g. 0.6); "
+                        "varied tokens, 256 warm-up steps, and whole steps profiled (promotions included)")
     p.add_argument("--out")
     p.set_defaults(run=cmd_profile)
 

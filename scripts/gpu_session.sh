@@ -694,6 +694,21 @@ s16_laguna() {  # ~8 min (not run yet): Laguna-XS.2 after session 16: the step's
   return 0
 }
 
+spark_profile() {  # ~4.5 min (not run yet): where Spark's step spends its ~1.5 ms over the all-GPU step on the
+  #               skewed Laguna-XS.2 file: a calibration (the routing profile beside the file), then the decode
+  #               step's profile at SPARK_RESIDENCY (whole steps: promotions and accounting included) and all on
+  #               the GPU.                                                              carry: .whl
+  local skewed; skewed=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  step synth-laguna 120 sh -c "[ -s $skewed ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $skewed"
+  step calibrate 100 python3 scripts/bench_spark.py lucebox -m "$skewed" --residency "$SPARK_RESIDENCY" \
+    --phases calibrate --calibrate 2048 --calibrate-seconds 40 --phase-timeout 90 --json "$RES/calibration.json"
+  step profile-spark 100 python3 scripts/bench_vs_llamacpp.py profile "$skewed" --spark "$SPARK_RESIDENCY" --out "$RES"
+  step profile-full 90 python3 scripts/bench_vs_llamacpp.py profile "$skewed" --out "$RES"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -734,6 +749,7 @@ session() {
     s15-final) s15_final ;;
     s16-check) s16_check ;;
     s16-laguna) s16_laguna ;;
+    spark-profile) spark_profile ;;
     fused-prefill) fused_prefill ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
