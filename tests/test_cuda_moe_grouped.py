@@ -189,6 +189,25 @@ def test_swiglu_op_routes_prefill_to_the_grouped_product(monkeypatch):
     assert error < TOLERANCE[torch.bfloat16], error
 
 
+def test_swiglu_prefill_without_room_for_the_grouped_product_runs_expert_by_expert(monkeypatch):
+    """Out of GPU memory for the decoded stacks: a warning, and the chunk runs expert by expert (no crash)."""
+    monkeypatch.setattr(op_kernels, "EXPERT_PAIR_LIMIT", TOKENS * TOP_K - 1)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(op_kernels, "_moe_grouped_swiglu", out_of_memory)
+    by_expert = []
+    monkeypatch.setattr(op_kernels, "_moe_by_expert", lambda *args, **kwargs: by_expert.append(args) or "ran")
+    op_kernels._warn_grouped_memory.cache_clear()
+    x, gate, up, down, weights, ids = swiglu_inputs(torch.bfloat16, seed=7)
+    ops = _DequantizingOps()
+    ops.silu_mul = None  # the per-expert path's activation, handed over (the stand-in above never calls it)
+    with pytest.warns(UserWarning, match="expert by expert"):
+        assert op_kernels.moe_experts_swiglu(ops, x, gate, up, down, weights, ids) == "ran"
+    assert len(by_expert) == 1
+
+
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
                          [(40, 8, 2, 16), (40, 8, 2, 64), (1, 8, 2, 16), (300, 128, 8, 64), (7, 4, 3, 4)])
 def test_block_schedule(tokens, experts, top_k, block_m):

@@ -558,7 +558,12 @@ def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exp
         stacks = (gate_exps, up_exps, down_exps)
         if (triton_moe() is not None and all(_dense_decodable(stack) for stack in stacks)
                 and gate_exps.shape == up_exps.shape):
-            return _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids)
+            try:
+                return _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids)
+            except torch.OutOfMemoryError:
+                # The decoded stacks (1 GiB a Laguna-XS.2 layer) and the per-pair rows did not fit beside the
+                # model: this chunk runs expert by expert, which needs no scratch (slower, same result).
+                _warn_grouped_memory()
         return _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
     return _swiglu_pairs(ops, x, gate_exps, up_exps, down_exps, weights, ids)
 
@@ -628,6 +633,12 @@ def _moe_grouped(ops: Any, x, gate_up_exps, down_exps, weights, ids) -> torch.Te
     schedule = grouped.Schedule.build(ids, gate_up_exps.shape[0])
     act = grouped.gate_up_geglu(x, ops.dequantize_experts(gate_up_exps, x.dtype), ids.shape[1], schedule)
     return grouped.down_weighted_sum(act, ops.dequantize_experts(down_exps, x.dtype), weights, schedule)
+
+
+@functools.cache
+def _warn_grouped_memory() -> None:
+    warnings.warn("the grouped MoE prefill product did not fit in GPU memory: prefill runs expert by expert "
+                  "(slower); a smaller -ub/--ubatch-size or context leaves it room", stacklevel=3)
 
 
 def _moe_grouped_swiglu(ops: Any, x, gate_exps, up_exps, down_exps, weights, ids) -> torch.Tensor:
