@@ -511,7 +511,7 @@ def pages_supported(ops: Any, layer: OffloadedExperts, top_k: int) -> bool:
 
 
 def spark_budget(text: str | int | None) -> tuple[int | None, float]:
-    """`--spark-vram`: (bytes, None's share) for a size (`4G`, `512M`, `100000`), or (None, the share) for a
+    """`--spark-vram`: (bytes, 0.5) for a size (`4G`, `512M`, `100000`), or (None, the share) for a
     percentage of the experts' bytes (`60%`); (None, 0.5) when not given (half of them)."""
     from .prefix_cache import parse_size
 
