@@ -668,13 +668,16 @@ s15_final() {  # ~7 min: session 15's merges on the GPU: the Gated DeltaNet pref
 s16_check() {  # ~8.5 min (not run yet): session 16's `write_kv_rows` (every family's static step stores its K/V
   #            rows through it) and the grouped SwiGLU prefill: the CUDA tests of Laguna, the decode graph and
   #            the graphed Spark step; Gemma-4's GPU checks (its static verify and tiny models); the tiny and
-  #            0.8B models against torch f32.                                               carry: .whl
+  #            0.8B models against torch f32. With .llamacpp carried, the llama.cpp build runs meanwhile (nice
+  #            19) for the next call on the same warm machine (s16-laguna, spark-bench-35b). carry: .whl [.llamacpp]
+  [ -d .llamacpp ] && LLAMA_NICE=19 llama_build_bg
   step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
     tests/test_laguna_cuda.py tests/test_decode_graph.py tests/test_spark_graphed.py -k "cuda or gpu or routed_expert"
   step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
   step model-check 170 python3 scripts/cuda_check.py --skip-correctness --skip-timing --models tiny:f32,0.8b:q4_k_m \
     --steps 32 --out "$RES"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  [ -d .llamacpp ] && llama_wait
   return 0
 }
 
