@@ -167,7 +167,7 @@ def test_without_graphs_spark_steps_eagerly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
-@pytest.mark.parametrize("arch", ["laguna", "gemma4"])
+@pytest.mark.parametrize("arch", ["laguna", "gemma4", "qwen35moe"])
 def test_gpu_decode_graph_over_paged_experts_at_60_percent_equals_all_resident(tmp_path, arch):
     """On the GPU: a tiny Laguna (SwiGLU stacks) or Gemma-4 MoE (GeGLU over a fused [gate | up] stack) with 60%
     of its experts resident decodes through one recorded CUDA graph per KV window over the paged kernel,

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from lucebox_core.errors import LuceboxError
 from lucebox_core.ggufio import MetadataView
 from lucebox_core.loading import KV_OPTIONS, SPLIT_OPTIONS, LayoutTensors, start_family_load
+from lucebox_core.quants import QuantTensor
 
 from .layout import MOE_ARCH, Qwen35Config, tensor_shapes
 from .layout_moe import Qwen35MoeConfig
-from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model
+from .model import ARCHITECTURE, GGUF_NAMES, MLP, DecoderLayer, GatedAttention, GatedDeltaNet, Qwen35Model, Weight
 from .moe import MOE_GGUF_NAMES, SparseMoeBlock
 from .ops import QWEN35_OPS
 
@@ -109,9 +111,16 @@ def _load_moe(src: LayoutTensors, c: Qwen35MoeConfig, i: int) -> SparseMoeBlock:
         up_exps=src.weight(p + "experts.up_proj", i),
         down_exps=src.weight(p + "experts.down_proj", i),
         shared_expert=_load_mlp(src, "mlp.shared_expert.", i),
-        shared_expert_gate=src.vector(p + "shared_expert_gate", i),
+        shared_expert_gate=_as_one_row(src.weight(p + "shared_expert_gate", i)),
         top_k=c.n_expert_used,
     )
+
+
+def _as_one_row(vector: Weight) -> Weight:
+    """The GGUF's `[hidden]` gate vector as the `[1, hidden]` matrix of a one-output projection (same bytes)."""
+    if isinstance(vector, QuantTensor):
+        return attrs.evolve(vector, shape=(1, vector.shape[-1]))
+    return vector.reshape(1, -1)
 
 
 def _load_gated_delta_net(src: LayoutTensors, c: Qwen35Config, i: int, chunk_size: int) -> GatedDeltaNet:
