@@ -300,7 +300,11 @@ class OffloadedExperts:
             self.pools.append(pool)
             self.views.append(attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
                                            data=pool.stack.reshape(-1), volatile=True))
-        self.pages = [ExpertPages(view, pool.host, pool.slot_of, pool.host.is_pinned())
+        # Every pool goes through the same bring/touch sequence, so their tables hold the same slots (`_run` maps
+        # ids through the first for all stacks too): the pages share the first pool's table, which lets a paged
+        # op read two stacks in one launch (`expert_matvec_pair` pairs stacks of one table: gate and up).
+        table = self.pools[0].slot_of
+        self.pages = [ExpertPages(view, pool.host, table, pool.host.is_pinned())
                       for view, pool in zip(self.views, self.pools)]
         self.expert_bytes = sum(pool.host.shape[1] for pool in self.pools)
 

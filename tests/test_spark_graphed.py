@@ -203,10 +203,12 @@ def test_gpu_decode_graph_over_paged_experts_at_60_percent_equals_all_resident(t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine runs it)")
-def test_gpu_paged_kernel_recorded_once_follows_the_table_bit_for_bit():
+@pytest.mark.parametrize("one_table", [False, True])  # True: gate and up in one launch (the paged pair kernel)
+def test_gpu_paged_kernel_recorded_once_follows_the_table_bit_for_bit(one_table):
     """The CUDA paged op (the paged moe_matvec kernel) against the stacked op over the whole stacks: eagerly,
     then recorded as one CUDA graph and replayed while experts move between slots and host memory (the
-    replays read the table as it is then). Resident experts' host rows are garbage: they must come from slots."""
+    replays read the table as it is then). Resident experts' host rows are garbage: they must come from slots.
+    With one table for the three stacks (as `OffloadedExperts` gives them), gate and up pair in one launch."""
     from lucebox_cuda.backend import CudaBackend
 
     ops = CudaBackend("cuda", torch.bfloat16)
@@ -219,12 +221,14 @@ def test_gpu_paged_kernel_recorded_once_follows_the_table_bit_for_bit():
              for name, (host, _) in stacks.items()}
     pages = [ExpertPages(QuantTensor(f"{name}.slots", GGMLQuantizationType.Q8_0, (slots, *stacks[name][1][1:]),
                                      pools[name].stack.reshape(-1), volatile=True),
-                         pools[name].host, pools[name].slot_of, True) for name in stacks]
+                         pools[name].host, pools["gate" if one_table else name].slot_of, True) for name in stacks]
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(4, hidden, generator=generator).to(ops.device, torch.bfloat16)
     weights = torch.softmax(torch.randn(4, top_k, generator=generator), dim=-1).to(ops.device)
     ids = torch.tensor([[1, 0], [4, 7], [2, 1], [6, 4]], device=ops.device)
     assert ops.moe_experts_swiglu_paged.choice(x, *pages, weights, ids) != "reference"
+    paired = ops.expert_matvec_pair(x, pages[0], pages[1], ids.reshape(-1), top_k)
+    assert (paired is not None) == one_table
 
     def stacked():
         return ops.moe_experts_swiglu(x, full["gate"], full["up"], full["down"], weights, ids)
