@@ -618,22 +618,6 @@ laguna_profile() {  # ~2 min: where a Laguna-XS.2 decode step's time goes (torch
   return 0
 }
 
-s13_spark() {  # ~8 min: session 13's Laguna and Spark rows: the GPU tests of the graphed Spark step and of the
-  #             Laguna kernels, Laguna-XS.2's decode profile, then spark_rows (all on GPU, calibration, Spark at
-  #             60%, llama.cpp beside), then the matvec sweep of Laguna's shapes while time is left.
-  #             carry: .whl .llamacpp
-  LLAMA_NICE=19 llama_build_bg
-  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_spark.py \
-    tests/test_spark_graphed.py tests/test_laguna_cuda.py -k "gpu or cuda or routed_expert"
-  step spark-synth 170 spark_synth laguna xs2
-  step profile-laguna 90 python3 scripts/bench_vs_llamacpp.py profile "$(sparkmodel laguna xs2)" --out "$RES"
-  cp "$RES"/profile_*.json "$OUT/" 2>/dev/null
-  spark_rows laguna xs2
-  step sweep-laguna 120 python3 scripts/matvec_sweep.py --out "$RES" --budget-s 50 --skip-correctness --model laguna
-  cp "$RES/matvec_sweep.json" "$OUT/matvec_sweep_laguna.json" 2>/dev/null
-  return 0
-}
-
 fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill products straight from the blocks
   #                (lucebox_cuda.triton_quant_matmul) against the dequantized tiles + cuBLAS at the 27B's shapes,
   #                then the 27B's pp512/pp4096 and the second-turn TTFT with LUCEBOX_FUSED_PREFILL off and on.
@@ -712,6 +696,34 @@ spark_profile() {  # ~4.5 min (not run yet): where Spark's step spends its ~1.5 
   return 0
 }
 
+s17_final() {  # ~7.5 min: session 17's changes on Qwen3.5-35B-A3B (qwen35moe, skewed routers): the shared expert's
+  #             gate as a one-row product, Spark's gate and up in one paged launch. The GPU tests of qwen35moe
+  #             on CUDA and of the paged ops; the step's profile, all on the GPU and at SPARK_RESIDENCY; the
+  #             Spark rows; llama-bench beside (built meanwhile, nice 19).      carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step gpu-tests 110 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_qwen35moe_cuda.py tests/test_spark_graphed.py -k "cuda or gpu"
+  local m; m=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  step synth-35b 60 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $m"
+  step profile-35b 60 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"
+  step lucebox-35b 60 sh -c "python3 -m lucebox_core.cli bench -m $m -p 512 -n 128 -r 3 --json > $RES/lucebox_35b.json; \
+    cat $RES/lucebox_35b.json"
+  step spark-35b 150 python3 scripts/bench_spark.py lucebox -m "$m" --residency "$SPARK_RESIDENCY" \
+    --calibrate 2048 --calibrate-seconds 30 --phase-timeout 90 --json "$RES/spark_qwen35moe_skewed.json"
+  step profile-spark-35b 60 python3 scripts/bench_vs_llamacpp.py profile "$m" --spark "$SPARK_RESIDENCY" --out "$RES"
+  if llama_wait; then
+    step llama-35b 80 python3 scripts/bench_spark.py llama -m "$m" --residency "$SPARK_RESIDENCY" \
+      --llama-bench "$LB" --timeout 70 --json "$RES/llama_qwen35moe_skewed.json"
+    step llama-35b-pp 40 sh -c "$LB -m $m -ngl 99 -fa 1 -p 512 -n 0 -r 3 -o json > $RES/llama_35b_pp.json; \
+      python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"],1)) for r in json.load(open(sys.argv[1]))]' $RES/llama_35b_pp.json"
+  fi
+  python3 scripts/bench_spark.py report "$RES"/spark_qwen35moe_*.json "$RES"/llama_qwen35moe_*.json \
+    --md "$OUT/spark_bench_qwen35moe.md"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -748,11 +760,11 @@ session() {
     spark-bench) spark_bench ;;
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
-    s13-spark) s13_spark ;;
     s15-final) s15_final ;;
     s16-check) s16_check ;;
     s16-laguna) s16_laguna ;;
     spark-profile) spark_profile ;;
+    s17-final) s17_final ;;
     fused-prefill) fused_prefill ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
