@@ -52,6 +52,25 @@ def tiny_target_and_draft(tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture(scope="session")
+def tiny_quantized_files(tmp_path_factory) -> dict:
+    """The tiny qwen35 model written as Q8_0 and Q4_K_M (seed 0), once for the modules that read such files
+    back (the synth's own checks, the parity with transformers)."""
+    from lucebox_qwen35 import synth
+
+    folder = tmp_path_factory.mktemp(SESSION_PREFIX + "tiny-quantized")
+    return {t: synth.write(folder / f"tiny-{t}.gguf", size="tiny", type=t, seed=0) for t in ("q8_0", "q4_k_m")}
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_readers(tiny_quantized_files) -> dict:
+    """`gguf.GGUFReader`s of `tiny_quantized_files`: llama.cpp's own reader, independent of Lucebox's. Each
+    parses the 248k-token vocabulary into Python objects (seconds on a 2-core CPU), so once a session."""
+    from gguf import GGUFReader
+
+    return {t: GGUFReader(path) for t, path in tiny_quantized_files.items()}
+
+
 # -- a served model, for the modules that drive the HTTP server -------------------------------------------
 # A module defines its own `service` fixture (through `loaded_service`); `url`, `oai` and `claude` serve it.
 

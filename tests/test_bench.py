@@ -59,13 +59,19 @@ def test_speculative_and_forced_rows_warm_up_at_their_shapes(tiny_target_and_dra
                                            spec_type="chain"))
     block = assembled.speculative.block_size
     recorder = Recorder(assembled, monkeypatch)
+    # The verify passes' node counts, a speculative generation's start marked: every token of the tiny model
+    # reads its 248k-row head, so one timed repetition and 8 tokens (two forced steps of 4) are enough to
+    # compare the untimed run's shapes with a timed one's.
+    generation = "generation"
     verify_calls = []
-    model = assembled.loaded.model
-    verify = model.verify
+    model, engine = assembled.loaded.model, assembled.engine
+    verify, generate = model.verify, engine.generate
     monkeypatch.setattr(model, "verify", lambda *a, **k: verify_calls.append(len(a[1])) or verify(*a, **k))
-    rows = run_bench(assembled, prompts=[8], n_gen=12, depths=[0], reps=2, force_accept=3)
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: verify_calls.append(generation) or generate(*a, **k))
+    reps = 1
+    rows = run_bench(assembled, prompts=[8], n_gen=8, depths=[0], reps=reps, force_accept=3)
     tests = [r["test"] for r in rows]
-    assert tests == ["pp8", "tg12", "tg12 spec chain FORCED accept 3", "tg12 plain engine",
+    assert tests == ["pp8", "tg8", "tg8 spec chain FORCED accept 3", "tg8 plain engine",
                      f"draft step (block {block})", "verify 1 nodes", f"verify {block} nodes"]  # chain's largest: a block
     spec = rows[2]
     # The same requests through the plain engine, and the ratio speculation must keep above 1.
@@ -73,11 +79,17 @@ def test_speculative_and_forced_rows_warm_up_at_their_shapes(tiny_target_and_dra
     assert "governed_plain_tokens" not in spec  # a chain has no governor
     assert spec["forced_accept"] == 3 and spec["mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
     assert all(r["tokens_per_s"] > 0 and r["seconds"] > 0 for r in rows)
-    # Three speculative generations (the untimed one at the row's shapes, then two timed), each the same
-    # sequence of verify shapes, then the cost rows (warm-up + 2 calls per node count).
-    assert verify_calls[-6:] == [1, 1, 1, block, block, block]
-    per_run = verify_calls[:-6]
-    assert len(per_run) % 3 == 0 and per_run[: len(per_run) // 3] * 3 == per_run
+    # The speculative generations (the untimed one at the row's shapes, then the timed ones), each the same
+    # sequence of verify shapes, then the cost rows (a warm-up + `reps` calls per node count).
+    cost_calls = 2 * (1 + reps)
+    assert verify_calls[-cost_calls:] == [1] * (1 + reps) + [block] * (1 + reps)
+    runs = []
+    for call in verify_calls[:-cost_calls]:
+        if call == generation:
+            runs.append([])
+        else:
+            runs[-1].append(call)
+    assert len(runs) == 1 + reps and runs[0] and all(run == runs[0] for run in runs), runs
     # The cost rows' clocks start after a synchronisation, and stop after one.
     last = [e for e in recorder.events][-3:]
     assert last[-1] == ("sync",)

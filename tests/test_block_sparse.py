@@ -324,8 +324,12 @@ def test_triton_kernel_walks_a_block_in_several_key_tiles():
 
 
 # Compiled for real GPUs in a child process (this module's kernels are interpreted; the compiler needs the
-# jitted ones): Qwen3-0.6B's shape in bf16 with 128-token blocks, the 256-dim tile, and fp32.
+# jitted ones): Qwen3-0.6B's shape in bf16 with 128-token blocks, the 256-dim tile, and fp32. Each variant
+# compiles single-threaded (LLVM, then ptxas), so the variants are spread over the machine's cores.
 COMPILE_SCRIPT = """
+import concurrent.futures
+import multiprocessing
+import os
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -333,22 +337,29 @@ from triton.compiler import ASTSource
 from lucebox_cuda import triton_block_sparse as module
 
 kernel = module._block_sparse_kernel
-for capability in map(int, sys.argv[1:]):
-    for act, block, block_n, dim, warps, stages in (("bf16", 128, 64, 128, 8, 3), ("bf16", 128, 32, 256, 8, 2),
-                                                    ("fp32", 64, 64, 128, 4, 1)):
-        pointer = "*" + act
-        types = dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, out_ptr=pointer, kept_ptr="*i32",
-                     count_ptr="*i32", qk_scale="fp32")
-        constants = dict(GROUP=2, HEAD_DIM=dim, VALUE_DIM=dim, BLOCK=block, BLOCK_N=block_n, BLOCK_D=dim,
-                         BLOCK_DV=dim, DOT_PRECISION="ieee" if act == "fp32" else "tf32", UPCAST_DOT=False,
-                         STATIC_TRIPS=0)
-        signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
-        binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                target=GPUTarget("cuda", capability, 32),
-                                options=dict(num_warps=warps, num_stages=stages))
-        assert binary.asm["cubin"][:4] == b"\\x7fELF"
-        assert binary.metadata.shared <= 227 * 1024, binary.metadata.shared
-        print("compiled", act, dim, f"sm_{capability}")
+VARIANTS = (("bf16", 128, 64, 128, 8, 3), ("bf16", 128, 32, 256, 8, 2), ("fp32", 64, 64, 128, 4, 1))
+
+def compile_variant(job):
+    capability, (act, block, block_n, dim, warps, stages) = job
+    pointer = "*" + act
+    types = dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, out_ptr=pointer, kept_ptr="*i32",
+                 count_ptr="*i32", qk_scale="fp32")
+    constants = dict(GROUP=2, HEAD_DIM=dim, VALUE_DIM=dim, BLOCK=block, BLOCK_N=block_n, BLOCK_D=dim,
+                     BLOCK_DV=dim, DOT_PRECISION="ieee" if act == "fp32" else "tf32", UPCAST_DOT=False,
+                     STATIC_TRIPS=0)
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
+    binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                            target=GPUTarget("cuda", capability, 32),
+                            options=dict(num_warps=warps, num_stages=stages))
+    assert binary.asm["cubin"][:4] == b"\\x7fELF"
+    assert binary.metadata.shared <= 227 * 1024, binary.metadata.shared
+    return f"compiled {act} {dim} sm_{capability}"
+
+jobs = [(capability, variant) for capability in map(int, sys.argv[1:]) for variant in VARIANTS]
+workers = min(len(os.sched_getaffinity(0)), len(jobs))
+with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    for line in pool.map(compile_variant, jobs):  # a variant that fails raises here, with its traceback
+        print(line)
 """
 
 

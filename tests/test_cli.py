@@ -22,6 +22,22 @@ def lucebox(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
     )
 
 
+def lucebox_together(*runs: tuple[str, ...], env: dict | None = None,
+                     timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """`lucebox(*args)` for each of `runs`, the processes started together: a run of the tiny models is mostly
+    its process's start-up (torch's import, the model's load), single-threaded, so a second core halves them.
+    Each process's torch takes its share of the cores (threads past them spin against each other's)."""
+    environment = dict(os.environ, **(env or {}))
+    environment.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // len(runs))))
+    processes = [subprocess.Popen([sys.executable, "-m", "lucebox_core.cli", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=environment) for args in runs]
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
@@ -120,16 +136,19 @@ def test_info_on_a_synthetic_model(tiny_model):
 
 
 def test_generate_json_greedy_and_seeded(tiny_model):
+    """Greedy and seeded runs repeat in a fresh process (the four processes run side by side)."""
     args = ["generate", "-m", str(tiny_model), "--prompt-ids", "1,2,3,4", "-n", "8", "--json", "--ignore-eos"]
-    greedy = lucebox(*args, "--temp", "0")
+    greedy, again, *seeded = lucebox_together((*args, "--temp", "0"), (*args, "--temp", "0"),
+                                              (*args, "--temp", "1.0", "--seed", "7"),
+                                              (*args, "--temp", "1.0", "--seed", "7"))
     assert greedy.returncode == 0, greedy.stderr
     out = json.loads(greedy.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 8
     assert isinstance(out["text"], str)
     assert out["prompt_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
-    again = json.loads(lucebox(*args, "--temp", "0").stdout.strip().splitlines()[-1])
+    again = json.loads(again.stdout.strip().splitlines()[-1])
     assert again["token_ids"] == out["token_ids"]
-    seeded = [json.loads(lucebox(*args, "--temp", "1.0", "--seed", "7").stdout.strip().splitlines()[-1])["token_ids"] for _ in range(2)]
+    seeded = [json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] for run in seeded]
     assert seeded[0] == seeded[1]
 
 
@@ -143,12 +162,11 @@ def test_generate_ubatch_size_chunks_the_prefill(tiny_model):
     (an f32 model: chunking changes rounding only). A chunk under 1 is a one-line error naming the flag."""
     ids = ",".join(str(100 + i) for i in range(30))
     args = ["generate", "-m", str(tiny_model), "--prompt-ids", ids, "-n", "6", "--json", "--ignore-eos", "--temp", "0"]
-    whole = lucebox(*args)
-    chunked = lucebox(*args, "-ub", "7")
+    whole, chunked, refused = lucebox_together(args, (*args, "-ub", "7"), (*args, "-ub", "0"))
     assert whole.returncode == 0 and chunked.returncode == 0, (whole.stderr, chunked.stderr)
     tokens = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (whole, chunked)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
-    assert_one_line_error(lucebox(*args, "-ub", "0"), "--ubatch-size")
+    assert_one_line_error(refused, "--ubatch-size")
 
 
 def test_default_model_is_reassembled_once_and_announced_with_its_drafter(tmp_path):
@@ -163,13 +181,15 @@ def test_default_model_is_reassembled_once_and_announced_with_its_drafter(tmp_pa
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(answer["token_ids"]) <= 3 and answer["speculative"]
     assert answer["speculative"]["tree_budget"] == "auto"  # the demo model's own budget, unless one is asked
-    chosen = lucebox("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json", "--tree-budget", "5",
-                     env=env)
+    # Two more runs, side by side, find the assembled files and reuse them.
+    stamps = [m.stat().st_mtime_ns for m in models]
+    chosen, plain = lucebox_together(("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json",
+                                      "--tree-budget", "5"),
+                                     ("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json",
+                                      "--no-draft"), env=env)
     assert chosen.returncode == 0, chosen.stderr
     chosen_answer = json.loads(chosen.stdout.strip().splitlines()[-1])
     assert chosen_answer["speculative"]["tree_budget"] == 5 and chosen_answer["token_ids"] == answer["token_ids"]
-    stamps = [m.stat().st_mtime_ns for m in models]
-    plain = lucebox("generate", "-p", "def add(a, b):", "-n", "3", "--temp", "0", "--json", "--no-draft", env=env)
     assert plain.returncode == 0, plain.stderr
     assert "--no-draft turns it off" not in plain.stderr
     assert [m.stat().st_mtime_ns for m in models] == stamps  # reused, not joined again

@@ -332,8 +332,13 @@ def test_registered_kernels_match_the_reference(backend_on_cpu, monkeypatch):
 # -- every kernel compiles for the GPUs (no GPU needed) -----------------------------------------------
 
 # Run in a child process: this module's kernels are interpreted, and the compiler needs the jitted ones.
-# The constants are the 27B decode shapes; pointers are bf16 and fp32 activations.
+# The constants are the 27B decode shapes; pointers are bf16 and fp32 activations. Each variant compiles
+# single-threaded (LLVM, then ptxas), so the variants are spread over the machine's cores: on CI's two the
+# slowest parametrization takes half the time.
 COMPILE_SCRIPT = """
+import concurrent.futures
+import multiprocessing
+import os
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -347,7 +352,8 @@ def signature(kernel, types, constants):
 
 capability = int(sys.argv[1])
 target = GPUTarget("cuda", capability, 32)
-for act in sys.argv[2:]:
+
+def variants(act):
     pointer = "*" + act
     kernels = [
         (attention._path_attention_split_kernel,
@@ -400,11 +406,21 @@ for act in sys.argv[2:]:
          dict(k_ptr=pointer, v_ptr=pointer, keys_ptr=pointer, values_ptr=pointer, positions_ptr="*i64"),
          dict(K_DIM=128, V_DIM=128, BLOCK_K=128, BLOCK_V=128, RING=True)),
     ]
-    for kernel, types, constants in kernels:
-        source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
-        binary = triton.compile(source, target=target)
-        assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__
-        print("compiled", kernel.__name__, act, f"sm_{capability}")
+    return kernels
+
+def compile_variant(job):
+    act, index = job
+    kernel, types, constants = variants(act)[index]
+    source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
+    binary = triton.compile(source, target=target)
+    assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__
+    return f"compiled {kernel.__name__} {act} sm_{capability}"
+
+jobs = [(act, index) for act in sys.argv[2:] for index in range(len(variants(act)))]
+workers = min(len(os.sched_getaffinity(0)), len(jobs))
+with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    for line in pool.map(compile_variant, jobs):  # a variant that fails raises here, with its traceback
+        print(line)
 """
 
 

@@ -446,6 +446,25 @@ def _run(site: Path, args: list[str], **env: str) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=environment, timeout=120)
 
 
+def _run_together(site: Path, *runs: tuple[list[str], dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """`_run(site, args, **env)` for each (args, env) of `runs`, the processes started together: each is
+    mostly its own start-up (torch's import, the model's load), single-threaded, so a second core halves
+    them. Each process's torch takes its share of the cores (threads past them spin against each other's)."""
+    threads = str(max(1, len(os.sched_getaffinity(0)) // len(runs)))
+    processes = []
+    for args, env in runs:
+        environment = dict(os.environ, PYTHONPATH=str(site), **env)
+        environment.pop("LUCEBOX_PLUGINS", None) if "LUCEBOX_PLUGINS" not in env else None
+        environment.setdefault("OMP_NUM_THREADS", threads)
+        processes.append(subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=environment))
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
 def test_third_party_plugin_is_discovered_and_broken_one_reported(toy_site):
     result = _run(toy_site, ["-m", "lucebox_core.cli", "plugins", "--json"])
     assert result.returncode == 0, result.stderr
@@ -560,34 +579,37 @@ def test_generate_runs_through_a_third_party_drafter_verifier_and_kv_policy(toy_
     prompt = ",".join(str(t) for t in [11, 12, 13, 14, 11, 12, 13, 14, 11, 12])
     common = ["-m", "lucebox_core.cli", "generate", "-m", str(qwen_target), "--backend", "torch", "--temp", "0",
               "--prompt-ids", prompt, "-n", "24", "--ignore-eos", "--json"]
-    log = tmp_path / "toy.log"
-    plain = _run(toy_site, common, TOY_LOG=str(log))
+    # The runs are independent (each toy run logs to its own file), so they start together.
+    plain_log, toy_log, forced_log = (tmp_path / f"{run}.log" for run in ("plain", "toy", "forced"))
+    toy_flags = ["-md", str(draft), "--spec-type", "toy-chain", "--kv-policy", "toy-paged"]
+    plain, toy, forced, bad_policy, bad_verifier, bad_cache = _run_together(
+        toy_site,
+        (common, {"TOY_LOG": str(plain_log)}),
+        ([*common, *toy_flags], {"TOY_LOG": str(toy_log)}),
+        # With forced acceptance the verifier accepts 3 of every block's 4 drafts: the paged cache keeps (and
+        # rolls back) several positions a step, and the output is still plain greedy.
+        ([*common, *toy_flags, "--force-accept", "3"], {"TOY_LOG": str(forced_log)}),
+        # Its unknown names are clear errors naming the flag and the choices.
+        ([*common, "--kv-policy", "nope"], {}),
+        ([*common, "-md", str(draft), "--spec-type", "nope"], {}),
+        ([*common, "--kv-policy", "toy-paged", "-ctk", "q8_0"], {}),
+    )
     assert plain.returncode == 0, plain.stderr
-    assert not log.exists(), "no toy component runs without being asked for"
-    toy = _run(toy_site, [*common, "-md", str(draft), "--spec-type", "toy-chain", "--kv-policy", "toy-paged"],
-               TOY_LOG=str(log))
+    assert not plain_log.exists(), "no toy component runs without being asked for"
     assert toy.returncode == 0, toy.stderr
     plain_out, toy_out = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (plain, toy))
     assert toy_out["token_ids"] == plain_out["token_ids"]
     assert toy_out["speculative"]["kind"] == "toy-lookup" and toy_out["speculative"]["spec_type"] == "toy-chain"
     assert toy_out["accepted_lengths"] and sum(toy_out["accepted_lengths"]) == 23  # the first is the prefill's
-    # With forced acceptance the verifier accepts 3 of every block's 4 drafts: the paged cache keeps (and
-    # rolls back) several positions a step, and the output is still plain greedy.
-    forced = _run(toy_site, [*common, "-md", str(draft), "--spec-type", "toy-chain", "--kv-policy", "toy-paged",
-                             "--force-accept", "3"], TOY_LOG=str(log))
     assert forced.returncode == 0, forced.stderr
     forced_out = json.loads(forced.stdout.strip().splitlines()[-1])
     assert forced_out["token_ids"] == plain_out["token_ids"]
     assert forced_out["accepted_lengths"][:-1] == [4] * (len(forced_out["accepted_lengths"]) - 1)
-    lines = log.read_text().splitlines()
+    lines = toy_log.read_text().splitlines() + forced_log.read_text().splitlines()
     made = [line for line in lines if line.startswith("kv policy made")]
     assert made and all(not line.endswith("slot 0") for line in made)  # physical slot != logical position
     assert any(line.startswith("drafter drafted") for line in lines)
     assert any(line.startswith("verifier accepted") for line in lines)
-    # Its unknown names are clear errors naming the flag and the choices.
-    bad = _run(toy_site, [*common, "--kv-policy", "nope"])
-    assert bad.returncode == 2 and "--kv-policy" in bad.stderr and "toy-paged" in bad.stderr
-    bad = _run(toy_site, [*common, "-md", str(draft), "--spec-type", "nope"])
-    assert bad.returncode == 2 and "--spec-type" in bad.stderr and "toy-chain" in bad.stderr
-    bad = _run(toy_site, [*common, "--kv-policy", "toy-paged", "-ctk", "q8_0"])
-    assert bad.returncode == 2 and "toy-paged" in bad.stderr and "q8_0" in bad.stderr
+    assert bad_policy.returncode == 2 and "--kv-policy" in bad_policy.stderr and "toy-paged" in bad_policy.stderr
+    assert bad_verifier.returncode == 2 and "--spec-type" in bad_verifier.stderr and "toy-chain" in bad_verifier.stderr
+    assert bad_cache.returncode == 2 and "toy-paged" in bad_cache.stderr and "q8_0" in bad_cache.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGUFReader
 
 from lucebox_core.engine import Engine, GenerationRequest
 from lucebox_core.loading import load_model
@@ -37,10 +36,12 @@ def test_every_synth_type_loads_and_generates(written):
 
 
 @pytest.mark.parametrize("type_name", ["q8_0", "q4_k_m"])
-def test_quantized_files_match_transformers_on_the_same_weights(type_name, tmp_path):
-    path = tmp_path / f"tiny-{type_name}.gguf"
-    synth.write(path, size="tiny", type=type_name, seed=12)
-    reference = to_transformers(GGUFReader(path), layout.size("tiny"))
+def test_quantized_files_match_transformers_on_the_same_weights(type_name, tiny_quantized_files,
+                                                                 tiny_quantized_readers):
+    """Read back by gguf's GGUFReader and dequantized by gguf's numpy code, the session's files (written and
+    parsed once: test_qwen35_synth reads the same ones)."""
+    path = tiny_quantized_files[type_name]
+    reference = to_transformers(tiny_quantized_readers[type_name], layout.size("tiny"))
     loaded = load_model(path)
     state = loaded.model.new_state(64)
     tokens = list(PROMPT)

@@ -26,14 +26,15 @@ FAST_TYPES = ["q8_0", "q4_k_m"]  # GGUFReader needs seconds to parse a 248,320-t
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("synth")
-    return {t: synth.write(folder / f"tiny-{t}.gguf", size="tiny", type=t, seed=0) for t in FAST_TYPES}
+def written(tiny_quantized_files) -> dict[str, Path]:
+    """The tiny file in each of FAST_TYPES, seed 0 (written once a session, tests/conftest.py)."""
+    assert set(tiny_quantized_files) == set(FAST_TYPES)
+    return tiny_quantized_files
 
 
 @pytest.fixture(scope="module")
-def readers(written) -> dict[str, GGUFReader]:
-    return {t: GGUFReader(p) for t, p in written.items()}
+def readers(tiny_quantized_readers) -> dict[str, GGUFReader]:
+    return tiny_quantized_readers
 
 
 def numpy_shape(t) -> tuple[int, ...]:

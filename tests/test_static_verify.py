@@ -25,6 +25,21 @@ def tiny(request, tmp_path_factory):
     return load_model(path).model
 
 
+@pytest.fixture(scope="module")
+def target_and_draft(tiny_target_and_draft):
+    """The session's tiny f32 target, loaded once for the engine tests here (each routes its verify to the
+    static pass through `monkeypatch`, for that test only), and the path of its drafter."""
+    target, draft = tiny_target_and_draft
+    return load_model(target), draft
+
+
+def static_verify(model, monkeypatch) -> None:
+    """The model's verify pass is the static one (as on a GPU, without the recording) for this test."""
+    import functools
+
+    monkeypatch.setattr(model, "verify", functools.partial(type(model).verify, model, static=True, graphs=False))
+
+
 @pytest.mark.parametrize("name", sorted(TREES))
 def test_static_verify_equals_dynamic(tiny, name):
     parents, paths = TREES[name]
@@ -69,22 +84,17 @@ def test_static_verify_then_a_longer_commit(tiny):
 
 
 @pytest.mark.parametrize("spec_type", ["chain", "ddtree"])
-def test_forced_speculative_decoding_through_the_static_pass(tmp_path, spec_type, monkeypatch):
+def test_forced_speculative_decoding_through_the_static_pass(target_and_draft, spec_type, monkeypatch):
     """The whole speculative loop on the static verify pass (as on a GPU, without the recording): forced
     acceptance holds and the output equals plain greedy decoding, for a short and a full block."""
-    import functools
-
     from lucebox_core.engine import Engine, GenerationRequest
     from lucebox_core.sampling import SamplingParams
     from lucebox_core.speculative import dflash
     from lucebox_core.speculative.loop import SpeculativeDecoder
-    from lucebox_qwen35 import draft_synth
 
-    target = synth.write(tmp_path / "target.gguf", size="tiny", type="f32", seed=3)
-    draft = draft_synth.write(tmp_path / "draft.gguf", size="tiny", type="f32", seed=4, target=target)
-    loaded = load_model(target)
+    loaded, draft = target_and_draft
     model = loaded.model
-    monkeypatch.setattr(model, "verify", functools.partial(type(model).verify, model, static=True, graphs=False))
+    static_verify(model, monkeypatch)
     greedy = SamplingParams(temperature=0)
     plain = Engine(model, loaded.tokenizer, ctx_size=256)
     speculative = Engine(model, loaded.tokenizer, ctx_size=256,
@@ -122,22 +132,17 @@ def test_static_commit_of_a_branch_prefix_then_the_whole_branch(tiny):
     torch.testing.assert_close(tiny.forward(static, probe), tiny.forward(plain, probe), atol=1e-5, rtol=1e-5)
 
 
-def test_speculative_decoding_runs_to_the_end_of_the_context(tmp_path):
+def test_speculative_decoding_runs_to_the_end_of_the_context(target_and_draft, monkeypatch):
     """A DDTree of budget + 1 nodes needs more rows than a block: near the end of the context the engine
     finishes plainly instead of overflowing (the static pass writes every node's row)."""
-    import functools
-
     from lucebox_core.engine import Engine, GenerationRequest
     from lucebox_core.sampling import SamplingParams
     from lucebox_core.speculative import dflash
     from lucebox_core.speculative.loop import SpeculativeDecoder
-    from lucebox_qwen35 import draft_synth
 
-    target = synth.write(tmp_path / "target.gguf", size="tiny", type="f32", seed=3)
-    draft = draft_synth.write(tmp_path / "draft.gguf", size="tiny", type="f32", seed=4, target=target)
-    loaded = load_model(target)
+    loaded, draft = target_and_draft
     model = loaded.model
-    model.verify = functools.partial(type(model).verify, model, static=True, graphs=False)
+    static_verify(model, monkeypatch)
     decoder = SpeculativeDecoder(model, dflash.load(draft, model), spec_type="ddtree", budget=22)
     assert decoder.max_nodes == 23
     engine = Engine(model, loaded.tokenizer, ctx_size=64, speculative=decoder)
@@ -148,32 +153,30 @@ def test_speculative_decoding_runs_to_the_end_of_the_context(tmp_path):
 
 
 @pytest.mark.parametrize("spec_type", [None, "chain", "ddtree"])
-def test_a_released_sequence_is_reused_and_decodes_as_a_fresh_one(tmp_path, spec_type, monkeypatch):
+def test_a_released_sequence_is_reused_and_decodes_as_a_fresh_one(target_and_draft, spec_type, monkeypatch):
     """The engine empties and reuses a finished request's state (so its recorded graphs are replayed, not
     made again): requests of different lengths in turn give exactly what a fresh state gives each."""
-    import functools
-
     from lucebox_core.engine import Engine, GenerationRequest
     from lucebox_core.sampling import SamplingParams
     from lucebox_core.speculative import dflash
     from lucebox_core.speculative.loop import SpeculativeDecoder
-    from lucebox_qwen35 import draft_synth
 
-    target = synth.write(tmp_path / "target.gguf", size="tiny", type="f32", seed=5)
-    loaded = load_model(target)
+    loaded, draft = target_and_draft
     model = loaded.model
-    monkeypatch.setattr(model, "verify", functools.partial(type(model).verify, model, static=True, graphs=False))
+    static_verify(model, monkeypatch)
 
     def engine(idle: int) -> Engine:
         speculative = None
         if spec_type is not None:
-            draft = draft_synth.write(tmp_path / "draft.gguf", size="tiny", type="f32", seed=6, target=target)
             speculative = SpeculativeDecoder(model, dflash.load(draft, model), spec_type=spec_type)
         return Engine(model, loaded.tokenizer, ctx_size=200, speculative=speculative, idle_sequences=idle)
 
+    # A long request, a short one in the state it leaves (positions 0-69 written), then one whose prompt and
+    # decode (to position 44) lie inside what the first left: a random drafter's step accepts about one
+    # token, so each decoded token is a draft and a verify pass, and a few per request suffice.
     greedy = SamplingParams(temperature=0)
     requests = [GenerationRequest(prompt_ids=list(range(100, 100 + n)), max_tokens=m, sampling=greedy,
-                                  ignore_eos=True) for n, m in ((60, 30), (5, 12), (33, 40))]
+                                  ignore_eos=True) for n, m in ((60, 10), (5, 6), (33, 12))]
     pooled, fresh = engine(1), engine(0)
     assert [pooled.generate(r).token_ids for r in requests] == [fresh.generate(r).token_ids for r in requests]
     sequence = pooled.new_sequence()
@@ -184,14 +187,14 @@ def test_a_released_sequence_is_reused_and_decodes_as_a_fresh_one(tmp_path, spec
     assert fresh.new_sequence().state is not fresh.new_sequence().state
 
 
-def test_released_sequences_are_pooled_by_state_and_never_while_streaming(tmp_path):
+def test_released_sequences_are_pooled_by_state_and_never_while_streaming(target_and_draft):
     """An open stream still commits into its state when closed, so releasing its sequence pools nothing;
     releasing an old wrapper of a recycled state again does not put that state in the pool twice."""
     from lucebox_core.engine import Engine, GenerationRequest
     from lucebox_core.errors import LuceboxError
     from lucebox_core.sampling import SamplingParams
 
-    loaded = load_model(synth.write(tmp_path / "tiny.gguf", size="tiny", type="f32", seed=8))
+    loaded, _ = target_and_draft
     engine = Engine(loaded.model, loaded.tokenizer, ctx_size=64, idle_sequences=2)
     request = GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=4, sampling=SamplingParams(temperature=0),
                                 ignore_eos=True)
