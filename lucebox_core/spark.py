@@ -61,6 +61,7 @@ import attrs
 import torch
 
 from .errors import LuceboxError
+from .torch_backend import SideCopier
 
 PROFILE_SUFFIX = ".spark.csv"
 # Expert bytes promoted into slots between two graphed steps at most (all layers together): ~1 ms of copy over
@@ -187,7 +188,10 @@ class ExpertSlots:
     """One layer's experts in `slots` device rows, filled from `host` `[experts, bytes]` (see the module's
     docstring). `initial`: the experts placed resident at the start (at most `slots`)."""
 
-    def __init__(self, host: torch.Tensor, slots: int, device: str | torch.device, initial: Sequence[int] = ()):
+    def __init__(self, host: torch.Tensor, slots: int, device: str | torch.device, initial: Sequence[int] = (),
+                 table: torch.Tensor | None = None):
+        """`table`: the device table `[experts]` to keep (shared by the pools of a layer, which go through the
+        same bring/touch sequence, and a view of Spark's one table of all layers); default a new one."""
         experts = host.shape[0]
         if host.dim() != 2 or not 0 < slots <= experts:
             raise LuceboxError(f"an expert pool needs a [experts, bytes] host stack and 1..{experts} slots, got "
@@ -196,7 +200,7 @@ class ExpertSlots:
             raise LuceboxError(f"{len(initial)} experts placed resident do not fit {slots} slots")
         self.host, self.device = host, torch.device(device)
         self.stack = torch.empty(slots, host.shape[1], dtype=host.dtype, device=self.device)
-        self.slot_of = torch.full((experts,), -1, dtype=torch.long, device=self.device)
+        self.slot_of = table if table is not None else torch.full((experts,), -1, dtype=torch.long, device=self.device)
         self._lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self._free = list(range(slots))[::-1]
         self.stats = SlotStats()
@@ -214,18 +218,27 @@ class ExpertSlots:
             return True
         return False
 
-    def _bring(self, expert: int) -> None:
-        """`expert` into a free slot or the least recently used one's: the copy and the table updates queued
-        on the current stream (after the work that read the slot, before the work that reads the table)."""
+    def reserve(self, expert: int) -> tuple[int, int | None]:
+        """A slot for `expert` (free, or the least recently used one's), on the host only: (slot, the expert
+        evicted from it or None). The caller copies the bytes and updates the table (`_bring`, or Spark's
+        promotions on the copy stream)."""
+        evicted = None
         if self._free:
             slot = self._free.pop()
         else:
             evicted, slot = self._lru.popitem(last=False)
+        self._lru[expert] = slot
+        self.stats.bytes_moved += self.host.shape[1]
+        return slot, evicted
+
+    def _bring(self, expert: int) -> None:
+        """`expert` into a free slot or the least recently used one's: the copy and the table updates queued
+        on the current stream (after the work that read the slot, before the work that reads the table)."""
+        slot, evicted = self.reserve(expert)
+        if evicted is not None:
             self.slot_of[evicted] = -1
         self.stack[slot].copy_(self.host[expert], non_blocking=True)
         self.slot_of[expert] = slot
-        self._lru[expert] = slot
-        self.stats.bytes_moved += self.host.shape[1]
 
     def resident_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` (experts, any shape) mapped to the slots now holding them, after bringing in the missing
@@ -278,7 +291,7 @@ class OffloadedExperts:
 
     def __init__(self, layer: int, stacks: Sequence[Any], slots: int, resident: Sequence[int],
                  profile: RoutingProfile | None = None, device: str | torch.device | None = None,
-                 layout: ExpertLayout = SWIGLU_EXPERTS):
+                 layout: ExpertLayout = SWIGLU_EXPERTS, table: torch.Tensor | None = None):
         """`stacks`: the layer's stacks in `layout`'s order. `device`: where the slots live, the model's compute
         device (default: where the stacks' bytes are). Not the bytes' device by default on a GPU: a GPU backend
         leaves weights in the file's memory map until their first use, so the stacks are still on the host when
@@ -296,7 +309,8 @@ class OffloadedExperts:
             host = stack.data.reshape(experts, -1).to("cpu")
             if device.type == "cuda":
                 host = host.pin_memory()  # copies into the slots overlap the step's work; kernels read it too
-            pool = ExpertSlots(host, slots, device, initial=resident)
+            pool = ExpertSlots(host, slots, device, initial=resident, table=table)
+            table = pool.slot_of  # one table for the layer's pools
             self.pools.append(pool)
             self.views.append(attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
                                            data=pool.stack.reshape(-1), volatile=True))
@@ -315,6 +329,8 @@ class OffloadedExperts:
             ones = steps.ones[: flat.numel()] if flat.numel() <= steps.ones.numel() else torch.ones_like(flat)
             steps.routed[self.layer].index_add_(0, flat, ones)  # one launch a layer: read back between steps
             return getattr(ops, self.layout.paged_op)(x, *self.pages, weights, ids)
+        if steps is not None:
+            steps.land()  # promotions still on the copy stream: the eager lookup reads and moves slots
         if self.profile is not None:
             self.profile.observe(self.layer, ids)
         needed = torch.unique(ids)
@@ -344,11 +360,16 @@ class OffloadedExperts:
         stats.zero_copy_reads += pairs
         return True
 
-    def promote(self, expert: int) -> None:
-        """Bring `expert` into a slot of each stack (queued on the current stream; see `ExpertSlots._bring`)."""
-        for pool in self.pools:
-            pool._bring(expert)
+    def promote(self, expert: int) -> tuple[int, int | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Reserve a slot for `expert` in each stack (the same in all: one bring sequence); (slot, the expert
+        evicted or None, the copies `(slot row, host row)` that fill it). The caller queues the copies and the
+        table updates (`GraphedSteps.between_steps`)."""
+        placed = {pool.reserve(expert) for pool in self.pools}
+        if len(placed) != 1:
+            raise LuceboxError(f"Spark layer {self.layer}: the stacks' pools went out of step ({sorted(placed)})")
+        (slot, evicted), = placed
         self.pools[0].stats.promotions += 1
+        return slot, evicted, [(pool.stack[slot], pool.host[expert]) for pool in self.pools]
 
     def describe(self) -> dict[str, Any]:
         stats = self.pools[0].stats
@@ -363,11 +384,18 @@ class GraphedSteps:
     `[layers, experts]`, the pairs the static steps routed (cumulative, on the device, counted inside the
     steps); a host copy of it queued after each step; and, between steps, the accounting and the promotions."""
 
-    def __init__(self, ops: Any, layers: list[OffloadedExperts], profile: RoutingProfile, promotion_bytes: int):
+    def __init__(self, ops: Any, layers: list[OffloadedExperts], profile: RoutingProfile, promotion_bytes: int,
+                 tables: torch.Tensor | None = None):
+        """`tables`: `[layers, experts]`, whose rows are the layers' tables (one write updates them all); None
+        where they are apart (each layer's table written on its own)."""
         self.ops, self.layers, self.profile = ops, layers, profile
         self.promotion_bytes = promotion_bytes
         device = torch.device(ops.device)
         experts = layers[0].pools[0].host.shape[0]
+        self.experts = experts
+        self.tables = tables
+        self.copier = SideCopier(device)  # promotions' copies, beside the steps (see `between_steps`)
+        self._pending: tuple[dict[tuple[int, int], int], Any] | None = None  # placed (layer, expert) -> slot, marker
         self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
         # Two host copies, the steps' in turn: the accounting before a step reads the newest copy that has
         # landed and never waits for the step the engine has just queued (decode fed ahead keeps the GPU
@@ -435,15 +463,57 @@ class GraphedSteps:
                       if self.layers[index].settle(expert, pairs))
 
     def between_steps(self) -> None:
-        """`account`, then promote the most routed misses, most pairs first, within `promotion_bytes` (queued
-        on the current stream: see the module's docstring)."""
+        """Land the last promotions, `account`, then promote the most routed misses, most pairs first, within
+        `promotion_bytes`. A promotion's evicted expert leaves the table now (queued on the current stream,
+        after the step that may read its slot: the next step reads it from host memory); the slot is filled
+        on the copy stream while that next step runs, and the new entry lands before the step after it
+        (`land`). So the copies no longer hold the compute stream up (0.5 ms of a 5 ms 35B-A3B step when
+        they were queued on it), and a promoted expert is read from its slot one step later."""
         with self._lock:
+            self._land()
             budget = self.promotion_bytes
+            cleared: list[tuple[int, int]] = []
+            placed: dict[tuple[int, int], int] = {}
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             for _, index, expert in self._account(wait=False):
                 layer = self.layers[index]
                 if layer.expert_bytes <= budget:
                     budget -= layer.expert_bytes
-                    layer.promote(expert)
+                    slot, evicted, fills = layer.promote(expert)
+                    if evicted is not None and placed.pop((index, evicted), None) is None:
+                        cleared.append((index, evicted))  # (one placed this batch is not in the table yet)
+                    placed[(index, expert)] = slot
+                    copies += fills
+            if placed:
+                self._write_tables(cleared, [-1] * len(cleared))
+                self._pending = (placed, self.copier.copy_behind(copies))
+
+    def land(self) -> None:
+        """Make the current stream wait for the promotions' copies and enter them in the tables (before any
+        use of the slots outside a step: the eager lookup, a test's look at the tables)."""
+        with self._lock:
+            self._land()
+
+    def _land(self) -> None:
+        if self._pending is None:
+            return
+        placed, marker = self._pending
+        self._pending = None
+        self.copier.land(marker)
+        self._write_tables(list(placed), list(placed.values()))
+
+    def _write_tables(self, places: list[tuple[int, int]], slots: list[int]) -> None:
+        """`table[layer][expert] = slot` for each place, queued on the current stream: one copy and one
+        scatter for all layers where their tables are rows of one tensor."""
+        if not places:
+            return
+        if self.tables is None:
+            for (index, expert), slot in zip(places, slots):
+                self.layers[index].pools[0].slot_of[expert] = slot
+            return
+        flat = [index * self.experts + expert for index, expert in places]
+        update = torch.tensor([flat, slots], dtype=torch.long).to(self.tables.device)
+        self.tables.view(-1).index_copy_(0, update[0], update[1])
 
 
 @attrs.define
@@ -553,11 +623,14 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
                else RoutingProfile(len(blocks), experts))
     top_k = max(block.top_k for _, block in blocks)
     placed = place_experts(profile.counts, per_expert, budget, min_per_layer=top_k)
+    # Every layer's table a row of one tensor: the promotions between two steps update them in one write.
+    tables = torch.full((len(blocks), experts), -1, dtype=torch.long, device=model.ops.device)
     layers = []
     for moe_index, ((layer, block), resident) in enumerate(zip(blocks, placed)):
         layout = block.expert_layout
         offload = OffloadedExperts(moe_index, [getattr(block, name) for name in layout.stacks], len(resident),
-                                   resident, profile, device=model.ops.device, layout=layout)
+                                   resident, profile, device=model.ops.device, layout=layout,
+                                   table=tables[moe_index])
         block.offload = offload
         for name, view in zip(layout.stacks, offload.views):  # the full stacks leave the device: the pools hold
             setattr(block, name, view)  # what is resident
@@ -565,7 +638,7 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     graphed = None
     split = len(getattr(model, "part_ops", None) or ()) > 1  # one device's slots: a split model steps eagerly
     if model.decode_graphs and not split and pages_supported(model.ops, layers[0], top_k):
-        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes)
+        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes, tables)
         for layer in layers:
             layer.steps = graphed
         model.static_step_scope = graphed.scope

@@ -128,6 +128,28 @@ class SideCopier:
                 destination.copy_(source, non_blocking=True)
         compute.wait_stream(self.side)  # nothing on the compute stream overwrites / reads them before they land
 
+    def copy_behind(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Copy each `(destination, source)` on the side stream after the work queued so far on the current
+        stream, without making the current stream wait: `land(marker)` with the marker returned does (None:
+        nothing to wait for)."""
+        if not pairs:
+            return None
+        self.copies += len(pairs)
+        if self.side is None:
+            for destination, source in pairs:
+                destination.copy_(source)
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            for destination, source in pairs:
+                destination.copy_(source, non_blocking=True)
+        return self.side.record_event()
+
+    def land(self, marker: Any) -> None:
+        """The current stream waits for the copies before `marker` (from `copy_behind`)."""
+        if marker is not None:
+            torch.cuda.current_stream(self.device).wait_event(marker)
+
     def synchronize(self) -> None:
         """Wait on the host for every copy issued (before reading host records on the host)."""
         if self.side is not None:
@@ -395,6 +417,10 @@ class TorchBackend:
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """An output gate: `x * sigmoid(gate)`."""
         return x * self.sigmoid(gate)
+
+    def add_sigmoid_gated(self, base: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """A gated branch joining a sum: `base + x * sigmoid(gate)`, `gate` one logit a row (`[..., 1]`)."""
+        return base + x * self.sigmoid(gate)
 
     def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """A gated output norm, norm before gate: `rms_norm(x) * silu(z)` over the last dim (linear-attention

@@ -632,43 +632,20 @@ fused_prefill() {  # ~4 min (not run yet): #17 item 5's first step, Q4_K prefill
   return 0
 }
 
-s15_final() {  # ~7 min: session 15's merges on the GPU: the Gated DeltaNet prefill glue kernels (the tiny and
-  #              0.8B models against torch f32 through a 100-token prefill; the Triton modules' checks), the
-  #              decode-graph tests, the second-turn TTFT (pinned piece ids, glue kernels), a 256-token piece's
-  #              profile, Laguna's step with its measured matvec winners.                     carry: .whl
-  step model-check 170 python3 scripts/cuda_check.py --skip-correctness --skip-timing --models tiny:f32,0.8b:q4_k_m \
-    --steps 32 --out "$RES"
-  step gpu-tests 70 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py -k cuda
-  step synth-27b 60 synth 27b
-  step ttft-32k 110 python3 scripts/bench_prefix_cache.py -m "$(model 27b)" --context 32768 --reps 5 \
-    --json "$RES/prefix_cache_ttft.json"
-  step pieces-27b 60 python3 scripts/decode_overhead.py -m "$(model 27b)" -n 16 --pieces 256 --depth 8192 \
-    --top 30 --json "$RES/overhead_27b.json"
-  laguna_profile
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
-
-s16_check() {  # ~8.5 min (not run yet): session 16's `write_kv_rows` (every family's static step stores its K/V
-  #            rows through it) and the grouped SwiGLU prefill: the CUDA tests of Laguna, the decode graph and
-  #            the graphed Spark step; Gemma-4's GPU checks (its static verify and tiny models); the tiny and
-  #            0.8B models against torch f32. With .llamacpp carried, the llama.cpp build runs meanwhile (nice
-  #            19) for the next call on the same warm machine (s16-laguna, spark-bench-35b). carry: .whl [.llamacpp]
-  [ -d .llamacpp ] && LLAMA_NICE=19 llama_build_bg
-  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
-    tests/test_laguna_cuda.py tests/test_decode_graph.py tests/test_spark_graphed.py -k "cuda or gpu or routed_expert"
-  step gemma4-check 150 python3 scripts/gemma4_gpu_check.py --workdir "$WORK" --json "$RES/gemma4_check.json"
-  step model-check 170 python3 scripts/cuda_check.py --skip-correctness --skip-timing --models tiny:f32,0.8b:q4_k_m \
-    --steps 32 --out "$RES"
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  [ -d .llamacpp ] && llama_wait
-  return 0
-}
-
-s16_laguna() {  # ~8 min (not run yet): Laguna-XS.2 after session 16: the step's profile (the K/V store was 80
-  #             index copies and 30 modulos a step), pp512/pp2048 on the grouped SwiGLU prefill and tg128,
-  #             llama-bench beside on the same file (built meanwhile).          carry: .whl .llamacpp
+s18_check() {  # ~8 min: session 18's changes: the expert products on tensor cores (moe_matvec_mma.cu), Spark's
+  #            promotions on a copy stream, the gated shared expert in one launch. The GPU tests of the MoE
+  #            kernels, Laguna, qwen35moe, Gemma-4's routed experts and Spark's paged steps; the kernels' variants
+  #            timed (scripts/moe_matvec_bench.py); then laguna_rows, llama.cpp built meanwhile. carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
+  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
+    tests/test_moe_matvec_cuda.py tests/test_laguna_cuda.py tests/test_qwen35moe_cuda.py tests/test_spark_graphed.py \
+    tests/test_cuda_moe_grouped.py -k "cuda or gpu or routed_expert or tensor_core or pair or grouped"
+  step moe-bench 90 python3 scripts/moe_matvec_bench.py --layers 24 --json "$RES/moe_matvec_bench.json"
+  laguna_rows
+}
+
+laguna_rows() {  # ~5 min: Laguna-XS.2's step profile, pp512/pp2048/tg128 beside llama-bench on the same file (its
+  #              build started by the caller, `llama_build_bg`).                 carry: .whl .llamacpp
   laguna_profile
   local m; m=$(sparkmodel laguna xs2)
   step lucebox-laguna 150 sh -c "python3 -m lucebox_core.cli bench -m $m -p 512,2048 -n 128 -r 3 --json \
@@ -760,9 +737,8 @@ session() {
     spark-bench) spark_bench ;;
     spark-bench-35b) spark_bench_35b ;;
     laguna-profile) laguna_profile ;;
-    s15-final) s15_final ;;
-    s16-check) s16_check ;;
-    s16-laguna) s16_laguna ;;
+    s18-check) s18_check ;;
+    laguna-rows) LLAMA_NICE=19 llama_build_bg; laguna_rows ;;
     spark-profile) spark_profile ;;
     s17-final) s17_final ;;
     fused-prefill) fused_prefill ;;

@@ -35,6 +35,11 @@ def test_source_compiles(source, arch):
             fmt, act, batch, warps, depth, groups = parts
             assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
+        if macro.startswith("LUCEBOX_MOE_MATVEC_MMA"):
+            fmt, act, warps = parts
+            kind = macro.removeprefix("LUCEBOX_MOE_MATVEC_MMA").lower()
+            assert f"moe_matvec_mma{warps}{kind}_{fmt}_{act}".encode() in cubin
+            continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
                 "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_DEQUANT": "dequant",
                 "LUCEBOX_RMS_NORM": "rms_norm", "LUCEBOX_MOE_MATVEC": "moe_matvec",
@@ -47,6 +52,28 @@ def test_catalogue_names_match_the_macros():
     program, name = catalogue.matvec("q6_k", "f16", 5)
     assert name == "matvec_q6_k_f16_5"
     assert name.encode() in nvrtc.compile_program(program, "sm_90", use_cache=False)
+
+
+@pytest.mark.parametrize("kind", ["", "paged", "pair", "pair_paged"])
+def test_expert_product_kernels_are_named_as_compiled(kind, monkeypatch):
+    """The catalogue's expert-product launches name a kernel their program defines: tensor cores for the K-quants
+    (as many warps as a row has GGUF blocks, up to 4), CUDA cores for the other formats and for HIP."""
+    monkeypatch.delenv("LUCEBOX_MOE_MATVEC", raising=False)
+    down = catalogue.moe_matvec_kernel("q4_k", "bf16", 512, kind)
+    gate = catalogue.moe_matvec_kernel("q6_k", "f32", 2048, kind)
+    other = catalogue.moe_matvec_kernel("q8_0", "bf16", 2048, kind)
+    hip = catalogue.moe_matvec_kernel("q4_k", "bf16", 2048, kind, tensor_cores=False)
+    assert (down.threads, down.rows_per_block) == (64, 16) and down.name.startswith("moe_matvec_mma2")
+    assert (gate.threads, gate.rows_per_block) == (128, 16) and gate.name.startswith("moe_matvec_mma4")
+    assert other.program.file == hip.program.file == "moe_matvec.cu" and other.threads == 128
+    for launch in (down, gate, other, hip):
+        assert launch.name.encode() in nvrtc.compile_program(launch.program, "sm_90")
+    monkeypatch.setenv("LUCEBOX_MOE_MATVEC", "mma8")
+    assert catalogue.moe_matvec_kernel("q4_k", "bf16", 512, kind).threads == 256
+    assert catalogue.moe_matvec_kernel("q8_0", "bf16", 512, kind).name.startswith("moe_matvec_")  # no mma: simt
+    monkeypatch.setenv("LUCEBOX_MOE_MATVEC", "mma3")
+    with pytest.raises(ValueError, match="LUCEBOX_MOE_MATVEC"):
+        catalogue.moe_matvec_kernel("q4_k", "bf16", 512, kind)
 
 
 def test_compile_error_carries_the_log():

@@ -41,6 +41,8 @@ def test_the_cuda_backend_decodes_like_the_reference(tmp_path):
     block = next(layer.mlp for layer in cuda.layers if hasattr(layer.mlp, "shared_expert_gate"))
     x = torch.randn(1, block.shared_expert_gate.shape[1], device="cuda")
     assert cuda.ops.linear.choice(x, block.shared_expert_gate) != "reference"  # the gate on the matvec kernels
+    # The gated shared expert joins the routed sum in one launch (not sigmoid, product and sum apart).
+    assert cuda.ops.add_sigmoid_gated.choice(x, x, x[:, :1]) == "cuda.add_sigmoid_gated"
     reference = load_moe(path, TorchBackend("cpu", torch.float32))
     prompts = [[1, 2, 3, 4, 5], list(range(500, 540)), [9000, 17, 42, 151644, 872, 198]]
     for prompt in prompts:

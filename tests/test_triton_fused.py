@@ -71,6 +71,21 @@ def test_gates_on_stacked_halves(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_sigmoid_gated(dtype):
+    """A gated shared expert joining the routed sum (Qwen3.5-MoE): one logit a token, wide rows (two blocks)."""
+    gen = torch.Generator().manual_seed(7)
+    ops = TorchBackend("cpu", dtype)
+    for tokens, n in [(1, 2048), (3, 1500)]:
+        base, x = randn(tokens, n, gen=gen, dtype=dtype), randn(tokens, n, gen=gen, dtype=dtype) * 2
+        gate = randn(tokens, 1, gen=gen, dtype=dtype) * 3
+        result = triton_fused.add_sigmoid_gated(base, x, gate)
+        close(result, ops.add_sigmoid_gated(base, x, gate), dtype)
+        if dtype == torch.float32:  # a row's own gate: swapping two rows' gates changes them
+            swapped = triton_fused.add_sigmoid_gated(base, x, gate.flip(0))
+            assert tokens == 1 or not torch.allclose(swapped, result)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_rms_norm(dtype):
     gen = torch.Generator().manual_seed(3)
     ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))  # the torch reference with the qwen35 family's ops

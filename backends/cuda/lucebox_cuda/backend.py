@@ -70,6 +70,8 @@ class CudaBackend(TorchBackend):
     name = "cuda"
     # NVRTC options of every kernel (scripts/hip_shared_source_check.py adds -DLUCEBOX_PORTABLE_GENERIC).
     compile_options: tuple[str, ...] = DEFAULT_OPTIONS
+    # The expert products on tensor cores (moe_matvec_mma.cu) for the K-quants; HIP's sources have no mma.sync.
+    tensor_core_moe = True
 
     def __init__(
         self,
@@ -281,13 +283,15 @@ class CudaBackend(TorchBackend):
         if pairs == 0:
             return out
         data = self.device_weight(experts).data
-        grid, activation = (-(-rows // 4), pairs, 1), catalogue.ACTIVATIONS[x.dtype]
+        kernel = catalogue.moe_matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], cols,
+                                             "" if pages is None else "paged", tensor_cores=self.tensor_core_moe)
+        grid = (-(-rows // kernel.rows_per_block), pairs, 1)
         tail = (Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
                 Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group))
         if pages is None:
-            self._launch(catalogue.moe_matvec(weight_format, activation), grid, 128, Pointer(data.data_ptr()), *tail)
+            self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()), *tail)
         else:  # the host stack's pinned address is the device's too (unified addressing)
-            self._launch(catalogue.moe_matvec_paged(weight_format, activation), grid, 128, Pointer(data.data_ptr()),
+            self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()),
                          Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), *tail)
         return out
 
@@ -319,14 +323,16 @@ class CudaBackend(TorchBackend):
             return out[0], out[1]
         data = [self.device_weight(stack).data for stack in stacks]
         expert_bytes = data[0].numel() // n_experts  # the same for both: one format and shape
-        grid, activation = (-(-rows // 4), pairs, 2), catalogue.ACTIVATIONS[x.dtype]
+        kernel = catalogue.moe_matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], cols,
+                                             "pair_paged" if paged else "pair", tensor_cores=self.tensor_core_moe)
+        grid = (-(-rows // kernel.rows_per_block), pairs, 2)
         tail = (Pointer(x.data_ptr()), Pointer(out[0].data_ptr()), Pointer(out[1].data_ptr()),
                 Pointer(ids.data_ptr()), Int64(expert_bytes), Int(rows), Int(cols), Int(x_group))
         if not paged:
-            self._launch(catalogue.moe_matvec_pair(weight_format, activation), grid, 128,
+            self._launch((kernel.program, kernel.name), grid, kernel.threads,
                          Pointer(data[0].data_ptr()), Pointer(data[1].data_ptr()), *tail)
         else:  # the host stacks' pinned addresses are the device's too (unified addressing)
-            self._launch(catalogue.moe_matvec_pair(weight_format, activation, paged=True), grid, 128,
+            self._launch((kernel.program, kernel.name), grid, kernel.threads,
                          Pointer(data[0].data_ptr()), Pointer(first.host.data_ptr()), Pointer(data[1].data_ptr()),
                          Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), *tail)
         return out[0], out[1]

@@ -529,6 +529,57 @@ def moe_matvec_pair(weight_format: str, activation: str, paged: bool = False) ->
     return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC_PAIR{kind.upper()}({weight_format}, {activation})"]), name
 
 
+# The expert products (`expert_matvec`, `expert_matvec_pair`): "simt" is moe_matvec.cu (CUDA cores, every
+# format); "mma<W>" moe_matvec_mma.cu (tensor cores, K-quants, W warps per 16 rows). LUCEBOX_MOE_MATVEC picks
+# one for every shape ("simt", "mma1".."mma8"; the benchmark scripts set it), else `moe_matvec_variant`'s rule.
+MOE_MMA_WARPS: tuple[int, ...] = (1, 2, 4, 8)
+MOE_MATVEC_VARIANTS = ("simt", *(f"mma{w}" for w in MOE_MMA_WARPS))
+
+
+@attrs.frozen
+class MoeMatvecLaunch:
+    program: KernelProgram
+    name: str
+    threads: int  # per block
+    rows_per_block: int  # the grid's x is ceil(rows / rows_per_block); y the pairs; z the stacks (pair kernels)
+
+
+def moe_matvec_variant(weight_format: str, cols: int, tensor_cores: bool = True) -> str:
+    """The expert-product kernel for a stack of `cols`-column rows: tensor cores for the K-quants, with as many
+    warps per 16 rows as the row has GGUF blocks, up to 4 (a 512-column row: 2; a 2048-column one: 4, two
+    blocks each, the second prefetched during the first's math); CUDA cores for the other formats, and for a
+    backend without `mma.sync` (`tensor_cores` False: HIP)."""
+    asked = os.environ.get("LUCEBOX_MOE_MATVEC", "").strip()
+    if not tensor_cores:
+        return "simt"
+    if asked:
+        if asked not in MOE_MATVEC_VARIANTS:
+            raise ValueError(f"LUCEBOX_MOE_MATVEC must be one of {', '.join(MOE_MATVEC_VARIANTS)}, not {asked!r}")
+        if asked == "simt" or weight_format in MMA_FORMATS:
+            return asked
+    if weight_format not in MMA_FORMATS:
+        return "simt"
+    return f"mma{min(4, max(1, cols // 256))}"
+
+
+def moe_matvec_kernel(weight_format: str, activation: str, cols: int, kind: str = "", *,
+                      tensor_cores: bool = True) -> MoeMatvecLaunch:
+    """The expert-product kernel of `kind` ("", "paged", "pair" or "pair_paged") for the shape."""
+    if kind not in ("", "paged", "pair", "pair_paged"):
+        raise ValueError(f"moe_matvec kind must be '', 'paged', 'pair' or 'pair_paged', not {kind!r}")
+    variant = moe_matvec_variant(weight_format, cols, tensor_cores)
+    macro_kind = f"_{kind.upper()}" if kind else ""
+    if variant == "simt":
+        name = "_".join(part for part in ("moe_matvec", kind, weight_format, activation) if part)
+        program = KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{macro_kind}({weight_format}, {activation})"])
+        return MoeMatvecLaunch(program, name, 32 * MATVEC_WARPS, MATVEC_WARPS)
+    warps = int(variant[3:])
+    name = "_".join(part for part in (f"moe_matvec_mma{warps}", kind, weight_format, activation) if part)
+    program = KernelProgram("moe_matvec_mma.cu",
+                            [f"LUCEBOX_MOE_MATVEC_MMA{macro_kind}({weight_format}, {activation}, {warps})"])
+    return MoeMatvecLaunch(program, name, 32 * warps, MMA_ROWS_PER_BLOCK)
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -555,4 +606,8 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                                                          for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
                                                          for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
+        "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
+            f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
+            for f in MMA_FORMATS for a in acts for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]
+            + [f"LUCEBOX_MOE_MATVEC_MMA(q6_k, f32, {w})" for w in (1, 8)]),
     }

@@ -269,6 +269,15 @@ def sigmoid_mul(ops: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return triton_fused().sigmoid_mul(x, gate)
 
 
+def accepts_add_sigmoid_gated(ops: Any, base: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> bool:
+    return (_triton_takes(ops, base, x, gate) and base.shape == x.shape and base.dtype == x.dtype == gate.dtype
+            and base.dim() >= 1 and gate.shape == (*base.shape[:-1], 1))
+
+
+def add_sigmoid_gated(ops: Any, base: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return triton_fused().add_sigmoid_gated(base, x, gate)
+
+
 def accepts_l2norm(ops: Any, x: torch.Tensor, eps: float = 1e-6) -> bool:
     return (triton_norms() is not None and _triton_takes(ops, x) and x.is_floating_point() and x.numel() > 0
             and x.shape[-1] <= 8192)

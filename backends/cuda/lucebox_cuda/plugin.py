@@ -14,6 +14,7 @@ MIN_CAPABILITY = (8, 0)
 # import the family).
 GENERIC_KERNEL_OPS = (
     "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm", "l2norm",
+    "add_sigmoid_gated",  # a gated shared expert joining the routed ones (Qwen3.5-MoE): one launch, not three
     "qk_norm_rope", "attention", "decode_attention", "tree_attention",
     "write_kv_rows",  # a static step's K/V rows stored in one launch (the cache's write is two copies and a modulo)
     "moe_experts_swiglu",  # routed SwiGLU experts over separate gate and up stacks (Laguna, Qwen3.5-MoE)

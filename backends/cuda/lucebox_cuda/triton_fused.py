@@ -158,6 +158,34 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return _gate(x, gate, sigmoid=True)
 
 
+@triton.jit
+def _add_sigmoid_gated_kernel(base_ptr, x_ptr, gate_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = base + x * sigmoid(gate[row]), each intermediate rounded to the output dtype as the reference's
+    three ops round it (the sigmoid, the product, the sum)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.sigmoid(tl.load(gate_ptr + row).to(tl.float32)).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + row * n + cols, mask=ok, other=0.0).to(tl.float32)
+    base = tl.load(base_ptr + row * n + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, (base + (x * gate).to(dtype).to(tl.float32)).to(dtype), mask=ok)
+
+
+def add_sigmoid_gated(base: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`TorchBackend.add_sigmoid_gated`: `base + x * sigmoid(gate)` for contiguous `base`, `x` `[..., n]` and
+    `gate` `[..., 1]` (one logit a row), one launch instead of three."""
+    base, x, gate = base.contiguous(), x.contiguous(), gate.contiguous()
+    out = torch.empty_like(base)
+    n = base.shape[-1]
+    rows = base.numel() // n if n else 0
+    if rows:
+        block = min(ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
+        with _device_scope(base):
+            _add_sigmoid_gated_kernel[(rows, math.ceil(n / block))](base, x, gate, out, n, BLOCK=block)
+    return out
+
+
 # -- gated RMSNorm ---------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,8 @@ ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte ve
 class SharedSourceProducts:
     """`matvec` on `matvec.cu` for a backend with `device`, `device_weight` and `_launch` (a `CudaBackend`)."""
 
+    tensor_core_moe = False  # the expert products on moe_matvec.cu, the shared source (no mma.sync under HIP)
+
     def matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str | None = None, *,
                out: torch.Tensor | None = None, variant: str | None = None) -> torch.Tensor:
         """`x @ weight.T` for x `[rows, in]`, 1 <= rows <= `catalogue.MAX_BATCH`, each weight byte read once.

@@ -1,0 +1,78 @@
+// The mixture-of-experts products of moe_matvec.cu (for each routed pair `s`,
+//     y[s, n] = sum_k x[s / x_group, k] * W[ids[s], n, k]
+// over an expert stack), on tensor cores for the K-quants (Q4_K, Q5_K, Q6_K): matvec_mma.cu's body over one
+// expert's rows per pair.
+//
+// Why: moe_matvec.cu's CUDA-core body spends ~9 instructions per weight and is ALU-bound; its warp-per-row
+// layout also leaves lanes idle on short rows (a 512-column down row is 16 Q4_K pieces for 32 lanes). The
+// experts of Laguna-XS.2 and Qwen3.5-35B-A3B are 512 x 2048 and 2048 x 512 (0.8 ms of a 3-4 ms decode step
+// on the H200 in the CUDA-core kernels). Here 16 output rows per block of WARPS warps, the warps taking a
+// row's GGUF blocks in turn (WARPS = 2 for a 2-block row, 4 for an 8-block one); blockIdx.y is the pair and,
+// in the pair kernels, blockIdx.z the stack.
+//
+// The four kernels mirror moe_matvec.cu's (plain, paged, pair, pair paged; the paged ones read expert e from
+// `pool + where[e] * expert_bytes` where a device slot holds it, else from pinned host memory at
+// `host + e * expert_bytes`). All run one body with one WARPS for a shape, so the paged products equal the
+// stacked ones and the pair kernel equals two single launches, bit for bit. Launch with 32 * WARPS threads
+// and (ceil(rows / 16), pairs, 1 or 2) blocks. The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
+// <format>_<activation>`.
+#include "matvec_mma_body.cuh"
+
+template <class W, class X, int WARPS>
+__device__ __forceinline__ void expert_rows(const u8* __restrict__ blocks, const X* __restrict__ x, X* __restrict__ y,
+                                            int pair, int rows, int cols, int x_group) {
+    matvec_mma_body<W, X, 1, WARPS, 1>(blocks, x + static_cast<i64>(pair / x_group) * cols,
+                                       y + static_cast<i64>(pair) * rows, rows, cols, 1);
+}
+
+// Expert `expert`'s blocks in Spark's paged stack: its device slot, or the pinned host copy.
+__device__ __forceinline__ const u8* paged_expert(const u8* pool, const u8* host, const long long* where,
+                                                  long long expert, long long expert_bytes) {
+    const long long slot = where[expert];
+    return slot >= 0 ? pool + slot * expert_bytes : host + expert * expert_bytes;
+}
+
+#define LUCEBOX_MOE_MATVEC_MMA(FORMAT, ACT, WARPS)                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                \
+        moe_matvec_mma##WARPS##_##FORMAT##_##ACT(const u8* __restrict__ weight, const ACT* __restrict__ x,   \
+                                                 ACT* __restrict__ y, const long long* __restrict__ ids,     \
+                                                 long long expert_bytes, int rows, int cols, int x_group) {  \
+        const int pair = blockIdx.y;                                                                         \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(weight + ids[pair] * expert_bytes, x, y, pair, rows, cols,     \
+                                              x_group);                                                      \
+    }
+
+#define LUCEBOX_MOE_MATVEC_MMA_PAGED(FORMAT, ACT, WARPS)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_paged_##FORMAT##_##ACT( \
+        const u8* __restrict__ pool, const u8* __restrict__ host, const long long* __restrict__ where,        \
+        const ACT* __restrict__ x, ACT* __restrict__ y, const long long* __restrict__ ids,                    \
+        long long expert_bytes, int rows, int cols, int x_group) {                                           \
+        const int pair = blockIdx.y;                                                                         \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(paged_expert(pool, host, where, ids[pair], expert_bytes), x, y, \
+                                              pair, rows, cols, x_group);                                    \
+    }
+
+#define LUCEBOX_MOE_MATVEC_MMA_PAIR(FORMAT, ACT, WARPS)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_pair_##FORMAT##_##ACT(  \
+        const u8* __restrict__ weight0, const u8* __restrict__ weight1, const ACT* __restrict__ x,           \
+        ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                       \
+        long long expert_bytes, int rows, int cols, int x_group) {                                           \
+        const int pair = blockIdx.y;                                                                         \
+        const u8* weight = blockIdx.z == 0 ? weight0 : weight1;                                              \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(weight + ids[pair] * expert_bytes, x, blockIdx.z == 0 ? y0 : y1, \
+                                              pair, rows, cols, x_group);                                    \
+    }
+
+#define LUCEBOX_MOE_MATVEC_MMA_PAIR_PAGED(FORMAT, ACT, WARPS)                                                \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                \
+        moe_matvec_mma##WARPS##_pair_paged_##FORMAT##_##ACT(                                                 \
+            const u8* __restrict__ pool0, const u8* __restrict__ host0, const u8* __restrict__ pool1,        \
+            const u8* __restrict__ host1, const long long* __restrict__ where, const ACT* __restrict__ x,     \
+            ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                   \
+            long long expert_bytes, int rows, int cols, int x_group) {                                       \
+        const int pair = blockIdx.y;                                                                         \
+        const bool first = blockIdx.z == 0;                                                                  \
+        const u8* blocks = paged_expert(first ? pool0 : pool1, first ? host0 : host1, where, ids[pair],      \
+                                        expert_bytes);                                                       \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, first ? y0 : y1, pair, rows, cols, x_group);        \
+    }

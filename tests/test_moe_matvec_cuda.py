@@ -1,0 +1,74 @@
+"""The expert products on tensor cores (moe_matvec_mma.cu) on the GPU (skipped without a CUDA device): against a
+float64 product of gguf's own dequantization and against the CUDA-core kernel (moe_matvec.cu), on the two
+shapes of Laguna-XS.2's and Qwen3.5-35B-A3B's experts, each K-quant, bf16 and f32 activations; the pair
+kernel bit-equal to two single launches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+EXPERTS = 12
+
+
+def _stack(ggml_type, shape, seed):
+    from lucebox_core.kquants import random_blocks
+    from lucebox_core.quants import QuantTensor
+
+    blocks = random_blocks(ggml_type, int(np.prod(shape)), 0.02, np.random.default_rng(seed))
+    stack = QuantTensor("experts", ggml_type, shape, torch.from_numpy(blocks.reshape(-1).view(np.uint8).copy()))
+    dense = quants.dequantize(blocks.reshape(-1).view(np.uint8), ggml_type).reshape(shape).astype(np.float64)
+    return stack, dense
+
+
+def _products(ops, x, stack, ids, x_group, variant, monkeypatch):
+    monkeypatch.setenv("LUCEBOX_MOE_MATVEC", variant)
+    return ops.expert_matvec(x, stack, ids, x_group)
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize(("rows", "cols", "x_group"), [(512, 2048, 4), (2048, 512, 1)])  # gate/up, down
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tensor_core_experts_match_the_reference(ggml_type, rows, cols, x_group, dtype, monkeypatch):
+    from lucebox_cuda.backend import CudaBackend
+
+    ops = CudaBackend(dtype=dtype)
+    stack, dense = _stack(ggml_type, (EXPERTS, rows, cols), seed=rows + int(ggml_type))
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    pairs = 8
+    ids = torch.randint(0, EXPERTS, (pairs,), device="cuda", generator=g)
+    x = torch.randn(pairs // x_group, cols, device="cuda", generator=g).to(dtype)
+    expected = np.einsum("sk,snk->sn", x.double().cpu().numpy().repeat(x_group, axis=0), dense[ids.cpu().numpy()])
+    scale = np.abs(expected).max()
+    for variant in ("mma", "simt"):
+        variant = {"mma": "mma2" if cols == 512 else "mma4"}.get(variant, variant)
+        got = _products(ops, x, stack, ids, x_group, variant, monkeypatch).double().cpu().numpy()
+        # f32: fp32 sums of exact products; bf16: the output's rounding (8 bits) dominates.
+        tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+        assert np.abs(got - expected).max() <= tolerance * scale, (variant, np.abs(got - expected).max() / scale)
+    # The launch the backend picks by itself is the tensor-core one (the rule's warps for the row length).
+    monkeypatch.delenv("LUCEBOX_MOE_MATVEC")
+    assert torch.equal(ops.expert_matvec(x, stack, ids, x_group),
+                       _products(ops, x, stack, ids, x_group, "mma2" if cols == 512 else "mma4", monkeypatch))
+
+
+@pytest.mark.parametrize("warps", ["mma1", "mma2", "mma4", "mma8"])
+def test_pair_kernel_equals_two_single_launches(warps, monkeypatch):
+    from lucebox_cuda.backend import CudaBackend
+
+    monkeypatch.setenv("LUCEBOX_MOE_MATVEC", warps)
+    ops = CudaBackend(dtype=torch.bfloat16)
+    gate, _ = _stack(Q.Q4_K, (EXPERTS, 512, 2048), seed=1)
+    up, _ = _stack(Q.Q4_K, (EXPERTS, 512, 2048), seed=2)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(0, EXPERTS, (3 * 8,), device="cuda", generator=g)  # three tokens (a short verify)
+    x = torch.randn(3, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    first, second = ops.expert_matvec_pair(x, gate, up, ids, 8)
+    assert torch.equal(first, ops.expert_matvec(x, gate, ids, 8))
+    assert torch.equal(second, ops.expert_matvec(x, up, ids, 8))
+    assert first.abs().sum() > 0 and not torch.equal(first, second)
