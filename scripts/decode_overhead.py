@@ -86,6 +86,36 @@ def cprofile(run, top: int) -> str:
     return text.getvalue()
 
 
+def bench_loop(model, sync, top: int) -> dict:
+    """`lucebox bench`'s tg row waits for every token (as llama-bench does), so the host's work between two
+    steps adds to the step: ms per token of the bench's loop (forward + wait), of the decode step + wait, of a
+    bare replay + wait, and of bare replays back to back; GPU time per token; cProfile of the bench's loop."""
+    state = model.new_state(1024)
+    model.forward(state, torch.arange(100, 116))
+    tokens = iter(range(200, 10**6))
+
+    def per_token(run, steps: int = 64) -> float:
+        run()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        return round((time.perf_counter() - start) * 1000 / steps, 3)
+
+    row = {"forward_wait_ms": per_token(lambda: (model.forward(state, torch.tensor([next(tokens)])), sync())),
+           "decode_step_wait_ms": per_token(lambda: (model.decode_step(state, next(tokens)), sync()))}
+    graph = state.decode.recordings()[-1]
+    row["replay_wait_ms"] = per_token(lambda: (graph.replay(), sync()))
+    row["replay_ms"] = per_token(graph.replay)
+    sync()
+    row["gpu"] = gpu_profile(lambda: [(model.forward(state, torch.tensor([next(tokens)])), sync()) for _ in range(16)],
+                             "bench loop, 16 tokens")
+    print("bench loop", json.dumps(row, indent=1), flush=True)
+    print(cprofile(lambda: [(model.forward(state, torch.tensor([next(tokens)])), sync()) for _ in range(64)], top),
+          flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", required=True)
@@ -94,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pieces", default="", help="token counts of eager forward calls to profile, e.g. 3,256")
     p.add_argument("--depth", type=int, default=8192, help="tokens prefilled before the pieces")
     p.add_argument("--top", type=int, default=20, help="host functions listed")
+    p.add_argument("--bench-loop", action="store_true",
+                   help="also `lucebox bench`'s tg loop (a forward per token, a wait per token) taken apart")
     p.add_argument("--json")
     args = p.parse_args(argv)
     pieces = [int(n) for n in args.pieces.split(",") if n]
@@ -131,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     report["decode_gpu"] = gpu_profile(generate, f"generate {args.n_gen} tokens")
     print("decode: GPU", json.dumps(report["decode_gpu"], indent=1), flush=True)
     print(cprofile(generate, args.top), flush=True)
+
+    if args.bench_loop:
+        report["bench_loop"] = bench_loop(model, sync, args.top)
 
     if pieces:
         state = model.new_state(args.depth + sum(pieces) * 4 + 512)

@@ -1,6 +1,6 @@
 """The expert products on tensor cores (moe_matvec_mma.cu) on the GPU (skipped without a CUDA device): against a
 float64 product of gguf's own dequantization and against the CUDA-core kernel (moe_matvec.cu), on the two
-shapes of Laguna-XS.2's and Qwen3.5-35B-A3B's experts, each K-quant, bf16 and f32 activations; the pair
+shapes of Laguna-XS.2's and Qwen3.5-35B-A3B's experts, Q4_K and Q6_K, bf16 and f32 activations; the pair
 kernel bit-equal to two single launches."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _products(ops, x, stack, ids, x_group, variant, monkeypatch):
     return ops.expert_matvec(x, stack, ids, x_group)
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K])  # (no random Q5_K block maker)
 @pytest.mark.parametrize(("rows", "cols", "x_group"), [(512, 2048, 4), (2048, 512, 1)])  # gate/up, down
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tensor_core_experts_match_the_reference(ggml_type, rows, cols, x_group, dtype, monkeypatch):
