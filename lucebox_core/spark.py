@@ -268,21 +268,24 @@ class ExpertLayout:
     op: str  # the op over the stacks: `ops.<op>(x, *stacks, weights, ids)`, weights `[T, k]`, ids `[T, k]`
     paged_op: str  # the same over `ExpertPages`, one per stack: `ops.<paged_op>(x, *pages, weights, ids)`
 
-    def run(self, ops: Any, stacks: Sequence[Any], x: torch.Tensor, weights: torch.Tensor,
-            ids: torch.Tensor) -> torch.Tensor:
-        return getattr(ops, self.op)(x, *stacks, weights, ids)
+    def run(self, ops: Any, stacks: Sequence[Any], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            **shared: Any) -> torch.Tensor:
+        return getattr(ops, self.op)(x, *stacks, weights, ids, **shared)
 
 
 # Routed SwiGLU experts over separate gate, up and down stacks: the core's generic op and its paged variant.
 SWIGLU_EXPERTS = ExpertLayout(("gate_exps", "up_exps", "down_exps"), "moe_experts_swiglu", "moe_experts_swiglu_paged")
 
 
-def run_experts(ops: Any, block: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A MoE block's routed experts: its layout's op over its stacks, or through its Spark pools when it has them."""
+def run_experts(ops: Any, block: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                **shared: Any) -> torch.Tensor:
+    """A MoE block's routed experts: its layout's op over its stacks, or through its Spark pools when it has them.
+    `shared`: the op's `shared` and `shared_logit` (an always-on shared expert added in the op: it stays on the
+    device, never in Spark's pools)."""
     if block.offload is None:
         layout = block.expert_layout
-        return layout.run(ops, [getattr(block, name) for name in layout.stacks], x, weights, ids)
-    return block.offload(ops, x, weights, ids)
+        return layout.run(ops, [getattr(block, name) for name in layout.stacks], x, weights, ids, **shared)
+    return block.offload(ops, x, weights, ids, **shared)
 
 
 class OffloadedExperts:
@@ -322,20 +325,21 @@ class OffloadedExperts:
                       for view, pool in zip(self.views, self.pools)]
         self.expert_bytes = sum(pool.host.shape[1] for pool in self.pools)
 
-    def __call__(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 **shared: Any) -> torch.Tensor:
         steps = self.steps
         if steps is not None and steps.inside:  # a static step: paged, nothing decided on the host
             flat = ids.reshape(-1)
             ones = steps.ones[: flat.numel()] if flat.numel() <= steps.ones.numel() else torch.ones_like(flat)
             steps.routed[self.layer].index_add_(0, flat, ones)  # one launch a layer: read back between steps
-            return getattr(ops, self.layout.paged_op)(x, *self.pages, weights, ids)
+            return getattr(ops, self.layout.paged_op)(x, *self.pages, weights, ids, **shared)
         if steps is not None:
             steps.land()  # promotions still on the copy stream: the eager lookup reads and moves slots
         if self.profile is not None:
             self.profile.observe(self.layer, ids)
         needed = torch.unique(ids)
         if needed.numel() <= self.slots:
-            return self._run(ops, x, weights, ids)
+            return self._run(ops, x, weights, ids, **shared)
         # More experts than slots (a long prefill chunk): groups of experts that fit, in expert order.
         out = torch.zeros(x.shape[0], self.views[-1].shape[1], dtype=torch.float32, device=x.device)
         for start in range(0, needed.numel(), self.slots):
@@ -343,11 +347,16 @@ class OffloadedExperts:
             chosen = torch.isin(ids, group)
             part_ids = torch.where(chosen, ids, group[0])
             out += self._run(ops, x, weights * chosen, part_ids).float()
-        return out.to(x.dtype)
+        routed = out.to(x.dtype)
+        if shared.get("shared") is None:
+            return routed
+        extra = shared["shared"](x)  # added once, after the groups, as the op adds it
+        logit = shared.get("shared_logit")
+        return routed + extra if logit is None else ops.add_sigmoid_gated(routed, extra, logit)
 
-    def _run(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _run(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **shared: Any) -> torch.Tensor:
         mapped = [pool.resident_ids(ids) for pool in self.pools]
-        return self.layout.run(ops, self.views, x, weights, mapped[0])
+        return self.layout.run(ops, self.views, x, weights, mapped[0], **shared)
 
     def settle(self, expert: int, pairs: int) -> bool:
         """Account `pairs` routed pairs of graphed steps to `expert`: a hit (marked recent) if it is

@@ -389,11 +389,25 @@ class TorchBackend:
         return self.silu(gate) * up
 
     def moe_experts_swiglu(self, x: torch.Tensor, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
-                           weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                           weights: torch.Tensor, ids: torch.Tensor, shared: Any = None,
+                           shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """Routed SwiGLU experts over separate gate and up stacks `[E, inter, hidden]` and a down stack
         `[E, hidden, inter]`: `sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`, `e = ids[t, k]`,
         x `[T, hidden]`, weights `[T, k]` fp32. The reference dequantizes the stacks (kept by the weight cache)
-        and runs each expert that any token picked on the tokens that picked it."""
+        and runs each expert that any token picked on the tokens that picked it.
+
+        `shared`: an always-on shared expert (a SwiGLU block with `gate_proj`, `up_proj` and `down_proj`,
+        callable on x) added to the routed sum, behind `sigmoid(shared_logit)` (`[T, 1]`) where given: the sum
+        is `add_sigmoid_gated(routed, shared(x), shared_logit)` or `routed + shared(x)`. In the op, so that a
+        backend may run the shared expert in the routed experts' launches."""
+        routed = self._routed_swiglu(x, gate_exps, up_exps, down_exps, weights, ids)
+        if shared is None:
+            return routed
+        out = shared(x)
+        return routed + out if shared_logit is None else self.add_sigmoid_gated(routed, out, shared_logit)
+
+    def _routed_swiglu(self, x: torch.Tensor, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
+                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.dense(gate_exps), self.dense(up_exps), self.dense(down_exps)
         out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
         for expert in torch.unique(ids).tolist():
@@ -404,7 +418,8 @@ class TorchBackend:
         return out.to(x.dtype)
 
     def moe_experts_swiglu_paged(self, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
-                                 ids: torch.Tensor) -> torch.Tensor:
+                                 ids: torch.Tensor, shared: Any = None,
+                                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """`moe_experts_swiglu` over paged stacks (Spark's `ExpertPages`: a few experts in device slots, every
         expert in a host stack, a device table `where[e]`, the slot holding expert e or -1): expert e's blocks
         are slot `where[e]`'s where it is resident, else host row e; equal bit for bit to the op over the whole
@@ -412,7 +427,7 @@ class TorchBackend:
         op on them, in the same expert order."""
         chosen, local = torch.unique(ids, return_inverse=True)
         return self.moe_experts_swiglu(x, gate.gather(chosen), up.gather(chosen), down.gather(chosen), weights,
-                                       local.reshape(ids.shape))
+                                       local.reshape(ids.shape), shared, shared_logit)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """An output gate: `x * sigmoid(gate)`."""

@@ -638,8 +638,8 @@ s18_check() {  # ~8 min: session 18's changes: the expert products on tensor cor
   #            timed (scripts/moe_matvec_bench.py); then laguna_rows, llama.cpp built meanwhile. carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
   step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=8 \
-    tests/test_moe_matvec_cuda.py tests/test_laguna_cuda.py tests/test_qwen35moe_cuda.py tests/test_spark_graphed.py \
-    -k "cuda or gpu or routed_expert or tensor_core or pair"  # (not test_cuda_moe_grouped: it sets TRITON_INTERPRET=1)
+    tests/test_moe_matvec_cuda.py tests/test_cuda_embedding.py tests/test_laguna_cuda.py tests/test_qwen35moe_cuda.py \
+    tests/test_spark_graphed.py -k "cuda or gpu or routed_expert or tensor_core or pair or shared or lookup"  # (not test_cuda_moe_grouped: it sets TRITON_INTERPRET=1)
   step moe-bench 90 python3 scripts/moe_matvec_bench.py --layers 24 --json "$RES/moe_matvec_bench.json"
   laguna_rows
   step host-laguna 120 python3 scripts/decode_overhead.py -m "$(sparkmodel laguna xs2)" -n 64 --bench-loop --top 30 \

@@ -256,6 +256,22 @@ def test_combine_pairs_weights_and_sums_each_tokens_rows(dtype):
                                rtol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_combine_pairs_adds_the_shared_rows(gated):
+    """A shared expert folded into the launches leaves its rows after the routed ones: added with weight 1
+    (Laguna), or behind the sigmoid of its gate's logit (Qwen3.5-MoE)."""
+    gen = torch.Generator().manual_seed(12)
+    tokens, top_k, hidden = 3, 4, 1500
+    rows = torch.randn(tokens * top_k + tokens, hidden, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    logit = torch.randn(tokens, 1, generator=gen) * 3 if gated else None
+    routed = (rows[: tokens * top_k].reshape(tokens, top_k, hidden) * weights[..., None]).sum(1)
+    shared = rows[tokens * top_k :] * (torch.sigmoid(logit) if gated else 1)
+    got = triton_moe.combine_pairs(rows, weights, shared=True, shared_logit=logit)
+    torch.testing.assert_close(got, routed + shared, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, triton_moe.combine_pairs(rows[: tokens * top_k], weights), atol=1e-3)
+
+
 # -- the SwiGLU product compiles for the H200 with its timed tiles (no GPU needed) ---------------------------
 
 COMPILE_SCRIPT = """

@@ -45,7 +45,8 @@ def _assembly(source: str, target: str, toolchain: offline.Toolchain) -> offline
 
 
 def _instantiated_names(program: nvrtc.KernelProgram) -> list[str]:
-    prefixes = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm",
+    prefixes = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
+                "LUCEBOX_RMS_NORM": "rms_norm",
                 "LUCEBOX_MOE_MATVEC": "moe_matvec", "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged",
                 "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair", "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged"}
     names = []

@@ -52,7 +52,8 @@ print(json.dumps(report))
 NAMES = r"""
 def _name(line):
     macro, args = line.split("(", 1)
-    prefix = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_RMS_NORM": "rms_norm",
+    prefix = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
+              "LUCEBOX_RMS_NORM": "rms_norm",
               "LUCEBOX_MOE_MATVEC": "moe_matvec", "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged",
               "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair", "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged"}[macro]
     return "_".join([prefix, *(part.strip() for part in args.rstrip(")").split(","))])

@@ -26,6 +26,14 @@ def _stack(ggml_type, shape, seed):
     return stack, dense
 
 
+def _weight(ggml_type, shape, seed):
+    """A 2-D weight of random blocks (a shared expert's gate, up or down)."""
+    import attrs
+
+    stack, _ = _stack(ggml_type, (1, *shape), seed)
+    return attrs.evolve(stack, name="shared", shape=shape)
+
+
 def _products(ops, x, stack, ids, x_group, variant, monkeypatch):
     monkeypatch.setenv("LUCEBOX_MOE_MATVEC", variant)
     return ops.expert_matvec(x, stack, ids, x_group)
@@ -72,3 +80,36 @@ def test_pair_kernel_equals_two_single_launches(warps, monkeypatch):
     assert torch.equal(first, ops.expert_matvec(x, gate, ids, 8))
     assert torch.equal(second, ops.expert_matvec(x, up, ids, 8))
     assert first.abs().sum() > 0 and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("gated", [False, True])  # Laguna's shared expert, Qwen3.5-MoE's gated one
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_shared_expert_folded_into_the_expert_launches(gated, tokens):
+    """The shared expert as extra pairs of the routed experts' launches: the op's result against the core's
+    reference (routed sum, then the shared expert apart and added), and the extra rows of a launch against the
+    shared weight's own product."""
+    from lucebox_core.torch_backend import TorchBackend
+    from lucebox_cuda import op_kernels
+    from lucebox_cuda.backend import CudaBackend
+    from lucebox_laguna.model import LagunaMLP
+
+    ops = CudaBackend(dtype=torch.float32)
+    gate, _ = _stack(Q.Q4_K, (EXPERTS, 256, 512), seed=11)
+    up, _ = _stack(Q.Q4_K, (EXPERTS, 256, 512), seed=12)
+    down, _ = _stack(Q.Q4_K, (EXPERTS, 512, 256), seed=13)
+    shared_parts = [_weight(Q.Q4_K, shape, seed) for shape, seed in (((256, 512), 14), ((256, 512), 15),
+                                                                    ((512, 256), 16))]
+    shared = LagunaMLP(ops, *shared_parts)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 512, device="cuda", generator=g)
+    weights, ids = torch.topk(torch.sigmoid(torch.randn(tokens, EXPERTS, device="cuda", generator=g)), 4, dim=-1)
+    logit = torch.randn(tokens, 1, device="cuda", generator=g) if gated else None
+    assert op_kernels._foldable(ops, x, (gate, up, down), shared)
+    got = ops.moe_experts_swiglu(x, gate, up, down, weights, ids, shared=shared, shared_logit=logit)
+    want = TorchBackend.moe_experts_swiglu(ops, x, gate, up, down, weights, ids, shared=shared, shared_logit=logit)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    # The extra rows are the shared weight's products (pairs after the routed ones, their own activation rows).
+    rows = ops.expert_matvec(x, gate, ids.reshape(-1), 4, extra=shared_parts[0], extra_pairs=tokens)
+    assert rows.shape == (tokens * 4 + tokens, 256)
+    torch.testing.assert_close(rows[tokens * 4 :], x @ ops.dense(shared_parts[0]).T.float(), atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(rows[: tokens * 4], ops.expert_matvec(x, gate, ids.reshape(-1), 4))

@@ -262,13 +262,17 @@ class CudaBackend(TorchBackend):
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
         return out
 
-    def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int) -> torch.Tensor:
+    def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int, *,
+                      extra: QuantTensor | None = None, extra_pairs: int = 0, extra_x: int = 0) -> torch.Tensor:
         """Mixture-of-experts products for few tokens: for each routed pair `s` (flat `ids` `[S]`, long, on the
         device), `x[s // x_group] @ experts[ids[s]].T`, from a stack `experts` `[E, rows, cols]` in its GGUF
         format, reading only the chosen experts' blocks. x `[S / x_group, cols]` -> `[S, rows]`.
         `experts` may be Spark's paged stack (`lucebox_core.spark.ExpertPages`: device slots, a pinned host copy
         of every expert and the device table expert -> slot): the paged kernel reads each expert where the table
-        says, the same bytes and arithmetic. Graph-capturable: no host value depends on the ids (or the table)."""
+        says, the same bytes and arithmetic. Graph-capturable: no host value depends on the ids (or the table).
+
+        `extra` (a shared expert `[rows, cols]` of the stack's format, where `takes_extra_expert` says so):
+        `extra_pairs` more rows of output, row `S + j` = `x[extra_x + j] @ extra.T`, in the same launch."""
         pages = None
         if not isinstance(experts, QuantTensor):
             pages, experts = experts, experts.pool
@@ -278,7 +282,8 @@ class CudaBackend(TorchBackend):
         if not _aligned(x):
             x = x.clone()
         ids = ids.reshape(-1).to(torch.long).contiguous()
-        pairs = ids.numel()
+        routed = ids.numel()
+        pairs = routed + (extra_pairs if extra is not None else 0)
         out = torch.empty(pairs, rows, dtype=x.dtype, device=self.device)
         if pairs == 0:
             return out
@@ -286,8 +291,9 @@ class CudaBackend(TorchBackend):
         kernel = catalogue.moe_matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], cols,
                                              "" if pages is None else "paged", tensor_cores=self.tensor_core_moe)
         grid = (-(-rows // kernel.rows_per_block), pairs, 1)
-        tail = (Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
-                Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group))
+        tail = [Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
+                Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group)]
+        tail += self._extra_args(kernel, [extra], experts, routed, extra_x)
         if pages is None:
             self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()), *tail)
         else:  # the host stack's pinned address is the device's too (unified addressing)
@@ -295,11 +301,13 @@ class CudaBackend(TorchBackend):
                          Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), *tail)
         return out
 
-    def expert_matvec_pair(self, x: torch.Tensor, first: Any, second: Any, ids: torch.Tensor,
-                           x_group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def expert_matvec_pair(self, x: torch.Tensor, first: Any, second: Any, ids: torch.Tensor, x_group: int, *,
+                           extra: tuple[QuantTensor, QuantTensor] | None = None, extra_pairs: int = 0,
+                           extra_x: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`expert_matvec` over two stacks of one format and shape (a SwiGLU block's gate and up) in one launch,
         the same bits as two; None where the two cannot pair (formats or shapes differ, or one is Spark's paged
-        stack and the other not, or their residency tables differ): the caller runs two launches then."""
+        stack and the other not, or their residency tables differ): the caller runs two launches then.
+        `extra`: a shared expert's (gate, up), as `expert_matvec`'s `extra` for each stack."""
         paged = not isinstance(first, QuantTensor)
         if paged != (not isinstance(second, QuantTensor)):
             return None
@@ -317,7 +325,8 @@ class CudaBackend(TorchBackend):
         if not _aligned(x):
             x = x.clone()
         ids = ids.reshape(-1).to(torch.long).contiguous()
-        pairs = ids.numel()
+        routed = ids.numel()
+        pairs = routed + (extra_pairs if extra is not None else 0)
         out = torch.empty(2, pairs, rows, dtype=x.dtype, device=self.device)
         if pairs == 0:
             return out[0], out[1]
@@ -326,8 +335,10 @@ class CudaBackend(TorchBackend):
         kernel = catalogue.moe_matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], cols,
                                              "pair_paged" if paged else "pair", tensor_cores=self.tensor_core_moe)
         grid = (-(-rows // kernel.rows_per_block), pairs, 2)
-        tail = (Pointer(x.data_ptr()), Pointer(out[0].data_ptr()), Pointer(out[1].data_ptr()),
-                Pointer(ids.data_ptr()), Int64(expert_bytes), Int(rows), Int(cols), Int(x_group))
+        tail = [Pointer(x.data_ptr()), Pointer(out[0].data_ptr()), Pointer(out[1].data_ptr()),
+                Pointer(ids.data_ptr()), Int64(expert_bytes), Int(rows), Int(cols), Int(x_group)]
+        tail += self._extra_args(kernel, list(extra) if extra is not None else [None, None], stacks[0], routed,
+                                 extra_x)
         if not paged:
             self._launch((kernel.program, kernel.name), grid, kernel.threads,
                          Pointer(data[0].data_ptr()), Pointer(data[1].data_ptr()), *tail)
@@ -336,6 +347,36 @@ class CudaBackend(TorchBackend):
                          Pointer(data[0].data_ptr()), Pointer(first.host.data_ptr()), Pointer(data[1].data_ptr()),
                          Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), *tail)
         return out[0], out[1]
+
+    def takes_extra_expert(self, stack: Any, extra: Any, activation: torch.dtype) -> bool:
+        """Whether the expert products over `stack` (or Spark's paged stack) can carry `extra` (a shared expert)
+        as more pairs of the same launch: its format and shape are an expert's, and the launch is the
+        tensor-core kernel (moe_matvec_mma.cu: the CUDA-core one has no extra pairs)."""
+        stack = stack if isinstance(stack, QuantTensor) else getattr(stack, "pool", None)
+        if not isinstance(stack, QuantTensor) or not isinstance(extra, QuantTensor):
+            return False
+        if extra.ggml_type != stack.ggml_type or tuple(extra.shape) != tuple(stack.shape[1:]):
+            return False
+        weight_format = catalogue.WEIGHT_FORMATS.get(stack.ggml_type)
+        if weight_format is None or activation not in catalogue.ACTIVATIONS:
+            return False
+        return catalogue.moe_matvec_variant(weight_format, stack.shape[2], self.tensor_core_moe) != "simt"
+
+    def _extra_args(self, kernel: Any, extras: list[QuantTensor | None], stack: QuantTensor, routed: int,
+                    extra_x: int) -> list[Any]:
+        """The tensor-core kernels' last arguments: the shared expert's weights (null: none), the routed pairs,
+        the shared pairs' first activation row. The CUDA-core kernel has none (and takes no shared expert)."""
+        if kernel.program.file != "moe_matvec_mma.cu":
+            if any(extra is not None for extra in extras):
+                raise ValueError(f"the {kernel.name} kernel takes no shared expert (see takes_extra_expert)")
+            return []
+        pointers = []
+        for extra in extras:
+            if extra is not None and (extra.ggml_type != stack.ggml_type or tuple(extra.shape) != tuple(stack.shape[1:])):
+                raise ValueError(f"shared expert {extra.name!r} ({extra.ggml_type.name} {tuple(extra.shape)}) is not an "
+                                 f"expert of {stack.name!r} ({stack.ggml_type.name} {tuple(stack.shape[1:])})")
+            pointers.append(Pointer(self.device_weight(extra).data.data_ptr() if extra is not None else 0))
+        return [*pointers, Int(routed), Int(extra_x)]
 
     def dequantize_rows(self, weight: QuantTensor, start: int, stop: int, dtype: torch.dtype | None = None,
                         weight_format: str | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -358,6 +399,23 @@ class CudaBackend(TorchBackend):
         self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[dtype]), grid, 256,
                      Pointer(rows_data.data_ptr()), Pointer(tile.data_ptr()), Int(count), Int(in_features))
         return tile
+
+    def lookup_rows(self, weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape, long, ideally on this device) of `weight` `[rows, cols]` decoded into
+        `[*ids.shape, cols]` of the backend's dtype: one kernel (an embedding lookup), reading the ids on the
+        device (no host value depends on them)."""
+        weight_format = catalogue.WEIGHT_FORMATS[weight.ggml_type]
+        flat = ids.reshape(-1).to(device=self.device, dtype=torch.long).contiguous()
+        count, cols = flat.numel(), weight.shape[1]
+        out = torch.empty(count, cols, dtype=self.dtype, device=self.device)
+        if count:
+            pieces = count * cols // 8
+            grid = min(-(-pieces // 256), 65535)
+            data = self.device_weight(weight).data
+            self._launch(catalogue.dequant_rows(weight_format, catalogue.ACTIVATIONS[self.dtype]), grid, 256,
+                         Pointer(data.data_ptr()), Pointer(flat.data_ptr()), Pointer(out.data_ptr()), Int(count),
+                         Int(cols))
+        return out.reshape(*ids.shape, cols)
 
     def dequantize_experts(self, experts: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
         """A whole expert stack `[E, rows, cols]` decoded on the GPU into a dense tensor of `dtype` (the grouped

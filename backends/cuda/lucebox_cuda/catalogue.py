@@ -510,6 +510,12 @@ def dequant(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
     return KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({weight_format}, {activation})"]), name
 
 
+def dequant_rows(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
+    """The rows named by device ids decoded (the embedding lookup; see dequant.cu)."""
+    name = f"dequant_rows_{weight_format}_{activation}"
+    return KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT_ROWS({weight_format}, {activation})"]), name
+
+
 def moe_matvec(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
     name = f"moe_matvec_{weight_format}_{activation}"
     return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({weight_format}, {activation})"]), name
@@ -601,7 +607,8 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
-        "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT({f}, {a})" for f in formats for a in acts]),
+        "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")
+                                                   for f in formats for a in acts]),
         "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"
                                                          for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
                                                          for f in formats for a in acts]),

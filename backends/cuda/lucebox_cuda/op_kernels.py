@@ -114,7 +114,13 @@ def accepts_embedding(ops: Any, ids: torch.Tensor, weight: Any) -> bool:
 
 
 def embedding(ops: Any, ids: torch.Tensor, weight: QuantTensor) -> torch.Tensor:
-    """Gather the rows' raw bytes on the GPU and decode only those."""
+    """Decode only the rows looked up: one dequant kernel reading the ids on the device (the torch decoder of
+    the weight's format, over the gathered bytes, was ~25 small launches and 0.9 ms of host time a decode
+    step on the H200's host, paid before every step); formats or row lengths without a kernel take that path."""
+    weight_format = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
+    whole_pieces = weight_format is not None and weight.shape[-1] % catalogue.ROW_MULTIPLE[weight_format] == 0
+    if whole_pieces and len(weight.shape) == 2 and ops.dtype in catalogue.ACTIVATIONS and hasattr(ops, "lookup_rows"):
+        return ops.lookup_rows(weight, ids)
     return ops.device_weight(weight).lookup_rows(ids.to(ops.device), ops.dtype)
 
 
@@ -552,12 +558,14 @@ def _moe_by_expert(ops: Any, x, gate_up_exps, down_exps, weights, ids, up_exps=N
 
 
 def accepts_moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: Any, up_exps: Any, down_exps: Any,
-                               weights: torch.Tensor, ids: torch.Tensor) -> bool:
+                               weights: torch.Tensor, ids: torch.Tensor, shared: Any = None,
+                               shared_logit: torch.Tensor | None = None) -> bool:
     return accepts_moe_experts(ops, x, gate_exps, down_exps, weights, ids) and _expert_stack(ops, up_exps)
 
 
 def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exps: QuantTensor,
-                       down_exps: QuantTensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                       down_exps: QuantTensor, weights: torch.Tensor, ids: torch.Tensor, shared: Any = None,
+                       shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """`sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over separate gate and up stacks (the core's
     generic op: Laguna's and Qwen3.5-MoE's experts). Few pairs: the same expert products as
     `moe_experts`, reading only the chosen experts' blocks, ids on the device; many (prefill): the grouped
@@ -568,20 +576,57 @@ def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exp
         if (triton_moe() is not None and all(_dense_decodable(stack) for stack in stacks)
                 and gate_exps.shape == up_exps.shape):
             try:
-                return _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids)
+                return _add_shared(ops, _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids),
+                                   x, shared, shared_logit)
             except torch.OutOfMemoryError:
                 # The decoded stacks (1 GiB a Laguna-XS.2 layer) and the per-pair rows did not fit beside the
                 # model: this chunk runs expert by expert, which needs no scratch (slower, same result).
                 _warn_grouped_memory()
-        return _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
-    return _swiglu_pairs(ops, x, gate_exps, up_exps, down_exps, weights, ids)
+        routed = _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
+        return _add_shared(ops, routed, x, shared, shared_logit)
+    return _swiglu_pairs(ops, x, gate_exps, up_exps, down_exps, weights, ids, shared, shared_logit)
+
+
+def _add_shared(ops: Any, routed: torch.Tensor, x: torch.Tensor, shared: Any, logit: torch.Tensor | None) -> torch.Tensor:
+    """The routed sum plus an always-on shared expert's output (`shared(x)`; behind `sigmoid(logit)` where
+    given), as the core's reference adds them."""
+    if shared is None:
+        return routed
+    out = shared(x)
+    return routed + out if logit is None else ops.add_sigmoid_gated(routed, out, logit)
+
+
+def _foldable(ops: Any, x: torch.Tensor, stacks: tuple[Any, Any, Any], shared: Any) -> bool:
+    """Whether the shared expert can ride in the routed experts' launches (`expert_matvec`'s extra pairs)."""
+    if shared is None or triton_moe() is None or not hasattr(ops, "takes_extra_expert"):
+        return False
+    parts = (getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    return all(ops.takes_extra_expert(stack, part, x.dtype) for stack, part in zip(stacks, parts))
 
 
 def _swiglu_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU experts' pair path over whole stacks or Spark's paged ones alike (see `_geglu_pairs`)."""
+                  ids: torch.Tensor, shared: Any = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """The SwiGLU experts' pair path over whole stacks or Spark's paged ones alike (see `_geglu_pairs`). A shared
+    expert of the experts' format and shape is folded in: its gate, up and down as one more pair a token in
+    the same three launches and its row summed by the combine (Laguna-XS.2: 4 launches and ~13 us a layer
+    fewer on the H200); else it runs apart and is added (`_add_shared`)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
+    if _foldable(ops, x, (gate, up, down), shared):
+        tokens, routed = x.shape[0], flat.numel()
+        fold = {"extra_pairs": tokens, "extra_x": 0}
+        products = ops.expert_matvec_pair(x, gate, up, flat, top_k, extra=(shared.gate_proj, shared.up_proj), **fold)
+        if products is None:
+            products = (ops.expert_matvec(x, gate, flat, top_k, extra=shared.gate_proj, **fold),
+                        ops.expert_matvec(x, up, flat, top_k, extra=shared.up_proj, **fold))
+        rows = ops.expert_matvec(ops.silu_mul(*products), down, flat, 1, extra=shared.down_proj, extra_pairs=tokens,
+                                 extra_x=routed)  # [T * k + T, hidden]: the shared rows last
+        return triton_moe().combine_pairs(rows, weights, shared=True, shared_logit=shared_logit)
+    return _add_shared(ops, _routed_pairs(ops, x, gate, up, down, weights, flat, top_k), x, shared, shared_logit)
+
+
+def _routed_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
+                  flat: torch.Tensor, top_k: int) -> torch.Tensor:
     # Gate and up in one launch where they pair (same format and shape): the same bits as two launches.
     products = ops.expert_matvec_pair(x, gate, up, flat, top_k) if hasattr(ops, "expert_matvec_pair") else None
     if products is None:
@@ -600,18 +645,21 @@ def _paged_stack(ops: Any, pages: Any) -> bool:
 
 
 def accepts_moe_experts_swiglu_paged(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any,
-                                     weights: torch.Tensor, ids: torch.Tensor) -> bool:
+                                     weights: torch.Tensor, ids: torch.Tensor, shared: Any = None,
+                                     shared_logit: torch.Tensor | None = None) -> bool:
     return (x.device == ops.device and x.dtype in catalogue.ACTIVATIONS and ids.device == ops.device
             and ids.numel() <= EXPERT_PAIR_LIMIT and all(_paged_stack(ops, p) for p in (gate, up, down)))
 
 
 def moe_experts_swiglu_paged(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
-                             ids: torch.Tensor) -> torch.Tensor:
+                             ids: torch.Tensor, shared: Any = None, shared_logit: torch.Tensor | None = None
+                             ) -> torch.Tensor:
     """`moe_experts_swiglu` over Spark's paged stacks for few pairs (decode, verify): the same three expert
     products and combine, each expert's blocks read from its device slot or, not resident, straight from
     pinned host memory (the paged moe_matvec kernel). No host value depends on the ids or the residency
-    table: the decode step and the verify pass stay one recorded graph while experts move between replays."""
-    return _swiglu_pairs(ops, x, gate, up, down, weights, ids)
+    table: the decode step and the verify pass stay one recorded graph while experts move between replays.
+    The shared expert (always on the device) is folded in as in the stacked op."""
+    return _swiglu_pairs(ops, x, gate, up, down, weights, ids, shared, shared_logit)
 
 
 def accepts_moe_experts_paged(ops: Any, x: torch.Tensor, gate_up: Any, down: Any, weights: torch.Tensor,

@@ -383,7 +383,8 @@ def moe_grouped(
 
 
 @triton.jit
-def _combine_pairs_kernel(rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_pairs_kernel(rows_ptr, weights_ptr, out_ptr, hidden, logit_ptr, routed, TOP_K: tl.constexpr,
+                          BLOCK: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -391,20 +392,30 @@ def _combine_pairs_kernel(rows_ptr, weights_ptr, out_ptr, hidden, TOP_K: tl.cons
     for k in tl.static_range(TOP_K):  # in slot order, as the reference's sum over k
         row = tl.load(rows_ptr + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
         total += row * tl.load(weights_ptr + token * TOP_K + k)
+    if SHARED:  # the shared expert's row of this token, after the routed ones
+        shared = tl.load(rows_ptr + (routed + token) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            shared = shared * tl.sigmoid(tl.load(logit_ptr + token).to(tl.float32))
+        total += shared
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def combine_pairs(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_pairs(rows: torch.Tensor, weights: torch.Tensor, *, shared: bool = False,
+                  shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """`sum_k weights[t, k] * rows[t * k_count + k]` in fp32, in rows' dtype: the experts' down outputs of each
     token (`rows` `[T * k, hidden]`, pair-major as the pair kernel writes them) weighted and summed in one
-    launch instead of four."""
+    launch instead of four. `shared`: rows `[T * k + T, hidden]`, the last T a shared expert's, added with
+    weight 1, or `sigmoid(shared_logit[t])` (`[T, 1]`, Qwen3.5-MoE's gate)."""
     tokens, top_k = weights.shape
     hidden = rows.shape[-1]
     rows = rows.contiguous()
     out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
+    gated = shared and shared_logit is not None
+    logit = shared_logit.reshape(-1).contiguous() if gated else weights
     if tokens:
         block = min(1024, triton.next_power_of_2(hidden))
         with _device_scope(rows):
             _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](
-                rows, weights.to(torch.float32).contiguous(), out, hidden, TOP_K=top_k, BLOCK=block)
+                rows, weights.to(torch.float32).contiguous(), out, hidden, logit, tokens * top_k, TOP_K=top_k,
+                BLOCK=block, SHARED=shared, GATED=gated)
     return out

@@ -197,8 +197,8 @@ class LagunaMoE:
         ops = self.ops
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = ops.sigmoid_route(flat, self.router, self.selection_bias, self.top_k, self.routed_scale)
-        routed = run_experts(ops, self, flat, weights, ids)
-        return routed.reshape(x.shape) + self.shared_expert(x)
+        # The shared expert goes into the op, which adds it (a backend may run it in the experts' launches).
+        return run_experts(ops, self, flat, weights, ids, shared=self.shared_expert).reshape(x.shape)
 
 
 @attrs.define

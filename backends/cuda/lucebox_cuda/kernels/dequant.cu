@@ -2,8 +2,9 @@
 // a bounded scratch tile then a tensor-core matmul). Same piece decoders as the matrix-vector kernels,
 // so this doubles as a direct check of them against the torch reference.
 //
-// LUCEBOX_DEQUANT(format, activation) defines `dequant_<format>_<activation>`; any grid, any block size
-// (grid-stride loop over pieces).
+// LUCEBOX_DEQUANT(format, activation) defines `dequant_<format>_<activation>`; LUCEBOX_DEQUANT_ROWS the same
+// over the rows named by a device array of ids, `dequant_rows_<format>_<activation>` (the embedding lookup).
+// Any grid, any block size (grid-stride loop over pieces).
 #include "gguf_blocks.cuh"
 
 // The unsigned word of a vector store of N bytes.
@@ -12,8 +13,11 @@ template <> struct StoreWord<4> { using type = unsigned int; };
 template <> struct StoreWord<8> { using type = uint2; };
 template <> struct StoreWord<16> { using type = uint4; };
 
+// `ids`: null for rows 0..rows-1 of `weight`; else output row r decodes weight row ids[r] (an embedding lookup
+// whose token ids are on the device: no host value depends on them, so a recorded step may hold it).
 template <class W, class X>
-__device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* __restrict__ out, int rows, int cols) {
+__device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* __restrict__ out, int rows, int cols,
+                                             const long long* __restrict__ ids = nullptr) {
     const int pieces_per_row = cols / W::BLOCK_VALUES * W::PIECES;
     const i64 total = static_cast<i64>(rows) * pieces_per_row;
     for (i64 t = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; t < total;
@@ -21,7 +25,8 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* _
         const i64 row = t / pieces_per_row;
         const int p = static_cast<int>(t - row * pieces_per_row);
         const int block = p / W::PIECES;
-        const i64 block_index = row * (cols / W::BLOCK_VALUES) + block;
+        const i64 source = ids != nullptr ? static_cast<i64>(ids[row]) : row;
+        const i64 block_index = source * (cols / W::BLOCK_VALUES) + block;
         Piece<W::RUNS, W::RUN> piece;
         W::decode(weight + block_index * W::BLOCK_BYTES, p % W::PIECES, piece);
         X* dst = out + row * cols + block * W::BLOCK_VALUES;
@@ -48,4 +53,11 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* _
     extern "C" __global__ void dequant_##FORMAT##_##ACT(const u8* __restrict__ weight, ACT* __restrict__ out, \
                                                         int rows, int cols) {                           \
         dequant_body<W_##FORMAT, ACT>(weight, out, rows, cols);                                         \
+    }
+
+#define LUCEBOX_DEQUANT_ROWS(FORMAT, ACT)                                                                \
+    extern "C" __global__ void dequant_rows_##FORMAT##_##ACT(const u8* __restrict__ weight,               \
+                                                             const long long* __restrict__ ids,           \
+                                                             ACT* __restrict__ out, int rows, int cols) { \
+        dequant_body<W_##FORMAT, ACT>(weight, out, rows, cols, ids);                                    \
     }

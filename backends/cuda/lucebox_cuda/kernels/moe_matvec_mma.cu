@@ -16,13 +16,19 @@
 // stacked ones and the pair kernel equals two single launches, bit for bit. Launch with 32 * WARPS threads
 // and (ceil(rows / 16), pairs, 1 or 2) blocks. The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
 // <format>_<activation>`.
+//
+// An always-on shared expert of the same format and shape (Laguna's, Qwen3.5-MoE's) rides along as extra pairs:
+// pairs `routed`.. read `extra` (in the pair kernels `extra0` / `extra1`: its gate and up) instead of a stack's
+// expert, activation row `extra_x + pair - routed` (the token's row for gate and up, the shared expert's own
+// activation row for down), so the block's products are one launch each, not three more. Null `extra` and
+// `routed` = the pairs: none.
 #include "matvec_mma_body.cuh"
 
 template <class W, class X, int WARPS>
 __device__ __forceinline__ void expert_rows(const u8* __restrict__ blocks, const X* __restrict__ x, X* __restrict__ y,
-                                            int pair, int rows, int cols, int x_group) {
-    matvec_mma_body<W, X, 1, WARPS, 1>(blocks, x + static_cast<i64>(pair / x_group) * cols,
-                                       y + static_cast<i64>(pair) * rows, rows, cols, 1);
+                                            int pair, int rows, int cols, int x_row) {
+    matvec_mma_body<W, X, 1, WARPS, 1>(blocks, x + static_cast<i64>(x_row) * cols, y + static_cast<i64>(pair) * rows,
+                                       rows, cols, 1);
 }
 
 // Expert `expert`'s blocks in Spark's paged stack: its device slot, or the pinned host copy.
@@ -32,35 +38,48 @@ __device__ __forceinline__ const u8* paged_expert(const u8* pool, const u8* host
     return slot >= 0 ? pool + slot * expert_bytes : host + expert * expert_bytes;
 }
 
+// The activation row of a pair: a routed pair's token (pair / x_group), or the shared expert's row.
+__device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int extra_x) {
+    return pair < routed ? pair / x_group : extra_x + pair - routed;
+}
+
+#define LUCEBOX_MOE_EXTRA_ARGS const u8 *__restrict__ extra, int routed, int extra_x
+#define LUCEBOX_MOE_PAIR_EXTRA_ARGS const u8 *__restrict__ extra0, const u8 *__restrict__ extra1, int routed, int extra_x
+
 #define LUCEBOX_MOE_MATVEC_MMA(FORMAT, ACT, WARPS)                                                           \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                \
         moe_matvec_mma##WARPS##_##FORMAT##_##ACT(const u8* __restrict__ weight, const ACT* __restrict__ x,   \
                                                  ACT* __restrict__ y, const long long* __restrict__ ids,     \
-                                                 long long expert_bytes, int rows, int cols, int x_group) {  \
+                                                 long long expert_bytes, int rows, int cols, int x_group,    \
+                                                 LUCEBOX_MOE_EXTRA_ARGS) {                                   \
         const int pair = blockIdx.y;                                                                         \
-        expert_rows<Mma_##FORMAT, ACT, WARPS>(weight + ids[pair] * expert_bytes, x, y, pair, rows, cols,     \
-                                              x_group);                                                      \
+        const u8* blocks = pair < routed ? weight + ids[pair] * expert_bytes : extra;                        \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, y, pair, rows, cols,                                \
+                                              pair_x_row(pair, x_group, routed, extra_x));                   \
     }
 
 #define LUCEBOX_MOE_MATVEC_MMA_PAGED(FORMAT, ACT, WARPS)                                                     \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_paged_##FORMAT##_##ACT( \
         const u8* __restrict__ pool, const u8* __restrict__ host, const long long* __restrict__ where,        \
         const ACT* __restrict__ x, ACT* __restrict__ y, const long long* __restrict__ ids,                    \
-        long long expert_bytes, int rows, int cols, int x_group) {                                           \
+        long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_EXTRA_ARGS) {                  \
         const int pair = blockIdx.y;                                                                         \
-        expert_rows<Mma_##FORMAT, ACT, WARPS>(paged_expert(pool, host, where, ids[pair], expert_bytes), x, y, \
-                                              pair, rows, cols, x_group);                                    \
+        const u8* blocks = pair < routed ? paged_expert(pool, host, where, ids[pair], expert_bytes) : extra; \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, y, pair, rows, cols,                                \
+                                              pair_x_row(pair, x_group, routed, extra_x));                   \
     }
 
 #define LUCEBOX_MOE_MATVEC_MMA_PAIR(FORMAT, ACT, WARPS)                                                      \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_pair_##FORMAT##_##ACT(  \
         const u8* __restrict__ weight0, const u8* __restrict__ weight1, const ACT* __restrict__ x,           \
         ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                       \
-        long long expert_bytes, int rows, int cols, int x_group) {                                           \
+        long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {             \
         const int pair = blockIdx.y;                                                                         \
-        const u8* weight = blockIdx.z == 0 ? weight0 : weight1;                                              \
-        expert_rows<Mma_##FORMAT, ACT, WARPS>(weight + ids[pair] * expert_bytes, x, blockIdx.z == 0 ? y0 : y1, \
-                                              pair, rows, cols, x_group);                                    \
+        const bool first = blockIdx.z == 0;                                                                  \
+        const u8* blocks = pair < routed ? (first ? weight0 : weight1) + ids[pair] * expert_bytes            \
+                                         : (first ? extra0 : extra1);                                        \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, first ? y0 : y1, pair, rows, cols,                  \
+                                              pair_x_row(pair, x_group, routed, extra_x));                   \
     }
 
 #define LUCEBOX_MOE_MATVEC_MMA_PAIR_PAGED(FORMAT, ACT, WARPS)                                                \
@@ -69,10 +88,12 @@ __device__ __forceinline__ const u8* paged_expert(const u8* pool, const u8* host
             const u8* __restrict__ pool0, const u8* __restrict__ host0, const u8* __restrict__ pool1,        \
             const u8* __restrict__ host1, const long long* __restrict__ where, const ACT* __restrict__ x,     \
             ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                   \
-            long long expert_bytes, int rows, int cols, int x_group) {                                       \
+            long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {         \
         const int pair = blockIdx.y;                                                                         \
         const bool first = blockIdx.z == 0;                                                                  \
-        const u8* blocks = paged_expert(first ? pool0 : pool1, first ? host0 : host1, where, ids[pair],      \
-                                        expert_bytes);                                                       \
-        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, first ? y0 : y1, pair, rows, cols, x_group);        \
+        const u8* blocks = pair < routed ? paged_expert(first ? pool0 : pool1, first ? host0 : host1, where, \
+                                                        ids[pair], expert_bytes)                             \
+                                         : (first ? extra0 : extra1);                                        \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, first ? y0 : y1, pair, rows, cols,                  \
+                                              pair_x_row(pair, x_group, routed, extra_x));                   \
     }
