@@ -681,8 +681,9 @@ s17_final() {  # ~7.5 min: session 17's changes on Qwen3.5-35B-A3B (qwen35moe, s
   #             on CUDA and of the paged ops; the step's profile, all on the GPU and at SPARK_RESIDENCY; the
   #             Spark rows; llama-bench beside (built meanwhile, nice 19).      carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
-  step gpu-tests 110 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
-    tests/test_qwen35moe_cuda.py tests/test_spark_graphed.py -k "cuda or gpu"
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_cuda_embedding.py tests/test_qwen35moe_cuda.py tests/test_laguna_cuda.py tests/test_spark_graphed.py \
+    -k "cuda or gpu or lookup or routed_expert"
   local m; m=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
   step synth-35b 60 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b \
     --type q4_k_m --router-skew $SPARK_SKEW -o $m"

@@ -14,12 +14,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _table(ggml_type, rows, cols, seed):
+    from lucebox_core.kquants import random_blocks
     from lucebox_core.quants import QuantTensor
 
-    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-    raw = quants.quantize(values, ggml_type) if ggml_type != Q.F32 else values
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    if ggml_type in (Q.Q4_K, Q.Q6_K):  # gguf's numpy code decodes the K-quants but does not encode them
+        raw = random_blocks(ggml_type, rows * cols, 0.05, rng)
+    else:
+        raw = quants.quantize(values, ggml_type) if ggml_type != Q.F32 else values
     data = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).copy())
-    return QuantTensor("token_embd.weight", ggml_type, (rows, cols), data), quants.dequantize(raw, ggml_type)
+    return QuantTensor("token_embd.weight", ggml_type, (rows, cols), data), quants.dequantize(
+        np.ascontiguousarray(raw).reshape(-1).view(np.uint8), ggml_type).reshape(rows, cols)
 
 
 @pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16, Q.F32])
