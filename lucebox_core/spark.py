@@ -52,12 +52,12 @@ import csv
 import io
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from .errors import LuceboxError
@@ -184,37 +184,68 @@ class ExpertPages:
                             data=rows.reshape(-1), volatile=True)
 
 
+class Residency:
+    """Host arrays `[layers, experts]` of which slot holds each expert (-1: none) and when each was last used,
+    one row a layer (`ExpertSlots`' LRU), and the clock of those uses."""
+
+    def __init__(self, layers: int, experts: int):
+        self.slot = np.full((layers, experts), -1, dtype=np.int64)
+        self.tick = np.zeros((layers, experts), dtype=np.int64)
+        self.clock = 0
+
+    def now(self) -> int:
+        self.clock += 1
+        return self.clock
+
+
 class ExpertSlots:
     """One layer's experts in `slots` device rows, filled from `host` `[experts, bytes]` (see the module's
-    docstring). `initial`: the experts placed resident at the start (at most `slots`)."""
+    docstring). `initial`: the experts placed resident at the start (at most `slots`). `more_hosts`: further
+    stacks of the layer (its up and down beside its gate) kept in the same slots: one residency for all, an
+    expert is resident in every stack or in none, so a promotion is one decision and its copies.
+
+    The LRU order is a use tick per expert (host arrays, not an ordered dict): the graphed steps' accounting
+    marks every routed expert of a layer in one array operation (`touch_all`), and the victim is the resident
+    expert of the oldest tick (ties: the lowest id, the order a one-by-one touch in ascending ids gives)."""
 
     def __init__(self, host: torch.Tensor, slots: int, device: str | torch.device, initial: Sequence[int] = (),
-                 table: torch.Tensor | None = None):
-        """`table`: the device table `[experts]` to keep (shared by the pools of a layer, which go through the
-        same bring/touch sequence, and a view of Spark's one table of all layers); default a new one."""
+                 table: torch.Tensor | None = None, *, more_hosts: Sequence[torch.Tensor] = (),
+                 mirror: Residency | None = None, row: int = 0):
+        """`table`: the device table `[experts]` to keep (a view of Spark's one table of all layers); default a
+        new one. `mirror`, `row`: the host arrays of all layers' residencies this layer's is row `row` of (so
+        the accounting of a graphed step settles every layer at once); default its own."""
         experts = host.shape[0]
-        if host.dim() != 2 or not 0 < slots <= experts:
-            raise LuceboxError(f"an expert pool needs a [experts, bytes] host stack and 1..{experts} slots, got "
-                               f"{tuple(host.shape)} and {slots}")
+        hosts = [host, *more_hosts]
+        for stack in hosts:
+            if stack.dim() != 2 or stack.shape[0] != experts or not 0 < slots <= experts:
+                raise LuceboxError(f"an expert pool needs [experts, bytes] host stacks of {experts} experts and "
+                                   f"1..{experts} slots, got {tuple(stack.shape)} and {slots}")
         if len(initial) > slots:
             raise LuceboxError(f"{len(initial)} experts placed resident do not fit {slots} slots")
-        self.host, self.device = host, torch.device(device)
-        self.stack = torch.empty(slots, host.shape[1], dtype=host.dtype, device=self.device)
+        self.hosts, self.host, self.device = hosts, host, torch.device(device)
+        self.stacks = [torch.empty(slots, h.shape[1], dtype=h.dtype, device=self.device) for h in hosts]
+        self.stack = self.stacks[0]
         self.slot_of = table if table is not None else torch.full((experts,), -1, dtype=torch.long, device=self.device)
-        self._lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
+        self.mirror = mirror if mirror is not None else Residency(1, experts)
+        self._slot = self.mirror.slot[row]  # the table's host mirror: expert -> slot, or -1
+        self._tick = self.mirror.tick[row]  # when each expert was last used
         self._free = list(range(slots))[::-1]
+        self.expert_bytes = sum(h.shape[1] for h in hosts)
         self.stats = SlotStats()
         for expert in initial:
             self._bring(int(expert))
 
     @property
     def resident(self) -> list[int]:
-        return sorted(self._lru)
+        return np.flatnonzero(self._slot >= 0).tolist()
+
+    def is_resident(self, expert: int) -> bool:
+        return bool(self._slot[expert] >= 0)
 
     def touch(self, expert: int) -> bool:
         """Mark `expert` used now if it is resident; whether it is."""
-        if expert in self._lru:
-            self._lru.move_to_end(expert)
+        if self._slot[expert] >= 0:
+            self._tick[expert] = self.mirror.now()
             return True
         return False
 
@@ -226,10 +257,18 @@ class ExpertSlots:
         if self._free:
             slot = self._free.pop()
         else:
-            evicted, slot = self._lru.popitem(last=False)
-        self._lru[expert] = slot
-        self.stats.bytes_moved += self.host.shape[1]
+            resident = self._slot >= 0
+            evicted = int(np.argmin(np.where(resident, self._tick, np.iinfo(np.int64).max)))
+            slot = int(self._slot[evicted])
+            self._slot[evicted] = -1
+        self._slot[expert] = slot
+        self._tick[expert] = self.mirror.now()
+        self.stats.bytes_moved += self.expert_bytes
         return slot, evicted
+
+    def fills(self, expert: int, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies `(slot row, host row)` that put `expert` into `slot` of every stack."""
+        return [(stack[slot], host[expert]) for stack, host in zip(self.stacks, self.hosts)]
 
     def _bring(self, expert: int) -> None:
         """`expert` into a free slot or the least recently used one's: the copy and the table updates queued
@@ -237,7 +276,8 @@ class ExpertSlots:
         slot, evicted = self.reserve(expert)
         if evicted is not None:
             self.slot_of[evicted] = -1
-        self.stack[slot].copy_(self.host[expert], non_blocking=True)
+        for target, source in self.fills(expert, slot):
+            target.copy_(source, non_blocking=True)
         self.slot_of[expert] = slot
 
     def resident_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -250,7 +290,7 @@ class ExpertSlots:
             if self.touch(expert):
                 self.stats.hits += 1
         for expert in needed:
-            if expert not in self._lru:
+            if not self.is_resident(expert):
                 self.stats.misses += 1
                 self._bring(expert)
         return self.slot_of[ids.to(self.device)]
@@ -294,7 +334,8 @@ class OffloadedExperts:
 
     def __init__(self, layer: int, stacks: Sequence[Any], slots: int, resident: Sequence[int],
                  profile: RoutingProfile | None = None, device: str | torch.device | None = None,
-                 layout: ExpertLayout = SWIGLU_EXPERTS, table: torch.Tensor | None = None):
+                 layout: ExpertLayout = SWIGLU_EXPERTS, table: torch.Tensor | None = None,
+                 mirror: Residency | None = None):
         """`stacks`: the layer's stacks in `layout`'s order. `device`: where the slots live, the model's compute
         device (default: where the stacks' bytes are). Not the bytes' device by default on a GPU: a GPU backend
         leaves weights in the file's memory map until their first use, so the stacks are still on the host when
@@ -305,25 +346,23 @@ class OffloadedExperts:
         self.layer, self.profile, self.layout = layer, profile, layout
         self.slots = slots
         self.steps: GraphedSteps | None = None  # set by `attach_spark` where the steps run graphed
-        self.pools, self.views = [], []
+        hosts = []
         for stack in stacks:
-            experts = stack.shape[0]
             device = torch.device(device) if device is not None else stack.data.device
-            host = stack.data.reshape(experts, -1).to("cpu")
+            host = stack.data.reshape(stack.shape[0], -1).to("cpu")
             if device.type == "cuda":
                 host = host.pin_memory()  # copies into the slots overlap the step's work; kernels read it too
-            pool = ExpertSlots(host, slots, device, initial=resident, table=table)
-            table = pool.slot_of  # one table for the layer's pools
-            self.pools.append(pool)
-            self.views.append(attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
-                                           data=pool.stack.reshape(-1), volatile=True))
-        # Every pool goes through the same bring/touch sequence, so their tables hold the same slots (`_run` maps
-        # ids through the first for all stacks too): the pages share the first pool's table, which lets a paged
-        # op read two stacks in one launch (`expert_matvec_pair` pairs stacks of one table: gate and up).
-        table = self.pools[0].slot_of
-        self.pages = [ExpertPages(view, pool.host, table, pool.host.is_pinned())
-                      for view, pool in zip(self.views, self.pools)]
-        self.expert_bytes = sum(pool.host.shape[1] for pool in self.pools)
+            hosts.append(host)
+        # One residency for the layer's stacks (`ExpertSlots` with more hosts): one table, which lets a paged op
+        # read two stacks in one launch (`expert_matvec_pair` pairs stacks of one table: gate and up), and one
+        # decision per promotion. `pools` stays a list (of one) for the callers that walk it.
+        pool = ExpertSlots(hosts[0], slots, device, initial=resident, table=table, more_hosts=hosts[1:],
+                           mirror=mirror, row=layer if mirror is not None else 0)
+        self.pools = [pool]
+        self.views = [attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
+                                   data=rows.reshape(-1), volatile=True) for stack, rows in zip(stacks, pool.stacks)]
+        self.pages = [ExpertPages(view, host, pool.slot_of, host.is_pinned()) for view, host in zip(self.views, hosts)]
+        self.expert_bytes = pool.expert_bytes
 
     def __call__(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  **shared: Any) -> torch.Tensor:
@@ -355,30 +394,16 @@ class OffloadedExperts:
         return routed + extra if logit is None else ops.add_sigmoid_gated(routed, extra, logit)
 
     def _run(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **shared: Any) -> torch.Tensor:
-        mapped = [pool.resident_ids(ids) for pool in self.pools]
-        return self.layout.run(ops, self.views, x, weights, mapped[0], **shared)
-
-    def settle(self, expert: int, pairs: int) -> bool:
-        """Account `pairs` routed pairs of graphed steps to `expert`: a hit (marked recent) if it is
-        resident, else a miss whose pairs were read from host memory. Whether it was a miss."""
-        stats = self.pools[0].stats
-        if all([pool.touch(expert) for pool in self.pools]):
-            stats.hits += 1
-            return False
-        stats.misses += 1
-        stats.zero_copy_reads += pairs
-        return True
+        return self.layout.run(ops, self.views, x, weights, self.pools[0].resident_ids(ids), **shared)
 
     def promote(self, expert: int) -> tuple[int, int | None, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Reserve a slot for `expert` in each stack (the same in all: one bring sequence); (slot, the expert
-        evicted or None, the copies `(slot row, host row)` that fill it). The caller queues the copies and the
-        table updates (`GraphedSteps.between_steps`)."""
-        placed = {pool.reserve(expert) for pool in self.pools}
-        if len(placed) != 1:
-            raise LuceboxError(f"Spark layer {self.layer}: the stacks' pools went out of step ({sorted(placed)})")
-        (slot, evicted), = placed
-        self.pools[0].stats.promotions += 1
-        return slot, evicted, [(pool.stack[slot], pool.host[expert]) for pool in self.pools]
+        """Reserve a slot for `expert` (one for all the layer's stacks); (slot, the expert evicted or None, the
+        copies `(slot row, host row)` that fill it). The caller queues the copies and the table updates
+        (`GraphedSteps.between_steps`)."""
+        pool = self.pools[0]
+        slot, evicted = pool.reserve(expert)
+        pool.stats.promotions += 1
+        return slot, evicted, pool.fills(expert, slot)
 
     def describe(self) -> dict[str, Any]:
         stats = self.pools[0].stats
@@ -394,9 +419,11 @@ class GraphedSteps:
     steps); a host copy of it queued after each step; and, between steps, the accounting and the promotions."""
 
     def __init__(self, ops: Any, layers: list[OffloadedExperts], profile: RoutingProfile, promotion_bytes: int,
-                 tables: torch.Tensor | None = None):
+                 tables: torch.Tensor | None = None, mirror: Residency | None = None):
         """`tables`: `[layers, experts]`, whose rows are the layers' tables (one write updates them all); None
-        where they are apart (each layer's table written on its own)."""
+        where they are apart (each layer's table written on its own). `mirror`: the layers' residencies as
+        rows of one `Residency` (the accounting settles them all at once), or None."""
+        self.mirror = mirror
         self.ops, self.layers, self.profile = ops, layers, profile
         self.promotion_bytes = promotion_bytes
         device = torch.device(ops.device)
@@ -466,10 +493,30 @@ class GraphedSteps:
         routed = host - self.counted
         self.counted.copy_(host)
         self.profile.add(routed)
-        used = routed > 0
-        places, counts = torch.nonzero(used).tolist(), routed[used].tolist()  # both in row-major order
-        return sorted((-pairs, index, expert) for (index, expert), pairs in zip(places, counts)
-                      if self.layers[index].settle(expert, pairs))
+        return self._settle(routed.numpy())
+
+    def _settle(self, pairs: np.ndarray) -> list[tuple[int, int, int]]:
+        """Account the pairs `[layers, experts]` the steps routed, every layer at once: an expert routed to is a
+        hit (marked used now) where resident, else a miss whose pairs were read from host memory. The misses as
+        (-pairs, layer, expert), most routed first."""
+        used = pairs > 0
+        if self.mirror is None:  # layers with their own residencies (not made by `attach_spark`): one by one
+            hits = np.stack([used[i] & (layer.pools[0]._slot >= 0) for i, layer in enumerate(self.layers)])
+            for i, layer in enumerate(self.layers):
+                layer.pools[0]._tick[hits[i]] = layer.pools[0].mirror.now()
+        else:
+            hits = used & (self.mirror.slot >= 0)
+            self.mirror.tick[hits] = self.mirror.now()
+        missed = used & ~hits
+        missed_pairs = np.where(missed, pairs, 0)
+        for layer, layer_hits, layer_misses, reads in zip(self.layers, hits.sum(axis=1).tolist(),
+                                                          missed.sum(axis=1).tolist(), missed_pairs.sum(axis=1).tolist()):
+            stats = layer.pools[0].stats
+            stats.hits += layer_hits
+            stats.misses += layer_misses
+            stats.zero_copy_reads += reads
+        index, expert = np.nonzero(missed)
+        return sorted(zip((-pairs[index, expert]).tolist(), index.tolist(), expert.tolist()))
 
     def between_steps(self) -> None:
         """Land the last promotions, `account`, then promote the most routed misses, most pairs first, within
@@ -634,12 +681,13 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     placed = place_experts(profile.counts, per_expert, budget, min_per_layer=top_k)
     # Every layer's table a row of one tensor: the promotions between two steps update them in one write.
     tables = torch.full((len(blocks), experts), -1, dtype=torch.long, device=model.ops.device)
+    mirror = Residency(len(blocks), experts)  # their host side: which slot holds each expert, its last use
     layers = []
     for moe_index, ((layer, block), resident) in enumerate(zip(blocks, placed)):
         layout = block.expert_layout
         offload = OffloadedExperts(moe_index, [getattr(block, name) for name in layout.stacks], len(resident),
                                    resident, profile, device=model.ops.device, layout=layout,
-                                   table=tables[moe_index])
+                                   table=tables[moe_index], mirror=mirror)
         block.offload = offload
         for name, view in zip(layout.stacks, offload.views):  # the full stacks leave the device: the pools hold
             setattr(block, name, view)  # what is resident
@@ -647,7 +695,7 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     graphed = None
     split = len(getattr(model, "part_ops", None) or ()) > 1  # one device's slots: a split model steps eagerly
     if model.decode_graphs and not split and pages_supported(model.ops, layers[0], top_k):
-        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes, tables)
+        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes, tables, mirror)
         for layer in layers:
             layer.steps = graphed
         model.static_step_scope = graphed.scope
