@@ -26,7 +26,7 @@ from lucebox_cuda.nvrtc import KernelProgram, _write_atomically, kernel_sources
 
 # The CUDA backend's `.cu` files that build for HIP: the CUDA-core (plain FMA) matrix-vector kernel, the
 # mixture-of-experts product on the same body, the dequantize-tile kernel and RMSNorm. The tensor-core ones
-# (matvec_mma.cu, matvec_pipe.cu: mma.sync, cp.async) stop with an #error under HIP.
+# (matvec_mma.cu, matvec_pipe.cu, moe_matvec_mma.cu: mma.sync, cp.async) stop with an #error under HIP.
 HIP_SOURCES: tuple[str, ...] = ("dequant.cu", "matvec.cu", "moe_matvec.cu", "rms_norm.cu")
 DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17", "-O3")
 # The targets CI compiles every source for (RDNA3, RDNA3.5, RDNA4); the backend runs on these families.
