@@ -521,20 +521,6 @@ def moe_matvec(weight_format: str, activation: str) -> tuple[KernelProgram, str]
     return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({weight_format}, {activation})"]), name
 
 
-def moe_matvec_paged(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
-    """The expert products over a stack split between device slots and pinned host memory (Spark's paged
-    experts; see moe_matvec.cu)."""
-    name = f"moe_matvec_paged_{weight_format}_{activation}"
-    return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC_PAGED({weight_format}, {activation})"]), name
-
-
-def moe_matvec_pair(weight_format: str, activation: str, paged: bool = False) -> tuple[KernelProgram, str]:
-    """Two expert stacks of one format and shape (a SwiGLU block's gate and up) in one launch (moe_matvec.cu)."""
-    kind = "_paged" if paged else ""
-    name = f"moe_matvec_pair{kind}_{weight_format}_{activation}"
-    return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC_PAIR{kind.upper()}({weight_format}, {activation})"]), name
-
-
 # The expert products (`expert_matvec`, `expert_matvec_pair`): "simt" is moe_matvec.cu (CUDA cores, every
 # format); "mma<W>" moe_matvec_mma.cu (tensor cores, K-quants, W warps per 16 rows). LUCEBOX_MOE_MATVEC picks
 # one for every shape ("simt", "mma1".."mma8"; the benchmark scripts set it), else `moe_matvec_variant`'s rule.
