@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from .errors import LuceboxError
-from .torch_backend import SideCopier
+from .torch_backend import SideCopier, add_shared_expert
 
 PROFILE_SUFFIX = ".spark.csv"
 # Expert bytes promoted into slots between two graphed steps at most (all layers together): ~1 ms of copy over
@@ -227,6 +227,7 @@ class ExpertSlots:
         self.stack = self.stacks[0]
         self.slot_of = table if table is not None else torch.full((experts,), -1, dtype=torch.long, device=self.device)
         self.mirror = mirror if mirror is not None else Residency(1, experts)
+        self.row = row
         self._slot = self.mirror.slot[row]  # the table's host mirror: expert -> slot, or -1
         self._tick = self.mirror.tick[row]  # when each expert was last used
         self._free = list(range(slots))[::-1]
@@ -386,12 +387,8 @@ class OffloadedExperts:
             chosen = torch.isin(ids, group)
             part_ids = torch.where(chosen, ids, group[0])
             out += self._run(ops, x, weights * chosen, part_ids).float()
-        routed = out.to(x.dtype)
-        if shared.get("shared") is None:
-            return routed
-        extra = shared["shared"](x)  # added once, after the groups, as the op adds it
-        logit = shared.get("shared_logit")
-        return routed + extra if logit is None else ops.add_sigmoid_gated(routed, extra, logit)
+        # The shared expert added once, after the groups, as the op adds it.
+        return add_shared_expert(ops, out.to(x.dtype), x, shared.get("shared"), shared.get("shared_logit"))
 
     def _run(self, ops: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **shared: Any) -> torch.Tensor:
         return self.layout.run(ops, self.views, x, weights, self.pools[0].resident_ids(ids), **shared)
@@ -419,11 +416,13 @@ class GraphedSteps:
     steps); a host copy of it queued after each step; and, between steps, the accounting and the promotions."""
 
     def __init__(self, ops: Any, layers: list[OffloadedExperts], profile: RoutingProfile, promotion_bytes: int,
-                 tables: torch.Tensor | None = None, mirror: Residency | None = None):
+                 tables: torch.Tensor | None = None):
         """`tables`: `[layers, experts]`, whose rows are the layers' tables (one write updates them all); None
-        where they are apart (each layer's table written on its own). `mirror`: the layers' residencies as
-        rows of one `Residency` (the accounting settles them all at once), or None."""
-        self.mirror = mirror
+        where they are apart (each layer's table written on its own). The layers' residencies must be the rows
+        of one `Residency`, in order (`attach_spark` makes them so): the accounting settles them all at once."""
+        self.mirror = layers[0].pools[0].mirror
+        if any(layer.pools[0].mirror is not self.mirror or layer.pools[0].row != i for i, layer in enumerate(layers)):
+            raise LuceboxError("Spark's graphed steps need the layers' residencies as the rows of one Residency")
         self.ops, self.layers, self.profile = ops, layers, profile
         self.promotion_bytes = promotion_bytes
         device = torch.device(ops.device)
@@ -500,13 +499,8 @@ class GraphedSteps:
         hit (marked used now) where resident, else a miss whose pairs were read from host memory. The misses as
         (-pairs, layer, expert), most routed first."""
         used = pairs > 0
-        if self.mirror is None:  # layers with their own residencies (not made by `attach_spark`): one by one
-            hits = np.stack([used[i] & (layer.pools[0]._slot >= 0) for i, layer in enumerate(self.layers)])
-            for i, layer in enumerate(self.layers):
-                layer.pools[0]._tick[hits[i]] = layer.pools[0].mirror.now()
-        else:
-            hits = used & (self.mirror.slot >= 0)
-            self.mirror.tick[hits] = self.mirror.now()
+        hits = used & (self.mirror.slot >= 0)
+        self.mirror.tick[hits] = self.mirror.now()
         missed = used & ~hits
         missed_pairs = np.where(missed, pairs, 0)
         for layer, layer_hits, layer_misses, reads in zip(self.layers, hits.sum(axis=1).tolist(),
@@ -695,7 +689,7 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
     graphed = None
     split = len(getattr(model, "part_ops", None) or ()) > 1  # one device's slots: a split model steps eagerly
     if model.decode_graphs and not split and pages_supported(model.ops, layers[0], top_k):
-        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes, tables, mirror)
+        graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes, tables)
         for layer in layers:
             layer.steps = graphed
         model.static_step_scope = graphed.scope

@@ -93,6 +93,16 @@ def host_memory(shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> 
     return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
 
+def add_shared_expert(ops: Any, routed: torch.Tensor, x: torch.Tensor, shared: Any,
+                      shared_logit: torch.Tensor | None) -> torch.Tensor:
+    """A MoE block's routed sum plus its always-on shared expert (`shared(x)`, None: none), behind
+    `sigmoid(shared_logit)` where given: what `moe_experts_swiglu` adds wherever the shared expert runs apart."""
+    if shared is None:
+        return routed
+    out = shared(x)
+    return routed + out if shared_logit is None else ops.add_sigmoid_gated(routed, out, shared_logit)
+
+
 class SideCopier:
     """Copies between device rows and host memory on a side stream of a CUDA (or ROCm) device, synchronous
     elsewhere (KVFlash's paging: `kvflash_host`). A copy-out waits for the work queued so far on the current
@@ -400,11 +410,8 @@ class TorchBackend:
         callable on x) added to the routed sum, behind `sigmoid(shared_logit)` (`[T, 1]`) where given: the sum
         is `add_sigmoid_gated(routed, shared(x), shared_logit)` or `routed + shared(x)`. In the op, so that a
         backend may run the shared expert in the routed experts' launches."""
-        routed = self._routed_swiglu(x, gate_exps, up_exps, down_exps, weights, ids)
-        if shared is None:
-            return routed
-        out = shared(x)
-        return routed + out if shared_logit is None else self.add_sigmoid_gated(routed, out, shared_logit)
+        return add_shared_expert(self, self._routed_swiglu(x, gate_exps, up_exps, down_exps, weights, ids), x, shared,
+                                 shared_logit)
 
     def _routed_swiglu(self, x: torch.Tensor, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
                        weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -253,20 +253,19 @@ def test_the_server_reports_residency_and_saves_the_profile(service, oai, url):
     assert RoutingProfile.load(spark["profile"], len(service.spark.layers), service.spark.profile.experts).counts.sum() > 0
 
 
-@pytest.mark.parametrize("shared_mirror", [True, False])
-def test_graphed_accounting_settles_every_layer_at_once(shared_mirror):
+def test_graphed_accounting_settles_every_layer_at_once():
     """Between graphed steps the routed pairs `[layers, experts]` are settled in array operations: hits where
     resident (marked used), misses with their pairs read from host memory, most routed first; the next
     promotion evicts the least recently used resident, never one the last step used."""
     from lucebox_core.spark import GraphedSteps, OffloadedExperts, Residency, RoutingProfile
 
     layers_n, experts, slots = 3, 16, 6
-    mirror = Residency(layers_n, experts) if shared_mirror else None
+    mirror = Residency(layers_n, experts)
     profile = RoutingProfile(layers_n, experts)
     stack = QuantTensor("s", GGMLQuantizationType.F32, (experts, 2, 2), torch.arange(experts * 16, dtype=torch.uint8))
     layers = [OffloadedExperts(i, [stack, stack, stack], slots, list(range(slots)), profile, device="cpu",
                                mirror=mirror) for i in range(layers_n)]
-    steps = GraphedSteps(TorchBackend("cpu", torch.float32), layers, profile, 10**9, None, mirror)
+    steps = GraphedSteps(TorchBackend("cpu", torch.float32), layers, profile, 10**9)
     pairs = np.zeros((layers_n, experts), dtype=np.int64)
     pairs[0, [1, 3, 9, 12]] = [2, 1, 5, 1]  # 9 and 12 missed (resident: 0..5)
     pairs[2, [0, 15]] = [1, 3]
@@ -278,3 +277,7 @@ def test_graphed_accounting_settles_every_layer_at_once(shared_mirror):
     evicted = [layers[0].promote(expert)[1] for expert in (9, 12)]
     assert evicted == [0, 2] and layers[0].pools[0].resident == [1, 3, 4, 5, 9, 12]
     assert layers[2].promote(15)[1] == 1  # 0 was used, 1..5 not: the lowest of those
+    # Residencies apart (not rows of one, in order) cannot be settled at once: refused when the steps are made.
+    apart = [OffloadedExperts(i, [stack] * 3, slots, list(range(slots)), profile, device="cpu") for i in range(2)]
+    with pytest.raises(LuceboxError, match="rows of one Residency"):
+        GraphedSteps(TorchBackend("cpu", torch.float32), apart, profile, 10**9)

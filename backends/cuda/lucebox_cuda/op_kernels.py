@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lucebox_core.quants import QuantTensor
-from lucebox_core.torch_backend import TorchBackend, concat_rows
+from lucebox_core.torch_backend import TorchBackend, add_shared_expert, concat_rows
 
 from . import catalogue
 
@@ -576,24 +576,15 @@ def moe_experts_swiglu(ops: Any, x: torch.Tensor, gate_exps: QuantTensor, up_exp
         if (triton_moe() is not None and all(_dense_decodable(stack) for stack in stacks)
                 and gate_exps.shape == up_exps.shape):
             try:
-                return _add_shared(ops, _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids),
-                                   x, shared, shared_logit)
+                routed = _moe_grouped_swiglu(ops, x, gate_exps, up_exps, down_exps, weights, ids)
+                return add_shared_expert(ops, routed, x, shared, shared_logit)
             except torch.OutOfMemoryError:
                 # The decoded stacks (1 GiB a Laguna-XS.2 layer) and the per-pair rows did not fit beside the
                 # model: this chunk runs expert by expert, which needs no scratch (slower, same result).
                 _warn_grouped_memory()
         routed = _moe_by_expert(ops, x, gate_exps, down_exps, weights, ids, up_exps=up_exps, activation=ops.silu_mul)
-        return _add_shared(ops, routed, x, shared, shared_logit)
+        return add_shared_expert(ops, routed, x, shared, shared_logit)
     return _swiglu_pairs(ops, x, gate_exps, up_exps, down_exps, weights, ids, shared, shared_logit)
-
-
-def _add_shared(ops: Any, routed: torch.Tensor, x: torch.Tensor, shared: Any, logit: torch.Tensor | None) -> torch.Tensor:
-    """The routed sum plus an always-on shared expert's output (`shared(x)`; behind `sigmoid(logit)` where
-    given), as the core's reference adds them."""
-    if shared is None:
-        return routed
-    out = shared(x)
-    return routed + out if logit is None else ops.add_sigmoid_gated(routed, out, logit)
 
 
 def _foldable(ops: Any, x: torch.Tensor, stacks: tuple[Any, Any, Any], shared: Any) -> bool:
@@ -609,7 +600,7 @@ def _swiglu_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weig
     """The SwiGLU experts' pair path over whole stacks or Spark's paged ones alike (see `_geglu_pairs`). A shared
     expert of the experts' format and shape is folded in: its gate, up and down as one more pair a token in
     the same three launches and its row summed by the combine (Laguna-XS.2: 4 launches and ~13 us a layer
-    fewer on the H200); else it runs apart and is added (`_add_shared`)."""
+    fewer on the H200); else it runs apart and is added (`add_shared_expert`)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     if _foldable(ops, x, (gate, up, down), shared):
@@ -622,7 +613,7 @@ def _swiglu_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weig
         rows = ops.expert_matvec(ops.silu_mul(*products), down, flat, 1, extra=shared.down_proj, extra_pairs=tokens,
                                  extra_x=routed)  # [T * k + T, hidden]: the shared rows last
         return triton_moe().combine_pairs(rows, weights, shared=True, shared_logit=shared_logit)
-    return _add_shared(ops, _routed_pairs(ops, x, gate, up, down, weights, flat, top_k), x, shared, shared_logit)
+    return add_shared_expert(ops, _routed_pairs(ops, x, gate, up, down, weights, flat, top_k), x, shared, shared_logit)
 
 
 def _routed_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weights: torch.Tensor,
