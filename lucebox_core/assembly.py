@@ -48,6 +48,7 @@ class EngineOptions:
     prefix_cache_ram: str | int = "8G"  # --prefix-cache-ram
     spark: bool = False  # --spark: MoE experts behind a bounded pool of device slots (spark.py)
     spark_vram: str | int | None = None  # --spark-vram SIZE|P%: resident experts' bytes (default: half of them)
+    spark_promote: str | int | None = None  # --spark-promote SIZE: promotions' bytes between steps (0: none)
     kvflash: str | int | None = None  # --kvflash N|auto: bounded KV residency (implies --kv-policy kvflash)
     kvflash_policy: str | None = None  # --kvflash-policy lru|qk|drafter (default lru)
     kvflash_tau: int | None = None  # --kvflash-tau N (default 64)
@@ -69,6 +70,7 @@ class EngineOptions:
             "prefix_cache_slots": "prefix_cache_slots", "prefix_cache_min_tokens": "prefix_cache_min_tokens",
             "kv_cache_dir": "kv_cache_dir", "kv_cache_budget": "kv_cache_budget",
             "prefix_cache_ram": "prefix_cache_ram", "spark": "spark", "spark_vram": "spark_vram",
+            "spark_promote": "spark_promote",
             "kvflash": "kvflash", "kvflash_policy": "kvflash_policy", "kvflash_tau": "kvflash_tau",
             "kvflash_scorer": "kvflash_scorer", "prefill_drafter": "prefill_drafter",
         }
@@ -117,9 +119,10 @@ def check_options(options: EngineOptions) -> Choices:
     from .prefix_cache import parse_size
 
     parse_size(options.prefix_cache_ram, "--prefix-cache-ram")
-    from .spark import spark_budget
+    from .spark import spark_budget, spark_promotion_bytes
 
     spark_budget(options.spark_vram)  # a bad size or share is refused before any weight is read
+    spark_promotion_bytes(options.spark_promote)
     if options.kv_cache_dir is not None:
         parse_size(options.kv_cache_budget)
         if os.path.exists(options.kv_cache_dir) and not os.path.isdir(options.kv_cache_dir):
@@ -319,10 +322,11 @@ def build_engine(options: EngineOptions) -> AssembledEngine:
     _announce_device_map(loaded)
     spark = None
     if options.spark:
-        from .spark import attach_spark, spark_budget
+        from .spark import attach_spark, spark_budget, spark_promotion_bytes
 
         budget, share = spark_budget(options.spark_vram)
-        spark = attach_spark(loaded.model, budget, model_path=loaded.path, share=share)
+        spark = attach_spark(loaded.model, budget, model_path=loaded.path, share=share,
+                             promotion_bytes=spark_promotion_bytes(options.spark_promote))
     speculative = build_speculative(options, loaded, choices)
     context = fit_context(loaded, parallel=options.parallel, requested=options.ctx_size,
                           default_model=default_model)

@@ -525,7 +525,10 @@ class GraphedSteps:
             cleared: list[tuple[int, int]] = []
             placed: dict[tuple[int, int], int] = {}
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            smallest = min(layer.expert_bytes for layer in self.layers)
             for _, index, expert in self._account(wait=False):
+                if budget < smallest:  # (--spark-promote 0: accounted, nothing promoted)
+                    break
                 layer = self.layers[index]
                 if layer.expert_bytes <= budget:
                     budget -= layer.expert_bytes
@@ -576,6 +579,7 @@ class Spark:
     budget: int
     expert_bytes: int  # of every layer's stacks, all experts
     graphed: GraphedSteps | None = None  # where the static steps run graphed over paged experts
+    promotion_bytes: int = PROMOTION_BYTES  # promoted between two graphed steps at most (--spark-promote)
 
     def describe(self) -> dict[str, Any]:
         per_layer = [layer.describe() for layer in self.layers]
@@ -586,7 +590,7 @@ class Spark:
         return {"enabled": True, "budget_bytes": self.budget, "expert_bytes": self.expert_bytes,
                 "residency": round(resident, 4), **total,
                 "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-                "graphed": self.graphed is not None,
+                "graphed": self.graphed is not None, "promotion_bytes": self.promotion_bytes,
                 "profile": str(self.profile_path) if self.profile_path else None}
 
     def save_profile(self) -> None:
@@ -654,6 +658,18 @@ def spark_budget(text: str | int | None) -> tuple[int | None, float]:
     return parse_size(text, "--spark-vram"), 0.5
 
 
+def spark_promotion_bytes(text: str | int | None) -> int:
+    """`--spark-promote`: bytes for a size (`24M`, `100000`), 0 for `0` (no promotions), `PROMOTION_BYTES`
+    when not given."""
+    from .prefix_cache import parse_size
+
+    if text is None:
+        return PROMOTION_BYTES
+    if str(text).strip() in ("0", "0B", "0M", "0K", "0G"):
+        return 0
+    return parse_size(text, "--spark-promote")
+
+
 def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.PathLike | None = None,
                  share: float = 0.5, promotion_bytes: int = PROMOTION_BYTES) -> Spark:
     """Put every MoE block of `model` behind slot pools: resident experts chosen by the profile beside
@@ -697,5 +713,5 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
         # The eager lookup runs on the host (which experts a token needs decides what to copy), so the decode
         # step and the verify pass cannot be replayed as graphs over it: they run eagerly, exact all the same.
         model.decode_graphs = False
-    return Spark(layers, profile, path, budget, total, graphed)
+    return Spark(layers, profile, path, budget, total, graphed, promotion_bytes)
 

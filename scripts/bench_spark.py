@@ -263,7 +263,8 @@ def phase_main(args: argparse.Namespace) -> int:
     budget = int(layout["expert_bytes"] * args.residency)
     context = max(DECODE_WARMUP_STEPS + args.n_gen, CALIBRATE_PROMPT + CALIBRATE_CHUNK) + 16
     options = EngineOptions(model=args.model, ctx_size=context, backend=args.backend, device=args.device,
-                            spark=spark, spark_vram=str(budget) if spark else None)
+                            spark=spark, spark_vram=str(budget) if spark else None,
+                            spark_promote=args.promote if spark else None)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -274,7 +275,9 @@ def phase_main(args: argparse.Namespace) -> int:
     row: dict[str, Any] = {"phase": args.phase, "engine": "lucebox", "backend": loaded.backend_name,
                            "device": str(device), "load_s": round(load_s, 2)}
     if spark:
-        row["label"] = f"lucebox --spark {args.residency:g} of the experts"
+        row["label"] = f"lucebox --spark {args.residency:g} of the experts" + (
+            f", --spark-promote {args.promote}" if args.promote is not None else "")
+        row["promotion_bytes"] = assembled.spark.promotion_bytes
         row["budget_bytes"] = budget
         row["resident_expert_bytes"] = sum(pool.stack.nbytes for layer in assembled.spark.layers
                                            for pool in layer.pools)
@@ -298,7 +301,7 @@ def run_phase(args: argparse.Namespace, phase: str, folder: Path) -> dict[str, A
     command = [sys.executable, __file__, "phase", phase, "-m", args.model, "--residency", str(args.residency),
                "-n", str(args.n_gen), "-r", str(args.reps), "--calibrate", str(args.calibrate),
                "--calibrate-seconds", str(args.calibrate_seconds), "--result", str(result)]
-    for flag, value in (("--device", args.device), ("--backend", args.backend)):
+    for flag, value in (("--device", args.device), ("--backend", args.backend), ("--promote", args.promote)):
         if value:
             command += [flag, value]
     print(f"--- {phase}: {' '.join(command[2:])}", flush=True)
@@ -502,6 +505,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="stop calibrating after this long, tokens or not (default 120)")
         q.add_argument("--device", help="torch device, e.g. cuda:0 or cpu")
         q.add_argument("--backend", help="kernel backend (default: the best available)")
+        q.add_argument("--promote", metavar="SIZE", help="Spark's --spark-promote: expert bytes promoted between "
+                       "two decode steps at most (default: the engine's, 24M; 0: none)")
 
     q = commands.add_parser("lucebox", help="the full, calibrate and spark rows, each a fresh process")
     common(q)

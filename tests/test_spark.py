@@ -215,6 +215,20 @@ def test_spark_needs_moe_layers_and_a_budget_that_holds_top_k(tiny_target_and_dr
             build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_vram=bad))
 
 
+def test_spark_promote_takes_bytes_or_zero(moe_file):
+    """`--spark-promote`: a size, 0 for none, the default when not given; anything else refused by name."""
+    from lucebox_core.assembly import EngineOptions, build_engine
+    from lucebox_core.spark import PROMOTION_BYTES, spark_promotion_bytes
+
+    assert spark_promotion_bytes(None) == PROMOTION_BYTES and spark_promotion_bytes("8M") == 8 << 20
+    assert spark_promotion_bytes("0") == 0 and spark_promotion_bytes(0) == 0
+    for bad in ("lots", "-4M"):
+        with pytest.raises(LuceboxError, match="--spark-promote"):
+            build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_promote=bad))
+    spark = build_engine(EngineOptions(model=str(moe_file), ctx_size=64, spark=True, spark_promote="0")).spark
+    assert spark.describe()["promotion_bytes"] == 0
+
+
 def test_spark_vram_takes_bytes_or_a_share_of_the_experts(moe_file):
     """`--spark-vram 25%` holds a quarter of the experts' bytes, `75%` three quarters; a size is bytes."""
     from lucebox_core.assembly import EngineOptions, build_engine

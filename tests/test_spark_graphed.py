@@ -101,17 +101,19 @@ def _load(arch, path, backend):
     return load_moe(path, backend)
 
 
-def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file, monkeypatch):
+@pytest.mark.parametrize("promoted", [2, 0])
+def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file, monkeypatch, promoted):
     """Half the experts resident; the decode steps recorded once and replayed (emulated): every step's logits
     equal the all-resident model's bit for bit, no host lookup runs inside a step, experts are promoted
-    between steps (the tables change), at most `promotion_bytes` a step, and the traffic is counted."""
+    between steps (the tables change), at most `promotion_bytes` a step, and the traffic is counted. With
+    `--spark-promote 0` the same logits, the placement never changes and every miss is read from the host."""
     arch, path = moe_file
     backend = GraphStandIn(kernel_table_for={})
     plain, offloaded = _load(arch, path, backend), _load(arch, path, backend)
     block = moe_blocks(offloaded)[0][1]
     stacks = [getattr(block, name) for name in block.expert_layout.stacks]
     one_expert = sum(stack.nbytes for stack in stacks) // stacks[0].shape[0]
-    spark = attach_spark(offloaded, share=0.5, promotion_bytes=2 * one_expert)  # two promotions a step at most
+    spark = attach_spark(offloaded, share=0.5, promotion_bytes=promoted * one_expert)  # promotions a step at most
     assert spark.graphed is not None and offloaded.decode_graphs and spark.describe()["graphed"]
     prompt = torch.randint(10, 5000, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     states = [model.new_state(128) for model in (plain, offloaded)]
@@ -135,9 +137,10 @@ def test_graphed_steps_over_paged_experts_equal_the_all_resident_model(moe_file,
     assert not lookups  # the steps decided nothing on the host
     recorded = states[1].decode
     assert len(recorded) == 1 and recorded.recordings()[0].replays == len(fed) + 10 and recorded.failure is None
-    assert max(promotions) <= 2 and sum(promotions) > 0
+    assert max(promotions) <= promoted and (sum(promotions) > 0) == (promoted > 0)
     spark.graphed.land()  # the last promotions' table entries (their copies ran beside the last step)
-    assert any(not torch.equal(table, layer.pools[0].slot_of) for table, layer in zip(tables, spark.layers))
+    changed = any(not torch.equal(table, layer.pools[0].slot_of) for table, layer in zip(tables, spark.layers))
+    assert changed == (promoted > 0) and spark.describe()["promotion_bytes"] == promoted * one_expert
     for layer in spark.layers:  # the stacks' tables stay one
         assert all(torch.equal(layer.pools[0].slot_of, pool.slot_of) for pool in layer.pools)
         assert sorted(torch.nonzero(layer.pools[0].slot_of >= 0).reshape(-1).tolist()) == layer.pools[0].resident
