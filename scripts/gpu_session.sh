@@ -705,6 +705,29 @@ s17_final() {  # ~7.5 min: session 17's changes on Qwen3.5-35B-A3B (qwen35moe, s
   return 0
 }
 
+s19_spark() {  # ~8 min: Spark's promotions against none (--spark-promote) on the skewed 35B-A3B, after the paged
+  #             steps' GPU tests; llama.cpp's offload row beside.                carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_spark_graphed.py tests/test_laguna_cuda.py -k "gpu or decodes"
+  local m; m=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  step synth-35b 60 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $m"
+  local run="python3 scripts/bench_spark.py lucebox -m $m --residency $SPARK_RESIDENCY --phase-timeout 90"
+  step spark-35b 150 $run --calibrate 2048 --calibrate-seconds 30 --json "$RES/spark_qwen35moe_skewed.json"
+  for size in ${PROMOTE_SIZES:-0 8M}; do
+    step "spark-promote-$size" 50 $run --phases spark --promote "$size" --json "$RES/spark_qwen35moe_promote$size.json"
+  done
+  if llama_wait; then
+    step llama-35b 80 python3 scripts/bench_spark.py llama -m "$m" --residency "$SPARK_RESIDENCY" \
+      --llama-bench "$LB" --timeout 70 --json "$RES/llama_qwen35moe_skewed.json"
+  fi
+  python3 scripts/bench_spark.py report "$RES"/spark_qwen35moe_*.json "$RES"/llama_qwen35moe_*.json \
+    --md "$OUT/spark_bench_qwen35moe.md"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 session() {
   echo "gpu_session $MODE, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
@@ -746,6 +769,7 @@ session() {
     spark-profile) spark_profile ;;
     s17-final) s17_final ;;
     fused-prefill) fused_prefill ;;
+    s19-spark) s19_spark ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
