@@ -69,8 +69,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, ctx_help: str = CTX_HELP)
                         "experts' bytes (60%%) (default: 50%%)")
     p.add_argument("--spark-promote", metavar="SIZE",
                    help="with --spark: expert bytes brought into the device slots between two decode steps at "
-                        "most, the most routed misses first (default 24M; 0: the placement stays as the profile "
-                        "made it, misses are read from host memory)")
+                        "most, the most routed misses first, each only where it is routed more than the least "
+                        "routed resident it evicts (default 24M; 0: the placement stays as the profile and the "
+                        "prefills left it, misses are read from host memory)")
     p.add_argument("--kvflash", metavar="N|auto",
                    help="KVFlash (implies --kv-policy kvflash): attention K/V in a pool of N tokens per layer (auto: "
                         "4096, or the context if smaller), 64-token chunks paged to host memory and back; the first "

@@ -9,7 +9,8 @@ Three parts, each independent of any family and device:
   from a profile; uniform when there is none), at least `min_per_layer` in every layer.
 - `ExpertSlots`: one layer's expert stack as a fixed pool of device slots (raw bytes of the GGUF blocks,
   one row an expert) filled from a host copy of every expert, with a device lookup table expert -> slot
-  (-1: not resident), least recently used out first.
+  (-1: not resident); the least routed resident out first (its count in the profile; ties: the least
+  recently used), least recently used where it has no counts.
 
 Spark knows no family's experts: a MoE block declares them as an `ExpertLayout` (its `expert_layout`): the
 attributes holding its expert stacks, the op that runs the experts over them and that op's paged variant
@@ -33,8 +34,11 @@ Two ways to run a layer's routed experts, both exact:
   step the model runs) Spark reads those counts back (a copy queued after each step into one of two host
   buffers in turn; before a step it reads the newest copy that has landed, never waiting for the step the
   engine has just fed ahead, so the accounting lags a step rather than idling the GPU), counts them into the
-  profile, and promotes the most routed misses into slots (LRU out), at most
-  `promotion_bytes` a step: the host-to-device copies and the table updates are queued on the compute stream
+  profile, and promotes the most routed misses into slots, at most `promotion_bytes` a step; a miss is
+  promoted only where its count outranks the least routed resident's by `RANK_MARGIN` (which it evicts), so a
+  placement that matches the traffic stays put (an LRU swapped experts in and out on every step: 23 MiB a
+  token of copies, slower than reading the misses from host memory), and one a prefill or a shift in the
+  traffic has upset is brought back: the host-to-device copies and the table updates are queued on the compute stream
   between two replays, so the previous replay has read an evicted slot before it is overwritten and the next
   sees the new table.
 - Eager (prefill, and every step where the backend has no paged kernel or records no graphs, or a split
@@ -67,6 +71,9 @@ PROFILE_SUFFIX = ".spark.csv"
 # Expert bytes promoted into slots between two graphed steps at most (all layers together): ~1 ms of copy over
 # PCIe 4, so a promotion never holds a decode step up by much.
 PROMOTION_BYTES = 24 * 2**20
+# A missed expert is promoted where its routing count exceeds the least routed resident's by this factor: the
+# margin keeps two experts of near-equal counts from trading places step after step.
+RANK_MARGIN = 1.25
 
 
 class RoutingProfile:
@@ -186,7 +193,7 @@ class ExpertPages:
 
 class Residency:
     """Host arrays `[layers, experts]` of which slot holds each expert (-1: none) and when each was last used,
-    one row a layer (`ExpertSlots`' LRU), and the clock of those uses."""
+    one row a layer (`ExpertSlots`' tie-break, and its order where it has no counts), and the clock of those uses."""
 
     def __init__(self, layers: int, experts: int):
         self.slot = np.full((layers, experts), -1, dtype=np.int64)
@@ -204,16 +211,18 @@ class ExpertSlots:
     stacks of the layer (its up and down beside its gate) kept in the same slots: one residency for all, an
     expert is resident in every stack or in none, so a promotion is one decision and its copies.
 
-    The LRU order is a use tick per expert (host arrays, not an ordered dict): the graphed steps' accounting
-    marks every routed expert of a layer in one array operation (`touch_all`), and the victim is the resident
-    expert of the oldest tick (ties: the lowest id, the order a one-by-one touch in ascending ids gives)."""
+    The victim of a reservation is the resident expert of the lowest routing count (`counts`: the layer's row of
+    the profile, a live view), then of the oldest use tick, then the lowest id; without counts the order is
+    least recently used. Ticks are host arrays (not an ordered dict): the graphed steps' accounting marks every
+    routed expert of all layers in one array operation."""
 
     def __init__(self, host: torch.Tensor, slots: int, device: str | torch.device, initial: Sequence[int] = (),
                  table: torch.Tensor | None = None, *, more_hosts: Sequence[torch.Tensor] = (),
-                 mirror: Residency | None = None, row: int = 0):
+                 mirror: Residency | None = None, row: int = 0, counts: np.ndarray | None = None):
         """`table`: the device table `[experts]` to keep (a view of Spark's one table of all layers); default a
         new one. `mirror`, `row`: the host arrays of all layers' residencies this layer's is row `row` of (so
-        the accounting of a graphed step settles every layer at once); default its own."""
+        the accounting of a graphed step settles every layer at once); default its own. `counts`: `[experts]`,
+        the layer's routing counts, read at each eviction (a view of the profile's, updated in place)."""
         experts = host.shape[0]
         hosts = [host, *more_hosts]
         for stack in hosts:
@@ -230,6 +239,7 @@ class ExpertSlots:
         self.row = row
         self._slot = self.mirror.slot[row]  # the table's host mirror: expert -> slot, or -1
         self._tick = self.mirror.tick[row]  # when each expert was last used
+        self.counts = counts
         self._free = list(range(slots))[::-1]
         self.expert_bytes = sum(h.shape[1] for h in hosts)
         self.stats = SlotStats()
@@ -250,16 +260,38 @@ class ExpertSlots:
             return True
         return False
 
-    def reserve(self, expert: int) -> tuple[int, int | None]:
-        """A slot for `expert` (free, or the least recently used one's), on the host only: (slot, the expert
+    def victim(self, keep: np.ndarray | None = None) -> int | None:
+        """The resident expert the next reservation evicts (see the class), `keep` (`[experts]` bool) aside;
+        None where no candidate is left."""
+        candidates = self._slot >= 0
+        if keep is not None:
+            candidates &= ~keep
+        if not candidates.any():
+            return None
+        if self.counts is not None:
+            counts = np.where(candidates, self.counts, np.iinfo(np.int64).max)
+            candidates &= counts == counts.min()
+        return int(np.argmin(np.where(candidates, self._tick, np.iinfo(np.int64).max)))
+
+    def outranks(self, expert: int) -> bool:
+        """Whether promoting `expert` is worth its copy: a slot is free, there are no counts (LRU), or its count
+        exceeds the victim's by `RANK_MARGIN`."""
+        if self._free or self.counts is None:
+            return True
+        victim = self.victim()
+        return victim is None or bool(self.counts[expert] > RANK_MARGIN * self.counts[victim])
+
+    def reserve(self, expert: int, keep: np.ndarray | None = None) -> tuple[int, int | None]:
+        """A slot for `expert` (free, or the `victim`'s, `keep` aside), on the host only: (slot, the expert
         evicted from it or None). The caller copies the bytes and updates the table (`_bring`, or Spark's
         promotions on the copy stream)."""
         evicted = None
         if self._free:
             slot = self._free.pop()
         else:
-            resident = self._slot >= 0
-            evicted = int(np.argmin(np.where(resident, self._tick, np.iinfo(np.int64).max)))
+            evicted = self.victim(keep)
+            if evicted is None:
+                raise LuceboxError(f"no slot for expert {expert}: every resident expert is kept")
             slot = int(self._slot[evicted])
             self._slot[evicted] = -1
         self._slot[expert] = slot
@@ -271,10 +303,10 @@ class ExpertSlots:
         """The copies `(slot row, host row)` that put `expert` into `slot` of every stack."""
         return [(stack[slot], host[expert]) for stack, host in zip(self.stacks, self.hosts)]
 
-    def _bring(self, expert: int) -> None:
-        """`expert` into a free slot or the least recently used one's: the copy and the table updates queued
-        on the current stream (after the work that read the slot, before the work that reads the table)."""
-        slot, evicted = self.reserve(expert)
+    def _bring(self, expert: int, keep: np.ndarray | None = None) -> None:
+        """`expert` into a free slot or the `victim`'s: the copy and the table updates queued on the current
+        stream (after the work that read the slot, before the work that reads the table)."""
+        slot, evicted = self.reserve(expert, keep)
         if evicted is not None:
             self.slot_of[evicted] = -1
         for target, source in self.fills(expert, slot):
@@ -287,13 +319,15 @@ class ExpertSlots:
         needed = torch.unique(ids).tolist()
         if len(needed) > self.stack.shape[0]:
             raise LuceboxError(f"a batch routes to {len(needed)} experts but the pool has {self.stack.shape[0]} slots")
-        for expert in needed:  # hits first, so a miss never evicts an expert this batch needs
+        for expert in needed:
             if self.touch(expert):
                 self.stats.hits += 1
+        keep = np.zeros(self._slot.shape[0], dtype=bool)
+        keep[needed] = True  # a miss never evicts an expert this batch needs
         for expert in needed:
             if not self.is_resident(expert):
                 self.stats.misses += 1
-                self._bring(expert)
+                self._bring(expert, keep)
         return self.slot_of[ids.to(self.device)]
 
 
@@ -357,8 +391,9 @@ class OffloadedExperts:
         # One residency for the layer's stacks (`ExpertSlots` with more hosts): one table, which lets a paged op
         # read two stacks in one launch (`expert_matvec_pair` pairs stacks of one table: gate and up), and one
         # decision per promotion. `pools` stays a list (of one) for the callers that walk it.
+        counts = profile.counts[layer].numpy() if profile is not None else None  # a view: the live counts
         pool = ExpertSlots(hosts[0], slots, device, initial=resident, table=table, more_hosts=hosts[1:],
-                           mirror=mirror, row=layer if mirror is not None else 0)
+                           mirror=mirror, row=layer if mirror is not None else 0, counts=counts)
         self.pools = [pool]
         self.views = [attrs.evolve(stack, name=f"{stack.name}.slots", shape=(slots, *stack.shape[1:]),
                                    data=rows.reshape(-1), volatile=True) for stack, rows in zip(stacks, pool.stacks)]
@@ -513,8 +548,8 @@ class GraphedSteps:
         return sorted(zip((-pairs[index, expert]).tolist(), index.tolist(), expert.tolist()))
 
     def between_steps(self) -> None:
-        """Land the last promotions, `account`, then promote the most routed misses, most pairs first, within
-        `promotion_bytes`. A promotion's evicted expert leaves the table now (queued on the current stream,
+        """Land the last promotions, `account`, then promote the most routed misses that outrank their layer's
+        least routed resident (`ExpertSlots.outranks`), most pairs first, within `promotion_bytes`. A promotion's evicted expert leaves the table now (queued on the current stream,
         after the step that may read its slot: the next step reads it from host memory); the slot is filled
         on the copy stream while that next step runs, and the new entry lands before the step after it
         (`land`). So the copies no longer hold the compute stream up (0.5 ms of a 5 ms 35B-A3B step when
@@ -530,7 +565,7 @@ class GraphedSteps:
                 if budget < smallest:  # (--spark-promote 0: accounted, nothing promoted)
                     break
                 layer = self.layers[index]
-                if layer.expert_bytes <= budget:
+                if layer.expert_bytes <= budget and layer.pools[0].outranks(expert):
                     budget -= layer.expert_bytes
                     slot, evicted, fills = layer.promote(expert)
                     if evicted is not None and placed.pop((index, evicted), None) is None:

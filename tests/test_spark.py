@@ -93,6 +93,24 @@ def test_least_recently_used_experts_leave_first():
         pool.resident_ids(torch.tensor([1, 2, 3, 4]))
 
 
+def test_the_least_routed_resident_leaves_first_and_a_miss_must_outrank_it():
+    """With routing counts (the profile's row, read live): the victim is the resident of the lowest count (ties:
+    least recently used); a miss is worth promoting only past `RANK_MARGIN` times the victim's count; an eager
+    batch never evicts an expert it needs, however rarely routed."""
+    from lucebox_core.spark import RANK_MARGIN
+
+    counts = np.array([10, 3, 7, 3, 3, 20], dtype=np.int64)
+    pool = ExpertSlots(torch.arange(6 * 4, dtype=torch.uint8).reshape(6, 4), slots=3, device="cpu",
+                       initial=[0, 1, 2], counts=counts)
+    assert pool.victim() == 1 and pool.outranks(5) and not pool.outranks(4)
+    assert counts[4] <= RANK_MARGIN * counts[1] < counts[5]
+    counts[1] = 8  # the live counts move: now 2 (7) is the least routed resident
+    assert pool.victim() == 2 and pool.outranks(4) is False
+    pool.resident_ids(torch.tensor([2, 3]))  # 2 is needed: 3 evicts the next least routed, 1 (8), not 2 (7)
+    assert pool.resident == [0, 2, 3] and int(pool.slot_of[1]) == -1
+    assert torch.equal(pool.stack[int(pool.slot_of[3])], torch.arange(12, 16, dtype=torch.uint8))
+
+
 # -- wired into the families ------------------------------------------------------------------------------
 
 
