@@ -705,25 +705,31 @@ s17_final() {  # ~7.5 min: session 17's changes on Qwen3.5-35B-A3B (qwen35moe, s
   return 0
 }
 
-s19_spark() {  # ~8 min: Spark's promotions against none (--spark-promote) on the skewed 35B-A3B, after the paged
-  #             steps' GPU tests; llama.cpp's offload row beside.                carry: .whl .llamacpp
+s19_spark() {  # ~8 min: Spark's promotions (default, and --spark-promote PROMOTE_SIZES) on the skewed files of
+  #             ARCHS (qwen35moe:35b-a3b laguna:xs2), the paged steps' GPU tests (TESTS=1) first, llama.cpp's rows
+  #             beside.                                                           carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
-  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
-    tests/test_spark_graphed.py tests/test_laguna_cuda.py -k "gpu or decodes"
-  local m; m=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
-  step synth-35b 60 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b \
-    --type q4_k_m --router-skew $SPARK_SKEW -o $m"
-  local run="python3 scripts/bench_spark.py lucebox -m $m --residency $SPARK_RESIDENCY --phase-timeout 90"
-  step spark-35b 150 $run --calibrate 2048 --calibrate-seconds 30 --json "$RES/spark_qwen35moe_skewed.json"
-  for size in ${PROMOTE_SIZES:-0 8M}; do
-    step "spark-promote-$size" 50 $run --phases spark --promote "$size" --json "$RES/spark_qwen35moe_promote$size.json"
+  [ -n "${TESTS:-}" ] && step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+    --durations=5 tests/test_spark_graphed.py -k gpu
+  local pair arch size m run
+  for pair in ${ARCHS:-qwen35moe:35b-a3b}; do
+    arch=${pair%%:*} size=${pair#*:} m=$(sparkmodel "${pair%%:*}" "${pair#*:}" "$SPARK_SKEW")
+    step "synth-$arch" 60 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size $size \
+      --type q4_k_m --router-skew $SPARK_SKEW -o $m"
+    run="python3 scripts/bench_spark.py lucebox -m $m --residency $SPARK_RESIDENCY --phase-timeout 90"
+    step "spark-$arch" 150 $run --calibrate 2048 --calibrate-seconds 30 --json "$RES/spark_${arch}_skewed.json"
+    for promote in ${PROMOTE_SIZES:-0}; do
+      step "spark-$arch-promote-$promote" 50 $run --phases spark --promote "$promote" \
+        --json "$RES/spark_${arch}_promote$promote.json"
+    done
   done
-  if llama_wait; then
-    step llama-35b 80 python3 scripts/bench_spark.py llama -m "$m" --residency "$SPARK_RESIDENCY" \
-      --llama-bench "$LB" --timeout 70 --json "$RES/llama_qwen35moe_skewed.json"
-  fi
-  python3 scripts/bench_spark.py report "$RES"/spark_qwen35moe_*.json "$RES"/llama_qwen35moe_*.json \
-    --md "$OUT/spark_bench_qwen35moe.md"
+  for pair in ${ARCHS:-qwen35moe:35b-a3b}; do
+    arch=${pair%%:*} m=$(sparkmodel "${pair%%:*}" "${pair#*:}" "$SPARK_SKEW")
+    llama_wait && step "llama-$arch" 80 python3 scripts/bench_spark.py llama -m "$m" --residency "$SPARK_RESIDENCY" \
+      --llama-bench "$LB" --timeout 70 --json "$RES/llama_${arch}_skewed.json"
+    python3 scripts/bench_spark.py report "$RES"/spark_"$arch"_*.json "$RES"/llama_"$arch"_*.json \
+      --md "$OUT/spark_bench_$arch.md"
+  done
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
