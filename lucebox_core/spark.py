@@ -463,6 +463,7 @@ class GraphedSteps:
         device = torch.device(ops.device)
         experts = layers[0].pools[0].host.shape[0]
         self.experts = experts
+        self.slots_per_layer = np.array([[layer.slots] for layer in layers])
         self.tables = tables
         self.copier = SideCopier(device)  # promotions' copies, beside the steps (see `between_steps`)
         self._pending: tuple[dict[tuple[int, int], int], Any] | None = None  # placed (layer, expert) -> slot, marker
@@ -508,7 +509,7 @@ class GraphedSteps:
         with self._lock:
             return self._account(wait)
 
-    def _account(self, wait: bool) -> list[tuple[int, int, int]]:
+    def _account(self, wait: bool, ranked: bool = False) -> list[tuple[int, int, int]]:
         landed = None
         for copy in sorted((c for c in self._copies if c is not None), key=lambda c: -c[0]):  # newest first
             step, event = copy
@@ -527,12 +528,13 @@ class GraphedSteps:
         routed = host - self.counted
         self.counted.copy_(host)
         self.profile.add(routed)
-        return self._settle(routed.numpy())
+        return self._settle(routed.numpy(), ranked)
 
-    def _settle(self, pairs: np.ndarray) -> list[tuple[int, int, int]]:
+    def _settle(self, pairs: np.ndarray, ranked: bool = False) -> list[tuple[int, int, int]]:
         """Account the pairs `[layers, experts]` the steps routed, every layer at once: an expert routed to is a
         hit (marked used now) where resident, else a miss whose pairs were read from host memory. The misses as
-        (-pairs, layer, expert), most routed first."""
+        (-pairs, layer, expert), most routed first; with `ranked`, only those whose count outranks their layer's
+        least routed resident (the promotions' candidates: in a steady state none, and no Python loop)."""
         used = pairs > 0
         hits = used & (self.mirror.slot >= 0)
         self.mirror.tick[hits] = self.mirror.now()
@@ -544,6 +546,11 @@ class GraphedSteps:
             stats.hits += layer_hits
             stats.misses += layer_misses
             stats.zero_copy_reads += reads
+        if ranked:
+            counts = self.profile.counts.numpy()
+            weakest = np.where(self.mirror.slot >= 0, counts, np.iinfo(np.int64).max).min(axis=1, keepdims=True)
+            full = (self.mirror.slot >= 0).sum(axis=1, keepdims=True) == self.slots_per_layer
+            missed &= ~full | (counts > RANK_MARGIN * weakest)
         index, expert = np.nonzero(missed)
         return sorted(zip((-pairs[index, expert]).tolist(), index.tolist(), expert.tolist()))
 
@@ -561,7 +568,7 @@ class GraphedSteps:
             placed: dict[tuple[int, int], int] = {}
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             smallest = min(layer.expert_bytes for layer in self.layers)
-            for _, index, expert in self._account(wait=False):
+            for _, index, expert in self._account(wait=False, ranked=True):
                 if budget < smallest:  # (--spark-promote 0: accounted, nothing promoted)
                     break
                 layer = self.layers[index]

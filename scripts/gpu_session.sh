@@ -707,7 +707,7 @@ s17_final() {  # ~7.5 min: session 17's changes on Qwen3.5-35B-A3B (qwen35moe, s
 
 s19_spark() {  # ~8 min: Spark's promotions (default, and --spark-promote PROMOTE_SIZES) on the skewed files of
   #             ARCHS (qwen35moe:35b-a3b laguna:xs2), the paged steps' GPU tests (TESTS=1) first, llama.cpp's rows
-  #             beside.                                                           carry: .whl .llamacpp
+  #             beside (built meanwhile: SKIP=llama for host-paced rows without it). PHASES: bench_spark's.                                                           carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
   [ -n "${TESTS:-}" ] && step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
     --durations=5 tests/test_spark_graphed.py -k gpu
@@ -717,7 +717,8 @@ s19_spark() {  # ~8 min: Spark's promotions (default, and --spark-promote PROMOT
     step "synth-$arch" 60 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size $size \
       --type q4_k_m --router-skew $SPARK_SKEW -o $m"
     run="python3 scripts/bench_spark.py lucebox -m $m --residency $SPARK_RESIDENCY --phase-timeout 90"
-    step "spark-$arch" 150 $run --calibrate 2048 --calibrate-seconds 30 --json "$RES/spark_${arch}_skewed.json"
+    step "spark-$arch" 150 $run --phases "${PHASES:-full,calibrate,spark}" --calibrate 2048 --calibrate-seconds 30 \
+      --json "$RES/spark_${arch}_skewed.json"
     for promote in ${PROMOTE_SIZES:-0}; do
       step "spark-$arch-promote-$promote" 50 $run --phases spark --promote "$promote" \
         --json "$RES/spark_${arch}_promote$promote.json"

@@ -309,6 +309,14 @@ def test_graphed_accounting_settles_every_layer_at_once():
     evicted = [layers[0].promote(expert)[1] for expert in (9, 12)]
     assert evicted == [0, 2] and layers[0].pools[0].resident == [1, 3, 4, 5, 9, 12]
     assert layers[2].promote(15)[1] == 1  # 0 was used, 1..5 not: the lowest of those
+    # The promotions' candidates (`ranked`): a miss only where its count outranks its layer's least routed
+    # resident by RANK_MARGIN. Layer 0 holds 1, 3, 4, 5, 9, 12; the least routed of them is 1 (count 10).
+    profile.counts[0] = torch.arange(experts) * 10
+    profile.counts[0, 6] = 12  # not past 1.25 x 10
+    pairs = np.zeros((layers_n, experts), dtype=np.int64)
+    pairs[0, [6, 7, 9]] = [4, 1, 2]
+    assert steps._settle(pairs, ranked=True) == [(-1, 0, 7)]
+    assert layers[0].pools[0].outranks(7) and not layers[0].pools[0].outranks(6)
     # Residencies apart (not rows of one, in order) cannot be settled at once: refused when the steps are made.
     apart = [OffloadedExperts(i, [stack] * 3, slots, list(range(slots)), profile, device="cpu") for i in range(2)]
     with pytest.raises(LuceboxError, match="rows of one Residency"):
