@@ -34,13 +34,13 @@ Two ways to run a layer's routed experts, both exact:
   step the model runs) Spark reads those counts back (a copy queued after each step into one of two host
   buffers in turn; before a step it reads the newest copy that has landed, never waiting for the step the
   engine has just fed ahead, so the accounting lags a step rather than idling the GPU), counts them into the
-  profile, and promotes the most routed misses into slots, at most `promotion_bytes` a step; a miss is
+  profile, and promotes the most routed misses into slots, at most `promotion_bytes` a step. A miss is
   promoted only where its count outranks the least routed resident's by `RANK_MARGIN` (which it evicts), so a
   placement that matches the traffic stays put (an LRU swapped experts in and out on every step: 23 MiB a
   token of copies, slower than reading the misses from host memory), and one a prefill or a shift in the
-  traffic has upset is brought back: the host-to-device copies and the table updates are queued on the compute stream
-  between two replays, so the previous replay has read an evicted slot before it is overwritten and the next
-  sees the new table.
+  traffic has upset is brought back. An evicted expert leaves the table after the step that may read its
+  slot; the slot is filled on a copy stream beside the next step, and its table entry lands before the step
+  after that (`GraphedSteps.between_steps`).
 - Eager (prefill, and every step where the backend has no paged kernel or records no graphs, or a split
   model): `resident_ids` brings the experts a batch routes to into slots on the host and maps the ids to
   slots, so the plain op runs over the slot stack; a batch that routes to more experts than the pool holds
@@ -556,8 +556,9 @@ class GraphedSteps:
 
     def between_steps(self) -> None:
         """Land the last promotions, `account`, then promote the most routed misses that outrank their layer's
-        least routed resident (`ExpertSlots.outranks`), most pairs first, within `promotion_bytes`. A promotion's evicted expert leaves the table now (queued on the current stream,
-        after the step that may read its slot: the next step reads it from host memory); the slot is filled
+        least routed resident (`ExpertSlots.outranks`), most pairs first, within `promotion_bytes`. A
+        promotion's evicted expert leaves the table now (queued on the current stream, after the step that may
+        read its slot: the next step reads it from host memory); the slot is filled
         on the copy stream while that next step runs, and the new entry lands before the step after it
         (`land`). So the copies no longer hold the compute stream up (0.5 ms of a 5 ms 35B-A3B step when
         they were queued on it), and a promoted expert is read from its slot one step later."""
