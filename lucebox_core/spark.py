@@ -464,6 +464,7 @@ class GraphedSteps:
         experts = layers[0].pools[0].host.shape[0]
         self.experts = experts
         self.slots_per_layer = np.array([[layer.slots] for layer in layers])
+        self.smallest_expert = min(layer.expert_bytes for layer in layers)  # a budget below it promotes nothing
         self.tables = tables
         self.copier = SideCopier(device)  # promotions' copies, beside the steps (see `between_steps`)
         self._pending: tuple[dict[tuple[int, int], int], Any] | None = None  # placed (layer, expert) -> slot, marker
@@ -568,11 +569,11 @@ class GraphedSteps:
             cleared: list[tuple[int, int]] = []
             placed: dict[tuple[int, int], int] = {}
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            smallest = min(layer.expert_bytes for layer in self.layers)
             for _, index, expert in self._account(wait=False, ranked=True):
-                if budget < smallest:  # (--spark-promote 0: accounted, nothing promoted)
+                if budget < self.smallest_expert:  # (--spark-promote 0: accounted, nothing promoted)
                     break
                 layer = self.layers[index]
+                # Ranked again: each promotion in a layer evicts its victim, so the next one faces another.
                 if layer.expert_bytes <= budget and layer.pools[0].outranks(expert):
                     budget -= layer.expert_bytes
                     slot, evicted, fills = layer.promote(expert)
