@@ -777,6 +777,7 @@ session() {
     s17-final) s17_final ;;
     fused-prefill) fused_prefill ;;
     s19-spark) s19_spark ;;
+    s20-probe) step zero-copy 90 python3 scripts/zero_copy_probe.py --json "$OUT/zero_copy.json"; spark_profile ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack
