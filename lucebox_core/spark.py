@@ -30,17 +30,17 @@ Two ways to run a layer's routed experts, both exact:
   the op reads a resident expert from its slot and any other straight from pinned host memory (zero-copy over
   the bus: on CUDA the paged `moe_matvec` kernel): no host decision inside the step, the same bytes and the
   same arithmetic as the all-resident stack, so the same bits, and the step stays one recorded graph. The step
-  counts the experts it routed into a device tensor; between steps (`GraphedSteps.scope`, around every static
-  step the model runs) Spark reads those counts back (a copy queued after each step into one of two host
-  buffers in turn; before a step it reads the newest copy that has landed, never waiting for the step the
-  engine has just fed ahead, so the accounting lags a step rather than idling the GPU), counts them into the
-  profile, and promotes the most routed misses into slots, at most `promotion_bytes` a step. A miss is
-  promoted only where its count outranks the least routed resident's by `RANK_MARGIN` (which it evicts), so a
-  placement that matches the traffic stays put (an LRU swapped experts in and out on every step: 23 MiB a
-  token of copies, slower than reading the misses from host memory), and one a prefill or a shift in the
-  traffic has upset is brought back. An evicted expert leaves the table after the step that may read its
-  slot; the slot is filled on a copy stream beside the next step, and its table entry lands before the step
-  after that (`GraphedSteps.between_steps`).
+  counts the experts it routed into a device tensor (inside the paged products); between steps
+  (`GraphedSteps.scope`, around every static step the model runs) Spark reads those counts back (a copy queued
+  after each step into one of two host buffers in turn; once a step is queued it reads the newest copy that
+  has landed, never waiting for the step just queued, so the accounting lags a step and runs while the GPU
+  works), counts them into the profile, and promotes the most routed misses into slots, at most
+  `promotion_bytes` a step. A miss is promoted only where its count outranks the least routed resident's by
+  `RANK_MARGIN` (which it evicts), so a placement that matches the traffic stays put (an LRU swapped experts
+  in and out on every step: 23 MiB a token of copies, slower than reading the misses from host memory), and
+  one a prefill or a shift in the traffic has upset is brought back. An evicted expert leaves the table after
+  the step that may read its slot; the slot is filled on a copy stream beside the next step, and its table
+  entry lands after that next step, before the one after it (`GraphedSteps.between_steps`).
 - Eager (prefill, and every step where the backend has no paged kernel or records no graphs, or a split
   model): `resident_ids` brings the experts a batch routes to into slots on the host and maps the ids to
   slots, so the plain op runs over the slot stack; a batch that routes to more experts than the pool holds
@@ -176,10 +176,20 @@ class ExpertPages:
     host: torch.Tensor  # [experts, bytes]: every expert (pinned on a GPU)
     where: torch.Tensor  # [experts] long, on the slots' device: the slot holding each expert, or -1
     pinned: bool = False  # whether `host` is pinned (found once: a kernel's check must not ask the driver)
+    # The layer's row of the graphed steps' routing counts (`GraphedSteps.routed`), or None: the paged op adds
+    # one per routed pair it reads (the CUDA kernels in the product's own launch). Set on the layer's first
+    # stack only, so each pair counts once.
+    counts: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.host.shape[0], *self.pool.shape[1:])
+
+    def count(self, ids: torch.Tensor) -> None:
+        """Add the routed pairs `ids` to `counts` (where set): what a paged op without the CUDA kernels does."""
+        if self.counts is not None:
+            flat = ids.reshape(-1).to(self.counts.device)
+            self.counts.index_add_(0, flat, torch.ones_like(flat))
 
     def gather(self, experts: torch.Tensor) -> Any:
         """Experts `experts` (`[n]`, ascending) as a stack `[n, rows, cols]` of their blocks, from where they are."""
@@ -404,9 +414,7 @@ class OffloadedExperts:
                  **shared: Any) -> torch.Tensor:
         steps = self.steps
         if steps is not None and steps.inside:  # a static step: paged, nothing decided on the host
-            flat = ids.reshape(-1)
-            ones = steps.ones[: flat.numel()] if flat.numel() <= steps.ones.numel() else torch.ones_like(flat)
-            steps.routed[self.layer].index_add_(0, flat, ones)  # one launch a layer: read back between steps
+            # The paged op also counts the routed pairs into `steps.routed` (the first stack's `counts`).
             return getattr(ops, self.layout.paged_op)(x, *self.pages, weights, ids, **shared)
         if steps is not None:
             steps.land()  # promotions still on the copy stream: the eager lookup reads and moves slots
@@ -467,7 +475,8 @@ class GraphedSteps:
         self.smallest_expert = min(layer.expert_bytes for layer in layers)  # a budget below it promotes nothing
         self.tables = tables
         self.copier = SideCopier(device)  # promotions' copies, beside the steps (see `between_steps`)
-        self._pending: tuple[dict[tuple[int, int], int], Any] | None = None  # placed (layer, expert) -> slot, marker
+        # Promotions on the copy stream: (the step they were decided after, placed (layer, expert) -> slot, marker).
+        self._pending: list[tuple[int, dict[tuple[int, int], int], Any]] = []
         self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
         # Two host copies, the steps' in turn: the accounting before a step reads the newest copy that has
         # landed and never waits for the step the engine has just queued (decode fed ahead keeps the GPU
@@ -477,7 +486,13 @@ class GraphedSteps:
         self._copies: list[tuple[int, Any] | None] = [None, None]  # (step, event after its copy) per buffer
         self._accounted_step = 0  # the step whose cumulative counts `counted` holds
         self.counted = torch.zeros(len(layers), experts, dtype=torch.long)  # of the copies, accounted
-        self.ones = torch.ones(4096, dtype=torch.long, device=device)  # what a step adds a routed pair
+        # The tables' updates go up from pinned memory, two buffers in turn (each reused once its copy has
+        # run): from pageable memory a copy waits for the stream to drain, which left the GPU idle while the
+        # host prepared the next step (~0.13 ms a step on Laguna-XS.2 with promotions on the H200).
+        self._updates = [torch.empty(2 * len(layers) * experts, dtype=torch.long, pin_memory=device.type == "cuda")
+                         for _ in range(2)]
+        self._update_events: list[Any] = [None, None]
+        self._update_turn = 0
         self._thread = threading.local()  # `inside`: per generation thread (-np: several drive steps)
         self._lock = threading.Lock()  # the accounting and the promotions, one thread at a time
         self.steps = 0  # static steps run
@@ -489,9 +504,11 @@ class GraphedSteps:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Around one static step: first what the steps before it routed is accounted and the hot misses
-        promoted; inside, the experts run paged; after it, its counts are copied to the host (queued)."""
-        self.between_steps()
+        """Around one static step: inside, the experts run paged; once it is queued, its counts are copied to
+        the host (queued too), and what the steps before it routed is accounted and the hot misses promoted
+        (`between_steps`) while the GPU runs it. After the step, not before: where the caller waits for each
+        step (a token sampled on the host), the accounting before the next step left the GPU idle (~0.13 ms
+        a step on Laguna-XS.2 on the H200)."""
         self._thread.inside = True
         try:
             yield
@@ -502,6 +519,7 @@ class GraphedSteps:
                 buffer = self.steps % 2  # the other one may still be read by an accounting
                 self.routed_host[buffer].copy_(self.routed, non_blocking=True)
                 self._copies[buffer] = (self.steps, self.ops.record_event())
+        self.between_steps()
 
     def account(self, *, wait: bool = True) -> list[tuple[int, int, int]]:
         """Count the routing of the steps run since the last accounted one into the profile and the layers'
@@ -556,15 +574,16 @@ class GraphedSteps:
         return sorted(zip((-pairs[index, expert]).tolist(), index.tolist(), expert.tolist()))
 
     def between_steps(self) -> None:
-        """Land the last promotions, `account`, then promote the most routed misses that outrank their layer's
-        least routed resident (`ExpertSlots.outranks`), most pairs first, within `promotion_bytes`. A
-        promotion's evicted expert leaves the table now (queued on the current stream, after the step that may
-        read its slot: the next step reads it from host memory); the slot is filled
-        on the copy stream while that next step runs, and the new entry lands before the step after it
-        (`land`). So the copies no longer hold the compute stream up (0.5 ms of a 5 ms 35B-A3B step when
-        they were queued on it), and a promoted expert is read from its slot one step later."""
+        """After a step is queued: land the promotions decided after an earlier step, `account`, then promote
+        the most routed misses that outrank their layer's least routed resident (`ExpertSlots.outranks`), most
+        pairs first, within `promotion_bytes`. A promotion's evicted expert leaves the table now (queued on the
+        current stream, after the step that may read its slot: the next step reads it from host memory); the
+        slot is filled on the copy stream while that next step runs, and the new entry lands before the step
+        after it (`land`, here after the next step). So the copies never hold the compute stream up (0.5 ms of
+        a 5 ms 35B-A3B step when they were queued on it), and a promoted expert is read from its slot two
+        steps later."""
         with self._lock:
-            self._land()
+            self._land(decided_before=self.steps)
             budget = self.promotion_bytes
             cleared: list[tuple[int, int]] = []
             placed: dict[tuple[int, int], int] = {}
@@ -583,7 +602,7 @@ class GraphedSteps:
                     copies += fills
             if placed:
                 self._write_tables(cleared, [-1] * len(cleared))
-                self._pending = (placed, self.copier.copy_behind(copies))
+                self._pending.append((self.steps, placed, self.copier.copy_behind(copies)))
 
     def land(self) -> None:
         """Make the current stream wait for the promotions' copies and enter them in the tables (before any
@@ -591,13 +610,13 @@ class GraphedSteps:
         with self._lock:
             self._land()
 
-    def _land(self) -> None:
-        if self._pending is None:
-            return
-        placed, marker = self._pending
-        self._pending = None
-        self.copier.land(marker)
-        self._write_tables(list(placed), list(placed.values()))
+    def _land(self, decided_before: int | None = None) -> None:
+        """Land the pending promotions (those decided after a step before `decided_before`, where given): the
+        current stream waits for their copies, then their table entries are written."""
+        while self._pending and (decided_before is None or self._pending[0][0] < decided_before):
+            _, placed, marker = self._pending.pop(0)
+            self.copier.land(marker)
+            self._write_tables(list(placed), list(placed.values()))
 
     def _write_tables(self, places: list[tuple[int, int]], slots: list[int]) -> None:
         """`table[layer][expert] = slot` for each place, queued on the current stream: one copy and one
@@ -608,9 +627,16 @@ class GraphedSteps:
             for (index, expert), slot in zip(places, slots):
                 self.layers[index].pools[0].slot_of[expert] = slot
             return
-        flat = [index * self.experts + expert for index, expert in places]
-        update = torch.tensor([flat, slots], dtype=torch.long).to(self.tables.device)
-        self.tables.view(-1).index_copy_(0, update[0], update[1])
+        turn = self._update_turn % 2
+        self._update_turn += 1
+        self.ops.wait_event(self._update_events[turn])  # its last copy ran long ago: two steps back at least
+        count = len(places)
+        staging = self._updates[turn][: 2 * count]
+        staging[:count] = torch.tensor([index * self.experts + expert for index, expert in places])
+        staging[count:] = torch.tensor(slots)
+        update = staging.to(self.tables.device, non_blocking=True)
+        self._update_events[turn] = self.ops.record_event()
+        self.tables.view(-1).index_copy_(0, update[:count], update[count:])
 
 
 @attrs.define
@@ -752,6 +778,7 @@ def attach_spark(model: Any, budget: int | None = None, *, model_path: str | os.
         graphed = GraphedSteps(model.ops, layers, profile, promotion_bytes, tables)
         for layer in layers:
             layer.steps = graphed
+            layer.pages[0] = attrs.evolve(layer.pages[0], counts=graphed.routed[layer.layer])
         model.static_step_scope = graphed.scope
     else:
         # The eager lookup runs on the host (which experts a token needs decides what to copy), so the decode

@@ -431,7 +431,8 @@ class TorchBackend:
         expert in a host stack, a device table `where[e]`, the slot holding expert e or -1): expert e's blocks
         are slot `where[e]`'s where it is resident, else host row e; equal bit for bit to the op over the whole
         stack. The reference gathers the chosen experts' rows (a host sync: no graph records it) and runs the
-        op on them, in the same expert order."""
+        op on them, in the same expert order; it counts the routed pairs into the first stack's `counts`."""
+        gate.count(ids)
         chosen, local = torch.unique(ids, return_inverse=True)
         return self.moe_experts_swiglu(x, gate.gather(chosen), up.gather(chosen), down.gather(chosen), weights,
                                        local.reshape(ids.shape), shared, shared_logit)

@@ -603,9 +603,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         spark = attach_spark(model, None, model_path=loaded.path, share=args.spark)
     state = model.new_state(args.ctx)
     model.forward(state, torch.randint(0, model.vocab_size, (16,)))
-    # Spark: tokens that vary, so the routing does (one token repeated routes the same way every step).
+    # Tokens that vary, so the routing does (one token repeated routes the same way every step: Spark's pools
+    # would see one expert set).
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.vocab_size, (4096,), generator=generator).tolist() if spark else [1000]
+    tokens = torch.randint(0, model.vocab_size, (4096,), generator=generator).tolist()
     turn = iter(range(10**9))
 
     def next_token() -> int:
@@ -623,8 +624,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     eager = per_step(lambda: model.decode_step(state, next_token(), graphs=False), 8)
     model.decode_step(state, token, graphs=True)  # records the window's graph
-    if spark is not None:  # warm the pools up: the accounting promotes the hot misses between steps
-        per_step(lambda: model.decode_step(state, next_token(), graphs=True), 256)
+    # 256 steps first, with or without Spark, so both profiles attend over the same depth (attention's time
+    # grows with it); with Spark they warm the pools up (the accounting promotes the hot misses).
+    per_step(lambda: model.decode_step(state, next_token(), graphs=True), 256)
     graphed = statistics.median(per_step(lambda: model.decode_step(state, next_token(), graphs=True), 32)
                                 for _ in range(3))
     graph = state.decode.recordings()[0]
@@ -734,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--spark", type=float, metavar="SHARE",
                    help="MoE models: the experts behind Spark's slot pools at this share of their bytes (e.g. 0.6); "
-                        "varied tokens, 256 warm-up steps, and whole steps profiled (promotions included)")
+                        "whole steps profiled (promotions included)")
     p.add_argument("--out")
     p.set_defaults(run=cmd_profile)
 

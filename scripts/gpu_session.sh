@@ -778,6 +778,9 @@ session() {
     fused-prefill) fused_prefill ;;
     s19-spark) s19_spark ;;
     s20-probe) step zero-copy 90 python3 scripts/zero_copy_probe.py --json "$OUT/zero_copy.json"; spark_profile ;;
+    s20-spark) s19_spark; for m in $(sparkmodel laguna xs2 "$SPARK_SKEW") ${PROFILE_35B:+$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")}; do
+      step profile-spark 90 python3 scripts/bench_vs_llamacpp.py profile "$m" --spark "$SPARK_RESIDENCY" --out "$RES"
+      step profile-full 60 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"; done; cp "$RES"/*.json "$OUT/" ;;
     *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
   esac
   pack

@@ -64,6 +64,18 @@ def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % ALIGNMENT == 0
 
 
+def _counts(pages: Any) -> Any:
+    """The paged kernels' `counts` argument: the routing counts row of Spark's paged stack (int64 on the device,
+    contiguous), or null."""
+    counts = pages.counts
+    if counts is None:
+        return Pointer(0)
+    if counts.dtype != torch.long or not counts.is_contiguous() or counts.device != pages.where.device:
+        raise ValueError(f"a paged stack's counts must be a contiguous int64 row on {pages.where.device}, not "
+                         f"{counts.dtype} on {counts.device}")
+    return Pointer(counts.data_ptr())
+
+
 class CudaBackend(TorchBackend):
     """Ops for one NVIDIA GPU. `dtype` is the activation dtype (bf16 by default; f16 and f32 work too)."""
 
@@ -269,7 +281,8 @@ class CudaBackend(TorchBackend):
         format, reading only the chosen experts' blocks. x `[S / x_group, cols]` -> `[S, rows]`.
         `experts` may be Spark's paged stack (`lucebox_core.spark.ExpertPages`: device slots, a pinned host copy
         of every expert and the device table expert -> slot): the paged kernel reads each expert where the table
-        says, the same bytes and arithmetic. Graph-capturable: no host value depends on the ids (or the table).
+        says, the same bytes and arithmetic, and adds each routed pair to its `counts` (Spark's routing counts,
+        where set). Graph-capturable: no host value depends on the ids (or the table).
 
         `extra` (a shared expert `[rows, cols]` of the stack's format, where `takes_extra_expert` says so):
         `extra_pairs` more rows of output, row `S + j` = `x[extra_x + j] @ extra.T`, in the same launch."""
@@ -298,7 +311,7 @@ class CudaBackend(TorchBackend):
             self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()), *tail)
         else:  # the host stack's pinned address is the device's too (unified addressing)
             self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()),
-                         Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), *tail)
+                         Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), _counts(pages), *tail)
         return out
 
     def expert_matvec_pair(self, x: torch.Tensor, first: Any, second: Any, ids: torch.Tensor, x_group: int, *,
@@ -306,7 +319,8 @@ class CudaBackend(TorchBackend):
                            extra_x: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`expert_matvec` over two stacks of one format and shape (a SwiGLU block's gate and up) in one launch,
         the same bits as two; None where the two cannot pair (formats or shapes differ, or one is Spark's paged
-        stack and the other not, or their residency tables differ): the caller runs two launches then.
+        stack and the other not, or their residency tables differ): the caller runs two launches then. Paged,
+        the first stack's `counts` gets the routed pairs (as `expert_matvec`'s).
         `extra`: a shared expert's (gate, up), as `expert_matvec`'s `extra` for each stack."""
         paged = not isinstance(first, QuantTensor)
         if paged != (not isinstance(second, QuantTensor)):
@@ -345,7 +359,7 @@ class CudaBackend(TorchBackend):
         else:  # the host stacks' pinned addresses are the device's too (unified addressing)
             self._launch((kernel.program, kernel.name), grid, kernel.threads,
                          Pointer(data[0].data_ptr()), Pointer(first.host.data_ptr()), Pointer(data[1].data_ptr()),
-                         Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), *tail)
+                         Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), _counts(first), *tail)
         return out[0], out[1]
 
     def takes_extra_expert(self, stack: Any, extra: Any, activation: torch.dtype) -> bool:

@@ -123,6 +123,7 @@ def moe_experts_paged(
     host stack, a device table `where[e]`, the slot holding expert e or -1): expert e's blocks are slot
     `where[e]`'s where it is resident, else host row e; equal bit for bit to the op over the whole stacks. The
     reference gathers the chosen experts' rows (a host sync: no graph records it) and runs `moe_experts` on
-    them, in the same expert order."""
+    them, in the same expert order; it counts the routed pairs into the first stack's `counts`."""
+    gate_up_exps.count(ids)
     chosen, local = torch.unique(ids, return_inverse=True)
     return ops.moe_experts(x, gate_up_exps.gather(chosen), down_exps.gather(chosen), weights, local.reshape(ids.shape))

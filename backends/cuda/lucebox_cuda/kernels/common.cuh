@@ -16,6 +16,15 @@ typedef float f32;
 struct f16 { u16 bits; };
 struct bf16 { u16 bits; };
 
+// Spark's routing counts, kept inside the paged expert products: the first block of each routed pair (of the
+// first stack, in the pair kernels) adds one to `counts[expert]`, the layer's row of the counts the host reads
+// back between steps. In the product's own launch, not a separate one a layer (Laguna-XS.2: 39 launches and
+// ~0.11 ms a step on the H200). Null `counts`: nothing counted.
+__device__ __forceinline__ void count_routed_pair(unsigned long long* counts, long long expert, bool first) {
+    if (counts != nullptr && first && blockIdx.x == 0 && threadIdx.x == 0)
+        atomicAdd(counts + expert, 1ull);
+}
+
 __device__ __forceinline__ float half_bits_to_float(u16 bits) { return lucebox_half_bits_to_float(bits); }
 
 __device__ __forceinline__ float bf16_bits_to_float(u16 bits) {

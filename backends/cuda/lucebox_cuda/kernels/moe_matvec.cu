@@ -18,6 +18,7 @@
 // bus (zero-copy, through unified addressing). The table is read on the device, so which experts are resident
 // may change between replays of a recorded step without recording it again; the bytes and the arithmetic are
 // the plain kernel's, so the products equal the all-resident stack's bit for bit. Launched as the plain one.
+// `counts` (or null): the layer's routing counts, one added per pair (`count_routed_pair`, common.cuh).
 //
 // The pair variants (a SwiGLU block's gate and up stacks, same format and shape, one launch instead of two):
 // LUCEBOX_MOE_MATVEC_PAIR(format, activation) defines `moe_matvec_pair_<format>_<activation>` and
@@ -41,11 +42,13 @@
 #define LUCEBOX_MOE_MATVEC_PAGED(FORMAT, ACT)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * LUCEBOX_MATVEC_WARPS)                                \
         moe_matvec_paged_##FORMAT##_##ACT(const u8* __restrict__ pool, const u8* __restrict__ host,          \
-                                          const long long* __restrict__ where, const ACT* __restrict__ x,    \
+                                          const long long* __restrict__ where,                               \
+                                          unsigned long long* __restrict__ counts, const ACT* __restrict__ x, \
                                           ACT* __restrict__ y, const long long* __restrict__ ids,            \
                                           long long expert_bytes, int rows, int cols, int x_group) {         \
         const int pair = blockIdx.y;                                                                         \
         const long long expert = ids[pair];                                                                  \
+        count_routed_pair(counts, expert, true);                                                             \
         const long long slot = where[expert];                                                                \
         const u8* blocks = slot >= 0 ? pool + slot * expert_bytes : host + expert * expert_bytes;            \
         matvec_body<W_##FORMAT, ACT, 1>(blocks, x + static_cast<i64>(pair / x_group) * cols,               \
@@ -70,11 +73,13 @@
         moe_matvec_pair_paged_##FORMAT##_##ACT(const u8* __restrict__ pool0, const u8* __restrict__ host0,    \
                                                const u8* __restrict__ pool1, const u8* __restrict__ host1,    \
                                                const long long* __restrict__ where,                          \
+                                               unsigned long long* __restrict__ counts,                      \
                                                const ACT* __restrict__ x, ACT* __restrict__ y0,              \
                                                ACT* __restrict__ y1, const long long* __restrict__ ids,      \
                                                long long expert_bytes, int rows, int cols, int x_group) {    \
         const int pair = blockIdx.y;                                                                         \
         const long long expert = ids[pair];                                                                  \
+        count_routed_pair(counts, expert, blockIdx.z == 0);                                                  \
         const long long slot = where[expert];                                                                \
         const u8* pool = blockIdx.z == 0 ? pool0 : pool1;                                                    \
         const u8* host = blockIdx.z == 0 ? host0 : host1;                                                    \

@@ -12,8 +12,9 @@
 //
 // The four kernels mirror moe_matvec.cu's (plain, paged, pair, pair paged; the paged ones read expert e from
 // `pool + where[e] * expert_bytes` where a device slot holds it, else from pinned host memory at
-// `host + e * expert_bytes`). All run one body with one WARPS for a shape, so the paged products equal the
-// stacked ones and the pair kernel equals two single launches, bit for bit. Launch with 32 * WARPS threads
+// `host + e * expert_bytes`, and add each routed pair to the layer's routing `counts` unless null). All run
+// one body with one WARPS for a shape, so the paged products equal the stacked ones and the pair kernel
+// equals two single launches, bit for bit. Launch with 32 * WARPS threads
 // and (ceil(rows / 16), pairs, 1 or 2) blocks. The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
 // <format>_<activation>`.
 //
@@ -61,9 +62,11 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
 #define LUCEBOX_MOE_MATVEC_MMA_PAGED(FORMAT, ACT, WARPS)                                                     \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_paged_##FORMAT##_##ACT( \
         const u8* __restrict__ pool, const u8* __restrict__ host, const long long* __restrict__ where,        \
-        const ACT* __restrict__ x, ACT* __restrict__ y, const long long* __restrict__ ids,                    \
-        long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_EXTRA_ARGS) {                  \
+        unsigned long long* __restrict__ counts, const ACT* __restrict__ x, ACT* __restrict__ y,              \
+        const long long* __restrict__ ids, long long expert_bytes, int rows, int cols, int x_group,          \
+        LUCEBOX_MOE_EXTRA_ARGS) {                                                                            \
         const int pair = blockIdx.y;                                                                         \
+        if (pair < routed) count_routed_pair(counts, ids[pair], true);                                       \
         const u8* blocks = pair < routed ? paged_expert(pool, host, where, ids[pair], expert_bytes) : extra; \
         expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, y, pair, rows, cols,                                \
                                               pair_x_row(pair, x_group, routed, extra_x));                   \
@@ -86,11 +89,13 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                \
         moe_matvec_mma##WARPS##_pair_paged_##FORMAT##_##ACT(                                                 \
             const u8* __restrict__ pool0, const u8* __restrict__ host0, const u8* __restrict__ pool1,        \
-            const u8* __restrict__ host1, const long long* __restrict__ where, const ACT* __restrict__ x,     \
-            ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                   \
-            long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {         \
+            const u8* __restrict__ host1, const long long* __restrict__ where,                               \
+            unsigned long long* __restrict__ counts, const ACT* __restrict__ x, ACT* __restrict__ y0,         \
+            ACT* __restrict__ y1, const long long* __restrict__ ids, long long expert_bytes, int rows,        \
+            int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {                                            \
         const int pair = blockIdx.y;                                                                         \
         const bool first = blockIdx.z == 0;                                                                  \
+        if (pair < routed) count_routed_pair(counts, ids[pair], first);                                      \
         const u8* blocks = pair < routed ? paged_expert(first ? pool0 : pool1, first ? host0 : host1, where, \
                                                         ids[pair], expert_bytes)                             \
                                          : (first ? extra0 : extra1);                                        \
