@@ -64,6 +64,21 @@ def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % ALIGNMENT == 0
 
 
+# The shared memory a paged tensor-core expert kernel stages a missed expert's 16 rows in (moe_matvec_mma.cu's
+# `staged_expert`), at most: the default limit without an opt-in (a Q4_K row of 2,048 columns takes 18 KiB).
+# Longer rows are read in place.
+STAGED_LIMIT = 48 * 1024
+
+
+def _staged_bytes(kernel: Any, row_bytes: int) -> int | None:
+    """The paged kernel's `staged_bytes` (and its dynamic shared memory): 16 rows of the stack where they fit,
+    else 0 (read in place); None for the CUDA-core kernel, which takes no such argument."""
+    if kernel.program.file != "moe_matvec_mma.cu":
+        return None
+    staged = kernel.rows_per_block * row_bytes
+    return staged if staged <= STAGED_LIMIT else 0
+
+
 def _counts(pages: Any) -> Any:
     """The paged kernels' `counts` argument: the routing counts row of Spark's paged stack (int64 on the device,
     contiguous), or null."""
@@ -124,9 +139,10 @@ class CudaBackend(TorchBackend):
         return function
 
     def _launch(self, kernel: tuple[KernelProgram, str], grid: int | tuple[int, int, int], block: int,
-                *args: Any) -> None:
-        """Launch a kernel of `program` on the device's current torch stream (the HIP backend's override
-        launches through HIP; the kernels' Python callers are the same)."""
+                *args: Any, shared_bytes: int = 0) -> None:
+        """Launch a kernel of `program` on the device's current torch stream, with `shared_bytes` of dynamic
+        shared memory (the HIP backend's override launches through HIP; the kernels' Python callers are the
+        same)."""
         function = self.kernel(*kernel)
         index = self.device.index
         ensure_context(index)
@@ -135,13 +151,13 @@ class CudaBackend(TorchBackend):
         # host, a few hundred launches a prefill piece that the host, not the GPU, paces).
         stream = _current_raw_stream(index)
         if torch.cuda.current_device() == index:
-            launch(function, grid, block, args, stream=stream)
+            launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes)
             return
         # A model split over GPUs launches on a device other than the thread's current one: the driver needs
         # this device's (primary) context current, which making the device current gives; torch's scope
         # puts the thread's device back afterwards.
         with torch.cuda.device(self.device):
-            launch(function, grid, block, args, stream=stream)
+            launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes)
 
     # -- weights ---------------------------------------------------------------------------------------
 
@@ -310,8 +326,10 @@ class CudaBackend(TorchBackend):
         if pages is None:
             self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()), *tail)
         else:  # the host stack's pinned address is the device's too (unified addressing)
+            staged = _staged_bytes(kernel, data.numel() // n_experts // rows)
             self._launch((kernel.program, kernel.name), grid, kernel.threads, Pointer(data.data_ptr()),
-                         Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), _counts(pages), *tail)
+                         Pointer(pages.host.data_ptr()), Pointer(pages.where.data_ptr()), _counts(pages),
+                         *([Int(staged)] if staged is not None else []), *tail, shared_bytes=staged or 0)
         return out
 
     def expert_matvec_pair(self, x: torch.Tensor, first: Any, second: Any, ids: torch.Tensor, x_group: int, *,
@@ -357,9 +375,11 @@ class CudaBackend(TorchBackend):
             self._launch((kernel.program, kernel.name), grid, kernel.threads,
                          Pointer(data[0].data_ptr()), Pointer(data[1].data_ptr()), *tail)
         else:  # the host stacks' pinned addresses are the device's too (unified addressing)
+            staged = _staged_bytes(kernel, expert_bytes // rows)
             self._launch((kernel.program, kernel.name), grid, kernel.threads,
                          Pointer(data[0].data_ptr()), Pointer(first.host.data_ptr()), Pointer(data[1].data_ptr()),
-                         Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), _counts(first), *tail)
+                         Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), _counts(first),
+                         *([Int(staged)] if staged is not None else []), *tail, shared_bytes=staged or 0)
         return out[0], out[1]
 
     def takes_extra_expert(self, stack: Any, extra: Any, activation: torch.dtype) -> bool:

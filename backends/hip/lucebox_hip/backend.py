@@ -58,10 +58,10 @@ class HipBackend(SharedSourceProducts, CudaBackend):
         return function
 
     def _launch(self, kernel: tuple[KernelProgram, str], grid: int | tuple[int, int, int], block: int,
-                *args: Any) -> None:
+                *args: Any, shared_bytes: int = 0) -> None:
         function, stream = self.kernel(*kernel), torch.cuda.current_stream(self.device).cuda_stream
         if torch.cuda.current_device() == self.device.index:
-            hiprtc.launch(function, grid, block, args, stream=stream)
+            hiprtc.launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes)
             return
         with torch.cuda.device(self.device):  # a split model's other GPU (see CudaBackend._launch)
-            hiprtc.launch(function, grid, block, args, stream=stream)
+            hiprtc.launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes)

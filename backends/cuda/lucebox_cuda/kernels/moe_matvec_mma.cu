@@ -12,7 +12,8 @@
 //
 // The four kernels mirror moe_matvec.cu's (plain, paged, pair, pair paged; the paged ones read expert e from
 // `pool + where[e] * expert_bytes` where a device slot holds it, else from pinned host memory at
-// `host + e * expert_bytes`, and add each routed pair to the layer's routing `counts` unless null). All run
+// `host + e * expert_bytes`, staged in shared memory (`staged_expert`), and add each routed pair to the
+// layer's routing `counts` unless null). All run
 // one body with one WARPS for a shape, so the paged products equal the stacked ones and the pair kernel
 // equals two single launches, bit for bit. Launch with 32 * WARPS threads
 // and (ceil(rows / 16), pairs, 1 or 2) blocks. The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
@@ -32,11 +33,53 @@ __device__ __forceinline__ void expert_rows(const u8* __restrict__ blocks, const
                                        rows, cols, 1);
 }
 
-// Expert `expert`'s blocks in Spark's paged stack: its device slot, or the pinned host copy.
-__device__ __forceinline__ const u8* paged_expert(const u8* pool, const u8* host, const long long* where,
-                                                  long long expert, long long expert_bytes) {
+// A missed expert's 16 rows for this block, staged in shared memory before the math (`staged_bytes`: the
+// launch's dynamic shared memory; 0, or a span that does not fit or is not 16-byte aligned: read in place).
+// Why: read in place, the body's loads take 144-byte GGUF blocks of 16 rows a row apart, neighbouring blocks
+// in other warps; over the bus (host memory is not cached on the GPU) that reached ~22 GB/s, half of what
+// contiguous reads get (scripts/zero_copy_probe.py: ~47 GB/s from 32 blocks up on the H200). The block's
+// rows are one contiguous span of the expert, read here with 16-byte loads, eight in flight a thread. The
+// body then reads the same bytes from shared memory: the same arithmetic, the same bits.
+extern __shared__ __align__(16) u8 lucebox_staged_rows[];
+
+template <class W>
+__device__ __forceinline__ const u8* staged_expert(const u8* expert, int rows, int cols, int staged_bytes) {
+    const i64 row_bytes = static_cast<i64>(cols / W::BLOCK_VALUES) * W::BLOCK_BYTES;
+    const int row0 = blockIdx.x * 16;
+    const i64 span = min(16, rows - row0) * row_bytes;
+    const u8* source = expert + row0 * row_bytes;
+    const unsigned long long alignment = reinterpret_cast<unsigned long long>(source) | span;
+    if (span > staged_bytes || (alignment & 15) != 0) return expert;
+    const uint4* from = reinterpret_cast<const uint4*>(source);
+    uint4* to = reinterpret_cast<uint4*>(lucebox_staged_rows);
+    const int words = static_cast<int>(span >> 4);
+    constexpr int IN_FLIGHT = 8;
+    for (int first = threadIdx.x; first < words; first += blockDim.x * IN_FLIGHT) {
+        uint4 v[IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < IN_FLIGHT; ++u) {
+            const int word = first + u * blockDim.x;
+            if (word < words) v[u] = from[word];
+        }
+#pragma unroll
+        for (int u = 0; u < IN_FLIGHT; ++u) {
+            const int word = first + u * blockDim.x;
+            if (word < words) to[word] = v[u];
+        }
+    }
+    __syncthreads();
+    return lucebox_staged_rows - row0 * row_bytes;  // the body indexes rows from the expert's first
+}
+
+// Expert `expert`'s blocks in Spark's paged stack: its device slot, or the pinned host copy staged for this
+// block (`staged_expert`).
+template <class W>
+__device__ __forceinline__ const u8* paged_rows(const u8* pool, const u8* host, const long long* where,
+                                                long long expert, long long expert_bytes, int rows, int cols,
+                                                int staged_bytes) {
     const long long slot = where[expert];
-    return slot >= 0 ? pool + slot * expert_bytes : host + expert * expert_bytes;
+    return slot >= 0 ? pool + slot * expert_bytes
+                     : staged_expert<W>(host + expert * expert_bytes, rows, cols, staged_bytes);
 }
 
 // The activation row of a pair: a routed pair's token (pair / x_group), or the shared expert's row.
@@ -62,12 +105,14 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
 #define LUCEBOX_MOE_MATVEC_MMA_PAGED(FORMAT, ACT, WARPS)                                                     \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_paged_##FORMAT##_##ACT( \
         const u8* __restrict__ pool, const u8* __restrict__ host, const long long* __restrict__ where,        \
-        unsigned long long* __restrict__ counts, const ACT* __restrict__ x, ACT* __restrict__ y,              \
-        const long long* __restrict__ ids, long long expert_bytes, int rows, int cols, int x_group,          \
-        LUCEBOX_MOE_EXTRA_ARGS) {                                                                            \
+        unsigned long long* __restrict__ counts, int staged_bytes, const ACT* __restrict__ x,                \
+        ACT* __restrict__ y, const long long* __restrict__ ids, long long expert_bytes, int rows, int cols,   \
+        int x_group, LUCEBOX_MOE_EXTRA_ARGS) {                                                               \
         const int pair = blockIdx.y;                                                                         \
         if (pair < routed) count_routed_pair(counts, ids[pair], true);                                       \
-        const u8* blocks = pair < routed ? paged_expert(pool, host, where, ids[pair], expert_bytes) : extra; \
+        const u8* blocks = pair < routed ? paged_rows<Mma_##FORMAT>(pool, host, where, ids[pair],             \
+                                                                    expert_bytes, rows, cols, staged_bytes)  \
+                                         : extra;                                                            \
         expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, y, pair, rows, cols,                                \
                                               pair_x_row(pair, x_group, routed, extra_x));                   \
     }
@@ -90,14 +135,15 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
         moe_matvec_mma##WARPS##_pair_paged_##FORMAT##_##ACT(                                                 \
             const u8* __restrict__ pool0, const u8* __restrict__ host0, const u8* __restrict__ pool1,        \
             const u8* __restrict__ host1, const long long* __restrict__ where,                               \
-            unsigned long long* __restrict__ counts, const ACT* __restrict__ x, ACT* __restrict__ y0,         \
-            ACT* __restrict__ y1, const long long* __restrict__ ids, long long expert_bytes, int rows,        \
-            int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {                                            \
+            unsigned long long* __restrict__ counts, int staged_bytes, const ACT* __restrict__ x,            \
+            ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                   \
+            long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {         \
         const int pair = blockIdx.y;                                                                         \
         const bool first = blockIdx.z == 0;                                                                  \
         if (pair < routed) count_routed_pair(counts, ids[pair], first);                                      \
-        const u8* blocks = pair < routed ? paged_expert(first ? pool0 : pool1, first ? host0 : host1, where, \
-                                                        ids[pair], expert_bytes)                             \
+        const u8* blocks = pair < routed ? paged_rows<Mma_##FORMAT>(first ? pool0 : pool1,                   \
+                                                                    first ? host0 : host1, where, ids[pair], \
+                                                                    expert_bytes, rows, cols, staged_bytes)  \
                                          : (first ? extra0 : extra1);                                        \
         expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, first ? y0 : y1, pair, rows, cols,                  \
                                               pair_x_row(pair, x_group, routed, extra_x));                   \
