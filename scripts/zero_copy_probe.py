@@ -16,6 +16,7 @@ import json
 
 import torch
 from lucebox_cuda import nvrtc
+from lucebox_cuda.timing import median_ms
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -72,17 +73,8 @@ class ProbeProgram:
 
 def timed(run, reps: int) -> float:
     """Median milliseconds of `run()` over `reps`, after two warm-ups at the same shape."""
-    for _ in range(2):
-        run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    run()
+    return median_ms(run, reps)
 
 
 def main() -> None:
