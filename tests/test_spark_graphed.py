@@ -9,6 +9,7 @@ GPU test (skipped without CUDA) replays real CUDA graphs over the paged kernel."
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -39,6 +40,9 @@ def test_the_paged_op_equals_the_stacked_op_bit_for_bit():
         pages = [ExpertPages(QuantTensor(f"{name}.slots", GGMLQuantizationType.Q8_0, (slots, *stacks[name][1][1:]),
                                          pools[name].stack.reshape(-1)), pools[name].host, pools[name].slot_of)
                  for name in stacks]
+        counts = torch.zeros(experts, dtype=torch.long)  # the routing counts ride on the first stack only
+        pages[0] = attrs.evolve(pages[0], counts=counts)
+        routed = torch.zeros(experts, dtype=torch.long)
         for tokens in (1, 5):
             x = torch.randn(tokens, hidden, generator=generator)
             ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
@@ -46,6 +50,8 @@ def test_the_paged_op_equals_the_stacked_op_bit_for_bit():
             reference = ops.moe_experts_swiglu(x, full["gate"], full["up"], full["down"], weights, ids)
             paged = ops.moe_experts_swiglu_paged(x, *pages, weights, ids)
             assert torch.equal(paged, reference), (resident, tokens)
+            routed += torch.bincount(ids.reshape(-1), minlength=experts)
+        assert torch.equal(counts, routed)  # each routed pair counted once, wherever its expert was read
         assert pages[0].shape == (experts, inter, hidden)
 
 
@@ -298,3 +304,26 @@ def test_gpu_paged_geglu_kernel_recorded_once_follows_the_table_bit_for_bit():
         return ops.moe_experts(x, full["gate_up"], full["down"], weights, ids)
 
     _recorded_paged_op_follows_the_table(lambda: ops.moe_experts_paged(x, *pages, weights, ids), stacked, pools)
+
+
+def test_the_paged_kernels_launch_arguments_for_counts_and_staging():
+    """The CUDA backend's paged launches: a counts row must be a contiguous int64 row on the table's device
+    (anything else is refused, naming what it got); the tensor-core kernels stage 16 rows of a missed expert in
+    shared memory up to `STAGED_LIMIT` and read longer rows in place (0); the CUDA-core kernel takes no
+    staging argument (None)."""
+    from lucebox_cuda import catalogue
+    from lucebox_cuda.backend import STAGED_LIMIT, _counts, _staged_bytes
+
+    table = torch.full((8,), -1, dtype=torch.long)
+    pages = ExpertPages(None, torch.zeros(8, 16, dtype=torch.uint8), table)
+    assert _counts(pages).value is None  # no counts: a null pointer
+    good = torch.zeros(8, dtype=torch.long)
+    assert _counts(attrs.evolve(pages, counts=good)).value == good.data_ptr()
+    for bad in (torch.zeros(8, dtype=torch.int32), torch.zeros(8, 2, dtype=torch.long)[:, 0]):
+        with pytest.raises(ValueError, match="contiguous int64"):
+            _counts(attrs.evolve(pages, counts=bad))
+    mma = catalogue.moe_matvec_kernel("q4_k", "bf16", 2048, "pair_paged")
+    row_bytes = 2048 // 256 * 144
+    assert _staged_bytes(mma, row_bytes) == 16 * row_bytes <= STAGED_LIMIT
+    assert _staged_bytes(mma, STAGED_LIMIT // 16 + 1) == 0
+    assert _staged_bytes(catalogue.moe_matvec_kernel("q8_0", "bf16", 2048, "paged"), 2048 // 32 * 34) is None
