@@ -475,8 +475,7 @@ class GraphedSteps:
         self.smallest_expert = min(layer.expert_bytes for layer in layers)  # a budget below it promotes nothing
         self.tables = tables
         self.copier = SideCopier(device)  # promotions' copies, beside the steps (see `between_steps`)
-        # Promotions on the copy stream: (the step they were decided after, placed (layer, expert) -> slot, marker).
-        self._pending: list[tuple[int, dict[tuple[int, int], int], Any]] = []
+        self._pending: tuple[dict[tuple[int, int], int], Any] | None = None  # placed (layer, expert) -> slot, marker
         self.routed = torch.zeros(len(layers), experts, dtype=torch.long, device=device)
         # Two host copies, the steps' in turn: the accounting before a step reads the newest copy that has
         # landed and never waits for the step the engine has just queued (decode fed ahead keeps the GPU
@@ -574,7 +573,7 @@ class GraphedSteps:
         return sorted(zip((-pairs[index, expert]).tolist(), index.tolist(), expert.tolist()))
 
     def between_steps(self) -> None:
-        """After a step is queued: land the promotions decided after an earlier step, `account`, then promote
+        """After a step is queued: land the promotions decided after the step before it, `account`, then promote
         the most routed misses that outrank their layer's least routed resident (`ExpertSlots.outranks`), most
         pairs first, within `promotion_bytes`. A promotion's evicted expert leaves the table now (queued on the
         current stream, after the step that may read its slot: the next step reads it from host memory); the
@@ -583,7 +582,7 @@ class GraphedSteps:
         a 5 ms 35B-A3B step when they were queued on it), and a promoted expert is read from its slot two
         steps later."""
         with self._lock:
-            self._land(decided_before=self.steps)
+            self._land()  # decided after the step before this one: their copies ran beside this one
             budget = self.promotion_bytes
             cleared: list[tuple[int, int]] = []
             placed: dict[tuple[int, int], int] = {}
@@ -602,7 +601,7 @@ class GraphedSteps:
                     copies += fills
             if placed:
                 self._write_tables(cleared, [-1] * len(cleared))
-                self._pending.append((self.steps, placed, self.copier.copy_behind(copies)))
+                self._pending = (placed, self.copier.copy_behind(copies))
 
     def land(self) -> None:
         """Make the current stream wait for the promotions' copies and enter them in the tables (before any
@@ -610,13 +609,15 @@ class GraphedSteps:
         with self._lock:
             self._land()
 
-    def _land(self, decided_before: int | None = None) -> None:
-        """Land the pending promotions (those decided after a step before `decided_before`, where given): the
-        current stream waits for their copies, then their table entries are written."""
-        while self._pending and (decided_before is None or self._pending[0][0] < decided_before):
-            _, placed, marker = self._pending.pop(0)
-            self.copier.land(marker)
-            self._write_tables(list(placed), list(placed.values()))
+    def _land(self) -> None:
+        """Land the pending promotions: the current stream waits for their copies, then their table entries
+        are written."""
+        if self._pending is None:
+            return
+        placed, marker = self._pending
+        self._pending = None
+        self.copier.land(marker)
+        self._write_tables(list(placed), list(placed.values()))
 
     def _write_tables(self, places: list[tuple[int, int]], slots: list[int]) -> None:
         """`table[layer][expert] = slot` for each place, queued on the current stream: one copy and one
