@@ -13,10 +13,10 @@
 // The four kernels mirror moe_matvec.cu's (plain, paged, pair, pair paged; the paged ones read expert e from
 // `pool + where[e] * expert_bytes` where a device slot holds it, else from pinned host memory at
 // `host + e * expert_bytes`, staged in shared memory (`staged_expert`), and add each routed pair to the
-// layer's routing `counts` unless null). All run
-// one body with one WARPS for a shape, so the paged products equal the stacked ones and the pair kernel
-// equals two single launches, bit for bit. Launch with 32 * WARPS threads
-// and (ceil(rows / 16), pairs, 1 or 2) blocks. The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
+// layer's routing `counts` unless null). All run one body with one WARPS for a shape, so the paged products
+// equal the stacked ones and the pair kernel equals two single launches, bit for bit. Launch with
+// 32 * WARPS threads and (ceil(rows / 16), pairs, 1 or 2) blocks (the paged ones with `staged_bytes` of
+// dynamic shared memory: 16 rows, the block's). The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
 // <format>_<activation>`.
 //
 // An always-on shared expert of the same format and shape (Laguna's, Qwen3.5-MoE's) rides along as extra pairs:
