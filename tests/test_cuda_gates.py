@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
 
 import torch
-from lucebox_cuda import norm_kernels, triton_fused, triton_gates, triton_norms
+from lucebox_cuda import norm_kernels, triton_attention, triton_fused, triton_gates, triton_norms
 from triton.runtime.interpreter import InterpretedFunction
 
 from lucebox_core.torch_backend import TorchBackend
@@ -22,7 +22,8 @@ from lucebox_laguna.ops import LAGUNA_OPS
 from lucebox_qwen35.ops import QWEN35_OPS
 
 if not isinstance(triton_gates._sigmoid_topk_kernel, InterpretedFunction) or not isinstance(
-        triton_fused._qk_norm_rope_kernel, InterpretedFunction):
+        triton_fused._qk_norm_rope_kernel, InterpretedFunction) or not isinstance(
+        triton_attention._path_attention_split_kernel, InterpretedFunction):
     pytest.skip("the Triton kernels were imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
 
 EPS = 1e-6
@@ -119,6 +120,50 @@ def test_the_backend_takes_the_ops():
     w, pos, freq = torch.ones(16), torch.tensor([3]), torch.ones(4)
     assert norm_kernels.accepts_qk_norm_rope_scaled(ops, q, k, w, w, pos, freq, 1.5, EPS)
     assert not norm_kernels.accepts_qk_norm_rope_scaled(ops, q, k, w, w, pos, torch.ones(9), 1.5, EPS)
+
+
+# (query heads, KV heads, window rows, committed position, ring): a full layer's window, a sliding layer's
+# ring that has wrapped and one not yet full (the decode step's one node, its row beside the cache).
+GATED_CASES = [(8, 2, 96, 70, 0), (8, 2, 32, 75, 32), (6, 3, 64, 20, 64)]
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "rows", "position", "ring"), GATED_CASES)
+def test_gated_tree_attention(q_heads, kv_heads, rows, position, ring):
+    """The gate applied in the attention's merge equals the two ops: to the reference within roundoff (fp32),
+    and to the kernels' own attention then gate kernel bit for bit (f16, where every rounding shows)."""
+    gen = torch.Generator().manual_seed(rows + position + ring)
+    dim = 32
+    one_node = torch.ones(1, 1, dtype=torch.bool)
+    pos = torch.tensor([position])
+    for dtype in (torch.float32, torch.float16):
+        q = torch.randn(1, 1, q_heads, dim, generator=gen).to(dtype)
+        k, v = (torch.randn(rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+        node_k, node_v = (torch.randn(1, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+        gate = (torch.randn(1, 1, q_heads, generator=gen) * 3).to(dtype)  # softplus over its curved part
+        extra = {"node_k": node_k, "node_v": node_v, "ring": ring} if ring else {}
+        window_k, window_v = (k, v) if ring else (k[:position + 1], v[:position + 1])
+        fused = triton_attention.tree_attention(q, window_k, window_v, pos, one_node, scale=0.25, head_gate=gate,
+                                                block_n=16, blocks_per_split=1, **extra)
+        if dtype == torch.float32:
+            ops = reference(dtype)
+            want = ops.gated_tree_attention(q, window_k, window_v, pos, one_node, gate, scale=0.25, **extra)
+            assert_close(fused, want, dtype)
+        else:
+            plain = triton_attention.tree_attention(q, window_k, window_v, pos, one_node, scale=0.25, block_n=16,
+                                                    blocks_per_split=1, **extra)
+            assert torch.equal(fused, triton_gates.softplus_head_gate(plain, gate))
+            assert not torch.equal(fused, plain)
+
+
+def test_the_model_takes_the_gated_attention_kernel():
+    """Laguna's decode step shapes (the gate a slice of the fused projection's output) are the kernel's."""
+    ops = TorchBackend("cpu", torch.float32, kernel_table_for={})
+    q, k, v = torch.randn(1, 1, 8, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16)
+    projected = torch.randn(1, 1, 8 * 16 + 8)
+    gate = projected[..., 8 * 16 :]
+    args = (q, k, v, torch.tensor([30]), torch.ones(1, 1, dtype=torch.bool))
+    assert norm_kernels.accepts_gated_tree_attention(ops, *args, gate, scale=0.25)
+    assert not norm_kernels.accepts_gated_tree_attention(ops, *args, torch.randn(1, 1, 7), scale=0.25)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

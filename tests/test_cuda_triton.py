@@ -345,6 +345,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lucebox_cuda import triton_attention as attention
 from lucebox_cuda import triton_ops as ops
+from lucebox_cuda import triton_path_combine as combine
 
 def signature(kernel, types, constants):
     names = kernel.arg_names
@@ -359,21 +360,21 @@ def variants(act):
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", visible_ptr="*u8",
               max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
         # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
               max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
         # Q4_0 K and TQ3_0 V blocks, decoded in registers.
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
               max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=2, V_FORMAT=3, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
         # Gemma-4: the nodes' rows beside the cache; a full layer's 512-dim heads, a sliding layer's ring
@@ -382,19 +383,25 @@ def variants(act):
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, node_k_ptr=pointer, node_v_ptr=pointer,
               position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
               scale="fp32"),
-         dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=512, BLOCK_DV=512, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=True, RING=0, STATIC_TRIPS=0)),
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", node_k_ptr="*u8", node_v_ptr="*u8",
               position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
               scale="fp32"),
-         dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=True, RING=1024, STATIC_TRIPS=0)),
-        (attention._path_attention_combine_kernel,
-         dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", out_ptr=pointer),
-         dict(Q_HEADS=24, VALUE_DIM=256, BLOCK_S=128, BLOCK_DV=64)),
+        (combine._path_attention_combine_kernel,
+         dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr="*fp32", out_ptr=pointer,
+              threshold="fp32"),
+         dict(Q_HEADS=24, VALUE_DIM=256, CHUNK=16, BLOCK_DV=64, GATED=False)),
+        # Laguna's per-head softplus gate in the merge (the gate a slice of the projection's output).
+        (combine._path_attention_combine_kernel,
+         dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr=pointer, out_ptr=pointer,
+              threshold="fp32"),
+         dict(Q_HEADS=64, VALUE_DIM=128, CHUNK=16, BLOCK_DV=64, GATED=True)),
         (ops._gated_delta_step_kernel,
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
               new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),
@@ -432,4 +439,4 @@ def test_kernels_compile_for_each_gpu_architecture(tmp_path, capability, activat
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(capability), *activations], env=env,
                             capture_output=True, check=False, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == len(activations) * 9  # 9 kernel variants per activation type
+    assert result.stdout.count("compiled") == len(activations) * 10  # 10 kernel variants per activation type

@@ -250,6 +250,36 @@ def test_tree_node_equals_decoding_its_path_bit_for_bit(parents, dtype):
         assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
 
 
+def test_merge_in_chunks_keeps_the_bits_across_split_counts():
+    """Past 16 splits the merge takes them a chunk at a time (`triton_path_combine`): a node in a 2-chunk
+    verify window (its second chunk partly empty) still equals the decode step in a 4-chunk window (two more
+    chunks of empty splits), bit for bit, and both match the reference."""
+    from lucebox_cuda.triton_path_combine import SPLIT_CHUNK
+
+    torch.manual_seed(11)
+    parents, position, dim = TREES[2], 300, 32
+    nodes = len(parents)
+    rows = position + nodes + 10
+    q, k, v = tree_inputs(nodes, position, rows, 6, 2, dim, torch.float16)
+    visible = TreeIndex.build(parents).visibility()
+    split = {"block_n": 16, "blocks_per_split": 1}
+    assert SPLIT_CHUNK < triton.cdiv(rows, 16) <= 2 * SPLIT_CHUNK
+    verified = triton_attention.tree_attention(q, k, v, torch.tensor([position]), visible, scale=0.2, **split)
+    expected = REFERENCE.tree_attention(q.float(), k.float(), v.float(), torch.tensor([position]), visible,
+                                        scale=0.2)
+    assert relative_error(verified.float(), expected) < 2e-3
+    for node in (0, nodes - 1):
+        path = [i for i in range(nodes) if visible[node, i]]
+        decode_rows = 4 * SPLIT_CHUNK * 16 - 5
+        k_decode, v_decode = (torch.randn(decode_rows, 2, dim).to(torch.float16) for _ in range(2))
+        k_decode[:position], v_decode[:position] = k[:position], v[:position]
+        for depth, index in enumerate(path):
+            k_decode[position + depth], v_decode[position + depth] = k[position + index], v[position + index]
+        decoded = triton_attention.decode_attention(q[:, node : node + 1], k_decode, v_decode,
+                                                    torch.tensor([position + len(path) - 1]), scale=0.2, **split)
+        assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
+
+
 # -- node rows apart from the cache, and sliding-window rings (Gemma-4's verify pass and decode step) ---------
 
 

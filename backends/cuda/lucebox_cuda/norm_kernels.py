@@ -6,7 +6,8 @@ signature, registered like every other kernel (`plugin.py`). Each `accepts_<op>`
 takes these arguments; where it does not, the family's reference runs.
 
 At the end, the same for a gated-attention, sigmoid-routed MoE decoder (Laguna's `qk_norm_rope_scaled`,
-`sigmoid_route`, `softplus_head_gate`): `triton_gates` and the generic q/k norm + RoPE kernel with a scale.
+`sigmoid_route`, `softplus_head_gate`, `gated_tree_attention`): `triton_gates`, the generic q/k norm + RoPE
+kernel with a scale, and the path attention with the gate in its merge.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 
 import torch
 
-from .op_kernels import _optional, _rows_indexable, _triton_takes, triton_fused
+from .op_kernels import (
+    _cache_attention,
+    _optional,
+    _rows_indexable,
+    _triton_takes,
+    accepts_tree_attention,
+    triton_attention,
+    triton_fused,
+)
 
 triton_norms = functools.cache(lambda: _optional("triton_norms"))
 
@@ -124,6 +133,26 @@ def sigmoid_route(ops: Any, x, proj, selection_bias, top_k, scale):
     """Two launches: the router's product (the backend's `linear`), then sigmoid, biased top-k,
     renormalisation and scale in one kernel (torch's chain is eight)."""
     return triton_gates().sigmoid_topk(ops.linear(x, proj), selection_bias, top_k, scale)
+
+
+def accepts_gated_tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                                 visible: torch.Tensor, gate: torch.Tensor, *, scale: float,
+                                 node_k: torch.Tensor | None = None, node_v: torch.Tensor | None = None,
+                                 ring: int = 0) -> bool:
+    return (triton_gates() is not None and _triton_takes(ops, gate)
+            and accepts_tree_attention(ops, q, k, v, position, visible, scale=scale, node_k=node_k, node_v=node_v,
+                                       ring=ring)
+            and tuple(gate.shape) == tuple(q.shape[:3]) and gate.stride(-1) == 1)
+
+
+def gated_tree_attention(ops: Any, q, k, v, position, visible, gate, *, scale, node_k=None, node_v=None, ring=0):
+    """The path attention with the softplus gate applied in its merge kernel (`triton_path_combine`): the
+    gate's own launch is gone. A quantized window whose kernel does not build takes the two ops apart."""
+    extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
+    return _cache_attention(
+        ops, lambda: triton_attention().tree_attention(q, k, v, position, visible, scale=scale, head_gate=gate, **extra),
+        lambda: ops.softplus_head_gate(ops.tree_attention(q, k, v, position, visible, scale=scale, **extra), gate),
+        k, v)
 
 
 def accepts_softplus_head_gate(ops: Any, out: torch.Tensor, gate: torch.Tensor) -> bool:

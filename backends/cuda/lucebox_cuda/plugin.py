@@ -31,7 +31,7 @@ FAMILY_KERNEL_OPS = (
 # A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route",
                    # a gated-attention, sigmoid-routed MoE decoder's (Laguna's names), in `triton_gates`
-                   "qk_norm_rope_scaled", "sigmoid_route", "softplus_head_gate",
+                   "qk_norm_rope_scaled", "sigmoid_route", "softplus_head_gate", "gated_tree_attention",
                    "softmax_topk_route")  # a softmax-routed MoE's router (Qwen3.5-MoE's name)
 
 

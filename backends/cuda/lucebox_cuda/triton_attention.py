@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,6 +41,7 @@ from .triton_ops import (
     _load_kv_row_ptrs,
     _load_kv_rows,
 )
+from . import triton_path_combine
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 from triton.runtime.errors import TritonError
@@ -451,51 +453,25 @@ def _path_attention_split_kernel(
              mask=head_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
 
 
-@triton.jit
-def _path_attention_combine_kernel(
-    max_ptr, sum_ptr, acc_ptr, out_ptr, splits, stride_on, stride_oh,
-    Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """One (node, query head) and BLOCK_DV of its value dims: its splits' partial results merged one
-    after another in split order, so splits past the node's sequence (more of them in a larger window)
-    add exact zeros and change no bit."""
-    row = tl.program_id(0).to(tl.int64)
-    split_index = tl.arange(0, BLOCK_S)
-    value_dims = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    value_ok = value_dims < VALUE_DIM
-    top = tl.max(tl.load(max_ptr + row * splits + split_index, mask=split_index < splits, other=float("-inf")),
-                 axis=0)  # finite: split 0 holds position 0, which every node sees
-    total = tl.zeros([1], dtype=tl.float32)
-    out = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    split = 0
-    while split < splits:  # a while loop: the interpreter cannot take an argument as a range() bound
-        weight = tl.exp(tl.load(max_ptr + row * splits + split) - top)  # exp(-inf) = 0 for an empty split
-        total += tl.load(sum_ptr + row * splits + split) * weight
-        out += tl.load(acc_ptr + (row * splits + split) * VALUE_DIM + value_dims, mask=value_ok, other=0.0) * weight
-        split += 1
-    node, head = row // Q_HEADS, row % Q_HEADS
-    tl.store(out_ptr + node * stride_on + head * stride_oh + value_dims, (out / total).to(out_ptr.dtype.element_ty),
-             mask=value_ok)
-
-
 # Key rows per loop step and loop steps per split of the path kernel. Fixed (never chosen from the window,
 # the node count or the position): the partition of a node's key sequence, and so the rounding of its
-# result, then depends only on the sequence. 256 rows keep 128 splits x KV heads x nodes programs in
-# flight at a 32K context, and a short context a few splits.
+# result, then depends only on the sequence. One block a split: a short context's few hundred keys are
+# then several programs per KV head, each one tile deep (session 20: four blocks a split, 16 programs on
+# Laguna-XS.2's ring, took 10.5 us a layer, latency-bound); the chunked merge keeps a long context's many
+# splits cheap. `LUCEBOX_PATH_BLOCKS_PER_SPLIT` overrides it for a whole process (a benchmark's A/B).
 PATH_BLOCK_N = 64
-PATH_BLOCKS_PER_SPLIT = 4
+PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "1"))
 # 4 warps and two K/V tiles in flight (2 x 64 KiB at 256 dims in 16 bits): two programs can share an SM.
 # Fixed too: the tile layout decides the order of each dot product's sums.
 PATH_WARPS = 4
 PATH_STAGES = 2
-# Value dims one combine program merges.
-COMBINE_BLOCK_VALUES = 64
 
 
 def tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, visible: torch.Tensor, *,
     scale: float, node_k: torch.Tensor | None = None, node_v: torch.Tensor | None = None, ring: int = 0,
     out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N, blocks_per_split: int = PATH_BLOCKS_PER_SPLIT,
+    head_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`TorchBackend.tree_attention` (and, with one node that sees itself, `decode_attention`): q
     `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of the cache; rows `position + i`
@@ -512,9 +488,12 @@ def tree_attention(
     this with one node, in the same mode). A fixed (N, W) gives a fixed launch, so the call records into a
     CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype with a contiguous last dim to write into.
     `block_n`, `blocks_per_split`: the fixed partition (tests use small ones; decode and verify must use
-    the same).
+    the same). `head_gate` `[N, Hq]` (or `[1, N, Hq]`): each output times softplus(gate) per (node, head),
+    in the merge (`triton_path_combine`), rounded as `lucebox_laguna.ops.softplus_head_gate` after this.
     """
     from lucebox_core.kv_quant import rotate_tq3, stored_dim, stored_format
+
+    from .triton_gates import softplus_head_gate
 
     k_format, v_format = stored_format(k), stored_format(v)
     head_dim, value_dim = stored_dim(k), stored_dim(v)
@@ -537,6 +516,8 @@ def tree_attention(
         out = torch.empty(1, nodes, q_heads, value_dim, device=q.device, dtype=q.dtype)
     elif out.shape != (1, nodes, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be a {q.dtype} tensor of shape {(1, nodes, q_heads, value_dim)}")
+    if head_gate is not None:
+        head_gate = head_gate.reshape(nodes, q_heads)
     if k_format == "tq3_0":  # the kernel reads TQ3_0 keys in their rotated domain: q . k = Rq . Rk
         q = rotate_tq3(q)
     # TQ3_0 values give the output in their rotated domain: the kernels write it here, rotated back below.
@@ -556,7 +537,6 @@ def tree_attention(
     sequence = rows if not node_rows else min(rows + nodes, ring) if ring else rows + nodes
     splits = triton.cdiv(sequence, block_n * blocks_per_split)
     interpreted = not q.is_cuda
-    combine_dims = min(COMBINE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)
     split_sum = torch.empty_like(split_max)
     split_acc = torch.empty(nodes * q_heads, splits, value_dim, device=q.device, dtype=torch.float32)
@@ -575,12 +555,13 @@ def tree_attention(
             STATIC_TRIPS=blocks_per_split if interpreted else 0,
             num_warps=PATH_WARPS, num_stages=PATH_STAGES,
         )
-        _path_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, combine_dims))](
-            split_max, split_sum, split_acc, kernel_out, splits, kernel_out.stride(1), kernel_out.stride(2),
-            Q_HEADS=q_heads, VALUE_DIM=value_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=combine_dims,
-        )
+        # A TQ3_0 V's output is gated after its rotation back (below), as the reference rounds it.
+        triton_path_combine.combine(split_max, split_sum, split_acc, kernel_out,
+                                    head_gate if kernel_out is out else None)
     if kernel_out is not out:
         out.copy_(rotate_tq3(kernel_out, inverse=True))
+        if head_gate is not None:
+            out.copy_(softplus_head_gate(out[0], head_gate)[None])
     return out
 
 

@@ -144,14 +144,15 @@ class LagunaAttention:
                       one_node: torch.Tensor) -> torch.Tensor:
         """One token at the device position `position` `[1]`: K/V written there, then the generic
         `tree_attention` with one node over a fixed window of the cache (a sliding layer's ring: its slots),
-        the node's rows passed beside the cache, as Gemma-4's decode step does."""
+        the node's rows passed beside the cache, as Gemma-4's decode step does; its output gated in the same
+        op (`gated_tree_attention`)."""
         query, key, value, gate = self.project(x, position)
         write_rows(kv, self.ops, self.layer_index, position, key[0], value[0])
         keys, values = kv.gather(self.layer_index, window)
         node_k, node_v = kv.as_stored(key[0], value[0])
-        out = self.ops.tree_attention(query, keys, values, position, one_node, scale=self.scale, node_k=node_k,
-                                      node_v=node_v, ring=self.sliding_window or 0)
-        return self.output(out, gate)
+        gated = self.ops.gated_tree_attention(query, keys, values, position, one_node, gate, scale=self.scale,
+                                              node_k=node_k, node_v=node_v, ring=self.sliding_window or 0)
+        return self.ops.linear(gated.reshape(1, 1, -1), self.o_proj)
 
 
 @attrs.define

@@ -52,6 +52,18 @@ def softplus_head_gate(ops: Any, out: torch.Tensor, gate: torch.Tensor) -> torch
 
 
 @LAGUNA_OPS.reference
+def gated_tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                         visible: torch.Tensor, gate: torch.Tensor, *, scale: float,
+                         node_k: torch.Tensor | None = None, node_v: torch.Tensor | None = None,
+                         ring: int = 0) -> torch.Tensor:
+    """The generic `tree_attention` (the static decode step's attention: one node), then the per-head output
+    gate `softplus_head_gate` with `gate` `[1, N, H]`. One op so that a backend can apply the gate where the
+    attention writes its output (one launch fewer a layer)."""
+    out = ops.tree_attention(q, k, v, position, visible, scale=scale, node_k=node_k, node_v=node_v, ring=ring)
+    return ops.softplus_head_gate(out, gate)
+
+
+@LAGUNA_OPS.reference
 def sigmoid_route(ops: Any, x: torch.Tensor, proj: Any, selection_bias: torch.Tensor, top_k: int,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Laguna's router on the normed input `x` `[T, hidden]`: scores `sigmoid(x proj^T)` in fp32; the experts

@@ -1,0 +1,89 @@
+"""The second half of the path (tree / decode) attention: the splits' partial results merged into each output.
+
+`triton_attention.tree_attention`'s split kernel leaves, per (node, query head, split), the max score, the
+sum of exp(score - max) and the unnormalised output over that split's keys. This kernel merges them, one
+program per (node, head) and block of value dims, `SPLIT_CHUNK` splits at a time: one vector load of their
+maxima, sums and outputs, reduced across the chunk, then added to the running total chunk after chunk.
+
+Why chunks in a fixed order, and not one loop over the splits nor one reduction over all of them: the decode
+step and a verified node reach the same key sequence with different split counts (a verify's window covers
+the tree too, a larger window has more splits past the sequence). Every split past a node's sequence holds
+max -inf, sum 0 and output 0, so it weighs exactly 0; within a chunk it sits where the shorter call's mask
+puts an exact 0, and a chunk of zeros adds +0 to the total. The reduction tree of one chunk is fixed by its
+constexpr shape, so both calls sum the same numbers in the same order: the bits agree. A chunk rather than a
+split a step keeps a long context's merge short (session 20's profile: the combine ran one dependent load
+chain per split).
+
+`head_gate`: the (node, head) output times softplus(gate), rounded as the two-op reference (Laguna's per-head
+output gate, `lucebox_laguna.ops.softplus_head_gate`): saves that op's launch after every attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_gates import SOFTPLUS_THRESHOLD, softplus_fp32
+
+SPLIT_CHUNK = 16  # splits merged per step: part of the arithmetic, so fixed (never chosen per call)
+COMBINE_BLOCK_VALUES = 64  # value dims one program merges
+
+
+@triton.jit
+def _path_attention_combine_kernel(
+    max_ptr, sum_ptr, acc_ptr, gate_ptr, out_ptr, splits, stride_on, stride_oh, stride_gn, threshold,
+    Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # node * Q_HEADS + head
+    chunk = tl.arange(0, CHUNK)
+    value_dims = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    value_ok = value_dims < VALUE_DIM
+    first = row * splits
+    # The largest max over every split (finite: split 0 holds position 0, which every node sees).
+    top = tl.max(tl.load(max_ptr + first + chunk, mask=chunk < splits, other=float("-inf")), axis=0)
+    start = CHUNK
+    while start < splits:  # a while loop: the interpreter cannot take an argument as a range() bound
+        index = start + chunk
+        top = tl.maximum(top, tl.max(tl.load(max_ptr + first + index, mask=index < splits,
+                                             other=float("-inf")), axis=0))
+        start += CHUNK
+    total = tl.zeros([1], dtype=tl.float32)
+    out = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    start = 0
+    while start < splits:
+        index = start + chunk
+        ok = index < splits
+        weight = tl.exp(tl.load(max_ptr + first + index, mask=ok, other=float("-inf")) - top)  # 0 when empty
+        total += tl.sum(tl.load(sum_ptr + first + index, mask=ok, other=0.0) * weight, axis=0)
+        partial = tl.load(acc_ptr + (first + index)[:, None] * VALUE_DIM + value_dims[None, :],
+                          mask=ok[:, None] & value_ok[None, :], other=0.0)
+        out += tl.sum(partial * weight[:, None], axis=0)
+        start += CHUNK
+    dtype = out_ptr.dtype.element_ty
+    result = (out / total).to(dtype)
+    node, head = row // Q_HEADS, row % Q_HEADS
+    if GATED:  # softplus in fp32 rounded to the output's dtype, then the product rounded (the reference's ops)
+        soft = softplus_fp32(tl.load(gate_ptr + node * stride_gn + head).to(tl.float32), threshold)
+        result = (result.to(tl.float32) * soft.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + node * stride_on + head * stride_oh + value_dims, result, mask=value_ok)
+
+
+def combine(split_max: torch.Tensor, split_sum: torch.Tensor, split_acc: torch.Tensor, out: torch.Tensor,
+            head_gate: torch.Tensor | None = None) -> None:
+    """Merge `split_max`, `split_sum` `[N * Hq, S]` and `split_acc` `[N * Hq, S, Dv]` (fp32) into `out`
+    `[1, N, Hq, Dv]` (a contiguous last dim); `head_gate` `[N, Hq]` (last dim contiguous): each (node, head)
+    output times softplus of its gate. The caller holds the device scope."""
+    _, nodes, q_heads, value_dim = out.shape
+    splits = split_max.shape[1]
+    if head_gate is not None and (tuple(head_gate.shape) != (nodes, q_heads) or head_gate.stride(-1) != 1):
+        raise ValueError(f"head_gate must be [{nodes}, {q_heads}] with a contiguous last dim, "
+                         f"not {tuple(head_gate.shape)}")
+    block = min(COMBINE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
+    gate = head_gate if head_gate is not None else split_max  # never read without GATED
+    _path_attention_combine_kernel[(nodes * q_heads, triton.cdiv(value_dim, block))](
+        split_max, split_sum, split_acc, gate, out, splits, out.stride(1), out.stride(2),
+        gate.stride(0), SOFTPLUS_THRESHOLD,
+        Q_HEADS=q_heads, VALUE_DIM=value_dim, CHUNK=SPLIT_CHUNK, BLOCK_DV=block, GATED=head_gate is not None,
+    )
