@@ -346,6 +346,7 @@ from triton.compiler import ASTSource
 from lucebox_cuda import triton_attention as attention
 from lucebox_cuda import triton_ops as ops
 from lucebox_cuda import triton_path_combine as combine
+from lucebox_cuda import triton_router as router
 
 def signature(kernel, types, constants):
     names = kernel.arg_names
@@ -402,6 +403,15 @@ def variants(act):
          dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr=pointer, out_ptr=pointer,
               threshold="fp32"),
          dict(Q_HEADS=64, VALUE_DIM=128, CHUNK=16, BLOCK_DV=64, GATED=True)),
+        # The one-launch router: Laguna-XS.2's (sigmoid, selection bias) and Qwen3.5-35B-A3B's (softmax).
+        (router._route_kernel,
+         dict(x_ptr=pointer, w_ptr="*fp32", extra_ptr="*fp32", logits_ptr="*fp32", counter_ptr="*i32",
+              weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
+         dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=True)),
+        (router._route_kernel,
+         dict(x_ptr=pointer, w_ptr="*fp32", extra_ptr="*fp32", logits_ptr="*fp32", counter_ptr="*i32",
+              weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
+         dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=False)),
         (ops._gated_delta_step_kernel,
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
               new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),
@@ -439,4 +449,4 @@ def test_kernels_compile_for_each_gpu_architecture(tmp_path, capability, activat
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(capability), *activations], env=env,
                             capture_output=True, check=False, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == len(activations) * 10  # 10 kernel variants per activation type
+    assert result.stdout.count("compiled") == len(activations) * 12  # 12 kernel variants per activation type

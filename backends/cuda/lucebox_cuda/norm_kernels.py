@@ -105,6 +105,7 @@ def moe_route(ops: Any, h, proj, scale, per_expert_scale, top_k, eps):
 # -- a gated-attention, sigmoid-routed MoE decoder's ops (Laguna's names), in `triton_gates` ---------------
 
 triton_gates = functools.cache(lambda: _optional("triton_gates"))
+triton_router = functools.cache(lambda: _optional("triton_router"))
 
 
 def accepts_qk_norm_rope_scaled(ops: Any, query: torch.Tensor, key: torch.Tensor, q_norm: torch.Tensor,
@@ -130,8 +131,12 @@ def accepts_sigmoid_route(ops: Any, x: torch.Tensor, proj: Any, selection_bias: 
 
 
 def sigmoid_route(ops: Any, x, proj, selection_bias, top_k, scale):
-    """Two launches: the router's product (the backend's `linear`), then sigmoid, biased top-k,
-    renormalisation and scale in one kernel (torch's chain is eight)."""
+    """A few tokens over a float router: one launch (`triton_router`: product, sigmoid, biased top-k,
+    renormalisation and scale). Else two: the backend's `linear`, then the rest in one kernel (torch's chain
+    is eight)."""
+    router = triton_router()
+    if router is not None and router.takes(x, proj):
+        return router.route(x, proj, top_k, selection_bias=selection_bias, scale=scale)
     return triton_gates().sigmoid_topk(ops.linear(x, proj), selection_bias, top_k, scale)
 
 
@@ -174,6 +179,9 @@ def accepts_softmax_topk_route(ops: Any, x: torch.Tensor, proj: Any, top_k: int)
 
 
 def softmax_topk_route(ops: Any, x, proj, top_k):
-    """Two launches: the router's product, then softmax, top-k and renormalisation in one kernel (Gemma-4's,
-    without its per-expert scale)."""
+    """A few tokens over a float router: one launch (`triton_router`). Else two: the router's product, then
+    softmax, top-k and renormalisation in one kernel (Gemma-4's, without its per-expert scale)."""
+    router = triton_router()
+    if router is not None and router.takes(x, proj):
+        return router.route(x, proj, top_k)
     return triton_norms().softmax_topk(ops.linear(x, proj), None, top_k)

@@ -26,12 +26,12 @@ SOFTPLUS_THRESHOLD = 20.0  # torch's default: above it softplus(x) is x
 
 
 @triton.jit
-def _sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, logits_row, scale,
-                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    row = tl.program_id(0)
+def sigmoid_topk_row(logits_ptr, bias_ptr, experts, scale, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's routing from its logits row in memory -> (weights [TOP_K] fp32, ids [TOP_K] int64). The
+    loads bypass L1 (`.cg`): `triton_router` calls this on logits other programs have just written."""
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
-    logits = tl.load(logits_ptr + row * logits_row + cols, mask=ok, other=0.0).to(tl.float32)
+    logits = tl.load(logits_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     scores = tl.sigmoid(logits)
     choice = scores + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     remaining = tl.where(ok, choice, -float("inf"))
@@ -43,9 +43,18 @@ def _sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, lo
         index = tl.argmax(remaining, axis=0, tie_break_left=True)
         ids = tl.where(slots == k, index.to(tl.int64), ids)
         remaining = tl.where(cols == index, -float("inf"), remaining)
-    values = tl.sigmoid(tl.load(logits_ptr + row * logits_row + ids).to(tl.float32))
+    values = tl.sigmoid(tl.load(logits_ptr + ids, cache_modifier=".cg").to(tl.float32))
     total = tl.sum(values, axis=0)
-    tl.store(weights_ptr + row * TOP_K + slots, values / total * scale)
+    return values / total * scale, ids
+
+
+@triton.jit
+def _sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, experts, logits_row, scale,
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, TOP_K)
+    weights, ids = sigmoid_topk_row(logits_ptr + row * logits_row, bias_ptr, experts, scale, TOP_K, BLOCK_E)
+    tl.store(weights_ptr + row * TOP_K + slots, weights)
     tl.store(ids_ptr + row * TOP_K + slots, ids)
 
 

@@ -288,12 +288,13 @@ def router_norm(h: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tenso
 
 
 @triton.jit
-def _softmax_topk_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, experts,
-                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SCALE: tl.constexpr):
-    row = tl.program_id(0)
+def softmax_topk_row(logits_ptr, expert_scale_ptr, experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                     HAS_SCALE: tl.constexpr):
+    """One token's routing from its logits row in memory -> (weights [TOP_K] fp32, ids [TOP_K] int64). The
+    loads bypass L1 (`.cg`): `triton_router` calls this on logits other programs have just written."""
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
-    logits = tl.load(logits_ptr + row * experts + cols, mask=ok, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + cols, mask=ok, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     remaining = tl.where(ok, probs, -1.0)  # below every probability: a taken or padding slot
@@ -310,9 +311,17 @@ def _softmax_topk_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, exp
         remaining = tl.where(cols == index, -1.0, remaining)
     total = tl.sum(values, axis=0)
     if HAS_SCALE:
-        tl.store(weights_ptr + row * TOP_K + slots, values / total * tl.load(expert_scale_ptr + ids).to(tl.float32))
-    else:
-        tl.store(weights_ptr + row * TOP_K + slots, values / total)
+        return values / total * tl.load(expert_scale_ptr + ids).to(tl.float32), ids
+    return values / total, ids
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, experts,
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SCALE: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, TOP_K)
+    weights, ids = softmax_topk_row(logits_ptr + row * experts, expert_scale_ptr, experts, TOP_K, BLOCK_E, HAS_SCALE)
+    tl.store(weights_ptr + row * TOP_K + slots, weights)
     tl.store(ids_ptr + row * TOP_K + slots, ids)
 
 

@@ -1,0 +1,131 @@
+"""An MoE router in one launch for a few tokens: the router's product and the top-k choice together.
+
+The router of Laguna-XS.2 or Qwen3.5-35B-A3B is a `[256, 2048]` fp32 matrix, 2 MiB a layer. Written as two
+launches, a matrix-vector product and a top-k kernel, it cost 6.3 us a layer on the H200 (session 20's
+profile of Laguna-XS.2: 127 + 117 us over 39 layers), most of it two kernels' ramp-up and drain for little
+work. Here each program computes the logits of BLOCK_E experts for one token (the whole hidden row, its
+loads all issued before any sum) and stores them; the last program to finish for that token (an atomic
+counter per token) reads the token's logits back and chooses, with the same row function as the two-launch
+path (`triton_gates.sigmoid_topk_row`, Laguna's sigmoid with a selection bias; `triton_norms.softmax_topk_row`,
+Qwen3.5-MoE's softmax), then resets its counter for the next launch or graph replay.
+
+Exactness: each logit is a fixed-order fp32 sum over the hidden dim, rounded to the activations' dtype as
+`ops.linear`'s output is, so a token's routing does not depend on how many tokens share the launch (the
+decode step and a verify pass agree). The counters live in one per-device buffer: launches on one device are
+ordered by its stream, so no two of these kernels count at once.
+
+Under `TRITON_INTERPRET=1` the programs run one after another and the last one still finds every logit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_gates import sigmoid_topk_row
+from .triton_norms import softmax_topk_row
+from .triton_ops import _device_scope
+
+# Tokens one launch routes (decode, a verify pass); a prefill chunk takes the product and top-k apart.
+MAX_TOKENS = 64
+EXPERTS_PER_PROGRAM = 4  # 64 programs a token for 256 experts: 32 KiB of an fp32 router each
+HIDDEN_BLOCK = 256
+ENV_SWITCH = "LUCEBOX_FUSED_ROUTER"  # "0": the two-launch router (a benchmark's A/B)
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@triton.jit
+def _route_kernel(x_ptr, w_ptr, extra_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, experts, stride_x, scale,
+                  HIDDEN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
+                  TOP_K: tl.constexpr, SIGMOID: tl.constexpr):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok = rows < experts
+    partial = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for start in tl.static_range(0, HIDDEN, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        col_ok = cols < HIDDEN
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + token * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
+        partial += w * x[None, :]
+    # Rounded to the activations' dtype, as the product `ops.linear` gives the reference.
+    logits = tl.sum(partial, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    row_logits = logits_ptr + token * experts
+    tl.store(row_logits + rows, logits, mask=row_ok)
+    tl.debug_barrier()  # every thread's logits stored before the counter says so (a release at GPU scope)
+    arrived = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are there
+        slots = tl.arange(0, TOP_K)
+        if SIGMOID:
+            weights, ids = sigmoid_topk_row(row_logits, extra_ptr, experts, scale, TOP_K, BLOCK_ALL)
+        else:
+            weights, ids = softmax_topk_row(row_logits, extra_ptr, experts, TOP_K, BLOCK_ALL, False)
+        tl.store(weights_ptr + token * TOP_K + slots, weights)
+        tl.store(ids_ptr + token * TOP_K + slots, ids)
+        tl.atomic_xchg(counter_ptr + token, 0)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def plain_weight(proj: Any) -> torch.Tensor | None:
+    """The router's matrix as a contiguous float tensor `[E, hidden]`: a torch tensor, or a GGUF F32 / F16 /
+    BF16 tensor's bytes viewed as such; None for a quantized one (the two-launch path reads those)."""
+    from lucebox_core.quants import QuantTensor
+
+    if isinstance(proj, QuantTensor):
+        dtype = _FLOAT_TYPES.get(proj.ggml_type.name)
+        return None if dtype is None or len(proj.shape) != 2 else proj.data.view(dtype).view(proj.shape)
+    if isinstance(proj, torch.Tensor) and proj.dim() == 2 and proj.is_floating_point() and proj.is_contiguous():
+        return proj
+    return None
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's counters, made on first use outside a graph capture (None during one: its memory would
+    belong to the graph)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+    return counters
+
+
+def takes(x: torch.Tensor, proj: Any) -> bool:
+    """Whether `route` takes these: a few tokens `[T, hidden]` with a unit last stride, a float router of that
+    width on their device, and the counters made."""
+    if not enabled() or x.dim() != 2 or not 0 < x.shape[0] <= MAX_TOKENS or x.stride(-1) != 1:
+        return False
+    weight = plain_weight(proj)
+    return (weight is not None and weight.shape[1] == x.shape[1] and weight.device == x.device
+            and _counters(x.device) is not None)
+
+
+def route(x: torch.Tensor, proj: Any, top_k: int, *, selection_bias: torch.Tensor | None = None,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, hidden]` -> weights `[T, top_k]` fp32 and expert ids `[T, top_k]` long, descending. With
+    `selection_bias` `[E]`: Laguna's router (`sigmoid_route`: sigmoid scores, chosen by score + bias,
+    renormalised, times `scale`); without: Qwen3.5-MoE's (`softmax_topk_route`: softmax, renormalised)."""
+    weight = plain_weight(proj)
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.long, device=x.device)
+    sigmoid = selection_bias is not None
+    extra = selection_bias.to(torch.float32).contiguous() if sigmoid else logits  # unread without a bias
+    with _device_scope(x):
+        _route_kernel[(tokens, triton.cdiv(experts, EXPERTS_PER_PROGRAM))](
+            x, weight, extra, logits, _counters(x.device), weights, ids, experts, x.stride(0), float(scale),
+            HIDDEN=hidden, BLOCK_E=EXPERTS_PER_PROGRAM, BLOCK_H=min(HIDDEN_BLOCK, triton.next_power_of_2(hidden)),
+            BLOCK_ALL=triton.next_power_of_2(experts), TOP_K=top_k, SIGMOID=sigmoid)
+    return weights, ids

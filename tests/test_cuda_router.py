@@ -1,0 +1,122 @@
+"""The one-launch MoE router (lucebox_cuda.triton_router: the router's product and the top-k choice together)
+against the families' torch references (Laguna's `sigmoid_route`, Qwen3.5-MoE's `softmax_topk_route`), run on
+the CPU by Triton's interpreter on random inputs; its counters, its per-token independence, and the op
+kernels choosing it."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules are first imported
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
+
+import torch
+from gguf import GGMLQuantizationType
+from lucebox_cuda import norm_kernels, triton_router
+from triton.runtime.interpreter import InterpretedFunction
+
+from lucebox_core.quants import QuantTensor
+from lucebox_core.torch_backend import TorchBackend
+from lucebox_laguna.ops import LAGUNA_OPS
+from lucebox_qwen35.ops import QWEN35_OPS
+
+if not isinstance(triton_router._route_kernel, InterpretedFunction):
+    pytest.skip("lucebox_cuda.triton_router was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+
+# f16, not bf16: the interpreter truncates to bf16 where torch rounds to nearest, which moves near-tie logits.
+DTYPES = [torch.float32, torch.float16]
+
+
+def inputs(tokens: int, experts: int, hidden: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    proj = torch.randn(experts, hidden, generator=gen) * hidden**-0.5  # an fp32 router, as GGUF files keep it
+    bias = torch.randn(experts, generator=gen) * 0.05
+    return x, proj, bias
+
+
+def reference(family, dtype: torch.dtype):
+    return family.bind(TorchBackend("cpu", dtype, kernel_table_for={}))
+
+
+def assert_same_choice(ids: torch.Tensor, want_ids: torch.Tensor, logits: torch.Tensor) -> None:
+    """The same experts in the same order, but for equal logits (f16 rounds some pairs together: the kernel
+    takes the lower index first, torch.topk either)."""
+    assert torch.equal(logits.gather(-1, ids), logits.gather(-1, want_ids))
+    assert (ids == want_ids).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("experts", "top_k", "tokens", "hidden"), [(256, 8, 3, 512), (50, 4, 2, 96), (16, 1, 1, 64)])
+def test_sigmoid_router(dtype, experts, top_k, tokens, hidden):
+    """Laguna's router: the reference's experts in order (chosen by score + bias), weights within fp32 roundoff."""
+    x, proj, bias = inputs(tokens, experts, hidden, dtype, experts + hidden)
+    want_weights, want_ids = reference(LAGUNA_OPS, dtype).sigmoid_route(x, proj.to(dtype), bias, top_k, 2.5)
+    weights, ids = triton_router.route(x, proj.to(dtype), top_k, selection_bias=bias, scale=2.5)
+    assert_same_choice(ids, want_ids, torch.sigmoid((x @ proj.to(dtype).T).float()) + bias)
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-5)
+    plain = torch.topk(torch.sigmoid((x.float() @ proj.T)), top_k).indices
+    assert top_k == 1 or not torch.equal(ids, plain)  # the bias moved some choice: the kernel adds it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("experts", "top_k", "tokens", "hidden"), [(256, 8, 3, 512), (60, 4, 5, 80)])
+def test_softmax_router(dtype, experts, top_k, tokens, hidden):
+    """Qwen3.5-MoE's router: softmax over every expert, the top k renormalised."""
+    x, proj, _ = inputs(tokens, experts, hidden, dtype, experts * top_k)
+    want_weights, want_ids = reference(QWEN35_OPS, dtype).softmax_topk_route(x, proj.to(dtype), top_k)
+    weights, ids = triton_router.route(x, proj.to(dtype), top_k)
+    assert_same_choice(ids, want_ids, (x @ proj.to(dtype).T).float())
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-5)
+
+
+def test_a_token_routes_the_same_alone_or_in_a_verify_pass():
+    """Each logit is its own fixed-order sum: a token's weights are the same bits whatever shares the launch
+    (the decode step and a verify pass agree), and the counters are back at zero after every launch."""
+    x, proj, bias = inputs(5, 256, 256, torch.float32, 3)
+    together = triton_router.route(x, proj, 8, selection_bias=bias, scale=2.5)
+    for token in range(5):
+        alone = triton_router.route(x[token : token + 1], proj, 8, selection_bias=bias, scale=2.5)
+        assert torch.equal(alone[0][0], together[0][token]) and torch.equal(alone[1][0], together[1][token])
+    assert not triton_router._COUNTERS[torch.device("cpu")].any()
+
+
+def test_gguf_float_routers_are_read_in_place_and_quantized_ones_left_to_the_product():
+    proj = torch.randn(32, 64)
+    as_gguf = QuantTensor("blk.0.ffn_gate_inp.weight", GGMLQuantizationType.F32, (32, 64),
+                          proj.contiguous().view(torch.uint8).reshape(-1))
+    assert torch.equal(triton_router.plain_weight(as_gguf), proj)
+    half = QuantTensor("r", GGMLQuantizationType.F16, (32, 64), proj.half().view(torch.uint8).reshape(-1))
+    assert triton_router.plain_weight(half).dtype == torch.float16
+    q8 = QuantTensor("r", GGMLQuantizationType.Q8_0, (32, 64), torch.zeros(32 * 2 * 34, dtype=torch.uint8))
+    assert triton_router.plain_weight(q8) is None
+    x = torch.randn(1, 64)
+    assert triton_router.takes(x, as_gguf) and not triton_router.takes(x, q8)
+    assert not triton_router.takes(torch.randn(triton_router.MAX_TOKENS + 1, 64), as_gguf)  # a prefill chunk
+    assert not triton_router.takes(torch.randn(1, 48), as_gguf)
+
+
+def test_the_op_kernels_take_the_one_launch_router(monkeypatch):
+    """The backend's `sigmoid_route` and `softmax_topk_route` run it for a decode step's token (one launch, no
+    `linear`), the two-launch path when switched off, and both give the reference's routing."""
+    backend = TorchBackend("cpu", torch.float32, kernel_table_for={})
+    product = backend.linear
+    products = []
+    monkeypatch.setattr(backend, "linear", lambda *a, **k: products.append(1) or product(*a, **k))
+    ops = LAGUNA_OPS.bind(backend)
+    x, proj, bias = inputs(1, 64, 128, torch.float32, 9)
+    fused = norm_kernels.sigmoid_route(ops, x, proj, bias, 4, 2.5)
+    assert products == []
+    monkeypatch.setenv(triton_router.ENV_SWITCH, "0")
+    apart = norm_kernels.sigmoid_route(ops, x, proj, bias, 4, 2.5)
+    assert products == [1]
+    assert torch.equal(fused[1], apart[1])
+    torch.testing.assert_close(fused[0], apart[0], atol=1e-6, rtol=1e-6)
+    monkeypatch.delenv(triton_router.ENV_SWITCH)
+    qwen = QWEN35_OPS.bind(TorchBackend("cpu", torch.float32, kernel_table_for={}))
+    want = qwen.softmax_topk_route(x, proj, 4)
+    got = norm_kernels.softmax_topk_route(qwen, x, proj, 4)
+    assert torch.equal(got[1], want[1])
