@@ -40,6 +40,7 @@
 #                                        #   expert bytes, llama-bench all on GPU and --n-cpu-moe at the same
 #                                        #   bytes (scripts/bench_spark.py).          carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh spark-bench-35b  # ~9 min: the same on the 35B-A3B (qwen35moe). carry: .whl .llamacpp
+#   More modes (s21-fusion, s21-depth, ...): scripts/gpu_session_more.sh, sourced below.
 # Env: COMMIT (recorded in every result: the device's copy has no .git), SKIP (step names to leave out, e.g.
 # "profile-27b"; for bench-*: see bench_vs_llamacpp.sh; for spec: "llama" skips the build and llama-bench),
 # SPEC_ARGS (extra spec_bench.py options), CHECK_FIRST (spec: attention kernel check and verify_determinism
@@ -781,11 +782,13 @@ session() {
     s20-spark) s19_spark; for m in $(sparkmodel laguna xs2 "$SPARK_SKEW") ${PROFILE_35B:+$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")}; do
       step profile-spark 90 python3 scripts/bench_vs_llamacpp.py profile "$m" --spark "$SPARK_RESIDENCY" --out "$RES"
       step profile-full 60 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"; done; cp "$RES"/*.json "$OUT/" ;;
-    *) echo "unknown mode $MODE: check, bench-a, bench-b, bench-all, spec, core or same-call"; return 2 ;;
+    *) if declare -F "${MODE//-/_}" > /dev/null; then "${MODE//-/_}"  # a mode of gpu_session_more.sh
+       else echo "unknown mode $MODE (see this file's and gpu_session_more.sh's headers)"; return 2; fi ;;
   esac
   pack
   echo "[$SECONDS s] gpu_session $MODE done"
 }
 
+source scripts/gpu_session_more.sh
 export -f synth model install g4synth g4model
 session 2>&1 | tee "$OUT/log_$MODE.txt"

@@ -1,0 +1,65 @@
+# Modes of scripts/gpu_session.sh kept apart (that file is near the 800-line limit). Sourced by it: every
+# function here named after a mode (dashes as underscores) runs as `bash scripts/gpu_session.sh MODE`, with
+# its helpers (step, sparkmodel, llama_build_bg, llama_wait, LB, RES, OUT, SPARK_SKEW).
+#
+#   bash scripts/gpu_session.sh s21-fusion  # ~8.5 min: session 21's decode-step kernels (one-launch MoE router,
+#                                           #   softplus gate in the attention merge, one key block a split with
+#                                           #   the chunked merge): their GPU tests and the family tests on CUDA,
+#                                           #   then Laguna-XS.2 tg128 all on the GPU with each change switched
+#                                           #   off in turn (the A/B), its step profile, llama-bench beside (built
+#                                           #   meanwhile). ARCHS adds e.g. qwen35moe:35b-a3b.  carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s21-depth   # ~7 min: the path attention's partition at depth on the 27B Q4_K_M
+#                                           #   (#17's depth row): tg128 at depth 0 / 4096 / 32768, one block a
+#                                           #   split against session 20's four (LUCEBOX_PATH_BLOCKS_PER_SPLIT=4),
+#                                           #   and determinism (decode == verify) on the 0.8B.     carry: .whl
+
+# tok/s of `lucebox bench` rows (its --json) for the A/B table.
+bench_rows() { python3 -c "import json,sys
+for row in json.load(open(sys.argv[1])):
+    print(sys.argv[2], row['test'], round(row['tokens_per_s'], 1))" "$@" || cat "$1"; }
+
+s21_fusion() {
+  LLAMA_NICE=19 llama_build_bg
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_fused_decode_gpu.py tests/test_laguna_cuda.py tests/test_qwen35moe_cuda.py
+  local pair arch size m variant
+  for pair in laguna:xs2 ${ARCHS:-}; do
+    arch=${pair%%:*} size=${pair#*:} m=$(sparkmodel "$arch" "$size" "$SPARK_SKEW")
+    step "synth-$arch" 120 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size $size \
+      --type q4_k_m --router-skew $SPARK_SKEW -o $m"
+    # Each change switched off in turn, then all of them (session 20's kernels), then the default again.
+    for variant in default split4:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4 router2:LUCEBOX_FUSED_ROUTER=0 \
+        s20:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4,LUCEBOX_FUSED_ROUTER=0 again; do
+      local name=${variant%%:*} envs=""
+      [ "$variant" != "$name" ] && envs=${variant#*:} && envs=${envs//,/ }
+      step "tg-$arch-$name" 60 sh -c "env $envs python3 -m lucebox_core.cli bench -m $m -p 512 -n 128 -r 3 --json \
+        > $RES/tg_${arch}_$name.json" && bench_rows "$RES/tg_${arch}_$name.json" "$arch-$name"
+    done
+    step "profile-$arch" 90 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"
+  done
+  for pair in laguna:xs2 ${ARCHS:-}; do
+    arch=${pair%%:*} m=$(sparkmodel "$arch" "${pair#*:}" "$SPARK_SKEW")
+    llama_wait && step "llama-$arch" 60 sh -c "$LB -m $m -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json \
+      > $RES/llama_tg_$arch.json; python3 -c 'import json,sys
+for r in json.load(open(sys.argv[1])): print(\"llama\", r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"], 1))' \
+      $RES/llama_tg_$arch.json"
+  done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s21_depth() {
+  step determinism-08b 150 bash -c "synth 0.8b && python3 scripts/verify_determinism.py $(model 0.8b) \
+    --json $RES/determinism_08b.json"
+  step synth-27b 200 synth 27b
+  local variant depth
+  for variant in 1 4; do
+    for depth in 0 4096 32768; do
+      step "tg-27b-split$variant-d$depth" 90 sh -c "LUCEBOX_PATH_BLOCKS_PER_SPLIT=$variant python3 -m \
+        lucebox_core.cli bench -m $(model 27b) -p 0 -n 64 -d $depth -r 2 --json > $RES/tg27_split${variant}_d$depth.json" \
+        && bench_rows "$RES/tg27_split${variant}_d$depth.json" "27b-split$variant-d$depth"
+    done
+  done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}

@@ -1,0 +1,104 @@
+"""Session 21's decode-step kernels on a CUDA device (skipped without one): the one-launch MoE router against the
+two-launch path and inside a replayed graph (its counters), the softplus head gate in the attention's merge
+against the two kernels bit for bit, and the path attention's chunked merge keeping decode == verify to the bit
+on the GPU's own reduction order. The CPU runs the same kernels in Triton's interpreter (test_cuda_router,
+test_cuda_gates, test_triton_attention); only the GPU has the real memory ordering and reduction trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _router_inputs(tokens: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    proj = torch.randn(256, 2048, device="cuda", generator=g) * 2048**-0.5  # Laguna-XS.2's fp32 router
+    bias = torch.randn(256, device="cuda", generator=g) * 0.05
+    return x, proj, bias
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 23])
+def test_the_one_launch_router_routes_as_the_two_launch_path(tokens):
+    from lucebox_cuda import triton_gates, triton_norms, triton_router
+
+    x, proj, bias = _router_inputs(tokens, tokens)
+    logits = (x.float() @ proj.T).to(torch.bfloat16)  # the product's output, rounded as `linear` gives it
+    want_weights, want_ids = triton_gates.sigmoid_topk(logits, bias, 8, 2.5)
+    weights, ids = triton_router.route(x, proj, 8, selection_bias=bias, scale=2.5)
+    # Summation orders differ: ids may part only where two biased scores are within bf16's rounding.
+    assert (ids == want_ids).float().mean() >= 0.95
+    same = (ids == want_ids).all(dim=-1)
+    torch.testing.assert_close(weights[same], want_weights[same], atol=1e-5, rtol=1e-5)
+    soft_weights, soft_ids = triton_router.route(x, proj, 8)
+    want_soft = triton_norms.softmax_topk(logits, None, 8)
+    assert (soft_ids == want_soft[1]).float().mean() >= 0.95
+    assert not triton_router._COUNTERS[x.device].any()
+
+
+def test_the_one_launch_router_replays_in_a_graph():
+    """Recorded once, replayed over new inputs: every replay routes as an eager call (the last program resets
+    its token's counter, so the next replay counts from zero)."""
+    from lucebox_cuda import triton_router
+
+    x, proj, bias = _router_inputs(2, 7)
+    static_x = x.clone()
+    triton_router.route(static_x, proj, 8, selection_bias=bias, scale=2.5)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = triton_router.route(static_x, proj, 8, selection_bias=bias, scale=2.5)
+    for seed in range(10):
+        fresh, _, _ = _router_inputs(2, 100 + seed)
+        static_x.copy_(fresh)
+        graph.replay()
+        eager = triton_router.route(fresh, proj, 8, selection_bias=bias, scale=2.5)
+        assert torch.equal(ids, eager[1]) and torch.equal(weights, eager[0]), f"replay {seed}"
+
+
+@pytest.mark.parametrize("ring", [0, 512])
+def test_the_gate_in_the_merge_equals_the_gate_kernel_bit_for_bit(ring):
+    from lucebox_cuda import triton_attention, triton_gates
+
+    g = torch.Generator(device="cuda").manual_seed(ring)
+    position, rows = 700, 512 if ring else 1024
+    q = torch.randn(1, 1, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(rows, 8, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    node_k, node_v = (torch.randn(1, 8, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    gate = (torch.randn(1, 1, 64, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    one = torch.ones(1, 1, dtype=torch.bool, device="cuda")
+    pos = torch.tensor([position], device="cuda")
+    extra = {"node_k": node_k, "node_v": node_v, "ring": ring}
+    plain = triton_attention.tree_attention(q, k, v, pos, one, scale=128**-0.5, **extra)
+    fused = triton_attention.tree_attention(q, k, v, pos, one, scale=128**-0.5, head_gate=gate, **extra)
+    assert torch.equal(fused, triton_gates.softplus_head_gate(plain, gate))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype):
+    """A 27B-shaped attention (24 query heads on 4 KV heads of 256) at a position whose sequence spans more than
+    one chunk of 16 splits: every node of a tree equals the one-node decode over its committed path, to the
+    bit, in a window with many more (empty) splits."""
+    from lucebox_core.speculative.trees import TreeIndex
+    from lucebox_cuda import triton_attention
+
+    parents = [-1, 0, 0, 1, 3, 2, 2]
+    nodes, position = len(parents), 2000  # 2000 keys: 32 splits of 64 at one block a split
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, nodes, 24, 256, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(position + nodes, 4, 256, device="cuda", generator=g).to(dtype) for _ in range(2))
+    visible = TreeIndex.build(parents).visibility().cuda()
+    verified = triton_attention.tree_attention(q, k, v, torch.tensor([position], device="cuda"), visible,
+                                               scale=256**-0.5)
+    for node in range(nodes):
+        path = [i for i in range(nodes) if visible[node, i]]
+        window = 4096
+        k_decode, v_decode = (torch.randn(window, 4, 256, device="cuda", generator=g).to(dtype) for _ in range(2))
+        k_decode[:position], v_decode[:position] = k[:position], v[:position]
+        for depth, index in enumerate(path):
+            k_decode[position + depth], v_decode[position + depth] = k[position + index], v[position + index]
+        decoded = triton_attention.decode_attention(q[:, node : node + 1], k_decode, v_decode,
+                                                    torch.tensor([position + len(path) - 1], device="cuda"),
+                                                    scale=256**-0.5)
+        assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}"
