@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
 
+import attrs
 import torch
 from gguf import GGMLQuantizationType
 from lucebox_cuda import norm_kernels, triton_router
@@ -120,3 +121,74 @@ def test_the_op_kernels_take_the_one_launch_router(monkeypatch):
     want = qwen.softmax_topk_route(x, proj, 4)
     got = norm_kernels.softmax_topk_route(qwen, x, proj, 4)
     assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_the_shared_expert_gate_rides_as_one_more_row(tokens):
+    """Qwen3.5-MoE's router with its shared expert's gate (`softmax_topk_route_gated`): the reference's routing
+    and gate logit (`linear`'s, in the activations' dtype), and the routing the same bits as without the gate."""
+    x, proj, _ = inputs(tokens, 256, 256, torch.float32, 21)
+    shared_gate = torch.randn(1, 256) * 0.1
+    ops = reference(QWEN35_OPS, torch.float32)
+    want_weights, want_ids, want_gate = ops.softmax_topk_route_gated(x, proj, shared_gate, 8)
+    weights, ids, gate = triton_router.route(x, proj, 8, shared_gate=shared_gate)
+    assert torch.equal(ids, want_ids) and gate.shape == want_gate.shape == (tokens, 1)
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gate, want_gate, atol=1e-5, rtol=1e-5)
+    plain = triton_router.route(x, proj, 8)
+    assert torch.equal(plain[0], weights) and torch.equal(plain[1], ids)
+    backend = TorchBackend("cpu", torch.float32, kernel_table_for={})
+    assert norm_kernels.accepts_softmax_topk_route_gated(backend, x, proj, shared_gate, 8)
+    assert not norm_kernels.accepts_softmax_topk_route_gated(backend, x, proj, shared_gate.half(), 8)
+    assert not triton_router.takes(x, proj, torch.randn(2, 256))  # one row only
+
+
+# The CUDA backend's Triton kernels a tiny MoE model's decode step reaches (the NVRTC products need the GPU).
+TRITON_OPS = ("sigmoid_route", "softmax_topk_route", "softmax_topk_route_gated", "gated_tree_attention",
+              "tree_attention", "softplus_head_gate", "qk_norm_rope_scaled", "add_rms_norm")
+
+
+def _backend_on_cpu(ran: list[str]):
+    """A CPU backend with the CUDA backend's kernels for `TRITON_OPS` (run here in the interpreter), each call
+    that reaches one noted in `ran`."""
+    from lucebox_core.ops import kernel_table
+    from lucebox_core.plugins import registry
+
+    specs = [spec for spec in registry().op_kernels() if spec.backend == "cuda" and spec.op in TRITON_OPS]
+    table = kernel_table("cuda", specs)
+    for op, kernels in table.items():
+        table[op] = [attrs.evolve(k, kernel=lambda *a, _k=k.kernel, _op=op, **kw: ran.append(_op) or _k(*a, **kw))
+                     for k in kernels]
+    return TorchBackend("cpu", torch.float32, kernel_table_for=table)
+
+
+@pytest.mark.parametrize("arch", ["laguna", "qwen35moe"])
+def test_a_tiny_model_decodes_on_the_kernels_as_on_the_reference(arch, tmp_path):
+    """The static decode step of a tiny file on the CUDA backend's kernel table (the one-launch router, the gated
+    attention merge: every layer's call goes to the kernels, counted) gives the reference backend's logits."""
+    from lucebox_core.ggufio import GGUFFile
+
+    if arch == "laguna":
+        from lucebox_laguna import loader, synth
+
+        path, load = synth.write(tmp_path / "tiny.gguf", size="tiny", seed=4), loader.load
+        fused_ops = ("sigmoid_route", "gated_tree_attention")
+    else:
+        from lucebox_qwen35 import loader, synth
+
+        path, load = synth.write_moe(tmp_path / "tiny.gguf", size="tiny", seed=4), loader.load_moe
+        fused_ops = ("softmax_topk_route_gated",)
+    ran: list[str] = []
+    kernels = load(GGUFFile(path), _backend_on_cpu(ran))
+    reference = load(GGUFFile(path), TorchBackend("cpu", torch.float32, kernel_table_for={}))
+    ids = torch.randint(0, 200, (6,), generator=torch.Generator().manual_seed(2))
+    states = kernels.new_state(32), reference.new_state(32)
+    kernels.forward(states[0], ids[:3]), reference.forward(states[1], ids[:3])
+    ran.clear()
+    for token in ids[3:]:
+        got = kernels.decode_step(states[0], token.reshape(1), graphs=False)
+        want = reference.decode_step(states[1], token.reshape(1), graphs=False)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    moe_layers = sum(1 for layer in kernels.layers if hasattr(layer.mlp, "top_k"))
+    for name in fused_ops:  # every MoE layer (and every attention layer) of every step took the kernel
+        assert ran.count(name) >= 3 * (moe_layers if "route" in name else 1), (name, ran.count(name))

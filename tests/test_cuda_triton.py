@@ -403,15 +403,16 @@ def variants(act):
          dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr=pointer, out_ptr=pointer,
               threshold="fp32"),
          dict(Q_HEADS=64, VALUE_DIM=128, CHUNK=16, BLOCK_DV=64, GATED=True)),
-        # The one-launch router: Laguna-XS.2's (sigmoid, selection bias) and Qwen3.5-35B-A3B's (softmax).
+        # The one-launch router: Laguna-XS.2's (sigmoid, selection bias) and Qwen3.5-35B-A3B's (softmax, with its
+        # shared expert's gate as one more row).
         (router._route_kernel,
-         dict(x_ptr=pointer, w_ptr="*fp32", extra_ptr="*fp32", logits_ptr="*fp32", counter_ptr="*i32",
-              weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
-         dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=True)),
+         dict(x_ptr=pointer, w_ptr="*fp32", extra_ptr="*fp32", gate_w_ptr="*fp32", gate_out_ptr=pointer,
+              logits_ptr="*fp32", counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
+         dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=True, GATE=False)),
         (router._route_kernel,
-         dict(x_ptr=pointer, w_ptr="*fp32", extra_ptr="*fp32", logits_ptr="*fp32", counter_ptr="*i32",
-              weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
-         dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=False)),
+         dict(x_ptr=pointer, w_ptr="*fp32", extra_ptr="*fp32", gate_w_ptr="*fp32", gate_out_ptr=pointer,
+              logits_ptr="*fp32", counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
+         dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=False, GATE=True)),
         (ops._gated_delta_step_kernel,
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, g_ptr="*fp32", beta_ptr=pointer, state_ptr="*fp32",
               new_state_ptr="*fp32", out_ptr=pointer, scale="fp32"),

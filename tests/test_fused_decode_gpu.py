@@ -35,6 +35,10 @@ def test_the_one_launch_router_routes_as_the_two_launch_path(tokens):
     soft_weights, soft_ids = triton_router.route(x, proj, 8)
     want_soft = triton_norms.softmax_topk(logits, None, 8)
     assert (soft_ids == want_soft[1]).float().mean() >= 0.95
+    gate_row = torch.randn(1, 2048, device="cuda") * 0.02  # Qwen3.5-MoE's shared expert gate, one more row
+    gated = triton_router.route(x, proj, 8, shared_gate=gate_row)
+    assert torch.equal(gated[0], soft_weights) and torch.equal(gated[1], soft_ids)
+    torch.testing.assert_close(gated[2].float(), (x.float() @ gate_row.T), atol=2e-2, rtol=2e-2)
     assert not triton_router._COUNTERS[x.device].any()
 
 

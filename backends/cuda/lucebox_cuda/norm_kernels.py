@@ -185,3 +185,15 @@ def softmax_topk_route(ops: Any, x, proj, top_k):
     if router is not None and router.takes(x, proj):
         return router.route(x, proj, top_k)
     return triton_norms().softmax_topk(ops.linear(x, proj), None, top_k)
+
+
+def accepts_softmax_topk_route_gated(ops: Any, x: torch.Tensor, proj: Any, shared_gate: Any, top_k: int) -> bool:
+    router = triton_router()
+    return (router is not None and _available(ops, x) and accepts_softmax_topk_route(ops, x, proj, top_k)
+            and router.takes(x, proj, shared_gate))
+
+
+def softmax_topk_route_gated(ops: Any, x, proj, shared_gate, top_k):
+    """The router and the shared expert's one-row gate in one launch (`triton_router`: the gate is one more
+    row); a prefill chunk takes the two ops apart."""
+    return triton_router().route(x, proj, top_k, shared_gate=shared_gate)

@@ -32,7 +32,8 @@ FAMILY_KERNEL_OPS = (
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route",
                    # a gated-attention, sigmoid-routed MoE decoder's (Laguna's names), in `triton_gates`
                    "qk_norm_rope_scaled", "sigmoid_route", "softplus_head_gate", "gated_tree_attention",
-                   "softmax_topk_route")  # a softmax-routed MoE's router (Qwen3.5-MoE's name)
+                   "softmax_topk_route",  # a softmax-routed MoE's router (Qwen3.5-MoE's name)
+                   "softmax_topk_route_gated")  # the same with its shared expert's gate logit, one launch
 
 
 def _installed(module: str) -> bool:

@@ -7,7 +7,9 @@ work. Here each program computes the logits of BLOCK_E experts for one token (th
 loads all issued before any sum) and stores them; the last program to finish for that token (an atomic
 counter per token) reads the token's logits back and chooses, with the same row function as the two-launch
 path (`triton_gates.sigmoid_topk_row`, Laguna's sigmoid with a selection bias; `triton_norms.softmax_topk_row`,
-Qwen3.5-MoE's softmax), then resets its counter for the next launch or graph replay.
+Qwen3.5-MoE's softmax), then resets its counter for the next launch or graph replay. Qwen3.5-MoE's shared
+expert gate (a one-row product, `ffn_gate_inp_shexp`) rides along as one more row, its logit handed out apart
+(`softmax_topk_route_gated`): on the 35B-A3B the router and that gate were four launches a layer, here one.
 
 Exactness: each logit is a fixed-order fp32 sum over the hidden dim, rounded to the activations' dtype as
 `ops.linear`'s output is, so a token's routing does not depend on how many tokens share the launch (the
@@ -41,24 +43,33 @@ _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 
 @triton.jit
-def _route_kernel(x_ptr, w_ptr, extra_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, experts, stride_x, scale,
-                  HIDDEN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
-                  TOP_K: tl.constexpr, SIGMOID: tl.constexpr):
+def _route_kernel(x_ptr, w_ptr, extra_ptr, gate_w_ptr, gate_out_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
+                  experts, stride_x, scale, HIDDEN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_ALL: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GATE: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     row_ok = rows < experts
+    # GATE: one more row past the experts, the shared expert's gate (`gate_w_ptr`), its logit handed out apart.
+    gate_row = rows == experts
+    if GATE:
+        read_ok = row_ok | gate_row
+        row_ptrs = tl.where(gate_row, gate_w_ptr, w_ptr + rows.to(tl.int64) * HIDDEN)
+    else:
+        read_ok = row_ok
+        row_ptrs = w_ptr + rows.to(tl.int64) * HIDDEN
     partial = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for start in tl.static_range(0, HIDDEN, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
         col_ok = cols < HIDDEN
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(row_ptrs[:, None] + cols[None, :], mask=read_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_ptr + token * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
-        partial += w * x[None, :]
+        partial += w.to(tl.float32) * x[None, :]
     # Rounded to the activations' dtype, as the product `ops.linear` gives the reference.
-    logits = tl.sum(partial, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    rounded = tl.sum(partial, axis=1).to(x_ptr.dtype.element_ty)
+    if GATE:
+        tl.store(gate_out_ptr + token + rows * 0, rounded, mask=gate_row)
     row_logits = logits_ptr + token * experts
-    tl.store(row_logits + rows, logits, mask=row_ok)
+    tl.store(row_logits + rows, rounded.to(tl.float32), mask=row_ok)
     tl.debug_barrier()  # every thread's logits stored before the counter says so (a release at GPU scope)
     arrived = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are there
@@ -100,21 +111,28 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     return counters
 
 
-def takes(x: torch.Tensor, proj: Any) -> bool:
+def takes(x: torch.Tensor, proj: Any, shared_gate: Any = None) -> bool:
     """Whether `route` takes these: a few tokens `[T, hidden]` with a unit last stride, a float router of that
-    width on their device, and the counters made."""
+    width on their device (and a one-row shared gate of its dtype), and the counters made."""
     if not enabled() or x.dim() != 2 or not 0 < x.shape[0] <= MAX_TOKENS or x.stride(-1) != 1:
         return False
     weight = plain_weight(proj)
-    return (weight is not None and weight.shape[1] == x.shape[1] and weight.device == x.device
-            and _counters(x.device) is not None)
+    if weight is None or weight.shape[1] != x.shape[1] or weight.device != x.device:
+        return False
+    if shared_gate is not None:
+        gate = plain_weight(shared_gate)
+        if gate is None or gate.shape != (1, x.shape[1]) or gate.dtype != weight.dtype or gate.device != x.device:
+            return False
+    return _counters(x.device) is not None
 
 
 def route(x: torch.Tensor, proj: Any, top_k: int, *, selection_bias: torch.Tensor | None = None,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, shared_gate: Any = None) -> tuple[torch.Tensor, ...]:
     """x `[T, hidden]` -> weights `[T, top_k]` fp32 and expert ids `[T, top_k]` long, descending. With
     `selection_bias` `[E]`: Laguna's router (`sigmoid_route`: sigmoid scores, chosen by score + bias,
-    renormalised, times `scale`); without: Qwen3.5-MoE's (`softmax_topk_route`: softmax, renormalised)."""
+    renormalised, times `scale`); without: Qwen3.5-MoE's (`softmax_topk_route`: softmax, renormalised).
+    `shared_gate` `[1, hidden]`: also the shared expert's gate logit `x . shared_gate` `[T, 1]` in x's dtype
+    (Qwen3.5-MoE's), computed as one more row of the router: (weights, ids, logit)."""
     weight = plain_weight(proj)
     tokens, hidden = x.shape
     experts = weight.shape[0]
@@ -123,9 +141,14 @@ def route(x: torch.Tensor, proj: Any, top_k: int, *, selection_bias: torch.Tenso
     ids = torch.empty(tokens, top_k, dtype=torch.long, device=x.device)
     sigmoid = selection_bias is not None
     extra = selection_bias.to(torch.float32).contiguous() if sigmoid else logits  # unread without a bias
+    gated = shared_gate is not None
+    gate_weight = plain_weight(shared_gate) if gated else weight  # unread without GATE
+    gate_logit = torch.empty(tokens, 1, dtype=x.dtype, device=x.device) if gated else x
+    rows = experts + gated
     with _device_scope(x):
-        _route_kernel[(tokens, triton.cdiv(experts, EXPERTS_PER_PROGRAM))](
-            x, weight, extra, logits, _counters(x.device), weights, ids, experts, x.stride(0), float(scale),
-            HIDDEN=hidden, BLOCK_E=EXPERTS_PER_PROGRAM, BLOCK_H=min(HIDDEN_BLOCK, triton.next_power_of_2(hidden)),
-            BLOCK_ALL=triton.next_power_of_2(experts), TOP_K=top_k, SIGMOID=sigmoid)
-    return weights, ids
+        _route_kernel[(tokens, triton.cdiv(rows, EXPERTS_PER_PROGRAM))](
+            x, weight, extra, gate_weight, gate_logit, logits, _counters(x.device), weights, ids, experts,
+            x.stride(0), float(scale), HIDDEN=hidden, BLOCK_E=EXPERTS_PER_PROGRAM,
+            BLOCK_H=min(HIDDEN_BLOCK, triton.next_power_of_2(hidden)), BLOCK_ALL=triton.next_power_of_2(experts),
+            TOP_K=top_k, SIGMOID=sigmoid, GATE=gated)
+    return (weights, ids, gate_logit) if gated else (weights, ids)

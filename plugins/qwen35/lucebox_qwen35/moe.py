@@ -54,11 +54,10 @@ class SparseMoeBlock:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
         flat = x.reshape(-1, x.shape[-1])
-        weights, ids = ops.softmax_topk_route(flat, self.router, self.top_k)
-        # The gate's logit as transformers' `nn.Linear(hidden, 1)` gives it, in the activations' dtype. A one-row
-        # `linear` runs on the matvec kernels; the fp32 `@` it replaces cost a cuBLAS split-K product and two
-        # casts a layer (0.67 ms of a 4.6 ms 35B-A3B step on the H200).
-        gate = ops.linear(flat, self.shared_expert_gate)  # [T, 1]
+        # The gate's logit as transformers' `nn.Linear(hidden, 1)` gives it, in the activations' dtype, beside the
+        # router's choice (a backend reads both matrices in one launch; the fp32 `@` a one-row `linear` replaced
+        # cost a cuBLAS split-K product and two casts a layer, 0.67 ms of a 4.6 ms 35B-A3B step on the H200).
+        weights, ids, gate = ops.softmax_topk_route_gated(flat, self.router, self.shared_expert_gate, self.top_k)
         # The gated shared expert goes into the op, which adds it (`add_sigmoid_gated(routed, shared(x), gate)`; a
         # backend may run it in the routed experts' launches).
         return run_experts(ops, self, flat, weights, ids, shared=self.shared_expert, shared_logit=gate).reshape(x.shape)

@@ -320,3 +320,12 @@ def softmax_topk_route(ops: Any, x: torch.Tensor, proj: Any, top_k: int) -> tupl
     probs = torch.softmax(ops.linear(x, proj).float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+@QWEN35_OPS.reference
+def softmax_topk_route_gated(ops: Any, x: torch.Tensor, proj: Any, shared_gate: Any,
+                             top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`softmax_topk_route` and the shared expert's gate logit `x shared_gate^T` (`[T, 1]`, the activations'
+    dtype, as `linear` gives it) of the same input: one op so a backend can read both matrices in one launch."""
+    weights, ids = ops.softmax_topk_route(x, proj, top_k)
+    return weights, ids, ops.linear(x, shared_gate)
