@@ -2,16 +2,18 @@
 # function here named after a mode (dashes as underscores) runs as `bash scripts/gpu_session.sh MODE`, with
 # its helpers (step, sparkmodel, llama_build_bg, llama_wait, LB, RES, OUT, SPARK_SKEW).
 #
-#   bash scripts/gpu_session.sh s21-fusion  # ~8.5 min: session 21's decode-step kernels (one-launch MoE router,
+#   bash scripts/gpu_session.sh s21-fusion  # ~9 min: session 21's decode-step kernels (one-launch MoE router,
 #                                           #   softplus gate in the attention merge, one key block a split with
-#                                           #   the chunked merge): their GPU tests and the family tests on CUDA,
-#                                           #   then Laguna-XS.2 tg128 all on the GPU with each change switched
-#                                           #   off in turn (the A/B), its step profile, llama-bench beside (built
+#                                           #   the chunked merge, PDL): their GPU tests (PDL changes no bit) and
+#                                           #   the family tests on CUDA, then Laguna-XS.2 pp512/tg128 all on the
+#                                           #   GPU: the default, PDL on, each change switched off in turn (the
+#                                           #   A/B); step profiles without and with PDL; llama-bench beside (built
 #                                           #   meanwhile). ARCHS adds e.g. qwen35moe:35b-a3b.  carry: .whl .llamacpp
-#   bash scripts/gpu_session.sh s21-depth   # ~7 min: the path attention's partition at depth on the 27B Q4_K_M
-#                                           #   (#17's depth row): tg128 at depth 0 / 4096 / 32768, one block a
-#                                           #   split against session 20's four (LUCEBOX_PATH_BLOCKS_PER_SPLIT=4),
-#                                           #   and determinism (decode == verify) on the 0.8B.     carry: .whl
+#   bash scripts/gpu_session.sh s21-depth   # ~9 min: determinism (decode == verify) on the 0.8B; tg128 of the
+#                                           #   0.8B and 27B Q4_K_M with PDL off and on (LUCEBOX_PDL); the path
+#                                           #   attention's partition at depth on the 27B (#17's depth row): tg64
+#                                           #   at depth 0 / 4096 / 32768, one block a split against session 20's
+#                                           #   four (LUCEBOX_PATH_BLOCKS_PER_SPLIT=4).               carry: .whl
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -27,15 +29,18 @@ s21_fusion() {
     arch=${pair%%:*} size=${pair#*:} m=$(sparkmodel "$arch" "$size" "$SPARK_SKEW")
     step "synth-$arch" 120 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size $size \
       --type q4_k_m --router-skew $SPARK_SKEW -o $m"
-    # Each change switched off in turn, then all of them (session 20's kernels), then the default again.
-    for variant in default split4:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4 router2:LUCEBOX_FUSED_ROUTER=0 \
-        s20:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4,LUCEBOX_FUSED_ROUTER=0 again; do
+    # The default, with PDL on (off by default until measured), each change switched off in turn, then all of
+    # them (session 20's kernels).
+    for variant in default pdl:LUCEBOX_PDL=1 split4:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4 router2:LUCEBOX_FUSED_ROUTER=0 \
+        s20:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4,LUCEBOX_FUSED_ROUTER=0; do
       local name=${variant%%:*} envs=""
       [ "$variant" != "$name" ] && envs=${variant#*:} && envs=${envs//,/ }
       step "tg-$arch-$name" 60 sh -c "env $envs python3 -m lucebox_core.cli bench -m $m -p 512 -n 128 -r 3 --json \
         > $RES/tg_${arch}_$name.json" && bench_rows "$RES/tg_${arch}_$name.json" "$arch-$name"
     done
     step "profile-$arch" 90 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"
+    mkdir -p "$RES/pdl" && step "profile-$arch-pdl" 90 env LUCEBOX_PDL=1 python3 scripts/bench_vs_llamacpp.py \
+      profile "$m" --out "$RES/pdl"
   done
   for pair in laguna:xs2 ${ARCHS:-}; do
     arch=${pair%%:*} m=$(sparkmodel "$arch" "${pair#*:}" "$SPARK_SKEW")
@@ -53,6 +58,13 @@ s21_depth() {
     --json $RES/determinism_08b.json"
   step synth-27b 200 synth 27b
   local variant depth
+  for switch in 0 1; do  # PDL on the dense models: the 0.8B (launch-bound) and the 27B, tg128
+    for size in 0.8b 27b; do
+      step "tg-$size-pdl$switch" 60 bash -c "synth $size && LUCEBOX_PDL=$switch python3 -m lucebox_core.cli bench \
+        -m $(model $size) -p 0 -n 128 -r 3 --json > $RES/tg_${size}_pdl$switch.json" \
+        && bench_rows "$RES/tg_${size}_pdl$switch.json" "$size-pdl$switch"
+    done
+  done
   for variant in 1 4; do
     for depth in 0 4096 32768; do
       step "tg-27b-split$variant-d$depth" 90 sh -c "LUCEBOX_PATH_BLOCKS_PER_SPLIT=$variant python3 -m \

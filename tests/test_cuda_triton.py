@@ -429,6 +429,8 @@ def variants(act):
 def compile_variant(job):
     act, index = job
     kernel, types, constants = variants(act)[index]
+    if "PDL" in kernel.arg_names:  # a plain launch's build (test_pdl compiles the PDL one)
+        constants = {**constants, "PDL": False}
     source = ASTSource(fn=kernel, signature=signature(kernel, types, constants), constexprs=constants)
     binary = triton.compile(source, target=target)
     assert binary.asm["cubin"][:4] == b"\\x7fELF", kernel.__name__

@@ -106,3 +106,44 @@ def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype):
                                                     torch.tensor([position + len(path) - 1], device="cuda"),
                                                     scale=256**-0.5)
         assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}"
+
+
+@pytest.mark.parametrize("arch", ["laguna", "qwen35moe", "qwen35"])
+def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatch):
+    """PDL moves when kernels start, never what they compute: a tiny file's graphed decode steps give the same
+    logits, bit for bit, with LUCEBOX_PDL=1 as without (a kernel reading before its wait would race and differ,
+    at least now and then, over 24 steps of every layer)."""
+    from lucebox_core.ggufio import GGUFFile
+    from lucebox_cuda import pdl
+    from lucebox_cuda.backend import CudaBackend
+
+    if torch.cuda.get_device_capability() < pdl.MIN_CAPABILITY:
+        pytest.skip("PDL needs compute capability 9.0")
+    if arch == "laguna":
+        from lucebox_laguna import loader, synth
+
+        path, load = synth.write(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=3), loader.load
+    else:
+        from lucebox_qwen35 import loader, synth
+
+        writer, load = (synth.write_moe, loader.load_moe) if arch == "qwen35moe" else (synth.write, loader.load)
+        path = writer(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=3)
+    model = load(GGUFFile(path), CudaBackend(dtype=torch.bfloat16))
+    prompt = torch.randint(0, 200, (5,), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run(switch: str) -> list[torch.Tensor]:
+        monkeypatch.setenv(pdl.ENV_SWITCH, switch)
+        state = model.new_state(64)
+        logits = model.forward(state, prompt)[-1:]
+        outs = []
+        for _ in range(24):
+            token = logits.argmax(-1).reshape(1)
+            logits = model.decode_step(state, token)
+            outs.append(logits.clone())
+        torch.cuda.synchronize()
+        return outs
+
+    plain, dependent = run("0"), run("1")
+    assert pdl.enabled(torch.device("cuda", torch.cuda.current_device()))
+    for step, (a, b) in enumerate(zip(plain, dependent)):
+        assert torch.equal(a, b), f"step {step}"

@@ -27,7 +27,7 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, Weight
 
-from . import catalogue
+from . import catalogue, pdl
 from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgram, Pointer, compile_program, ensure_context,
                     launch)
 
@@ -150,14 +150,16 @@ class CudaBackend(TorchBackend):
         # Stream object and normalises the device each call (~20 us of host time a launch on the H200's
         # host, a few hundred launches a prefill piece that the host, not the GPU, paces).
         stream = _current_raw_stream(index)
+        # Every NVRTC kernel waits for the kernel ahead itself (`lucebox_wait_prior_grid`): PDL where it is on.
+        dependent = pdl.enabled(self.device)
         if torch.cuda.current_device() == index:
-            launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes)
+            launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes, pdl=dependent)
             return
         # A model split over GPUs launches on a device other than the thread's current one: the driver needs
         # this device's (primary) context current, which making the device current gives; torch's scope
         # puts the thread's device back afterwards.
         with torch.cuda.device(self.device):
-            launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes)
+            launch(function, grid, block, args, stream=stream, shared_bytes=shared_bytes, pdl=dependent)
 
     # -- weights ---------------------------------------------------------------------------------------
 

@@ -240,13 +240,36 @@ def launch(
     *,
     stream: int,
     shared_bytes: int = 0,
+    pdl: bool = False,
 ) -> None:
-    """Launch `function` with ctypes-typed `args` (e.g. `Pointer(t.data_ptr())`, `Int(n)`) on `stream`."""
+    """Launch `function` with ctypes-typed `args` (e.g. `Pointer(t.data_ptr())`, `Int(n)`) on `stream`. `pdl`:
+    as a programmatic dependent launch (`lucebox_cuda.pdl`: the kernel waits for the one ahead itself)."""
     grid = (grid, 1, 1) if isinstance(grid, int) else grid
     block = (block, 1, 1) if isinstance(block, int) else block
     values = list(args)
     pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
+    if pdl:
+        (result,) = _driver().cuLaunchKernelEx(_pdl_config(grid, block, shared_bytes, stream), function,
+                                               ctypes.addressof(pointers), 0)
+        _check(result, "cuLaunchKernelEx")
+        return
     (result,) = _driver().cuLaunchKernel(
         function, *grid, *block, shared_bytes, stream, ctypes.addressof(pointers), 0
     )
     _check(result, "cuLaunchKernel")
+
+
+def _pdl_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int, stream: int) -> Any:
+    """`cuLaunchKernelEx`'s configuration with the programmatic-stream-serialization attribute."""
+    driver = _driver()
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_bytes
+    config.hStream = driver.CUstream(stream)
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config

@@ -40,8 +40,10 @@ from .triton_ops import (
     _last_dim_contiguous,
     _load_kv_row_ptrs,
     _load_kv_rows,
+    grid_dependency,
 )
 from . import triton_path_combine
+from .pdl import triton_options
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 from triton.runtime.errors import TritonError
@@ -376,6 +378,7 @@ def _path_attention_split_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_NODES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, NODE_ROWS: tl.constexpr, RING: tl.constexpr,
     STATIC_TRIPS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Partial attention of one node's GROUP query heads (one KV head) over one split of its key sequence.
 
@@ -392,6 +395,8 @@ def _path_attention_split_kernel(
     exp(score - max) and the unnormalised output. STATIC_TRIPS: 0 on the GPU; under the interpreter,
     BLOCKS_PER_SPLIT.
     """
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     node = tl.program_id(2)
@@ -553,7 +558,7 @@ def tree_attention(
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
             K_FORMAT=KV_FORMATS[k_format], V_FORMAT=KV_FORMATS[v_format], NODE_ROWS=node_rows, RING=ring,
             STATIC_TRIPS=blocks_per_split if interpreted else 0,
-            num_warps=PATH_WARPS, num_stages=PATH_STAGES,
+            num_warps=PATH_WARPS, num_stages=PATH_STAGES, **triton_options(q),
         )
         # A TQ3_0 V's output is gated after its rotation back (below), as the reference rounds it.
         triton_path_combine.combine(split_max, split_sum, split_acc, kernel_out,

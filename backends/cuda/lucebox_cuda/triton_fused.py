@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import DELTA_BLOCK_VALUES, _device_scope
+from .pdl import triton_options
+from .triton_ops import DELTA_BLOCK_VALUES, _device_scope, grid_dependency
 
 ELEMENTWISE_BLOCK = 1024
 
@@ -67,7 +68,10 @@ def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, n, eps,
     x_inner, x_row, x_outer, r_inner, r_row, r_outer,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -102,7 +106,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     with _device_scope(x):
         _add_rms_norm_kernel[(rows,)](
             x, residual, weight, normed, summed, n, eps, xi, xr, xo, ri, rr, ro,
-            BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4,
+            BLOCK=triton.next_power_of_2(n), num_warps=8 if n > 2048 else 4, **triton_options(x),
         )
     return normed, summed
 
@@ -115,9 +119,12 @@ def _gate_kernel(
     a_ptr, b_ptr, out_ptr, n,
     a_inner, a_row, a_outer, b_inner, b_row, b_outer,
     SIGMOID: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """SIGMOID: out = a * sigmoid(b); else out = silu(a) * b. The activation is rounded to the output
     dtype before the product, as the two-op reference does."""
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -144,7 +151,8 @@ def _gate(a: torch.Tensor, b: torch.Tensor, sigmoid: bool) -> torch.Tensor:
     bi, br, bo = _row_layout(b)
     block = min(ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
     with _device_scope(a):
-        _gate_kernel[(rows, math.ceil(n / block))](a, b, out, n, ai, ar, ao, bi, br, bo, SIGMOID=sigmoid, BLOCK=block)
+        _gate_kernel[(rows, math.ceil(n / block))](a, b, out, n, ai, ar, ao, bi, br, bo, SIGMOID=sigmoid, BLOCK=block,
+                                                   **triton_options(a))
     return out
 
 
@@ -159,9 +167,12 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _add_sigmoid_gated_kernel(base_ptr, x_ptr, gate_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _add_sigmoid_gated_kernel(base_ptr, x_ptr, gate_ptr, out_ptr, n, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """out = base + x * sigmoid(gate[row]), each intermediate rounded to the output dtype as the reference's
     three ops round it (the sigmoid, the product, the sum)."""
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -182,7 +193,8 @@ def add_sigmoid_gated(base: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -
     if rows:
         block = min(ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
         with _device_scope(base):
-            _add_sigmoid_gated_kernel[(rows, math.ceil(n / block))](base, x, gate, out, n, BLOCK=block)
+            _add_sigmoid_gated_kernel[(rows, math.ceil(n / block))](base, x, gate, out, n, BLOCK=block,
+                                                                    **triton_options(base))
     return out
 
 
@@ -194,7 +206,10 @@ def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, n, eps,
     x_inner, x_row, x_outer, z_inner, z_row, z_outer,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -223,7 +238,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     zi, zr, zo = _row_layout(z)
     with _device_scope(x):
         _gated_rms_norm_kernel[(rows,)](x, z, weight, out, n, eps, xi, xr, xo, zi, zr, zo,
-                                        BLOCK=triton.next_power_of_2(n))
+                                        BLOCK=triton.next_power_of_2(n), **triton_options(x))
     return out
 
 
@@ -269,7 +284,10 @@ def _qk_norm_rope_kernel(
     q_heads, kv_heads, head_dim, rot_dim, eps, attention_factor,
     q_tok, q_head, k_tok, k_head,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     token = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(pos_ptr + token)
@@ -318,7 +336,7 @@ def qk_norm_rope(
             query, key, q_norm, k_norm, inv_freq, positions, q_out, k_out,
             q_heads, kv_heads, head_dim, rot_dim, eps, float(attention_factor),
             query.stride(1), query.stride(2), key.stride(1), key.stride(2),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_D=triton.next_power_of_2(head_dim), **triton_options(query),
         )
     return q_out, k_out
 
@@ -332,9 +350,12 @@ def _gated_delta_decode_kernel(
     scale, key_heads, value_heads, key_channels,
     stride_mb, stride_ab, stride_bb,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One token for one (sequence, value head) and BLOCK_V of its value dims, from the convolved q, k,
     v channels. Each program reads its state slice before writing it back, so the update is in place."""
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     sequence_head = tl.program_id(0)
     batch = sequence_head // value_heads
     head = sequence_head % value_heads
@@ -392,6 +413,7 @@ def gated_delta_decode_(
             key_dim**-0.5, num_k_heads, value_heads, key_channels,
             mixed.stride(0), a.stride(0), b.stride(0),
             KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
+            **triton_options(mixed),
         )
     return out
 

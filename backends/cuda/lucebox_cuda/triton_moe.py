@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from .triton_norms import GELU_TANH_COEFF
-from .triton_ops import _device_scope, _dot_precision
+from .pdl import triton_options
+from .triton_ops import _device_scope, _dot_precision, grid_dependency
 
 # Pair slots per block: an M tile of both products. 64 keeps the padding of a prefill's small groups (a
 # 512-token chunk gives a 26B-A4B expert ~32 pairs on average) to one tile while filling a wgmma.
@@ -384,7 +385,9 @@ def moe_grouped(
 
 @triton.jit
 def _combine_pairs_kernel(rows_ptr, weights_ptr, out_ptr, hidden, logit_ptr, routed, TOP_K: tl.constexpr,
-                          BLOCK: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr):
+                          BLOCK: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -417,5 +420,5 @@ def combine_pairs(rows: torch.Tensor, weights: torch.Tensor, *, shared: bool = F
         with _device_scope(rows):
             _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block))](
                 rows, weights.to(torch.float32).contiguous(), out, hidden, logit, tokens * top_k, TOP_K=top_k,
-                BLOCK=block, SHARED=shared, GATED=gated)
+                BLOCK=block, SHARED=shared, GATED=gated, **triton_options(rows))
     return out

@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .pdl import triton_options
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
 
@@ -60,6 +63,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # What `_load_kv_rows` reads, by KV cache type (a constexpr of the attention kernels): values, or the blocks of
 # `lucebox_core.kv_quant` decoded in registers.
 KV_FORMATS = {None: 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}
+
+
+@triton.jit
+def grid_dependency():
+    """A kernel launched with PDL (`lucebox_cuda.pdl`, its `PDL` constexpr): wait until the kernel ahead has
+    finished and its writes are visible, then let the next kernel launch early. First in the kernel, under
+    `if PDL:` (the interpreter has no inline PTX; a plain launch compiles it out)."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @triton.jit
@@ -203,9 +215,12 @@ def _causal_conv1d_step_kernel(
     x_ptr, weight_ptr, state_ptr, y_ptr, new_state_ptr, channels,
     stride_xb, stride_wc, stride_wk, stride_sb, stride_sk, stride_nb, stride_nk, stride_yb,
     KERNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y[c] = sum_j weight[c, j] * window[j, c] over the window (state rows, then x); the new state is
     the window's last KERNEL-1 rows."""
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     batch = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
@@ -266,7 +281,7 @@ def causal_conv1d_step(
             x.stride(0), weight.stride(0), weight.stride(1), state.stride(0), state.stride(1),
             new_state.stride(0), new_state.stride(1), out.stride(0),
             KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=CONV_BLOCK_CHANNELS,
-            SILU=activation == "silu",
+            SILU=activation == "silu", **triton_options(x),
         )
     return out, new_state
 
@@ -279,9 +294,12 @@ def _write_kv_rows_kernel(
     k_ptr, v_ptr, keys_ptr, values_ptr, positions_ptr, ring, kv_heads,
     stride_kn, stride_kh, stride_vn, stride_vh,
     K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, RING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One (row, KV head): its K and V rows copied into the cache buffers (`[slots, heads, dim]`, contiguous) at
     the slot of the row's position (the position itself, or in a ring of `ring` slots position % ring)."""
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + row)
@@ -317,7 +335,7 @@ def write_kv_rows(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
         _write_kv_rows_kernel[(rows, heads)](
             k, v, keys, values, positions, max(ring, 1), heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             K_DIM=k.shape[2], V_DIM=v.shape[2], BLOCK_K=triton.next_power_of_2(k.shape[2]),
-            BLOCK_V=triton.next_power_of_2(v.shape[2]), RING=ring > 0,
+            BLOCK_V=triton.next_power_of_2(v.shape[2]), RING=ring > 0, **triton_options(k),
         )
 
 

@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import triton_options
 from .triton_gates import SOFTPLUS_THRESHOLD, softplus_fp32
+from .triton_ops import grid_dependency
 
 SPLIT_CHUNK = 16  # splits merged per step: part of the arithmetic, so fixed (never chosen per call)
 COMBINE_BLOCK_VALUES = 64  # value dims one program merges
@@ -35,7 +37,10 @@ def _path_attention_combine_kernel(
     max_ptr, sum_ptr, acc_ptr, gate_ptr, out_ptr, splits, stride_on, stride_oh, stride_gn, threshold,
     Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_DV: tl.constexpr,
     GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0).to(tl.int64)  # node * Q_HEADS + head
     chunk = tl.arange(0, CHUNK)
     value_dims = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -86,4 +91,5 @@ def combine(split_max: torch.Tensor, split_sum: torch.Tensor, split_acc: torch.T
         split_max, split_sum, split_acc, gate, out, splits, out.stride(1), out.stride(2),
         gate.stride(0), SOFTPLUS_THRESHOLD,
         Q_HEADS=q_heads, VALUE_DIM=value_dim, CHUNK=SPLIT_CHUNK, BLOCK_DV=block, GATED=head_gate is not None,
+        **triton_options(out),
     )

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from .triton_gates import sigmoid_topk_row
 from .triton_norms import softmax_topk_row
-from .triton_ops import _device_scope
+from .pdl import triton_options
+from .triton_ops import _device_scope, grid_dependency
 
 # Tokens one launch routes (decode, a verify pass); a prefill chunk takes the product and top-k apart.
 MAX_TOKENS = 64
@@ -45,7 +46,10 @@ _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, extra_ptr, gate_w_ptr, gate_out_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
                   experts, stride_x, scale, HIDDEN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_ALL: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GATE: tl.constexpr):
+                  BLOCK_ALL: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, GATE: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     row_ok = rows < experts
@@ -150,5 +154,5 @@ def route(x: torch.Tensor, proj: Any, top_k: int, *, selection_bias: torch.Tenso
             x, weight, extra, gate_weight, gate_logit, logits, _counters(x.device), weights, ids, experts,
             x.stride(0), float(scale), HIDDEN=hidden, BLOCK_E=EXPERTS_PER_PROGRAM,
             BLOCK_H=min(HIDDEN_BLOCK, triton.next_power_of_2(hidden)), BLOCK_ALL=triton.next_power_of_2(experts),
-            TOP_K=top_k, SIGMOID=sigmoid, GATE=gated)
+            TOP_K=top_k, SIGMOID=sigmoid, GATE=gated, **triton_options(x))
     return (weights, ids, gate_logit) if gated else (weights, ids)

@@ -18,6 +18,7 @@ template <> struct StoreWord<16> { using type = uint4; };
 template <class W, class X>
 __device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* __restrict__ out, int rows, int cols,
                                              const long long* __restrict__ ids = nullptr) {
+    lucebox_wait_prior_grid();  // a prefill's scratch: the previous layer's product may still read it
     const int pieces_per_row = cols / W::BLOCK_VALUES * W::PIECES;
     const i64 total = static_cast<i64>(rows) * pieces_per_row;
     for (i64 t = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; t < total;

@@ -8,6 +8,7 @@
 template <class W, class X, int NB>
 __device__ __forceinline__ void matvec_body(const u8* __restrict__ weight, const X* __restrict__ x,
                                             X* __restrict__ y, int rows, int cols, int batch) {
+    lucebox_wait_prior_grid();  // before the early return too: every block waits for the kernel ahead (PDL)
     const int row = blockIdx.x * LUCEBOX_MATVEC_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;

@@ -65,6 +65,8 @@ __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, c
             raw_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
         }
     }
+    // The first weight block is in flight: only now wait for the kernel that wrote the activations (PDL).
+    lucebox_wait_prior_grid();
     for (; block < blocks_per_row; block += WARPS) {
         // Fetch the next block's bytes before working on this one (loads in flight during the math).
         const int next = block + WARPS;

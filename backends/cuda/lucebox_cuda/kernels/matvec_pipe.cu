@@ -189,6 +189,9 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
         if (i < count) issue(i, i);
         copy_async_commit();
     }
+    // DEPTH - 1 weight blocks are on their way: only now wait for the kernel ahead (PDL), before the first
+    // activation load and before any write of `partials`, `counters` or `y`.
+    lucebox_wait_prior_grid();
     int read_stage = 0, write_stage = DEPTH - 1;
     for (int i = 0; i < count; ++i) {
         __syncwarp();  // every lane is done reading the stage about to be refilled (read at i - 1)

@@ -33,6 +33,7 @@
         moe_matvec_##FORMAT##_##ACT(const u8* __restrict__ weight, const ACT* __restrict__ x,                \
                                     ACT* __restrict__ y, const long long* __restrict__ ids,                  \
                                     long long expert_bytes, int rows, int cols, int x_group) {               \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const u8* expert = weight + ids[pair] * expert_bytes;                                                \
         matvec_body<W_##FORMAT, ACT, 1>(expert, x + static_cast<i64>(pair / x_group) * cols,               \
@@ -46,6 +47,7 @@
                                           unsigned long long* __restrict__ counts, const ACT* __restrict__ x, \
                                           ACT* __restrict__ y, const long long* __restrict__ ids,            \
                                           long long expert_bytes, int rows, int cols, int x_group) {         \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const long long expert = ids[pair];                                                                  \
         count_routed_pair(counts, expert, true);                                                             \
@@ -61,6 +63,7 @@
                                          const ACT* __restrict__ x, ACT* __restrict__ y0,                   \
                                          ACT* __restrict__ y1, const long long* __restrict__ ids,            \
                                          long long expert_bytes, int rows, int cols, int x_group) {          \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const u8* expert = (blockIdx.z == 0 ? weight0 : weight1) + ids[pair] * expert_bytes;                 \
         ACT* y = blockIdx.z == 0 ? y0 : y1;                                                                  \
@@ -77,6 +80,7 @@
                                                const ACT* __restrict__ x, ACT* __restrict__ y0,              \
                                                ACT* __restrict__ y1, const long long* __restrict__ ids,      \
                                                long long expert_bytes, int rows, int cols, int x_group) {    \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const long long expert = ids[pair];                                                                  \
         count_routed_pair(counts, expert, blockIdx.z == 0);                                                  \

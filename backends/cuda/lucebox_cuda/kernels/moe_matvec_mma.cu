@@ -96,6 +96,7 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
                                                  ACT* __restrict__ y, const long long* __restrict__ ids,     \
                                                  long long expert_bytes, int rows, int cols, int x_group,    \
                                                  LUCEBOX_MOE_EXTRA_ARGS) {                                   \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const u8* blocks = pair < routed ? weight + ids[pair] * expert_bytes : extra;                        \
         expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, y, pair, rows, cols,                                \
@@ -108,6 +109,7 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
         unsigned long long* __restrict__ counts, int staged_bytes, const ACT* __restrict__ x,                \
         ACT* __restrict__ y, const long long* __restrict__ ids, long long expert_bytes, int rows, int cols,   \
         int x_group, LUCEBOX_MOE_EXTRA_ARGS) {                                                               \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         if (pair < routed) count_routed_pair(counts, ids[pair], true);                                       \
         const u8* blocks = pair < routed ? paged_rows<Mma_##FORMAT>(pool, host, where, ids[pair],             \
@@ -122,6 +124,7 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
         const u8* __restrict__ weight0, const u8* __restrict__ weight1, const ACT* __restrict__ x,           \
         ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                       \
         long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {             \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const bool first = blockIdx.z == 0;                                                                  \
         const u8* blocks = pair < routed ? (first ? weight0 : weight1) + ids[pair] * expert_bytes            \
@@ -138,6 +141,7 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
             unsigned long long* __restrict__ counts, int staged_bytes, const ACT* __restrict__ x,            \
             ACT* __restrict__ y0, ACT* __restrict__ y1, const long long* __restrict__ ids,                   \
             long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_PAIR_EXTRA_ARGS) {         \
+        lucebox_wait_prior_grid();                                                                           \
         const int pair = blockIdx.y;                                                                         \
         const bool first = blockIdx.z == 0;                                                                  \
         if (pair < routed) count_routed_pair(counts, ids[pair], first);                                      \

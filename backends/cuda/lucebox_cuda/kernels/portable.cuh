@@ -106,3 +106,18 @@ __device__ __forceinline__ unsigned short lucebox_float_to_bf16_bits(float v) {
     return out;
 #endif
 }
+
+// -- programmatic dependent launch (lucebox_cuda/pdl.py) ------------------------------------------------
+//
+// Launched with PDL, a kernel may start while the kernel ahead of it on the stream is still running. It calls
+// this before it reads anything an earlier kernel wrote, and before it writes anything an earlier kernel may
+// still read: the wait returns once that kernel has finished and its writes are visible (at once when the
+// launch was a plain one). Then it lets the next kernel launch early. Every kernel of these sources calls it
+// (the matrix-vector bodies after their first weight loads, which no kernel writes), so any of their launches
+// may carry the attribute. Hopper's instructions: a no-op below sm_90 and on HIP.
+__device__ __forceinline__ void lucebox_wait_prior_grid() {
+#if !LUCEBOX_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

@@ -9,6 +9,7 @@ template <class X, class Wt>
 __device__ __forceinline__ void rms_norm_body(const X* __restrict__ x, const Wt* __restrict__ weight,
                                               X* __restrict__ y, int n, float eps) {
     __shared__ float partial[32];
+    lucebox_wait_prior_grid();
     const X* row_in = x + static_cast<i64>(blockIdx.x) * n;
     X* row_out = y + static_cast<i64>(blockIdx.x) * n;
 

@@ -1,0 +1,104 @@
+"""Programmatic dependent launch (lucebox_cuda.pdl), without a GPU: off on the CPU whatever the switch, the
+driver's launch configuration carries the attribute, and the kernels compiled for sm_90 with their `PDL`
+constexpr wait for the kernel ahead (griddepcontrol) where a plain build has no such instruction. The timing
+is the GPU session's (`scripts/gpu_session_more.sh s21-fusion`, LUCEBOX_PDL=1 against 0)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'triton>=3.6,<3.7')")
+pytest.importorskip("cuda.bindings.driver", reason="lucebox-cuda's dependencies (cuda-bindings) are not installed")
+
+
+def test_off_on_the_cpu_even_when_switched_on(monkeypatch):
+    from lucebox_cuda import pdl
+
+    monkeypatch.setenv(pdl.ENV_SWITCH, "1")
+    assert pdl.triton_options(torch.zeros(1)) == {"PDL": False}
+    assert not pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv(pdl.ENV_SWITCH, "0")
+    assert not pdl.enabled(torch.device("cuda", 0))  # off by default: no device query at all
+
+
+def test_the_launch_configuration_allows_programmatic_serialisation():
+    from cuda.bindings import driver
+    from lucebox_cuda import nvrtc
+
+    config = nvrtc._pdl_config((4, 2, 1), (128, 1, 1), 1024, 0)
+    assert (config.gridDimX, config.gridDimY, config.blockDimX, config.sharedMemBytes) == (4, 2, 128, 1024)
+    assert config.numAttrs == 1
+    attribute = config.attrs[0]
+    assert attribute.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attribute.value.programmaticStreamSerializationAllowed == 1
+
+
+COMPILE_SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lucebox_cuda import triton_fused, triton_moe, triton_ops, triton_path_combine, triton_router
+
+def ptx(kernel, types, constants, pdl):
+    constants = {**constants, "PDL": pdl}
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names}
+    options = {"launch_pdl": True} if pdl else None
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+kernels = [
+    (triton_fused._add_rms_norm_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", normed_ptr="*bf16",
+                                             sum_ptr="*bf16", eps="fp32"), dict(BLOCK=2048)),
+    (triton_path_combine._path_attention_combine_kernel,
+     dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr="*bf16", out_ptr="*bf16", threshold="fp32"),
+     dict(Q_HEADS=64, VALUE_DIM=128, CHUNK=16, BLOCK_DV=64, GATED=True)),
+    (triton_router._route_kernel,
+     dict(x_ptr="*bf16", w_ptr="*fp32", extra_ptr="*fp32", gate_w_ptr="*fp32", gate_out_ptr="*bf16",
+          logits_ptr="*fp32", counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64", scale="fp32"),
+     dict(HIDDEN=2048, BLOCK_E=4, BLOCK_H=256, BLOCK_ALL=256, TOP_K=8, SIGMOID=True, GATE=False)),
+    (triton_moe._combine_pairs_kernel, dict(rows_ptr="*bf16", weights_ptr="*fp32", out_ptr="*bf16",
+                                            logit_ptr="*bf16"), dict(TOP_K=8, BLOCK=1024, SHARED=True, GATED=True)),
+    (triton_ops._write_kv_rows_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", keys_ptr="*bf16", values_ptr="*bf16",
+                                            positions_ptr="*i64"),
+     dict(K_DIM=128, V_DIM=128, BLOCK_K=128, BLOCK_V=128, RING=True)),
+    (triton_fused._gate_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16"), dict(SIGMOID=False, BLOCK=1024)),
+]
+for kernel, types, constants in kernels:
+    with_pdl, plain = ptx(kernel, types, constants, True), ptx(kernel, types, constants, False)
+    assert "griddepcontrol.wait" in with_pdl and "griddepcontrol.launch_dependents" in with_pdl, kernel.__name__
+    assert "griddepcontrol" not in plain, kernel.__name__
+    print("waits", kernel.__name__)
+"""
+
+
+def test_the_kernels_wait_for_the_kernel_ahead_only_when_launched_so(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, check=False,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("waits") == 6
+
+
+def test_every_nvrtc_kernel_source_waits_for_the_kernel_ahead():
+    """Every NVRTC launch may carry the attribute, so every kernel entry point of the sources reaches the wait
+    (a kernel without it would race the kernel ahead once PDL is on)."""
+    import re
+
+    from lucebox_cuda import nvrtc
+
+    sources = nvrtc.kernel_sources()
+    for name, text in sources.items():
+        if not name.endswith(".cu"):
+            continue
+        entries = len(re.findall(r'extern "C" __global__', text))
+        body_waits = sum(text.count(body) for body in ("matvec_body<", "matvec_mma_body<", "matvec_pipe_body<",
+                                                       "rms_norm_body<", "dequant_body<", "expert_rows<"))
+        waits = text.count("lucebox_wait_prior_grid();")
+        assert entries == 0 or waits + body_waits >= entries, (name, entries, waits, body_waits)
+    assert "griddepcontrol.wait" in sources["portable.cuh"]
