@@ -108,7 +108,7 @@ def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype):
         assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}"
 
 
-@pytest.mark.parametrize("arch", ["laguna", "qwen35moe", "qwen35"])
+@pytest.mark.parametrize("arch", ["laguna", "qwen35moe", "qwen35", "gemma4"])
 def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatch):
     """PDL moves when kernels start, never what they compute: a tiny file's graphed decode steps give the same
     logits, bit for bit, with LUCEBOX_PDL=1 as without (a kernel reading before its wait would race and differ,
@@ -119,9 +119,11 @@ def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatc
 
     if torch.cuda.get_device_capability() < pdl.MIN_CAPABILITY:
         pytest.skip("PDL needs compute capability 9.0")
-    if arch == "laguna":
-        from lucebox_laguna import loader, synth
-
+    if arch in ("laguna", "gemma4"):
+        if arch == "laguna":
+            from lucebox_laguna import loader, synth
+        else:
+            from lucebox_gemma4 import loader, synth
         path, load = synth.write(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=3), loader.load
     else:
         from lucebox_qwen35 import loader, synth

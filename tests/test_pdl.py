@@ -43,7 +43,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lucebox_cuda import triton_fused, triton_moe, triton_ops, triton_path_combine, triton_router
+from lucebox_cuda import triton_fused, triton_moe, triton_norms, triton_ops, triton_path_combine, triton_router
 
 def ptx(kernel, types, constants, pdl):
     constants = {**constants, "PDL": pdl}
@@ -68,6 +68,14 @@ kernels = [
                                             positions_ptr="*i64"),
      dict(K_DIM=128, V_DIM=128, BLOCK_K=128, BLOCK_V=128, RING=True)),
     (triton_fused._gate_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16"), dict(SIGMOID=False, BLOCK=1024)),
+    # Gemma-4's sandwich norms and its q/k/v norm + RoPE.
+    (triton_norms._post_norm_residual_kernel,
+     dict(x_ptr="*bf16", res_ptr="*bf16", post_w_ptr="*bf16", scalar_ptr="*bf16", next_w_ptr="*bf16",
+          hidden_ptr="*bf16", normed_ptr="*bf16", eps="fp32"), dict(HAS_SCALAR=True, HAS_NEXT=True, BLOCK=8192)),
+    (triton_norms._qkv_norm_rope_kernel,
+     dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", vw_ptr="*bf16",
+          inv_freq_ptr="*fp32", pos_ptr="*i64", q_out_ptr="*bf16", k_out_ptr="*bf16", v_out_ptr="*bf16",
+          eps="fp32"), dict(BLOCK_D=512)),
 ]
 for kernel, types, constants in kernels:
     with_pdl, plain = ptx(kernel, types, constants, True), ptx(kernel, types, constants, False)
@@ -82,7 +90,7 @@ def test_the_kernels_wait_for_the_kernel_ahead_only_when_launched_so(tmp_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, check=False,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("waits") == 6
+    assert result.stdout.count("waits") == 8
 
 
 def test_every_nvrtc_kernel_source_waits_for_the_kernel_ahead():

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from .triton_fused import ELEMENTWISE_BLOCK, _norm_rope_row, _row_layout
-from .triton_ops import _device_scope
+from .pdl import triton_options
+from .triton_ops import _device_scope, grid_dependency
 
 GELU_TANH_COEFF = math.sqrt(2.0 / math.pi)
 
@@ -50,7 +51,10 @@ def _post_norm_residual_kernel(
     x_ptr, res_ptr, post_w_ptr, scalar_ptr, next_w_ptr, hidden_ptr, normed_ptr, n, eps,
     x_inner, x_row, x_outer, r_inner, r_row, r_outer,
     HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -90,7 +94,7 @@ def post_norm_residual(x: torch.Tensor, residual: torch.Tensor, post_norm: torch
                 x, residual, post_norm, scalar if scalar is not None else post_norm,
                 next_norm if next_norm is not None else post_norm, hidden, normed if normed is not None else hidden,
                 n, eps, xi, xr, xo, ri, rr, ro, HAS_SCALAR=scalar is not None, HAS_NEXT=next_norm is not None,
-                BLOCK=triton.next_power_of_2(n), num_warps=_warps(n),
+                BLOCK=triton.next_power_of_2(n), num_warps=_warps(n), **triton_options(x)
             )
     return hidden, normed
 
@@ -100,7 +104,10 @@ def _norm_sum_kernel(
     a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, n, eps,
     a_inner, a_row, a_outer, b_inner, b_row, b_outer,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -126,7 +133,7 @@ def norm_sum(a: torch.Tensor, a_norm: torch.Tensor, b: torch.Tensor, b_norm: tor
         bi, br, bo = _row_layout(b)
         with _device_scope(a):
             _norm_sum_kernel[(rows,)](a, a_norm, b, b_norm, out, n, eps, ai, ar, ao, bi, br, bo,
-                                      BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+                                      BLOCK=triton.next_power_of_2(n), num_warps=_warps(n), **triton_options(a))
     return out
 
 
@@ -149,7 +156,10 @@ def _qkv_norm_rope_kernel(
     q_heads, kv_heads, head_dim, eps,
     q_tok, q_head, k_tok, k_head, v_tok, v_head,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     token = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(pos_ptr + token)
@@ -192,7 +202,7 @@ def qkv_norm_rope(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
                 query, key, value, q_norm, k_norm, v_norm, inv_freq.to(torch.float32), positions, q_out, k_out, v_out,
                 q_heads, kv_heads, head_dim, eps,
                 query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
-                BLOCK_D=triton.next_power_of_2(head_dim),
+                BLOCK_D=triton.next_power_of_2(head_dim), **triton_options(query)
             )
     return q_out, k_out, v_out
 
@@ -205,7 +215,10 @@ def _gelu_tanh_mul_kernel(
     gate_ptr, up_ptr, out_ptr, n, coeff,
     g_inner, g_row, g_outer, u_inner, u_row, u_outer,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -232,12 +245,16 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = min(ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
         with _device_scope(gate):
             _gelu_tanh_mul_kernel[(rows, math.ceil(n / block))](gate, up, out, n, GELU_TANH_COEFF,
-                                                                gi, gr, go, ui, ur, uo, BLOCK=block)
+                                                                gi, gr, go, ui, ur, uo, BLOCK=block,
+                                                                **triton_options(gate))
     return out
 
 
 @triton.jit
-def _softcap_kernel(x_ptr, out_ptr, numel, cap, BLOCK: tl.constexpr):
+def _softcap_kernel(x_ptr, out_ptr, numel, cap, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offsets < numel
     x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
@@ -256,7 +273,8 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     if x.numel():
         block = ELEMENTWISE_BLOCK
         with _device_scope(x):
-            _softcap_kernel[(math.ceil(x.numel() / block),)](x, out, x.numel(), float(cap), BLOCK=block)
+            _softcap_kernel[(math.ceil(x.numel() / block),)](x, out, x.numel(), float(cap), BLOCK=block,
+                                                             **triton_options(x))
     return out
 
 
@@ -264,7 +282,10 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 @triton.jit
-def _router_norm_kernel(h_ptr, scale_ptr, out_ptr, n, eps, root_scale, BLOCK: tl.constexpr):
+def _router_norm_kernel(h_ptr, scale_ptr, out_ptr, n, eps, root_scale, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -283,7 +304,7 @@ def router_norm(h: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tenso
     if h.numel():
         with _device_scope(h):
             _router_norm_kernel[(h.numel() // n,)](h, scale, out, n, eps, n**-0.5, BLOCK=triton.next_power_of_2(n),
-                                                  num_warps=_warps(n))
+                                                  num_warps=_warps(n), **triton_options(h))
     return out
 
 
@@ -317,7 +338,10 @@ def softmax_topk_row(logits_ptr, expert_scale_ptr, experts, TOP_K: tl.constexpr,
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, experts,
-                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SCALE: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the kernel ahead's writes first (lucebox_cuda.pdl)
+        grid_dependency()
     row = tl.program_id(0)
     slots = tl.arange(0, TOP_K)
     weights, ids = softmax_topk_row(logits_ptr + row * experts, expert_scale_ptr, experts, TOP_K, BLOCK_E, HAS_SCALE)
@@ -339,7 +363,7 @@ def softmax_topk(logits: torch.Tensor, per_expert_scale: torch.Tensor | None,
             scale = weights if per_expert_scale is None else per_expert_scale.to(torch.float32)  # unread if None
             _softmax_topk_kernel[(tokens,)](logits, scale, weights, ids, experts, TOP_K=top_k,
                                             BLOCK_E=triton.next_power_of_2(experts),
-                                            HAS_SCALE=per_expert_scale is not None)
+                                            HAS_SCALE=per_expert_scale is not None, **triton_options(logits))
     return weights, ids
 
 
