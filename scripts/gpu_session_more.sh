@@ -6,14 +6,14 @@
 #                                           #   softplus gate in the attention merge, one key block a split with
 #                                           #   the chunked merge, PDL): their GPU tests (PDL changes no bit) and
 #                                           #   the family tests on CUDA, then Laguna-XS.2 pp512/tg128 all on the
-#                                           #   GPU: the default, PDL on, each change switched off in turn (the
-#                                           #   A/B); step profiles without and with PDL; llama-bench beside (built
+#                                           #   GPU: the default, PDL on, one key block a split, the two-launch
+#                                           #   router (the A/B); step profiles without and with PDL; llama-bench beside (built
 #                                           #   meanwhile). ARCHS adds e.g. qwen35moe:35b-a3b.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s21-depth   # ~9 min: determinism (decode == verify) on the 0.8B; tg128 of the
 #                                           #   0.8B and 27B Q4_K_M with PDL off and on (LUCEBOX_PDL); the path
 #                                           #   attention's partition at depth on the 27B (#17's depth row): tg64
-#                                           #   at depth 0 / 4096 / 32768, one block a split against session 20's
-#                                           #   four (LUCEBOX_PATH_BLOCKS_PER_SPLIT=4).               carry: .whl
+#                                           #   at depth 0 / 4096 / 32768, one block a split
+#                                           #   (LUCEBOX_PATH_BLOCKS_PER_SPLIT=1) against the default four. carry: .whl
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -29,10 +29,10 @@ s21_fusion() {
     arch=${pair%%:*} size=${pair#*:} m=$(sparkmodel "$arch" "$size" "$SPARK_SKEW")
     step "synth-$arch" 120 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size $size \
       --type q4_k_m --router-skew $SPARK_SKEW -o $m"
-    # The default, with PDL on (off by default until measured), each change switched off in turn, then all of
-    # them (session 20's kernels).
-    for variant in default pdl:LUCEBOX_PDL=1 split4:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4 router2:LUCEBOX_FUSED_ROUTER=0 \
-        s20:LUCEBOX_PATH_BLOCKS_PER_SPLIT=4,LUCEBOX_FUSED_ROUTER=0; do
+    # The default; PDL on (off by default until measured); one key block a split (4 by default); the router in
+    # two launches (session 20's); PDL with one block a split.
+    for variant in default pdl:LUCEBOX_PDL=1 split1:LUCEBOX_PATH_BLOCKS_PER_SPLIT=1 router2:LUCEBOX_FUSED_ROUTER=0 \
+        pdl-split1:LUCEBOX_PDL=1,LUCEBOX_PATH_BLOCKS_PER_SPLIT=1; do
       local name=${variant%%:*} envs=""
       [ "$variant" != "$name" ] && envs=${variant#*:} && envs=${envs//,/ }
       step "tg-$arch-$name" 60 sh -c "env $envs python3 -m lucebox_core.cli bench -m $m -p 512 -n 128 -r 3 --json \

@@ -190,5 +190,37 @@ def test_a_tiny_model_decodes_on_the_kernels_as_on_the_reference(arch, tmp_path)
         want = reference.decode_step(states[1], token.reshape(1), graphs=False)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     moe_layers = sum(1 for layer in kernels.layers if hasattr(layer.mlp, "top_k"))
+    assert moe_layers > 0
     for name in fused_ops:  # every MoE layer (and every attention layer) of every step took the kernel
         assert ran.count(name) >= 3 * (moe_layers if "route" in name else 1), (name, ran.count(name))
+
+
+def test_a_verify_pass_routes_in_one_launch_as_the_decode_step():
+    """Every verify pass the backend runs on its matrix-vector kernels fits one launch: a verified node must
+    route with the decode step's arithmetic (the two-launch path sums the logits in another order)."""
+    from lucebox_cuda import op_kernels
+
+    assert triton_router.MAX_TOKENS >= op_kernels.VERIFY_ROWS
+    assert len(triton_router._counters(torch.device("cpu"))) >= triton_router.MAX_TOKENS
+
+
+def test_a_gguf_router_is_read_from_the_backends_device_copy():
+    """A loaded model's router is the file's memory map on the host; the kernel reads the backend's upload."""
+    from lucebox_cuda.norm_kernels import _on_device
+
+    class Backend:
+        device = torch.device("cuda", 0)  # never touched: only compared
+
+        def __init__(self):
+            self.uploads = []
+
+        def device_weight(self, weight):
+            self.uploads.append(weight.name)
+            return weight
+
+    backend = Backend()
+    router = QuantTensor("blk.0.ffn_gate_inp.weight", GGMLQuantizationType.F32, (4, 8),
+                         torch.zeros(4 * 8 * 4, dtype=torch.uint8))
+    plain = torch.zeros(4, 8)
+    assert _on_device(backend, router, plain) == (router, plain)
+    assert backend.uploads == ["blk.0.ffn_gate_inp.weight"]

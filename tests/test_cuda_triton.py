@@ -361,21 +361,21 @@ def variants(act):
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, position_ptr="*i64", visible_ptr="*u8",
               max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
         # A Q8_0 cache: K and V as raw blocks, decoded in the kernel.
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
               max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
         # Q4_0 K and TQ3_0 V blocks, decoded in registers.
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", position_ptr="*i64", visible_ptr="*u8",
               max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=24, GROUP=6, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=16, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=2, V_FORMAT=3, NODE_ROWS=False, RING=0, STATIC_TRIPS=0)),
         # Gemma-4: the nodes' rows beside the cache; a full layer's 512-dim heads, a sliding layer's ring
@@ -384,20 +384,26 @@ def variants(act):
          dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, node_k_ptr=pointer, node_v_ptr=pointer,
               position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
               scale="fp32"),
-         dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=32, GROUP=8, HEAD_DIM=512, VALUE_DIM=512, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=512, BLOCK_DV=512, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=0, V_FORMAT=0, NODE_ROWS=True, RING=0, STATIC_TRIPS=0)),
         (attention._path_attention_split_kernel,
          dict(q_ptr=pointer, k_ptr="*u8", v_ptr="*u8", node_k_ptr="*u8", node_v_ptr="*u8",
               position_ptr="*i64", visible_ptr="*u8", max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32",
               scale="fp32"),
-         dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=1, BLOCK_G=16, BLOCK_N=64,
+         dict(Q_HEADS=32, GROUP=2, HEAD_DIM=256, VALUE_DIM=256, BLOCKS_PER_SPLIT=4, BLOCK_G=16, BLOCK_N=64,
               BLOCK_D=256, BLOCK_DV=256, BLOCK_NODES=32, DOT_PRECISION="ieee" if act == "fp32" else "tf32",
               UPCAST_DOT=False, K_FORMAT=1, V_FORMAT=1, NODE_ROWS=True, RING=1024, STATIC_TRIPS=0)),
         (combine._path_attention_combine_kernel,
          dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr="*fp32", out_ptr=pointer,
               threshold="fp32"),
          dict(Q_HEADS=24, VALUE_DIM=256, CHUNK=16, BLOCK_DV=64, GATED=False)),
+        # One split (a window of 64 keys or fewer) as a constant: what Triton's specialisation of a 1 gave
+        # before `do_not_specialize`, which its loop passes once failed to compile.
+        (combine._path_attention_combine_kernel,
+         dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr="*fp32", out_ptr=pointer,
+              threshold="fp32"),
+         dict(Q_HEADS=8, VALUE_DIM=128, CHUNK=16, BLOCK_DV=64, GATED=False, splits=1)),
         # Laguna's per-head softplus gate in the merge (the gate a slice of the projection's output).
         (combine._path_attention_combine_kernel,
          dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", gate_ptr=pointer, out_ptr=pointer,
@@ -452,4 +458,4 @@ def test_kernels_compile_for_each_gpu_architecture(tmp_path, capability, activat
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(capability), *activations], env=env,
                             capture_output=True, check=False, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == len(activations) * 12  # 12 kernel variants per activation type
+    assert result.stdout.count("compiled") == len(activations) * 13  # 13 kernel variants per activation type

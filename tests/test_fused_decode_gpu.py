@@ -6,10 +6,16 @@ test_cuda_gates, test_triton_attention); only the GPU has the real memory orderi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    # A test module imported before this one may have put Triton in its interpreter (test_cuda_router does).
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="Triton runs interpreted in this process"),
+]
 
 
 def _router_inputs(tokens: int, seed: int):
@@ -80,15 +86,16 @@ def test_the_gate_in_the_merge_equals_the_gate_kernel_bit_for_bit(ring):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype):
-    """A 27B-shaped attention (24 query heads on 4 KV heads of 256) at a position whose sequence spans more than
-    one chunk of 16 splits: every node of a tree equals the one-node decode over its committed path, to the
-    bit, in a window with many more (empty) splits."""
+@pytest.mark.parametrize(("position", "window"), [(40, 300), (5000, 9000)])
+def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype, position, window):
+    """A 27B-shaped attention (24 query heads on 4 KV heads of 256): every node of a tree equals the one-node
+    decode over its committed path, to the bit, in a window with more (empty) splits: one split against two
+    (a single-split merge), and 20 against 36 (past one chunk of 16, counts not multiples of 16)."""
     from lucebox_core.speculative.trees import TreeIndex
     from lucebox_cuda import triton_attention
 
     parents = [-1, 0, 0, 1, 3, 2, 2]
-    nodes, position = len(parents), 2000  # 2000 keys: 32 splits of 64 at one block a split
+    nodes = len(parents)
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(1, nodes, 24, 256, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(position + nodes, 4, 256, device="cuda", generator=g).to(dtype) for _ in range(2))
@@ -97,7 +104,6 @@ def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype):
                                                scale=256**-0.5)
     for node in range(nodes):
         path = [i for i in range(nodes) if visible[node, i]]
-        window = 4096
         k_decode, v_decode = (torch.randn(window, 4, 256, device="cuda", generator=g).to(dtype) for _ in range(2))
         k_decode[:position], v_decode[:position] = k[:position], v[:position]
         for depth, index in enumerate(path):
@@ -149,3 +155,32 @@ def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatc
     assert pdl.enabled(torch.device("cuda", torch.cuda.current_device()))
     for step, (a, b) in enumerate(zip(plain, dependent)):
         assert torch.equal(a, b), f"step {step}"
+
+
+@pytest.mark.parametrize("arch", ["laguna", "qwen35moe"])
+def test_a_loaded_models_decode_step_takes_the_one_launch_router(arch, tmp_path, monkeypatch):
+    """The router of a file loaded on the CUDA backend (its bytes first on the host, in the file's map) runs in
+    one launch in every MoE layer of the decode step and of a short prefill."""
+    from lucebox_core.ggufio import GGUFFile
+    from lucebox_cuda import triton_router
+    from lucebox_cuda.backend import CudaBackend
+
+    if arch == "laguna":
+        from lucebox_laguna import loader, synth
+
+        path, load = synth.write(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=3), loader.load
+    else:
+        from lucebox_qwen35 import loader, synth
+
+        path, load = synth.write_moe(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=3), loader.load_moe
+    model = load(GGUFFile(path), CudaBackend(dtype=torch.bfloat16))
+    calls = []
+    route = triton_router.route
+    monkeypatch.setattr(triton_router, "route", lambda *a, **k: calls.append(1) or route(*a, **k))
+    state = model.new_state(64)
+    model.forward(state, torch.arange(5, device="cuda"))
+    moe_layers = sum(1 for layer in model.layers if hasattr(layer.mlp, "top_k"))
+    assert moe_layers > 0
+    assert len(calls) == moe_layers
+    model.decode_step(state, torch.tensor([7], device="cuda"), graphs=False)
+    assert len(calls) == 2 * moe_layers

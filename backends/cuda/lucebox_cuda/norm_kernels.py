@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lucebox_core.quants import QuantTensor
+
 from .op_kernels import (
     _cache_attention,
     _optional,
@@ -130,13 +132,24 @@ def accepts_sigmoid_route(ops: Any, x: torch.Tensor, proj: Any, selection_bias: 
             and experts <= MAX_ROUTED_EXPERTS and 0 < top_k <= experts and top_k & (top_k - 1) == 0)
 
 
+def _on_device(ops: Any, *weights: Any) -> tuple[Any, ...]:
+    """The weights as the backend holds them on its device: a GGUF tensor's bytes are the file's memory map
+    until `device_weight` uploads them (once, at the first call: a warm-up, never a capture)."""
+    upload = getattr(getattr(ops, "backend", ops), "device_weight", None)
+    if upload is None:
+        return weights
+    return tuple(upload(w) if isinstance(w, QuantTensor) and w.device != ops.device else w for w in weights)
+
+
 def sigmoid_route(ops: Any, x, proj, selection_bias, top_k, scale):
     """A few tokens over a float router: one launch (`triton_router`: product, sigmoid, biased top-k,
     renormalisation and scale). Else two: the backend's `linear`, then the rest in one kernel (torch's chain
     is eight)."""
     router = triton_router()
-    if router is not None and router.takes(x, proj):
-        return router.route(x, proj, top_k, selection_bias=selection_bias, scale=scale)
+    if router is not None and router.enabled() and router.few(x):
+        (proj,) = _on_device(ops, proj)
+        if router.takes(x, proj):
+            return router.route(x, proj, top_k, selection_bias=selection_bias, scale=scale)
     return triton_gates().sigmoid_topk(ops.linear(x, proj), selection_bias, top_k, scale)
 
 
@@ -182,18 +195,21 @@ def softmax_topk_route(ops: Any, x, proj, top_k):
     """A few tokens over a float router: one launch (`triton_router`). Else two: the router's product, then
     softmax, top-k and renormalisation in one kernel (Gemma-4's, without its per-expert scale)."""
     router = triton_router()
-    if router is not None and router.takes(x, proj):
-        return router.route(x, proj, top_k)
+    if router is not None and router.enabled() and router.few(x):
+        (proj,) = _on_device(ops, proj)
+        if router.takes(x, proj):
+            return router.route(x, proj, top_k)
     return triton_norms().softmax_topk(ops.linear(x, proj), None, top_k)
 
 
 def accepts_softmax_topk_route_gated(ops: Any, x: torch.Tensor, proj: Any, shared_gate: Any, top_k: int) -> bool:
     router = triton_router()
-    return (router is not None and _available(ops, x) and accepts_softmax_topk_route(ops, x, proj, top_k)
-            and router.takes(x, proj, shared_gate))
+    return (router is not None and router.enabled() and router.few(x) and _available(ops, x)
+            and accepts_softmax_topk_route(ops, x, proj, top_k) and router.takes(x, *_on_device(ops, proj, shared_gate)))
 
 
 def softmax_topk_route_gated(ops: Any, x, proj, shared_gate, top_k):
     """The router and the shared expert's one-row gate in one launch (`triton_router`: the gate is one more
     row); a prefill chunk takes the two ops apart."""
+    proj, shared_gate = _on_device(ops, proj, shared_gate)
     return triton_router().route(x, proj, top_k, shared_gate=shared_gate)

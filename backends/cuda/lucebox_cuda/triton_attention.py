@@ -460,12 +460,13 @@ def _path_attention_split_kernel(
 
 # Key rows per loop step and loop steps per split of the path kernel. Fixed (never chosen from the window,
 # the node count or the position): the partition of a node's key sequence, and so the rounding of its
-# result, then depends only on the sequence. One block a split: a short context's few hundred keys are
-# then several programs per KV head, each one tile deep (session 20: four blocks a split, 16 programs on
-# Laguna-XS.2's ring, took 10.5 us a layer, latency-bound); the chunked merge keeps a long context's many
-# splits cheap. `LUCEBOX_PATH_BLOCKS_PER_SPLIT` overrides it for a whole process (a benchmark's A/B).
+# result, then depends only on the sequence. 256 rows keep 128 splits x KV heads x nodes programs in
+# flight at a 32K context, and a short context a few splits (on Laguna-XS.2's 512-slot rings: 16 programs
+# 4 tiles deep, 10.5 us a layer in session 20's profile). `LUCEBOX_PATH_BLOCKS_PER_SPLIT` overrides it for a
+# whole process, for a benchmark's A/B: one block a split is 4x the programs at a short context, but also 4x
+# the merge's scratch (a 65-node verify of the 27B at 128K: ~3.3 GB instead of ~0.8).
 PATH_BLOCK_N = 64
-PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "1"))
+PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "4"))
 # 4 warps and two K/V tiles in flight (2 x 64 KiB at 256 dims in 16 bits): two programs can share an SM.
 # Fixed too: the tile layout decides the order of each dot product's sums.
 PATH_WARPS = 4

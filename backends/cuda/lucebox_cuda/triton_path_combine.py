@@ -32,7 +32,9 @@ SPLIT_CHUNK = 16  # splits merged per step: part of the arithmetic, so fixed (ne
 COMBINE_BLOCK_VALUES = 64  # value dims one program merges
 
 
-@triton.jit
+# `splits` never specialised: Triton would make a 1 a constant (a window of 64 keys or fewer), which its
+# loop passes do not take, and decode and verify calls, with different split counts, run one binary.
+@triton.jit(do_not_specialize=["splits"])
 def _path_attention_combine_kernel(
     max_ptr, sum_ptr, acc_ptr, gate_ptr, out_ptr, splits, stride_on, stride_oh, stride_gn, threshold,
     Q_HEADS: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -47,13 +49,13 @@ def _path_attention_combine_kernel(
     value_ok = value_dims < VALUE_DIM
     first = row * splits
     # The largest max over every split (finite: split 0 holds position 0, which every node sees).
-    top = tl.max(tl.load(max_ptr + first + chunk, mask=chunk < splits, other=float("-inf")), axis=0)
-    start = CHUNK
+    top = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
+    start = 0
     while start < splits:  # a while loop: the interpreter cannot take an argument as a range() bound
         index = start + chunk
-        top = tl.maximum(top, tl.max(tl.load(max_ptr + first + index, mask=index < splits,
-                                             other=float("-inf")), axis=0))
+        top = tl.maximum(top, tl.load(max_ptr + first + index, mask=index < splits, other=float("-inf")))
         start += CHUNK
+    top = tl.max(top, axis=0)
     total = tl.zeros([1], dtype=tl.float32)
     out = tl.zeros([BLOCK_DV], dtype=tl.float32)
     start = 0

@@ -33,8 +33,9 @@ from .triton_norms import softmax_topk_row
 from .pdl import triton_options
 from .triton_ops import _device_scope, grid_dependency
 
-# Tokens one launch routes (decode, a verify pass); a prefill chunk takes the product and top-k apart.
-MAX_TOKENS = 64
+# Tokens one launch routes: a decode step, and every verify pass (`op_kernels.VERIFY_ROWS`), so that a verified
+# node routes with the decode step's arithmetic; a prefill chunk takes the product and top-k apart.
+MAX_TOKENS = 128
 EXPERTS_PER_PROGRAM = 4  # 64 programs a token for 256 experts: 32 KiB of an fp32 router each
 HIDDEN_BLOCK = 256
 ENV_SWITCH = "LUCEBOX_FUSED_ROUTER"  # "0": the two-launch router (a benchmark's A/B)
@@ -115,10 +116,15 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     return counters
 
 
+def few(x: torch.Tensor) -> bool:
+    """Whether `x` is a few tokens `[T, hidden]` (T <= MAX_TOKENS) with a unit last stride."""
+    return x.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and x.stride(-1) == 1
+
+
 def takes(x: torch.Tensor, proj: Any, shared_gate: Any = None) -> bool:
     """Whether `route` takes these: a few tokens `[T, hidden]` with a unit last stride, a float router of that
     width on their device (and a one-row shared gate of its dtype), and the counters made."""
-    if not enabled() or x.dim() != 2 or not 0 < x.shape[0] <= MAX_TOKENS or x.stride(-1) != 1:
+    if not enabled() or not few(x):
         return False
     weight = plain_weight(proj)
     if weight is None or weight.shape[1] != x.shape[1] or weight.device != x.device:
