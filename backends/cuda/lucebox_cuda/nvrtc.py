@@ -16,7 +16,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -249,8 +249,8 @@ def launch(
     values = list(args)
     pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
     if pdl:
-        (result,) = _driver().cuLaunchKernelEx(_pdl_config(grid, block, shared_bytes, stream), function,
-                                               ctypes.addressof(pointers), 0)
+        config = _pdl_config(tuple(grid), tuple(block), shared_bytes, int(stream))
+        (result,) = _driver().cuLaunchKernelEx(config, function, ctypes.addressof(pointers), 0)
         _check(result, "cuLaunchKernelEx")
         return
     (result,) = _driver().cuLaunchKernel(
@@ -259,6 +259,7 @@ def launch(
     _check(result, "cuLaunchKernel")
 
 
+@lru_cache(maxsize=4096)  # a few dozen shapes a model: built once each, not per launch (host time)
 def _pdl_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int, stream: int) -> Any:
     """`cuLaunchKernelEx`'s configuration with the programmatic-stream-serialization attribute."""
     driver = _driver()
