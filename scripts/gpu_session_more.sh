@@ -11,8 +11,8 @@
 #                                           #   meanwhile). ARCHS adds e.g. qwen35moe:35b-a3b.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s21-depth   # ~9 min: determinism (decode == verify) on the 0.8B; tg128 of the
 #                                           #   0.8B and 27B Q4_K_M with PDL off and on (LUCEBOX_PDL); the path
-#                                           #   attention's partition at depth on the 27B (#17's depth row): tg64
-#                                           #   at depth 0 / 4096 / 32768, one block a split
+
+#                                           #   at depth 0 / 32768, one block a split
 #                                           #   (LUCEBOX_PATH_BLOCKS_PER_SPLIT=1) against the default four. carry: .whl
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
@@ -66,7 +66,7 @@ s21_depth() {
     done
   done
   for variant in 1 4; do
-    for depth in 0 4096 32768; do
+    for depth in 0 32768; do
       step "tg-27b-split$variant-d$depth" 90 sh -c "LUCEBOX_PATH_BLOCKS_PER_SPLIT=$variant python3 -m \
         lucebox_core.cli bench -m $(model 27b) -p 0 -n 64 -d $depth -r 2 --json > $RES/tg27_split${variant}_d$depth.json" \
         && bench_rows "$RES/tg27_split${variant}_d$depth.json" "27b-split$variant-d$depth"
