@@ -11,9 +11,9 @@
 #                                           #   meanwhile). ARCHS adds e.g. qwen35moe:35b-a3b.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s21-depth   # ~9 min: determinism (decode == verify) on the 0.8B; tg128 of the
 #                                           #   0.8B and 27B Q4_K_M with PDL off and on (LUCEBOX_PDL); the path
-
-#                                           #   at depth 0 / 32768, one block a split
-#                                           #   (LUCEBOX_PATH_BLOCKS_PER_SPLIT=1) against the default four. carry: .whl
+#                                           #   attention's partition on the 27B (#17's depth row): tg64 at depth
+#                                           #   0 / 32768 with one block a split (LUCEBOX_PATH_BLOCKS_PER_SPLIT=1)
+#                                           #   against the default four.                          carry: .whl
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
