@@ -14,6 +14,14 @@
 #                                           #   attention's partition on the 27B (#17's depth row): tg64 at depth
 #                                           #   0 / 32768 with one block a split (LUCEBOX_PATH_BLOCKS_PER_SPLIT=1)
 #                                           #   against the default four.                          carry: .whl
+#   bash scripts/gpu_session.sh s22-moe     # ~8 min: session 22's defaults (PDL in recorded steps, the narrow-head
+#                                           #   partition): the fused-decode GPU tests, then Laguna-XS.2 and the
+#                                           #   35B-A3B pp512/tg128: default, LUCEBOX_PDL=0, LUCEBOX_PATH_NARROW_SPLITS=0
+#                                           #   (session 21's partition); a step profile each; llama-bench beside.
+#                                           #                                          carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s22-dense   # ~8 min: determinism on the 0.8B; 0.8B and 27B tg128 default and
+#                                           #   LUCEBOX_PDL=0; 27B tg64 at depth 32768, default and NARROW_SPLITS=0;
+#                                           #   llama-bench 27B tg128 and tg64 at depth 32768 beside. carry: .whl .llamacpp
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -72,6 +80,62 @@ s21_depth() {
         && bench_rows "$RES/tg27_split${variant}_d$depth.json" "27b-split$variant-d$depth"
     done
   done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+variants() {  # tag model bench-args variant...: `lucebox bench` per variant (name or name:ENV=V,ENV=V), tok/s rows
+  local tag=$1 m=$2 args=$3 variant name envs; shift 3
+  for variant in "$@"; do
+    name=${variant%%:*} envs=""
+    [ "$variant" != "$name" ] && envs=${variant#*:} && envs=${envs//,/ }
+    step "bench-$tag-$name" 90 sh -c "env $envs python3 -m lucebox_core.cli bench -m $m $args --json \
+      > $RES/bench_${tag}_$name.json" && bench_rows "$RES/bench_${tag}_$name.json" "$tag-$name"
+  done
+}
+llama_rows() {  # tag llama-bench-args...: llama-bench's rows as "llama TAG n_prompt n_gen depth tok/s"
+  local tag=$1; shift
+  step "llama-$tag" 90 sh -c "$LB $* -ngl 99 -fa 1 -o json > $RES/llama_$tag.json; python3 -c 'import json,sys
+for r in json.load(open(sys.argv[1])): print(\"llama\", sys.argv[2], r[\"n_prompt\"], r[\"n_gen\"], r.get(\"n_depth\", 0),
+    round(r[\"avg_ts\"], 1))' $RES/llama_$tag.json $tag"
+}
+
+s22_moe() {
+  LLAMA_NICE=19 llama_build_bg
+  local big; big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  # The 35B's file is written meanwhile (its synth is host-bound; the tests mostly wait on the GPU).
+  ( [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  local writer=$!
+  step gpu-tests 170 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_fused_decode_gpu.py
+  local pair arch m
+  for pair in laguna:xs2 qwen35moe:35b-a3b; do
+    arch=${pair%%:*} m=$(sparkmodel "$arch" "${pair#*:}" "$SPARK_SKEW")
+    if [ "$arch" = qwen35moe ]; then echo "[$SECONDS s] waiting for the 35B's file"; wait "$writer"; tail -1 "$RES/synth_35b.log"
+    else step "synth-$arch" 120 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size ${pair#*:} \
+      --type q4_k_m --router-skew $SPARK_SKEW -o $m"; fi
+    variants "$arch" "$m" "-p 512 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0 wide:LUCEBOX_PATH_NARROW_SPLITS=0
+    mkdir -p "$RES/$arch" && step "profile-$arch" 90 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES/$arch"
+  done
+  for pair in laguna:xs2 qwen35moe:35b-a3b; do
+    llama_wait && llama_rows "${pair%%:*}" -m "$(sparkmodel "${pair%%:*}" "${pair#*:}" "$SPARK_SKEW")" -p 512 -n 128 -r 3
+  done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s22_dense() {
+  LLAMA_NICE=19 llama_build_bg
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local writer=$!
+  step determinism-08b 150 bash -c "synth 0.8b && python3 scripts/verify_determinism.py $(model 0.8b) \
+    --json $RES/determinism_08b.json"
+  variants 08b "$(model 0.8b)" "-p 0 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
+  echo "[$SECONDS s] waiting for the 27B's file"; wait "$writer"; tail -1 "$RES/synth_27b.log"
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
+  variants 27b-d32k "$(model 27b)" "-p 0 -n 64 -d 32768 -r 2" default wide:LUCEBOX_PATH_NARROW_SPLITS=0
+  llama_wait && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3 && llama_rows 27b-d32k -m "$(model 27b)" -p 0 -n 64 -d 32768 -r 2
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

@@ -64,7 +64,7 @@ def test_decode_attention_matches_reference(q_heads, kv_heads, head_dim, value_d
     expected = REFERENCE.decode_attention(q, k, v, pos, scale=scale)
     out = nan_like(expected)
     result = triton_attention.decode_attention(q, k, v, pos, scale=scale, block_n=32,
-                                               blocks_per_split=blocks_per_split, out=out)
+                                               blocks_per_split=blocks_per_split, narrow_splits=2, out=out)
     assert result is out
     assert relative_error(out, expected) < 1e-5
 
@@ -73,10 +73,10 @@ def test_decode_attention_ignores_rows_past_the_position():
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 1, 6, 32), torch.randn(100, 2, 32), torch.randn(100, 2, 32)
     before = triton_attention.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, block_n=16,
-                                               blocks_per_split=2)
+                                               blocks_per_split=2, narrow_splits=2)
     k[41:], v[41:] = float("nan"), float("nan")  # garbage past the position must not reach the output
     after = triton_attention.decode_attention(q, k, v, torch.tensor([40]), scale=0.2, block_n=16,
-                                               blocks_per_split=2)
+                                               blocks_per_split=2, narrow_splits=2)
     assert torch.equal(before, after)
 
 
@@ -90,7 +90,7 @@ def test_decode_attention_strided_window_and_half_precision():
     k, v = cache_k[:, :, :32], cache_v[:, :, 32:]  # not contiguous: stride(0) = 128
     q = torch.randn(1, 1, 6, 32, dtype=torch.float16)
     pos = torch.tensor([190])
-    result = triton_attention.decode_attention(q, k, v, pos, scale=32**-0.5, block_n=32, blocks_per_split=2)
+    result = triton_attention.decode_attention(q, k, v, pos, scale=32**-0.5, block_n=32, blocks_per_split=2, narrow_splits=2)
     expected = REFERENCE.decode_attention(q.float(), k.float(), v.float(), pos, scale=32**-0.5)
     assert result.dtype == torch.float16
     assert relative_error(result, expected) < 5e-3
@@ -112,7 +112,7 @@ def test_decode_attention_reads_q8_0_rows(k_q8, v_q8):
     expected = REFERENCE.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5)
     if k_q8:
         k_in[51:] = torch.randint(0, 256, k_in[51:].shape, dtype=torch.uint8)
-    result = triton_attention.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5, block_n=16, blocks_per_split=2)
+    result = triton_attention.decode_attention(q, k_in, v_in, pos, scale=dim**-0.5, block_n=16, blocks_per_split=2, narrow_splits=2)
     assert relative_error(result, expected) < 1e-5
 
 

@@ -117,7 +117,7 @@ def test_decode_equals_a_verified_node_past_one_merge_chunk(dtype, position, win
 @pytest.mark.parametrize("arch", ["laguna", "qwen35moe", "qwen35", "gemma4"])
 def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatch):
     """PDL moves when kernels start, never what they compute: a tiny file's graphed decode steps give the same
-    logits, bit for bit, with LUCEBOX_PDL=1 as without (a kernel reading before its wait would race and differ,
+    logits, bit for bit, with PDL (the default) as with LUCEBOX_PDL=0 (a kernel reading before its wait would race and differ,
     at least now and then, over 24 steps of every layer)."""
     from lucebox_core.ggufio import GGUFFile
     from lucebox_cuda import pdl
@@ -152,7 +152,10 @@ def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatc
         return outs
 
     plain, dependent = run("0"), run("1")
-    assert pdl.enabled(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert not pdl.enabled(device)  # eager launches never take it (a prefill's large kernels lose)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert pdl.enabled(device)  # recorded ones do: the decode steps above ran with it
     for step, (a, b) in enumerate(zip(plain, dependent)):
         assert torch.equal(a, b), f"step {step}"
 

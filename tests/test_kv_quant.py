@@ -288,7 +288,7 @@ def test_decode_kernel_reads_the_blocks_as_the_reference_decodes_them(triton_att
     position = torch.tensor([40])  # rows past it hold data the kernel must not see
     out = torch.full((1, 1, 8, 256), float("nan"))
     result = triton_attention.decode_attention(q, keys, values, position, scale=256**-0.5, out=out, block_n=16,
-                                               blocks_per_split=2)
+                                               blocks_per_split=2, narrow_splits=2)
     expected = REFERENCE.decode_attention(q, keys, values, position, scale=256**-0.5)
     assert result is out
     torch.testing.assert_close(result, expected, atol=2e-6, rtol=1e-5)
@@ -310,7 +310,7 @@ def test_tree_kernel_with_tq3_0_node_rows_over_a_ring(triton_attention):
     position = torch.tensor([40])
     extra = {"node_k": node_k, "node_v": node_v, "ring": 32}
     result = triton_attention.tree_attention(q, keys, values, position, visible, scale=128**-0.5, block_n=16,
-                                             blocks_per_split=2, **extra)
+                                             blocks_per_split=2, narrow_splits=2, **extra)
     expected = REFERENCE.tree_attention(q, keys, values, position, visible, scale=128**-0.5, **extra)
     torch.testing.assert_close(result, expected, atol=2e-6, rtol=1e-5)
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (lucebox_cuda.pdl), without a GPU: off on the CPU whatever the switch, the
 driver's launch configuration carries the attribute, and the kernels compiled for sm_90 with their `PDL`
 constexpr wait for the kernel ahead (griddepcontrol) where a plain build has no such instruction. The timing
-is the GPU session's (`scripts/gpu_session_more.sh s21-fusion`, LUCEBOX_PDL=1 against 0)."""
+is the GPU session's (`scripts/gpu_session_more.sh s21-fusion`, PDL against LUCEBOX_PDL=0)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_off_on_the_cpu_even_when_switched_on(monkeypatch):
     assert pdl.triton_options(torch.zeros(1)) == {"PDL": False}
     assert not pdl.enabled(torch.device("cpu"))
     monkeypatch.setenv(pdl.ENV_SWITCH, "0")
-    assert not pdl.enabled(torch.device("cuda", 0))  # off by default: no device query at all
+    assert not pdl.enabled(torch.device("cuda", 0))  # switched off: no device query at all
 
 
 def test_the_launch_configuration_allows_programmatic_serialisation():

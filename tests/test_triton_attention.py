@@ -146,12 +146,12 @@ def tree_inputs(nodes, position, rows, q_heads, kv_heads, dim, dtype=torch.float
 
 
 # Key partitions (rows per block, blocks per split): the kernel's default, and small ones that give
-# these short windows several blocks per split and several splits.
+# these short windows several blocks per split and several splits (after two narrow splits of one block).
 PARTITIONS = [(None, None), (16, 1), (16, 3)]
 
 
 def partition(block_n, blocks_per_split):
-    return {} if block_n is None else {"block_n": block_n, "blocks_per_split": blocks_per_split}
+    return {} if block_n is None else {"block_n": block_n, "blocks_per_split": blocks_per_split, "narrow_splits": 2}
 
 
 @pytest.mark.parametrize(("block_n", "blocks_per_split"), PARTITIONS)
@@ -189,13 +189,13 @@ def test_tree_attention_bf16_and_q8_0_cache():
     visible = TreeIndex.build(parents).visibility()
     pos = torch.tensor([45])
     expected = REFERENCE.tree_attention(q.float(), k.float(), v.float(), pos, visible, scale=0.125)
-    result = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.125, block_n=16, blocks_per_split=2)
+    result = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.125, block_n=16, blocks_per_split=2, narrow_splits=2)
     assert result.dtype == torch.bfloat16
     assert relative_error(result, expected) < BOUNDS[torch.bfloat16]
     k8, v8 = quantize_q8_0(k.float().clamp(-50, 50)), quantize_q8_0(v.float().clamp(-50, 50))
     expected = REFERENCE.tree_attention(q.float(), k8, v8, pos, visible, scale=0.125)
     result = triton_attention.tree_attention(q.float(), k8, v8, pos, visible, scale=0.125, block_n=16,
-                                             blocks_per_split=2)
+                                             blocks_per_split=2, narrow_splits=2)
     assert relative_error(result, expected) < BOUNDS[torch.float32]
 
 
@@ -207,9 +207,9 @@ def test_tree_attention_never_reads_rows_past_the_tree():
     q, k, v = tree_inputs(len(parents), 50, 128, 6, 2, 16)
     visible = TreeIndex.build(parents).visibility()
     pos = torch.tensor([50])
-    clean = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, block_n=16, blocks_per_split=2)
+    clean = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, block_n=16, blocks_per_split=2, narrow_splits=2)
     k[50 + len(parents) :], v[50 + len(parents) :] = float("nan"), float("nan")
-    poisoned = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, block_n=16, blocks_per_split=2)
+    poisoned = triton_attention.tree_attention(q, k, v, pos, visible, scale=0.25, block_n=16, blocks_per_split=2, narrow_splits=2)
     assert torch.equal(clean, poisoned)
 
 
@@ -220,7 +220,7 @@ def test_decode_attention_sees_rows_up_to_its_position(position):
     torch.manual_seed(position)
     q, k, v = torch.randn(1, 1, 6, 32), torch.randn(100, 2, 32), torch.randn(100, 2, 32)
     pos = torch.tensor([position])
-    result = triton_attention.decode_attention(q, k, v, pos, scale=0.2, block_n=16, blocks_per_split=2)
+    result = triton_attention.decode_attention(q, k, v, pos, scale=0.2, block_n=16, blocks_per_split=2, narrow_splits=2)
     assert relative_error(result, REFERENCE.decode_attention(q, k, v, pos, scale=0.2)) < BOUNDS[torch.float32]
 
 
@@ -236,7 +236,7 @@ def test_tree_node_equals_decoding_its_path_bit_for_bit(parents, dtype):
     q, k, v = tree_inputs(nodes, position, rows, 6, 2, dim, dtype)
     visible = TreeIndex.build(parents).visibility()
     verified = triton_attention.tree_attention(q, k, v, torch.tensor([position]), visible, scale=0.2,
-                                               block_n=16, blocks_per_split=2)
+                                               block_n=16, blocks_per_split=2, narrow_splits=2)
     for node in range(nodes):
         path = [i for i in range(nodes) if visible[node, i]]
         decode_rows = 130  # a larger window: more splits, past the path all noise
@@ -246,7 +246,7 @@ def test_tree_node_equals_decoding_its_path_bit_for_bit(parents, dtype):
             k_decode[position + depth], v_decode[position + depth] = k[position + index], v[position + index]
         decoded = triton_attention.decode_attention(
             q[:, node : node + 1], k_decode, v_decode, torch.tensor([position + len(path) - 1]), scale=0.2,
-            block_n=16, blocks_per_split=2)
+            block_n=16, blocks_per_split=2, narrow_splits=2)
         assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
 
 
@@ -325,7 +325,7 @@ def test_tree_attention_node_rows_apart_from_the_cache(parents, start, rows):
     reference = REFERENCE.tree_attention(q, cache_k, cache_v, pos, visible, scale=0.2, node_k=node_k, node_v=node_v)
     assert relative_error(reference, expected) < BOUNDS[torch.float32]
     result = triton_attention.tree_attention(q, cache_k, cache_v, pos, visible, scale=0.2, node_k=node_k,
-                                             node_v=node_v, block_n=16, blocks_per_split=2)
+                                             node_v=node_v, block_n=16, blocks_per_split=2, narrow_splits=2)
     assert relative_error(result, expected) < BOUNDS[torch.float32]
 
 
@@ -368,7 +368,7 @@ def test_ring_tree_node_equals_decoding_its_path_bit_for_bit(parents, start, rin
     rows = min(ring, start + 4) if start < ring else ring  # the verify's window: the committed rows
     verified = triton_attention.tree_attention(
         q, ring_k[:rows], ring_v[:rows], torch.tensor([start]), visible, scale=0.2, node_k=node_k, node_v=node_v,
-        ring=ring, block_n=8, blocks_per_split=2)
+        ring=ring, block_n=8, blocks_per_split=2, narrow_splits=2)
     one = torch.ones(1, 1, dtype=torch.bool)
     for node in range(nodes):
         path = [i for i in range(nodes) if visible[node, i]]
@@ -381,7 +381,7 @@ def test_ring_tree_node_equals_decoding_its_path_bit_for_bit(parents, start, rin
         decoded = triton_attention.tree_attention(
             q[:, node : node + 1], decode_k[:decode_rows], decode_v[:decode_rows], torch.tensor([position]), one,
             scale=0.2, node_k=node_k[node : node + 1], node_v=node_v[node : node + 1], ring=ring, block_n=8,
-            blocks_per_split=2)
+            blocks_per_split=2, narrow_splits=2)
         assert torch.equal(decoded[0, 0], verified[0, node]), f"node {node}, path {path}"
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,6 +42,7 @@ from .triton_ops import (
     grid_dependency,
 )
 from . import triton_path_combine
+from .triton_path_combine import PATH_BLOCK_N, PATH_BLOCKS_PER_SPLIT, PATH_NARROW_SPLITS, split_bounds, split_count
 from .pdl import triton_options
 from .timing import median_ms as _median_ms
 from .timing import relative_error as _relative_error
@@ -377,7 +377,7 @@ def _path_attention_split_kernel(
     BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_NODES: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, NODE_ROWS: tl.constexpr, RING: tl.constexpr,
-    STATIC_TRIPS: tl.constexpr,
+    STATIC_TRIPS: tl.constexpr, NARROW_SPLITS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Partial attention of one node's GROUP query heads (one KV head) over one split of its key sequence.
@@ -385,7 +385,8 @@ def _path_attention_split_kernel(
     A node's key sequence is its path as plain decoding would have laid it out: the committed rows
     0 .. position-1, then its ancestors and itself (the nodes its `visible` row allows, in index order)
     at logical positions position, position + 1, ... Key tiles are cut from that logical sequence in
-    fixed splits of BLOCKS_PER_SPLIT x BLOCK_N from position 0, and a node row is fetched from wherever
+    fixed splits from position 0 (the first NARROW_SPLITS of one BLOCK_N each, the rest of BLOCKS_PER_SPLIT x
+    BLOCK_N: `split_bounds`), and a node row is fetched from wherever
     the tree put it (row position + i for node i, or row i of the node tensors with NODE_ROWS). With RING
     (a sliding layer's ring of RING slots, position p in slot p % RING) the sequence is the slots in slot
     order, the path's positions in their slots: what the decode step reads from the ring once the path is
@@ -423,8 +424,8 @@ def _path_attention_split_kernel(
         seen_end = committed + path_len
     else:
         seen_end = tl.minimum(committed + path_len, rows)
-    start = split * (BLOCKS_PER_SPLIT * BLOCK_N)
-    end = tl.minimum(start + BLOCKS_PER_SPLIT * BLOCK_N, seen_end)
+    start, end = split_bounds(split, NARROW_SPLITS, BLOCKS_PER_SPLIT, BLOCK_N)
+    end = tl.minimum(end, seen_end)
 
     running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -458,15 +459,6 @@ def _path_attention_split_kernel(
              mask=head_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
 
 
-# Key rows per loop step and loop steps per split of the path kernel. Fixed (never chosen from the window,
-# the node count or the position): the partition of a node's key sequence, and so the rounding of its
-# result, then depends only on the sequence. 256 rows keep 128 splits x KV heads x nodes programs in
-# flight at a 32K context, and a short context a few splits (on Laguna-XS.2's 512-slot rings: 16 programs
-# 4 tiles deep, 10.5 us a layer in session 20's profile). `LUCEBOX_PATH_BLOCKS_PER_SPLIT` overrides it for a
-# whole process, for a benchmark's A/B: one block a split is 4x the programs at a short context, but also 4x
-# the merge's scratch (a 65-node verify of the 27B at 128K: ~3.3 GB instead of ~0.8).
-PATH_BLOCK_N = 64
-PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "4"))
 # 4 warps and two K/V tiles in flight (2 x 64 KiB at 256 dims in 16 bits): two programs can share an SM.
 # Fixed too: the tile layout decides the order of each dot product's sums.
 PATH_WARPS = 4
@@ -477,7 +469,7 @@ def tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, visible: torch.Tensor, *,
     scale: float, node_k: torch.Tensor | None = None, node_v: torch.Tensor | None = None, ring: int = 0,
     out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N, blocks_per_split: int = PATH_BLOCKS_PER_SPLIT,
-    head_gate: torch.Tensor | None = None,
+    narrow_splits: int = PATH_NARROW_SPLITS, head_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`TorchBackend.tree_attention` (and, with one node that sees itself, `decode_attention`): q
     `[1, N, Hq, D]`; k `[W, Hkv, D]`, v `[W, Hkv, Dv]` (the first W rows of the cache; rows `position + i`
@@ -493,8 +485,8 @@ def tree_attention(
     node's output equals, bit for bit, what decoding its path token by token gives (the decode step calling
     this with one node, in the same mode). A fixed (N, W) gives a fixed launch, so the call records into a
     CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype with a contiguous last dim to write into.
-    `block_n`, `blocks_per_split`: the fixed partition (tests use small ones; decode and verify must use
-    the same). `head_gate` `[N, Hq]` (or `[1, N, Hq]`): each output times softplus(gate) per (node, head),
+    `block_n`, `blocks_per_split`, `narrow_splits`: the fixed partition (`split_bounds`; tests use small
+    ones; decode and verify must use the same). `head_gate` `[N, Hq]` (or `[1, N, Hq]`): each output times softplus(gate) per (node, head),
     in the merge (`triton_path_combine`), rounded as `lucebox_laguna.ops.softplus_head_gate` after this.
     """
     from lucebox_core.kv_quant import rotate_tq3, stored_dim, stored_format
@@ -541,7 +533,7 @@ def tree_attention(
     # Splits that cover every node's sequence: the window, or (node rows) the committed rows a window
     # covers plus the path; a ring's sequence is at most its slots. Splits past a sequence add exact zeros.
     sequence = rows if not node_rows else min(rows + nodes, ring) if ring else rows + nodes
-    splits = triton.cdiv(sequence, block_n * blocks_per_split)
+    splits = split_count(sequence, block_n, blocks_per_split, narrow_splits)
     interpreted = not q.is_cuda
     split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)
     split_sum = torch.empty_like(split_max)
@@ -558,7 +550,7 @@ def tree_attention(
             BLOCK_NODES=max(16, triton.next_power_of_2(nodes)),
             DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
             K_FORMAT=KV_FORMATS[k_format], V_FORMAT=KV_FORMATS[v_format], NODE_ROWS=node_rows, RING=ring,
-            STATIC_TRIPS=blocks_per_split if interpreted else 0,
+            STATIC_TRIPS=blocks_per_split if interpreted else 0, NARROW_SPLITS=narrow_splits,
             num_warps=PATH_WARPS, num_stages=PATH_STAGES, **triton_options(q),
         )
         # A TQ3_0 V's output is gated after its rotation back (below), as the reference rounds it.
@@ -589,14 +581,15 @@ _ONE_NODE: dict[torch.device, torch.Tensor] = {}
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *, scale: float,
                      out: torch.Tensor | None = None, block_n: int = PATH_BLOCK_N,
-                     blocks_per_split: int = PATH_BLOCKS_PER_SPLIT) -> torch.Tensor:
+                     blocks_per_split: int = PATH_BLOCKS_PER_SPLIT,
+                     narrow_splits: int = PATH_NARROW_SPLITS) -> torch.Tensor:
     """`TorchBackend.decode_attention` as a one-node `tree_attention`: the decode step and a verify pass
     run the same kernel over the same key partition, so they agree to the bit (q `[1, 1, Hq, D]`)."""
     one = _ONE_NODE.get(q.device)
     if one is None:
         one = _ONE_NODE[q.device] = torch.ones(1, 1, dtype=torch.bool, device=q.device)
     return tree_attention(q, k, v, position, one, scale=scale, out=out, block_n=block_n,
-                          blocks_per_split=blocks_per_split)
+                          blocks_per_split=blocks_per_split, narrow_splits=narrow_splits)
 
 
 # -- helpers -------------------------------------------------------------------------------------------

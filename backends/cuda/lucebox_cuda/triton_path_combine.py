@@ -1,4 +1,5 @@
-"""The second half of the path (tree / decode) attention: the splits' partial results merged into each output.
+"""The path (tree / decode) attention's partition of a key sequence into splits, and its second half: the
+splits' partial results merged into each output.
 
 `triton_attention.tree_attention`'s split kernel leaves, per (node, query head, split), the max score, the
 sum of exp(score - max) and the unnormalised output over that split's keys. This kernel merges them, one
@@ -20,6 +21,8 @@ output gate, `lucebox_laguna.ops.softplus_head_gate`): saves that op's launch af
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +30,36 @@ import triton.language as tl
 from .pdl import triton_options
 from .triton_gates import SOFTPLUS_THRESHOLD, softplus_fp32
 from .triton_ops import grid_dependency
+
+# Key rows per loop step, and the path kernel's partition (`split_bounds`): the first PATH_NARROW_SPLITS
+# splits of one block, then splits of PATH_BLOCKS_PER_SPLIT blocks. Fixed (never chosen from the window,
+# the node count or the position): the partition of a node's key sequence, and so the rounding of its
+# result, then depends only on the sequence. Session 22 on the H200 (Laguna-XS.2, tg128 at a 640-token
+# context, with PDL): one block a split everywhere 387 tok/s against 362 with four, since a short context
+# then spreads over 4x the programs; but one block a split everywhere is also 4x the merge's scratch at
+# long contexts (a 65-node verify of the 27B at 128K: ~3.3 GB instead of ~0.8). The narrow head gives the
+# first 2048 rows one block a split and keeps the long tail at four (128K: 536 splits instead of 512).
+# `LUCEBOX_PATH_BLOCKS_PER_SPLIT` / `LUCEBOX_PATH_NARROW_SPLITS` override them for a whole process (A/B).
+PATH_BLOCK_N = 64
+PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "4"))
+PATH_NARROW_SPLITS = int(os.environ.get("LUCEBOX_PATH_NARROW_SPLITS", "32"))
+
+@triton.jit
+def split_bounds(split, NARROW_SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key rows [start, end) of a split: the first NARROW_SPLITS splits one block each (a short context
+    still spreads over many programs), every later one BLOCKS_PER_SPLIT blocks (a long one keeps the merge's
+    scratch and splits bounded). A function of the split index alone, so of the position alone."""
+    narrow = tl.minimum(split, NARROW_SPLITS)
+    start = (narrow + (split - narrow) * BLOCKS_PER_SPLIT) * BLOCK_N
+    width = tl.where(split < NARROW_SPLITS, BLOCK_N, BLOCKS_PER_SPLIT * BLOCK_N)
+    return start, start + width
+
+
+def split_count(sequence: int, block_n: int, blocks_per_split: int, narrow_splits: int) -> int:
+    """How many splits of `split_bounds`' partition cover a key sequence of `sequence` rows."""
+    narrow = min(triton.cdiv(sequence, block_n), narrow_splits)
+    return narrow + triton.cdiv(max(sequence - narrow_splits * block_n, 0), block_n * blocks_per_split)
+
 
 SPLIT_CHUNK = 16  # splits merged per step: part of the arithmetic, so fixed (never chosen per call)
 COMBINE_BLOCK_VALUES = 64  # value dims one program merges
