@@ -116,7 +116,9 @@ s22_moe() {
     else step "synth-$arch" 120 sh -c "[ -s $m ] || python3 -m lucebox_core.cli synth --arch $arch --size ${pair#*:} \
       --type q4_k_m --router-skew $SPARK_SKEW -o $m"; fi
     variants "$arch" "$m" "-p 512 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0 wide:LUCEBOX_PATH_NARROW_SPLITS=0
-    mkdir -p "$RES/$arch" && step "profile-$arch" 90 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES/$arch"
+    # Without PDL: its overlapping kernels make every kernel's own time read long.
+    mkdir -p "$RES/$arch" && step "profile-$arch" 90 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile "$m" \
+      --out "$RES/$arch"
   done
   for pair in laguna:xs2 qwen35moe:35b-a3b; do
     llama_wait && llama_rows "${pair%%:*}" -m "$(sparkmodel "${pair%%:*}" "${pair#*:}" "$SPARK_SKEW")" -p 512 -n 128 -r 3

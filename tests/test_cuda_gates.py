@@ -61,6 +61,29 @@ def test_sigmoid_route(dtype, experts, top_k, tokens):
         or bias.abs().max() == 0  # the bias changed some choice: the kernel adds it
 
 
+@pytest.mark.parametrize("experts", [256, 40])
+def test_the_ranked_top_k_breaks_ties_toward_the_lower_index(experts):
+    """Both routers' top-k (`triton_gates.rank_chunk`) on rows full of exact ties (logits from a handful of
+    values, bf16-like): the chosen experts are the first TOP_K of a stable descending sort, in that order,
+    as the k-pass argmax chose them and torch's stable sort gives."""
+    gen = torch.Generator().manual_seed(experts)
+    tokens, top_k = 4, 8
+    logits = torch.randint(0, 5, (tokens, experts), generator=gen).float() * 0.25
+    bias = torch.randint(0, 2, (experts,), generator=gen).float() * 0.5
+    weights, ids = triton_gates.sigmoid_topk(logits, bias, top_k, 1.0)
+    choice = torch.sigmoid(logits) + bias
+    want = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(ids, want)
+    chosen = torch.sigmoid(logits.gather(1, want))
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True), atol=1e-6, rtol=1e-6)
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = triton_norms.softmax_topk(logits, None, top_k)
+    want = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(ids, want)
+    chosen = probs.gather(1, want)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True), atol=1e-6, rtol=1e-6)
+
+
 def test_sigmoid_route_refuses_bad_shapes():
     with pytest.raises(ValueError, match="top_k 3"):
         triton_gates.sigmoid_topk(torch.randn(2, 16), torch.zeros(16), 3, 1.0)

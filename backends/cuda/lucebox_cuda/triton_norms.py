@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .triton_fused import ELEMENTWISE_BLOCK, _norm_rope_row, _row_layout
+from .triton_gates import RANK_CHUNK, rank_chunk, ranked_choice
 from .pdl import triton_options
 from .triton_ops import _device_scope, grid_dependency
 
@@ -316,20 +317,20 @@ def softmax_topk_row(logits_ptr, expert_scale_ptr, experts, TOP_K: tl.constexpr,
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
     logits = tl.load(logits_ptr + cols, mask=ok, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    probs = probs / tl.sum(probs, axis=0)
-    remaining = tl.where(ok, probs, -1.0)  # below every probability: a taken or padding slot
-    slots = tl.arange(0, TOP_K)
-    ids = tl.zeros([TOP_K], dtype=tl.int64)
-    values = tl.zeros([TOP_K], dtype=tl.float32)
-    # The k-th pass takes the k-th largest: descending order, as torch.topk gives.
-    for k in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        # The lowest index among equals, as a stable sort would give (random logits never tie).
-        index = tl.min(tl.where(remaining == best, cols, BLOCK_E), axis=0)
-        ids = tl.where(slots == k, index.to(tl.int64), ids)
-        values = tl.where(slots == k, best, values)
-        remaining = tl.where(cols == index, -1.0, remaining)
+    peak = tl.max(logits, axis=0)
+    probs = tl.exp(logits - peak)
+    total = tl.sum(probs, axis=0)
+    probs = probs / total
+    # The top-k by rank (`triton_gates.sigmoid_topk_row`): descending, the lowest index among equals, as a
+    # stable sort; each chunk's probabilities recomputed by the same instructions.
+    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in tl.static_range(0, BLOCK_E, RANK_CHUNK):
+        chunk = start + tl.arange(0, RANK_CHUNK)
+        chunk_ok = chunk < experts
+        chunk_logits = tl.load(logits_ptr + chunk, mask=chunk_ok, other=-float("inf"),
+                               cache_modifier=".cg").to(tl.float32)
+        rank = rank_chunk(rank, probs, cols, tl.exp(chunk_logits - peak) / total, chunk, chunk_ok)
+    ids, values = ranked_choice(tl.where(ok, rank, BLOCK_E), probs, cols, TOP_K)
     total = tl.sum(values, axis=0)
     if HAS_SCALE:
         return values / total * tl.load(expert_scale_ptr + ids).to(tl.float32), ids
