@@ -34,8 +34,16 @@ SPEC_PROMPT_TOKENS = 32
 
 
 def decode_bytes_per_token(gguf_file: Any) -> int:
-    """Weight bytes one decode step reads: all tensors, less the embedding table when the head is separate."""
-    total = sum(info.n_bytes for info in gguf_file.tensors.values())
+    """Weight bytes one decode step reads: all tensors, less the embedding table when the head is separate,
+    and of a mixture of experts' stacked expert tensors (GGUF's `*_exps`) only the share one token routes to
+    (`expert_used_count` of `expert_count` experts, each a distinct slice): a token reads its k experts' rows,
+    never the other experts', so counting the whole stack would report several times the memory's bandwidth."""
+    experts = gguf_file.arch_get("expert_count", int, 0) if gguf_file.architecture else 0
+    used = gguf_file.arch_get("expert_used_count", int, 0) if gguf_file.architecture else 0
+    total = 0
+    for name, info in gguf_file.tensors.items():
+        routed = experts > 0 and 0 < used <= experts and "_exps." in name
+        total += info.n_bytes * used // experts if routed else info.n_bytes
     if "output.weight" in gguf_file.tensors and "token_embd.weight" in gguf_file.tensors:
         total -= gguf_file.tensors["token_embd.weight"].n_bytes
     return total

@@ -107,3 +107,25 @@ def test_bench_cli_spec_rows_json(tiny_target_and_draft):
     bad = subprocess.run([sys.executable, "-m", "lucebox_core.cli", "bench", "-m", str(target), "--force-accept", "2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "needs a drafter" in bad.stderr
+
+
+def test_a_mixture_of_experts_counts_the_experts_one_token_reads(tmp_path):
+    """`decode_bytes_per_token` (the GB/s of a tg row) on a tiny Laguna file, against gguf's own reader: every
+    tensor but the embedding table, the stacked `*_exps` tensors at the routed share (k of E experts)."""
+    gguf = pytest.importorskip("gguf")
+    from lucebox_core.bench import decode_bytes_per_token
+    from lucebox_core.ggufio import GGUFFile
+    from lucebox_laguna import synth
+
+    path = synth.write(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=1)
+    reader = gguf.GGUFReader(path)
+    field = {f.name: f for f in reader.fields.values()}
+    experts = int(field["laguna.expert_count"].parts[-1][0])
+    used = int(field["laguna.expert_used_count"].parts[-1][0])
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    routed = [n for n in sizes if "_exps." in n]
+    assert routed and 1 < used < experts
+    expected = sum(size for name, size in sizes.items() if name not in routed and name != "token_embd.weight")
+    expected += sum(sizes[n] * used // experts for n in routed)
+    assert decode_bytes_per_token(GGUFFile(path)) == expected
+    assert expected < sum(sizes.values()) - sizes["token_embd.weight"]
