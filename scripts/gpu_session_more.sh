@@ -131,6 +131,7 @@ s22_dense() {
   LLAMA_NICE=19 llama_build_bg
   ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local writer=$!
+  step attention-check 90 python3 -m lucebox_cuda.triton_attention  # the path kernel's new partition vs the oracle
   step determinism-08b 150 bash -c "synth 0.8b && python3 scripts/verify_determinism.py $(model 0.8b) \
     --json $RES/determinism_08b.json"
   variants 08b "$(model 0.8b)" "-p 0 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
