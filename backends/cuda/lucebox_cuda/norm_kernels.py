@@ -145,12 +145,20 @@ def sigmoid_route(ops: Any, x, proj, selection_bias, top_k, scale):
     """A few tokens over a float router: one launch (`triton_router`: product, sigmoid, biased top-k,
     renormalisation and scale). Else two: the backend's `linear`, then the rest in one kernel (torch's chain
     is eight)."""
-    router = triton_router()
-    if router is not None and router.enabled() and router.few(x):
-        (proj,) = _on_device(ops, proj)
-        if router.takes(x, proj):
-            return router.route(x, proj, top_k, selection_bias=selection_bias, scale=scale)
+    taken = _one_launch_router(ops, x, proj)
+    if taken is not None:
+        router, device_proj = taken
+        return router.route(x, device_proj, top_k, selection_bias=selection_bias, scale=scale)
     return triton_gates().sigmoid_topk(ops.linear(x, proj), selection_bias, top_k, scale)
+
+
+def _one_launch_router(ops: Any, x: torch.Tensor, proj: Any) -> tuple[Any, Any] | None:
+    """(`triton_router`, the router's device copy: `_on_device`) when it takes these tokens, else None."""
+    router = triton_router()
+    if router is None or not router.enabled() or not router.few(x):
+        return None
+    (device_proj,) = _on_device(ops, proj)
+    return (router, device_proj) if router.takes(x, device_proj) else None
 
 
 def accepts_gated_tree_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
@@ -194,11 +202,10 @@ def accepts_softmax_topk_route(ops: Any, x: torch.Tensor, proj: Any, top_k: int)
 def softmax_topk_route(ops: Any, x, proj, top_k):
     """A few tokens over a float router: one launch (`triton_router`). Else two: the router's product, then
     softmax, top-k and renormalisation in one kernel (Gemma-4's, without its per-expert scale)."""
-    router = triton_router()
-    if router is not None and router.enabled() and router.few(x):
-        (proj,) = _on_device(ops, proj)
-        if router.takes(x, proj):
-            return router.route(x, proj, top_k)
+    taken = _one_launch_router(ops, x, proj)
+    if taken is not None:
+        router, device_proj = taken
+        return router.route(x, device_proj, top_k)
     return triton_norms().softmax_topk(ops.linear(x, proj), None, top_k)
 
 
