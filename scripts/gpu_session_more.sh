@@ -22,6 +22,11 @@
 #   bash scripts/gpu_session.sh s22-dense   # ~8 min: determinism on the 0.8B; 0.8B and 27B tg128 default and
 #                                           #   LUCEBOX_PDL=0; 27B tg64 at depth 32768, default and NARROW_SPLITS=0;
 #                                           #   llama-bench 27B tg128 and tg64 at depth 32768 beside. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s22-all     # ~9 min: the most of s22-moe and s22-dense one call holds, in order of
+#                                           #   need (a short device budget): the fused-decode GPU tests; Laguna-XS.2
+#                                           #   default / LUCEBOX_PDL=0 / NARROW_SPLITS=0 and its profile; the 35B-A3B
+#                                           #   default / PDL=0; llama-bench on both; 27B tg128 both engines.
+#                                           #                                          carry: .whl .llamacpp
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -139,6 +144,32 @@ s22_dense() {
   variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
   variants 27b-d32k "$(model 27b)" "-p 0 -n 64 -d 32768 -r 2" default wide:LUCEBOX_PATH_NARROW_SPLITS=0
   llama_wait && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3 && llama_rows 27b-d32k -m "$(model 27b)" -p 0 -n 64 -d 32768 -r 2
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s22_all() {
+  LLAMA_NICE=19 llama_build_bg
+  local laguna big; laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  # The three files written meanwhile (host-bound; the tests mostly wait on the GPU).
+  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
+    [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  local moe_writer=$!
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$!
+  step gpu-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_fused_decode_gpu.py
+  echo "[$SECONDS s] waiting for the MoE files"; wait "$moe_writer"; tail -qn1 "$RES"/synth_*.log
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0 wide:LUCEBOX_PATH_NARROW_SPLITS=0
+  mkdir -p "$RES/laguna" && step profile-laguna 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile \
+    "$laguna" --out "$RES/laguna"
+  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
+  llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
+  echo "[$SECONDS s] waiting for the 27B's file"; wait "$dense_writer"; tail -1 "$RES/synth_27b.log"
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
+  llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
