@@ -24,6 +24,7 @@ masked-off padding), which keeps the number of recordings per sequence small.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import warnings
 from collections.abc import Callable, Hashable
@@ -34,6 +35,25 @@ import torch
 from .kv import window_limit
 
 ENV_SWITCH = "LUCEBOX_CUDA_GRAPHS"  # "0" turns graph replay off (eager steps, for debugging and profiling)
+_INSIDE = contextvars.ContextVar("lucebox_inside_static_step", default=False)
+
+
+def inside_static_step() -> bool:
+    """Whether the caller runs inside a static step (`StaticStep.run`: its warm-up, its recording, or an eager
+    run of it). A backend may launch differently there than in a prefill (lucebox_cuda.pdl: programmatic
+    dependent launch) and must do so alike in the warm-up and the recording: the warm-up builds and loads
+    every kernel the recording launches, since a kernel cannot be loaded while a stream is recording."""
+    return _INSIDE.get()
+
+
+@contextlib.contextmanager
+def running_static_step():
+    """The scope of `inside_static_step()`: `StaticStep.run` runs in it; tests may too."""
+    token = _INSIDE.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE.reset(token)
 MIN_WINDOW = 256
 WINDOWS_PER_OCTAVE = 4
 
@@ -143,6 +163,11 @@ class StaticStep:
         the next replay overwrites: `clone` hands out copies. If recording fails, the step warns once; from
         then on keys without a recording run eagerly, and those recorded before still replay.
         """
+        with running_static_step():
+            return self._run(key, step, inputs, clone=clone, graphs=graphs)
+
+    def _run(self, key: Hashable, step: Callable[[StaticInputs], Any], inputs: StaticInputs, *, clone: bool,
+             graphs: bool | None) -> Any:
         use_graphs = self.graphs if graphs is None else graphs
         if not use_graphs:
             return step(inputs)

@@ -84,6 +84,23 @@ def test_the_ranked_top_k_breaks_ties_toward_the_lower_index(experts):
     torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True), atol=1e-6, rtol=1e-6)
 
 
+def test_a_row_with_nan_still_routes_to_real_distinct_experts():
+    """A NaN hidden state must not turn into an expert id past the stack (the expert kernels address weights
+    by id): NaN ranks as -inf, so the ids stay distinct and in range, the NaN experts last."""
+    experts, top_k = 40, 8
+    logits = torch.randn(3, experts, generator=torch.Generator().manual_seed(5))
+    logits[0, [3, 17]] = float("nan")
+    logits[1] = float("nan")
+    logits[2, 9] = float("inf")
+    for weights, ids in (triton_gates.sigmoid_topk(logits, torch.zeros(experts), top_k, 1.0),
+                         triton_norms.softmax_topk(logits, None, top_k)):
+        assert ((ids >= 0) & (ids < experts)).all()
+        assert all(len(set(row.tolist())) == top_k for row in ids)
+    weights, ids = triton_gates.sigmoid_topk(logits, torch.zeros(experts), top_k, 1.0)
+    assert not {3, 17} & set(ids[0].tolist())  # finite scores come before NaN ones
+    assert ids[1].tolist() == list(range(top_k))  # all NaN: by index
+
+
 def test_sigmoid_route_refuses_bad_shapes():
     with pytest.raises(ValueError, match="top_k 3"):
         triton_gates.sigmoid_topk(torch.randn(2, 16), torch.zeros(16), 3, 1.0)

@@ -7,6 +7,7 @@ test_cuda_gates, test_triton_attention); only the GPU has the real memory orderi
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -120,6 +121,7 @@ def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatc
     logits, bit for bit, with PDL (the default) as with LUCEBOX_PDL=0 (a kernel reading before its wait would race and differ,
     at least now and then, over 24 steps of every layer)."""
     from lucebox_core.ggufio import GGUFFile
+    from lucebox_core.static_step import running_static_step
     from lucebox_cuda import pdl
     from lucebox_cuda.backend import CudaBackend
 
@@ -149,13 +151,17 @@ def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path, monkeypatc
             logits = model.decode_step(state, token)
             outs.append(logits.clone())
         torch.cuda.synchronize()
+        # Recorded and replayed, not run eagerly after a failed capture (which would compare eager with eager).
+        assert state.decode is not None and state.decode.failure is None and state.decode._recorded
         return outs
 
-    plain, dependent = run("0"), run("1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
+        plain, dependent = run("0"), run("1")
     device = torch.device("cuda", torch.cuda.current_device())
-    assert not pdl.enabled(device)  # eager launches never take it (a prefill's large kernels lose)
-    with torch.cuda.graph(torch.cuda.CUDAGraph()):
-        assert pdl.enabled(device)  # recorded ones do: the decode steps above ran with it
+    assert not pdl.enabled(device)  # a prefill's launches never take it (its large kernels lose)
+    with running_static_step():
+        assert pdl.enabled(device)  # a static step's do: the decode steps above ran with it
     for step, (a, b) in enumerate(zip(plain, dependent)):
         assert torch.equal(a, b), f"step {step}"
 

@@ -122,6 +122,33 @@ def test_graphs_off_runs_eagerly():
     assert len(step) == 0
 
 
+def test_the_warm_up_and_the_recording_both_run_inside_the_static_step():
+    """`inside_static_step()` holds in a step's warm-up, in its recording and in an eager run of it, and
+    nowhere else: a backend that launches differently there (PDL) builds in the warm-up every kernel its
+    recording launches."""
+    from lucebox_core.static_step import inside_static_step
+
+    class Capturing(GraphStandIn):  # a capture runs the step's Python (its launches are recorded, not run)
+        def record_graph(self, function, pool):
+            function()
+            return super().record_graph(function, pool)
+
+    backend = Capturing(kernel_table_for={})
+    seen = []
+
+    def step_function(inputs):
+        seen.append(inside_static_step())
+        return inputs.x + 1
+
+    recorded = StaticStep(backend, "test step")
+    recorded.run(0, step_function, recorded.inputs(x=torch.tensor([1.0])))  # warm-up, then recording
+    recorded.run(0, step_function, recorded.inputs(x=torch.tensor([2.0])))  # the stand-in's replay runs it too
+    eager = StaticStep(backend, "test step", graphs=False)
+    eager.run(0, step_function, eager.inputs(x=torch.tensor([1.0])))
+    assert seen == [True] * 4  # warm-up, recording, replay, eager
+    assert not inside_static_step()
+
+
 def _generate(target, draft, backend, *, force: float | None = None,
               split_head: bool = False) -> tuple[list[int], list[int]]:
     from lucebox_core.assembly import load_drafter

@@ -14,13 +14,13 @@ may still read; and it lets the next kernel launch early (`griddepcontrol.launch
 that go through `nvrtc.launch(pdl=True)` or pass `triton_options()` carry the attribute, and only kernels
 written to that contract do. Torch's own kernels (copies, sampling) launch as usual and serialise as usual.
 
-Used only by launches recorded into a CUDA graph (the decode step and the verify pass, whose hundreds of small
-kernels it is for), on devices of compute capability 9.0 or more with the CUDA toolkit's PTX (never on the
+Used only by launches inside a static step (`lucebox_core.static_step.inside_static_step`: the decode step and
+the verify pass, whose hundreds of small kernels it is for; in their warm-up as in their recording, so that
+the recording finds every kernel variant built and loaded), on devices of compute capability 9.0 or more with the CUDA toolkit's PTX (never on the
 CPU, where Triton's interpreter runs, nor on a ROCm build); `LUCEBOX_PDL=0` switches it off (an A/B switch).
 Session 22 on the H200 (Laguna-XS.2 Q4_K_M, tg128): 337 -> 362 tok/s, and every family's decode step and verify
-pass to the bit as without it (tests/test_fused_decode_gpu.py). Not on eager launches: there a prefill's large
-kernels lost to it (pp512 6521 -> 4425 tok/s), the next kernel's early blocks holding SMs while the tail of
-the one ahead still ran.
+pass to the bit as without it (tests/test_fused_decode_gpu.py). Not in a prefill: its large kernels lost to it
+(pp512 6521 -> 4425 tok/s), the next kernel's early blocks holding SMs while the tail of the one ahead ran.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import functools
 import os
 
 import torch
+
+from lucebox_core.static_step import inside_static_step
 
 ENV_SWITCH = "LUCEBOX_PDL"
 MIN_CAPABILITY = (9, 0)
@@ -40,12 +42,12 @@ def _capable(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether a launch on `device` now uses PDL: not switched off, a CUDA (not ROCm) device of capability 9.0+,
-    and the current stream recording a CUDA graph."""
-    if os.environ.get(ENV_SWITCH, "1") != "1" or device.type != "cuda" or getattr(torch.version, "hip", None):
+    """Whether a launch on `device` now uses PDL: not switched off, inside a static step, a CUDA (not ROCm)
+    device of capability 9.0+."""
+    if (os.environ.get(ENV_SWITCH, "1") != "1" or device.type != "cuda" or getattr(torch.version, "hip", None)
+            or not inside_static_step()):
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capable(index) and torch.cuda.is_current_stream_capturing()
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_options(tensor: torch.Tensor) -> dict[str, bool]:

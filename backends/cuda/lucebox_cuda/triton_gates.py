@@ -29,6 +29,13 @@ RANK_CHUNK = tl.constexpr(32)  # experts compared per step of the rank count: [B
 
 
 @triton.jit
+def comparable(values):
+    """NaN as -inf: a total order for `rank_chunk` (a NaN compares false with everything and would share rank 0
+    with the largest value), applied alike to a row and to its chunks."""
+    return tl.where(values == values, values, -float("inf"))
+
+
+@triton.jit
 def rank_chunk(rank, values, cols, chunk_values, chunk_cols, chunk_ok):
     """`rank` plus, per expert e, the experts of one chunk that come before it in the choice: a larger value,
     or an equal one at a lower index (descending, the lowest index among equals, as the k-pass argmax gives)."""
@@ -38,12 +45,13 @@ def rank_chunk(rank, values, cols, chunk_values, chunk_cols, chunk_ok):
 
 
 @triton.jit
-def ranked_choice(rank, values, cols, TOP_K: tl.constexpr):
+def ranked_choice(rank, values, cols, experts, TOP_K: tl.constexpr):
     """The experts of ranks 0 .. TOP_K-1 -> (ids [TOP_K] int64, their values [TOP_K]): one reduction for all
-    slots (exactly one expert holds each rank, the others add exact zeros)."""
+    slots (exactly one expert holds each rank, the others add exact zeros). Were two ever to share a rank,
+    the lower index is taken: an id is always a real expert's, never an address past the stack."""
     hit = rank[None, :] == tl.arange(0, TOP_K)[:, None]
-    ids = tl.sum(tl.where(hit, cols[None, :], 0), axis=1).to(tl.int64)
-    return ids, tl.sum(tl.where(hit, values[None, :], 0.0), axis=1)
+    ids = tl.min(tl.where(hit, cols[None, :], experts - 1), axis=1)
+    return tl.minimum(ids, experts - 1).to(tl.int64), tl.sum(tl.where(hit, values[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -58,15 +66,16 @@ def sigmoid_topk_row(logits_ptr, bias_ptr, experts, scale, TOP_K: tl.constexpr, 
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
     logits = tl.load(logits_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    choice = tl.sigmoid(logits) + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    choice = comparable(tl.sigmoid(logits) + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32))
     rank = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in tl.static_range(0, BLOCK_E, RANK_CHUNK):
         chunk = start + tl.arange(0, RANK_CHUNK)
         chunk_ok = chunk < experts
         chunk_logits = tl.load(logits_ptr + chunk, mask=chunk_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        chunk_choice = tl.sigmoid(chunk_logits) + tl.load(bias_ptr + chunk, mask=chunk_ok, other=0.0).to(tl.float32)
+        chunk_choice = comparable(tl.sigmoid(chunk_logits)
+                                  + tl.load(bias_ptr + chunk, mask=chunk_ok, other=0.0).to(tl.float32))
         rank = rank_chunk(rank, choice, cols, chunk_choice, chunk, chunk_ok)
-    ids, _ = ranked_choice(tl.where(ok, rank, BLOCK_E), choice, cols, TOP_K)
+    ids, _ = ranked_choice(tl.where(ok, rank, BLOCK_E), choice, cols, experts, TOP_K)
     # The chosen scores read back and put through the same sigmoid: the very values above, without the bias.
     values = tl.sigmoid(tl.load(logits_ptr + ids, cache_modifier=".cg").to(tl.float32))
     total = tl.sum(values, axis=0)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .triton_fused import ELEMENTWISE_BLOCK, _norm_rope_row, _row_layout
-from .triton_gates import RANK_CHUNK, rank_chunk, ranked_choice
+from .triton_gates import RANK_CHUNK, comparable, rank_chunk, ranked_choice
 from .pdl import triton_options
 from .triton_ops import _device_scope, grid_dependency
 
@@ -320,7 +320,7 @@ def softmax_topk_row(logits_ptr, expert_scale_ptr, experts, TOP_K: tl.constexpr,
     peak = tl.max(logits, axis=0)
     probs = tl.exp(logits - peak)
     total = tl.sum(probs, axis=0)
-    probs = probs / total
+    probs = comparable(probs / total)
     # The top-k by rank (`triton_gates.sigmoid_topk_row`): descending, the lowest index among equals, as a
     # stable sort; each chunk's probabilities recomputed by the same instructions.
     rank = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -329,8 +329,8 @@ def softmax_topk_row(logits_ptr, expert_scale_ptr, experts, TOP_K: tl.constexpr,
         chunk_ok = chunk < experts
         chunk_logits = tl.load(logits_ptr + chunk, mask=chunk_ok, other=-float("inf"),
                                cache_modifier=".cg").to(tl.float32)
-        rank = rank_chunk(rank, probs, cols, tl.exp(chunk_logits - peak) / total, chunk, chunk_ok)
-    ids, values = ranked_choice(tl.where(ok, rank, BLOCK_E), probs, cols, TOP_K)
+        rank = rank_chunk(rank, probs, cols, comparable(tl.exp(chunk_logits - peak) / total), chunk, chunk_ok)
+    ids, values = ranked_choice(tl.where(ok, rank, BLOCK_E), probs, cols, experts, TOP_K)
     total = tl.sum(values, axis=0)
     if HAS_SCALE:
         return values / total * tl.load(expert_scale_ptr + ids).to(tl.float32), ids
