@@ -22,6 +22,10 @@
 #   bash scripts/gpu_session.sh s22-dense   # ~8 min: determinism on the 0.8B; 0.8B and 27B tg128 default and
 #                                           #   LUCEBOX_PDL=0; 27B tg64 at depth 32768, default and NARROW_SPLITS=0;
 #                                           #   llama-bench 27B tg128 and tg64 at depth 32768 beside. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s22-min     # ~3 min: the least that checks session 22's defaults on the GPU: PDL in
+#                                           #   recorded steps changes no bit (and the steps were recorded), decode
+#                                           #   equals a verified node, the router; Laguna-XS.2 tg128 default / PDL=0.
+#                                                                                      carry: .whl
 #   bash scripts/gpu_session.sh s22-all     # ~9 min: the most of s22-moe and s22-dense one call holds, in order of
 #                                           #   need (a short device budget): the fused-decode GPU tests; Laguna-XS.2
 #                                           #   default / LUCEBOX_PDL=0 / NARROW_SPLITS=0 and its profile; the 35B-A3B
@@ -170,6 +174,19 @@ s22_all() {
   echo "[$SECONDS s] waiting for the 27B's file"; wait "$dense_writer"; tail -1 "$RES/synth_27b.log"
   variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
   llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s22_min() {
+  local laguna; laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1 ) &
+  local writer=$!
+  step gpu-tests 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_fused_decode_gpu.py -k "programmatic or past_one_merge or routes_as"
+  wait "$writer"; tail -1 "$RES/synth_laguna.log"
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
