@@ -54,6 +54,8 @@ def running_static_step():
         yield
     finally:
         _INSIDE.reset(token)
+
+
 MIN_WINDOW = 256
 WINDOWS_PER_OCTAVE = 4
 

@@ -16,8 +16,9 @@ written to that contract do. Torch's own kernels (copies, sampling) launch as us
 
 Used only by launches inside a static step (`lucebox_core.static_step.inside_static_step`: the decode step and
 the verify pass, whose hundreds of small kernels it is for; in their warm-up as in their recording, so that
-the recording finds every kernel variant built and loaded), on devices of compute capability 9.0 or more with the CUDA toolkit's PTX (never on the
-CPU, where Triton's interpreter runs, nor on a ROCm build); `LUCEBOX_PDL=0` switches it off (an A/B switch).
+the recording finds every kernel variant built and loaded), on devices of compute capability 9.0 or more with
+the CUDA toolkit's PTX (never on the CPU, where Triton's interpreter runs, nor on a ROCm build);
+`LUCEBOX_PDL=0` switches it off (an A/B switch).
 Session 22 on the H200 (Laguna-XS.2 Q4_K_M, tg128): 337 -> 362 tok/s, and every family's decode step and verify
 pass to the bit as without it (tests/test_fused_decode_gpu.py). Not in a prefill: its large kernels lost to it
 (pp512 6521 -> 4425 tok/s), the next kernel's early blocks holding SMs while the tail of the one ahead ran.
