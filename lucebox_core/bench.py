@@ -38,8 +38,7 @@ def decode_bytes_per_token(gguf_file: Any) -> int:
     and of a mixture of experts' stacked expert tensors (GGUF's `*_exps`) only the share one token routes to
     (`expert_used_count` of `expert_count` experts, each a distinct slice): a token reads its k experts' rows,
     never the other experts', so counting the whole stack would report several times the memory's bandwidth."""
-    experts = gguf_file.arch_get("expert_count", int, 0) if gguf_file.architecture else 0
-    used = gguf_file.arch_get("expert_used_count", int, 0) if gguf_file.architecture else 0
+    experts, used = gguf_file.arch_get("expert_count", int, 0), gguf_file.arch_get("expert_used_count", int, 0)
     total = 0
     for name, info in gguf_file.tensors.items():
         routed = experts > 0 and 0 < used <= experts and "_exps." in name

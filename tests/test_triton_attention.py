@@ -444,3 +444,11 @@ def test_tiles_suit_tensor_cores(dim, dtype):
     for config in configs:
         for side in (config.block_m, config.block_n):
             assert side >= 16 and side == triton.next_power_of_2(side), config
+
+
+def test_a_bad_partition_is_refused_by_name():
+    q, k, v = tree_inputs(1, 3, 16, 2, 1, 32)
+    with pytest.raises(ValueError, match="narrow_splits -1"):
+        triton_attention.decode_attention(q, k, v, torch.tensor([3]), scale=0.2, narrow_splits=-1)
+    with pytest.raises(ValueError, match="blocks_per_split 0"):
+        triton_attention.decode_attention(q, k, v, torch.tensor([3]), scale=0.2, blocks_per_split=0)

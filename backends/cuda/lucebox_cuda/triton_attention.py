@@ -486,8 +486,9 @@ def tree_attention(
     this with one node, in the same mode). A fixed (N, W) gives a fixed launch, so the call records into a
     CUDA graph. `out`: a `[1, N, Hq, Dv]` tensor of q's dtype with a contiguous last dim to write into.
     `block_n`, `blocks_per_split`, `narrow_splits`: the fixed partition (`split_bounds`; tests use small
-    ones; decode and verify must use the same). `head_gate` `[N, Hq]` (or `[1, N, Hq]`): each output times softplus(gate) per (node, head),
-    in the merge (`triton_path_combine`), rounded as `lucebox_laguna.ops.softplus_head_gate` after this.
+    ones; decode and verify must use the same). `head_gate` `[N, Hq]` (or `[1, N, Hq]`): each output times
+    softplus(gate) per (node, head), in the merge (`triton_path_combine`), rounded as
+    `lucebox_laguna.ops.softplus_head_gate` after this.
     """
     from lucebox_core.kv_quant import rotate_tq3, stored_dim, stored_format
 
@@ -533,6 +534,9 @@ def tree_attention(
     # Splits that cover every node's sequence: the window, or (node rows) the committed rows a window
     # covers plus the path; a ring's sequence is at most its slots. Splits past a sequence add exact zeros.
     sequence = rows if not node_rows else min(rows + nodes, ring) if ring else rows + nodes
+    if block_n < 1 or blocks_per_split < 1 or narrow_splits < 0:  # e.g. a bad LUCEBOX_PATH_* override
+        raise ValueError(f"tree_attention partition: block_n {block_n}, blocks_per_split {blocks_per_split}, "
+                         f"narrow_splits {narrow_splits} (need >= 1, >= 1, >= 0)")
     splits = split_count(sequence, block_n, blocks_per_split, narrow_splits)
     interpreted = not q.is_cuda
     split_max = torch.empty(nodes * q_heads, splits, device=q.device, dtype=torch.float32)

@@ -10,8 +10,8 @@ output gate's softplus, cast and product four. One program per token (router) or
   before the product, as the two-op reference.
 
 Roundings follow the torch references in `lucebox_laguna.ops`. The top-k ranks every expert (descending, the
-lowest index among equals, as torch.topk on distinct values). Every wrapper runs
-under `TRITON_INTERPRET=1` on CPU tensors.
+lowest index among equals, as torch.topk on distinct values). Every wrapper runs under `TRITON_INTERPRET=1` on
+CPU tensors.
 """
 
 from __future__ import annotations

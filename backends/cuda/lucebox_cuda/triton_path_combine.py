@@ -44,6 +44,7 @@ PATH_BLOCK_N = 64
 PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "4"))
 PATH_NARROW_SPLITS = int(os.environ.get("LUCEBOX_PATH_NARROW_SPLITS", "32"))
 
+
 @triton.jit
 def split_bounds(split, NARROW_SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key rows [start, end) of a split: the first NARROW_SPLITS splits one block each (a short context
