@@ -31,6 +31,10 @@
 #                                           #   default / LUCEBOX_PDL=0 / NARROW_SPLITS=0 and its profile; the 35B-A3B
 #                                           #   default / PDL=0; llama-bench on both; 27B tg128 both engines.
 #                                           #                                          carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s23-router  # ~8 min: the one-launch router's top-k back to k passes: its time a launch
+#                                           #   per warp count (scripts/router_probe.py), its GPU tests, Laguna-XS.2
+#                                           #   and 35B-A3B pp512/tg128 per LUCEBOX_ROUTER_WARPS, the best one's profile,
+#                                           #   llama-bench beside; Spark's paged-step GPU tests. carry: .whl .llamacpp
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -187,6 +191,41 @@ s22_min() {
     tests/test_fused_decode_gpu.py -k "programmatic or past_one_merge or routes_as"
   wait "$writer"; tail -1 "$RES/synth_laguna.log"
   variants laguna "$laguna" "-p 512 -n 128 -r 3" default nopdl:LUCEBOX_PDL=0
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+best_variant() {  # tag: the variant name with the highest tg128 among bench_TAG_*.json
+  python3 -c "import glob,json,sys
+rates = {}
+for path in glob.glob(sys.argv[1] + '/bench_' + sys.argv[2] + '_*.json'):
+    rates.update({path.rsplit('_', 1)[1][:-5]: r['tokens_per_s'] for r in json.load(open(path)) if r['test'] == 'tg128'})
+print(max(rates, key=rates.get) if rates else 'default')" "$RES" "$1"
+}
+
+s23_router() {
+  LLAMA_NICE=19 llama_build_bg
+  local laguna big best
+  laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
+    [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  local moe_writer=$!
+  step router-probe 90 python3 scripts/router_probe.py --json "$RES/router_probe.json"
+  step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=3 \
+    tests/test_fused_decode_gpu.py -k "routes_as or one_launch"
+  echo "[$SECONDS s] waiting for the MoE files"; wait "$moe_writer"; tail -qn1 "$RES"/synth_*.log
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default w1:LUCEBOX_ROUTER_WARPS=1 w2:LUCEBOX_ROUTER_WARPS=2 \
+    w8:LUCEBOX_ROUTER_WARPS=8
+  best=$(best_variant laguna); echo "best laguna variant: $best"
+  mkdir -p "$RES/laguna" && step profile-laguna 60 env LUCEBOX_PDL=0 \
+    LUCEBOX_ROUTER_WARPS="$(case $best in w*) echo "${best#w}" ;; *) echo 4 ;; esac)" \
+    python3 scripts/bench_vs_llamacpp.py profile "$laguna" --out "$RES/laguna"
+  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default w1:LUCEBOX_ROUTER_WARPS=1 w2:LUCEBOX_ROUTER_WARPS=2
+  llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
+  step spark-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_spark_graphed.py -k gpu
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

@@ -62,10 +62,10 @@ def test_sigmoid_route(dtype, experts, top_k, tokens):
 
 
 @pytest.mark.parametrize("experts", [256, 40])
-def test_the_ranked_top_k_breaks_ties_toward_the_lower_index(experts):
-    """Both routers' top-k (`triton_gates.rank_chunk`) on rows full of exact ties (logits from a handful of
+def test_the_top_k_breaks_ties_toward_the_lower_index(experts):
+    """Both routers' top-k (`triton_gates.top_k_passes`) on rows full of exact ties (logits from a handful of
     values, bf16-like): the chosen experts are the first TOP_K of a stable descending sort, in that order,
-    as the k-pass argmax chose them and torch's stable sort gives."""
+    as torch's stable sort gives."""
     gen = torch.Generator().manual_seed(experts)
     tokens, top_k = 4, 8
     logits = torch.randint(0, 5, (tokens, experts), generator=gen).float() * 0.25

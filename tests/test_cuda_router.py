@@ -85,6 +85,23 @@ def test_a_token_routes_the_same_alone_or_in_a_verify_pass():
     assert not triton_router._COUNTERS[torch.device("cpu")].any()
 
 
+def test_the_warps_a_program_are_read_from_the_environment(monkeypatch):
+    """`LUCEBOX_ROUTER_WARPS` (a benchmark's A/B): a bad value is refused by name, a good one routes as the
+    default (the interpreter runs any warp count alike; the GPU run compares them)."""
+    monkeypatch.delenv(triton_router.WARPS_ENV, raising=False)
+    assert triton_router.warps() == triton_router.DEFAULT_WARPS
+    x, proj, bias = inputs(2, 64, 128, torch.float32, 9)
+    default = triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+    monkeypatch.setenv(triton_router.WARPS_ENV, "1")
+    assert triton_router.warps() == 1
+    one = triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+    assert torch.equal(one[0], default[0]) and torch.equal(one[1], default[1])
+    for bad in ("3", "16", "four"):
+        monkeypatch.setenv(triton_router.WARPS_ENV, bad)
+        with pytest.raises(ValueError, match="LUCEBOX_ROUTER_WARPS"):
+            triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+
+
 def test_gguf_float_routers_are_read_in_place_and_quantized_ones_left_to_the_product():
     proj = torch.randn(32, 64)
     as_gguf = QuantTensor("blk.0.ffn_gate_inp.weight", GGMLQuantizationType.F32, (32, 64),

@@ -9,9 +9,9 @@ output gate's softplus, cast and product four. One program per token (router) or
 - `softplus_head_gate`: `out * softplus(gate)` per head, softplus in fp32 rounded to the activation dtype
   before the product, as the two-op reference.
 
-Roundings follow the torch references in `lucebox_laguna.ops`. The top-k ranks every expert (descending, the
-lowest index among equals, as torch.topk on distinct values). Every wrapper runs under `TRITON_INTERPRET=1` on
-CPU tensors.
+Roundings follow the torch references in `lucebox_laguna.ops`. The top-k takes the k-th largest on the k-th
+pass (`top_k_passes`: descending, the lowest index among equals, as torch.topk on distinct values). Every
+wrapper runs under `TRITON_INTERPRET=1` on CPU tensors.
 """
 
 from __future__ import annotations
@@ -25,57 +25,37 @@ from .triton_ops import _device_scope
 SOFTPLUS_THRESHOLD = 20.0  # torch's default: above it softplus(x) is x
 
 
-RANK_CHUNK = tl.constexpr(32)  # experts compared per step of the rank count: [BLOCK_E, 32] in registers
+FLOAT_LOWEST = tl.constexpr(-3.4028234663852886e38)  # fp32's lowest finite: a NaN score's place in the order
 
 
 @triton.jit
-def comparable(values):
-    """NaN as -inf: a total order for `rank_chunk` (a NaN compares false with everything and would share rank 0
-    with the largest value), applied alike to a row and to its chunks."""
-    return tl.where(values == values, values, -float("inf"))
+def top_k_passes(choice, cols, ok, experts, TOP_K: tl.constexpr):
+    """The TOP_K largest of `choice` [BLOCK_E] -> their ids [TOP_K] int64, descending, the lowest index among
+    equals (torch.topk on distinct values, a stable sort on ties): one (value, index) reduction a pass.
 
-
-@triton.jit
-def rank_chunk(rank, values, cols, chunk_values, chunk_cols, chunk_ok):
-    """`rank` plus, per expert e, the experts of one chunk that come before it in the choice: a larger value,
-    or an equal one at a lower index (descending, the lowest index among equals, as the k-pass argmax gives)."""
-    ahead = (chunk_values[None, :] > values[:, None]) | (
-        (chunk_values[None, :] == values[:, None]) & (chunk_cols[None, :] < cols[:, None]))
-    return rank + tl.sum((ahead & chunk_ok[None, :]).to(tl.int32), axis=1)
-
-
-@triton.jit
-def ranked_choice(rank, values, cols, experts, TOP_K: tl.constexpr):
-    """The experts of ranks 0 .. TOP_K-1 -> (ids [TOP_K] int64, their values [TOP_K]): one reduction for all
-    slots (exactly one expert holds each rank, the others add exact zeros). Were two ever to share a rank,
-    the lower index is taken: an id is always a real expert's, never an address past the stack."""
-    hit = rank[None, :] == tl.arange(0, TOP_K)[:, None]
-    ids = tl.min(tl.where(hit, cols[None, :], experts - 1), axis=1)
-    return tl.minimum(ids, experts - 1).to(tl.int64), tl.sum(tl.where(hit, values[None, :], 0.0), axis=1)
+    A NaN or -inf score ranks below every real one but above a taken or padding slot (-inf), so even a row of
+    NaN (a NaN hidden state) routes to TOP_K distinct real experts, never to an id past the stack. Session 22
+    tried counting each expert's rank in one pass of [E, E] comparisons instead: on the H200 the one-launch
+    router went from 7.7 to 11.4 us a layer, so the passes stay."""
+    remaining = tl.where(ok, tl.where(choice >= FLOAT_LOWEST, choice, FLOAT_LOWEST), -float("inf"))
+    slots = tl.arange(0, TOP_K)
+    ids = tl.zeros([TOP_K], dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        index = tl.argmax(remaining, axis=0, tie_break_left=True)
+        ids = tl.where(slots == k, index.to(tl.int64), ids)
+        remaining = tl.where(cols == index, -float("inf"), remaining)
+    return tl.minimum(ids, experts - 1)
 
 
 @triton.jit
 def sigmoid_topk_row(logits_ptr, bias_ptr, experts, scale, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's routing from its logits row in memory -> (weights [TOP_K] fp32, ids [TOP_K] int64). The
-    loads bypass L1 (`.cg`): `triton_router` calls this on logits other programs have just written.
-
-    The top-k by rank: each expert counts those chosen before it (`rank_chunk`, chunk by chunk, the chunk's
-    values recomputed from memory by the same instructions), and the ranks below TOP_K are the choice. One
-    pass of comparisons and two reductions, where TOP_K argmax passes were TOP_K dependent block-wide
-    reductions (the router's serial tail)."""
+    loads bypass L1 (`.cg`): `triton_router` calls this on logits other programs have just written."""
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
     logits = tl.load(logits_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    choice = comparable(tl.sigmoid(logits) + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32))
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in tl.static_range(0, BLOCK_E, RANK_CHUNK):
-        chunk = start + tl.arange(0, RANK_CHUNK)
-        chunk_ok = chunk < experts
-        chunk_logits = tl.load(logits_ptr + chunk, mask=chunk_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        chunk_choice = comparable(tl.sigmoid(chunk_logits)
-                                  + tl.load(bias_ptr + chunk, mask=chunk_ok, other=0.0).to(tl.float32))
-        rank = rank_chunk(rank, choice, cols, chunk_choice, chunk, chunk_ok)
-    ids, _ = ranked_choice(tl.where(ok, rank, BLOCK_E), choice, cols, experts, TOP_K)
+    choice = tl.sigmoid(logits) + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    ids = top_k_passes(choice, cols, ok, experts, TOP_K)
     # The chosen scores read back and put through the same sigmoid: the very values above, without the bias.
     values = tl.sigmoid(tl.load(logits_ptr + ids, cache_modifier=".cg").to(tl.float32))
     total = tl.sum(values, axis=0)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .triton_fused import ELEMENTWISE_BLOCK, _norm_rope_row, _row_layout
-from .triton_gates import RANK_CHUNK, comparable, rank_chunk, ranked_choice
+from .triton_gates import top_k_passes
 from .pdl import triton_options
 from .triton_ops import _device_scope, grid_dependency
 
@@ -317,20 +317,11 @@ def softmax_topk_row(logits_ptr, expert_scale_ptr, experts, TOP_K: tl.constexpr,
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
     logits = tl.load(logits_ptr + cols, mask=ok, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-    peak = tl.max(logits, axis=0)
-    probs = tl.exp(logits - peak)
-    total = tl.sum(probs, axis=0)
-    probs = comparable(probs / total)
-    # The top-k by rank (`triton_gates.sigmoid_topk_row`): descending, the lowest index among equals, as a
-    # stable sort; each chunk's probabilities recomputed by the same instructions.
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in tl.static_range(0, BLOCK_E, RANK_CHUNK):
-        chunk = start + tl.arange(0, RANK_CHUNK)
-        chunk_ok = chunk < experts
-        chunk_logits = tl.load(logits_ptr + chunk, mask=chunk_ok, other=-float("inf"),
-                               cache_modifier=".cg").to(tl.float32)
-        rank = rank_chunk(rank, probs, cols, comparable(tl.exp(chunk_logits - peak) / total), chunk, chunk_ok)
-    ids, values = ranked_choice(tl.where(ok, rank, BLOCK_E), probs, cols, experts, TOP_K)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    ids = top_k_passes(probs, cols, ok, experts, TOP_K)
+    # The chosen probabilities gathered from the row (a NaN stays NaN: a NaN row's weights say so).
+    values = tl.sum(tl.where(cols[None, :] == ids[:, None], probs[None, :], 0.0), axis=1)
     total = tl.sum(values, axis=0)
     if HAS_SCALE:
         return values / total * tl.load(expert_scale_ptr + ids).to(tl.float32), ids

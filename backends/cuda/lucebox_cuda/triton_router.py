@@ -39,6 +39,10 @@ MAX_TOKENS = 128
 EXPERTS_PER_PROGRAM = 4  # 64 programs a token for 256 experts: 32 KiB of an fp32 router each
 HIDDEN_BLOCK = 256
 ENV_SWITCH = "LUCEBOX_FUSED_ROUTER"  # "0": the two-launch router (a benchmark's A/B)
+# Warps a program: the token's last program chooses alone, so fewer warps make its reductions shorter (fewer
+# shared-memory rounds) while the product's loads stay in flight. `LUCEBOX_ROUTER_WARPS` for an A/B.
+WARPS_ENV = "LUCEBOX_ROUTER_WARPS"
+DEFAULT_WARPS = 4
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -90,6 +94,16 @@ def _route_kernel(x_ptr, w_ptr, extra_ptr, gate_w_ptr, gate_out_ptr, logits_ptr,
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def warps() -> int:
+    """The launch's warps a program: `LUCEBOX_ROUTER_WARPS` (1, 2, 4 or 8), else DEFAULT_WARPS."""
+    text = os.environ.get(WARPS_ENV, "").strip()
+    if not text:
+        return DEFAULT_WARPS
+    if text not in ("1", "2", "4", "8"):
+        raise ValueError(f"{WARPS_ENV}={text!r}: expected 1, 2, 4 or 8 warps a program")
+    return int(text)
 
 
 def plain_weight(proj: Any) -> torch.Tensor | None:
@@ -160,5 +174,5 @@ def route(x: torch.Tensor, proj: Any, top_k: int, *, selection_bias: torch.Tenso
             x, weight, extra, gate_weight, gate_logit, logits, _counters(x.device), weights, ids, experts,
             x.stride(0), float(scale), HIDDEN=hidden, BLOCK_E=EXPERTS_PER_PROGRAM,
             BLOCK_H=min(HIDDEN_BLOCK, triton.next_power_of_2(hidden)), BLOCK_ALL=triton.next_power_of_2(experts),
-            TOP_K=top_k, SIGMOID=sigmoid, GATE=gated, **triton_options(x))
+            TOP_K=top_k, SIGMOID=sigmoid, GATE=gated, num_warps=warps(), **triton_options(x))
     return (weights, ids, gate_logit) if gated else (weights, ids)
