@@ -32,8 +32,8 @@
 #                                           #   default / PDL=0; llama-bench on both; 27B tg128 both engines.
 #                                           #                                          carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s23-router  # ~8 min: the one-launch router's top-k back to k passes: its time a launch
-#                                           #   per warp count (scripts/router_probe.py), its GPU tests, Laguna-XS.2
-#                                           #   and 35B-A3B pp512/tg128 per LUCEBOX_ROUTER_WARPS, the best one's profile,
+#                                           #   per launch shape (scripts/router_probe.py), its GPU tests, Laguna-XS.2
+#                                           #   and 35B-A3B pp512/tg128 default / the probe's best / fewer warps, a profile,
 #                                           #   llama-bench beside; Spark's paged-step GPU tests. carry: .whl .llamacpp
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
@@ -212,17 +212,18 @@ s23_router() {
     [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
       --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
   local moe_writer=$!
-  step router-probe 90 python3 scripts/router_probe.py --json "$RES/router_probe.json"
+  step router-probe 100 sh -c "python3 scripts/router_probe.py --warps 1 2 4 --json $RES/router_probe.json | tee $RES/router_probe.txt"
+  local probed; probed=$(sed -n 's/^best: //p' "$RES/router_probe.txt"); probed=${probed:-LUCEBOX_ROUTER_WARPS=4}
   step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=3 \
     tests/test_fused_decode_gpu.py -k "routes_as or one_launch"
   echo "[$SECONDS s] waiting for the MoE files"; wait "$moe_writer"; tail -qn1 "$RES"/synth_*.log
-  variants laguna "$laguna" "-p 512 -n 128 -r 3" default w1:LUCEBOX_ROUTER_WARPS=1 w2:LUCEBOX_ROUTER_WARPS=2 \
-    w8:LUCEBOX_ROUTER_WARPS=8
-  best=$(best_variant laguna); echo "best laguna variant: $best"
-  mkdir -p "$RES/laguna" && step profile-laguna 60 env LUCEBOX_PDL=0 \
-    LUCEBOX_ROUTER_WARPS="$(case $best in w*) echo "${best#w}" ;; *) echo 4 ;; esac)" \
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default "probed:$probed" w1:LUCEBOX_ROUTER_WARPS=1 \
+    w2:LUCEBOX_ROUTER_WARPS=2
+  best=$(best_variant laguna); echo "best laguna variant: $best (probed: $probed)"
+  local envs=""; case $best in probed) envs=${probed//,/ } ;; w*) envs=LUCEBOX_ROUTER_WARPS=${best#w} ;; esac
+  mkdir -p "$RES/laguna" && step profile-laguna 60 env LUCEBOX_PDL=0 $envs \
     python3 scripts/bench_vs_llamacpp.py profile "$laguna" --out "$RES/laguna"
-  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default w1:LUCEBOX_ROUTER_WARPS=1 w2:LUCEBOX_ROUTER_WARPS=2
+  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default "probed:$probed" w1:LUCEBOX_ROUTER_WARPS=1
   llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
   step spark-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
     tests/test_spark_graphed.py -k gpu

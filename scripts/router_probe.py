@@ -1,12 +1,14 @@
-"""Time the one-launch MoE router (`lucebox_cuda.triton_router.route`) per warp count, on the GPU.
+"""Time the one-launch MoE router (`lucebox_cuda.triton_router.route`) per launch shape, on the GPU.
 
 The decode step's shapes of Laguna-XS.2 (sigmoid router with a selection bias, 256 experts, top-8, hidden
 2048) and Qwen3.5-35B-A3B (softmax router, the shared expert's gate riding as one more row), an fp32 router
 as GGUF files keep it, bf16 activations, random inputs. Each variant is warmed up, then REPEAT launches are
 recorded in one CUDA graph and the graph replayed (the launches back to back, as in a graphed decode step);
 the figure is the median per launch over replays. Every variant's choice is checked against the default's.
+A launch shape is warps a program (`LUCEBOX_ROUTER_WARPS`) and router rows a program
+(`LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM`); the last line names the fastest for Laguna as environment settings.
 
-    python3 scripts/router_probe.py [--warps 1 2 4 8] [--json out.json]
+    python3 scripts/router_probe.py [--warps 1 2 4 8] [--experts 2 4 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,21 +66,31 @@ def time_variant(family: str, data: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8], help="router rows a program")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = []
     for family in ("laguna", "qwen35moe"):
         data = inputs(7)
-        os.environ.pop(triton_router.WARPS_ENV, None)
+        for name in (triton_router.WARPS_ENV, triton_router.EXPERTS_ENV):
+            os.environ.pop(name, None)
         reference = [t.clone() for t in call(family, data)]
         for warps in args.warps:
-            os.environ[triton_router.WARPS_ENV] = str(warps)
-            got = call(family, data)
-            same = all(torch.equal(a, b) for a, b in zip(got, reference))
-            micros = time_variant(family, data)
-            rows.append({"family": family, "warps": warps, "us_per_launch": micros, "same_as_default": same})
-            print(f"router {family} warps {warps}: {micros:.2f} us a launch, same choice as default: {same}")
-        os.environ.pop(triton_router.WARPS_ENV, None)
+            for experts in args.experts:
+                os.environ[triton_router.WARPS_ENV] = str(warps)
+                os.environ[triton_router.EXPERTS_ENV] = str(experts)
+                got = call(family, data)
+                same = all(torch.equal(a, b) for a, b in zip(got, reference))
+                micros = time_variant(family, data)
+                rows.append({"family": family, "warps": warps, "experts_per_program": experts,
+                             "us_per_launch": micros, "same_as_default": same})
+                print(f"router {family} warps {warps} rows {experts}: {micros:.2f} us a launch, "
+                      f"same as default: {same}")
+        for name in (triton_router.WARPS_ENV, triton_router.EXPERTS_ENV):
+            os.environ.pop(name, None)
+    best = min((row for row in rows if row["family"] == "laguna" and row["same_as_default"]),
+               key=lambda row: row["us_per_launch"])
+    print(f"best: {triton_router.WARPS_ENV}={best['warps']},{triton_router.EXPERTS_ENV}={best['experts_per_program']}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

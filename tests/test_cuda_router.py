@@ -85,20 +85,26 @@ def test_a_token_routes_the_same_alone_or_in_a_verify_pass():
     assert not triton_router._COUNTERS[torch.device("cpu")].any()
 
 
-def test_the_warps_a_program_are_read_from_the_environment(monkeypatch):
-    """`LUCEBOX_ROUTER_WARPS` (a benchmark's A/B): a bad value is refused by name, a good one routes as the
-    default (the interpreter runs any warp count alike; the GPU run compares them)."""
+@pytest.mark.parametrize(("name", "value"), [("WARPS_ENV", "1"), ("EXPERTS_ENV", "1"), ("EXPERTS_ENV", "8")])
+def test_the_launch_shape_read_from_the_environment_changes_no_bit(monkeypatch, name, value):
+    """`LUCEBOX_ROUTER_WARPS` / `LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM` (a benchmark's A/B): a good value routes
+    as the default to the bit (each logit is one fixed-order sum however the rows are spread; with the shared
+    gate's row too), a bad one is refused by name."""
+    env = getattr(triton_router, name)
     monkeypatch.delenv(triton_router.WARPS_ENV, raising=False)
-    assert triton_router.warps() == triton_router.DEFAULT_WARPS
-    x, proj, bias = inputs(2, 64, 128, torch.float32, 9)
-    default = triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
-    monkeypatch.setenv(triton_router.WARPS_ENV, "1")
-    assert triton_router.warps() == 1
-    one = triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
-    assert torch.equal(one[0], default[0]) and torch.equal(one[1], default[1])
+    monkeypatch.delenv(triton_router.EXPERTS_ENV, raising=False)
+    x, proj, bias = inputs(2, 60, 128, torch.float32, 9)
+    gate = torch.randn(1, 128, generator=torch.Generator().manual_seed(4)) * 128**-0.5
+    default = (triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+               + triton_router.route(x, proj, 4, shared_gate=gate))
+    monkeypatch.setenv(env, value)
+    changed = (triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+               + triton_router.route(x, proj, 4, shared_gate=gate))
+    assert all(torch.equal(a, b) for a, b in zip(changed, default))
+    assert not triton_router._COUNTERS[torch.device("cpu")].any()
     for bad in ("3", "16", "four"):
-        monkeypatch.setenv(triton_router.WARPS_ENV, bad)
-        with pytest.raises(ValueError, match="LUCEBOX_ROUTER_WARPS"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
             triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
 
 

@@ -37,6 +37,7 @@ from .triton_ops import _device_scope, grid_dependency
 # node routes with the decode step's arithmetic; a prefill chunk takes the product and top-k apart.
 MAX_TOKENS = 128
 EXPERTS_PER_PROGRAM = 4  # 64 programs a token for 256 experts: 32 KiB of an fp32 router each
+EXPERTS_ENV = "LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM"  # 1, 2, 4 or 8: a benchmark's A/B of the product's spread
 HIDDEN_BLOCK = 256
 ENV_SWITCH = "LUCEBOX_FUSED_ROUTER"  # "0": the two-launch router (a benchmark's A/B)
 # Warps a program: the token's last program chooses alone, so fewer warps make its reductions shorter (fewer
@@ -96,14 +97,25 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def _power_of_two_setting(name: str, default: int, what: str) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if text not in ("1", "2", "4", "8"):
+        raise ValueError(f"{name}={text!r}: expected 1, 2, 4 or 8 {what}")
+    return int(text)
+
+
 def warps() -> int:
     """The launch's warps a program: `LUCEBOX_ROUTER_WARPS` (1, 2, 4 or 8), else DEFAULT_WARPS."""
-    text = os.environ.get(WARPS_ENV, "").strip()
-    if not text:
-        return DEFAULT_WARPS
-    if text not in ("1", "2", "4", "8"):
-        raise ValueError(f"{WARPS_ENV}={text!r}: expected 1, 2, 4 or 8 warps a program")
-    return int(text)
+    return _power_of_two_setting(WARPS_ENV, DEFAULT_WARPS, "warps a program")
+
+
+def experts_per_program() -> int:
+    """Router rows a program computes: `LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM` (1, 2, 4 or 8), else
+    EXPERTS_PER_PROGRAM. Fewer rows a program spread the product's loads over more SMs; each logit is the
+    same fixed-order sum whatever the spread."""
+    return _power_of_two_setting(EXPERTS_ENV, EXPERTS_PER_PROGRAM, "router rows a program")
 
 
 def plain_weight(proj: Any) -> torch.Tensor | None:
@@ -169,10 +181,11 @@ def route(x: torch.Tensor, proj: Any, top_k: int, *, selection_bias: torch.Tenso
     gate_weight = plain_weight(shared_gate) if gated else weight  # unread without GATE
     gate_logit = torch.empty(tokens, 1, dtype=x.dtype, device=x.device) if gated else x
     rows = experts + gated
+    block_e = experts_per_program()
     with _device_scope(x):
-        _route_kernel[(tokens, triton.cdiv(rows, EXPERTS_PER_PROGRAM))](
+        _route_kernel[(tokens, triton.cdiv(rows, block_e))](
             x, weight, extra, gate_weight, gate_logit, logits, _counters(x.device), weights, ids, experts,
-            x.stride(0), float(scale), HIDDEN=hidden, BLOCK_E=EXPERTS_PER_PROGRAM,
+            x.stride(0), float(scale), HIDDEN=hidden, BLOCK_E=block_e,
             BLOCK_H=min(HIDDEN_BLOCK, triton.next_power_of_2(hidden)), BLOCK_ALL=triton.next_power_of_2(experts),
             TOP_K=top_k, SIGMOID=sigmoid, GATE=gated, num_warps=warps(), **triton_options(x))
     return (weights, ids, gate_logit) if gated else (weights, ids)
