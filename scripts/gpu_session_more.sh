@@ -35,6 +35,8 @@
 #                                           #   per launch shape (scripts/router_probe.py), its GPU tests, Laguna-XS.2
 #                                           #   and 35B-A3B pp512/tg128 default / the probe's best / fewer warps, a profile,
 #                                           #   llama-bench beside; Spark's paged-step GPU tests. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s23-confirm # ~6 min: the router's measured defaults: fused-decode GPU tests, Laguna and
+#                                           #   35B-A3B tg128, 27B tg64 at depth 32K narrow / wide, llama-bench beside.
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -227,6 +229,32 @@ s23_router() {
   llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
   step spark-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
     tests/test_spark_graphed.py -k gpu
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s23_confirm() {  # ~6 min: session 23's router defaults (1 warp, 2 rows a program) on the GPU: the fused-decode GPU
+  #               tests, Laguna-XS.2 and 35B-A3B pp512/tg128, the 27B tg64 at depth 32768 default and with
+  #               NARROW_SPLITS=0, llama-bench beside each (built meanwhile). carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  local laguna big
+  laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
+    [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
+      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  local moe_writer=$!
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$!
+  step gpu-tests 110 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=3 \
+    tests/test_fused_decode_gpu.py
+  wait "$moe_writer"; tail -qn1 "$RES"/synth_*.log
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default
+  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default
+  wait "$dense_writer"; tail -1 "$RES/synth_27b.log"
+  variants 27b-d32k "$(model 27b)" "-p 0 -n 64 -d 32768 -r 2" default wide:LUCEBOX_PATH_NARROW_SPLITS=0
+  llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
+  llama_rows 27b-d32k -m "$(model 27b)" -p 0 -n 64 -d 32768 -r 2
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

@@ -85,27 +85,33 @@ def test_a_token_routes_the_same_alone_or_in_a_verify_pass():
     assert not triton_router._COUNTERS[torch.device("cpu")].any()
 
 
-@pytest.mark.parametrize(("name", "value"), [("WARPS_ENV", "1"), ("EXPERTS_ENV", "1"), ("EXPERTS_ENV", "8")])
-def test_the_launch_shape_read_from_the_environment_changes_no_bit(monkeypatch, name, value):
-    """`LUCEBOX_ROUTER_WARPS` / `LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM` (a benchmark's A/B): a good value routes
-    as the default to the bit (each logit is one fixed-order sum however the rows are spread; with the shared
-    gate's row too), a bad one is refused by name."""
-    env = getattr(triton_router, name)
+@pytest.mark.parametrize("rows", ["1", "8"])
+def test_router_rows_a_program_change_the_grid_not_the_choice(monkeypatch, rows):
+    """`LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM` (a benchmark's A/B): 1 or 8 rows a program where the default is 2 (other
+    grids, other masks, the shared gate's row in another program) route as the default, counters back at
+    zero. Run by the interpreter, which ignores warps: that the GPU's warps may move a logit's last bits is why
+    one process keeps one setting."""
     monkeypatch.delenv(triton_router.WARPS_ENV, raising=False)
     monkeypatch.delenv(triton_router.EXPERTS_ENV, raising=False)
     x, proj, bias = inputs(2, 60, 128, torch.float32, 9)
     gate = torch.randn(1, 128, generator=torch.Generator().manual_seed(4)) * 128**-0.5
     default = (triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
                + triton_router.route(x, proj, 4, shared_gate=gate))
-    monkeypatch.setenv(env, value)
-    changed = (triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
-               + triton_router.route(x, proj, 4, shared_gate=gate))
-    assert all(torch.equal(a, b) for a, b in zip(changed, default))
+    monkeypatch.setenv(triton_router.EXPERTS_ENV, rows)
+    spread = (triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+              + triton_router.route(x, proj, 4, shared_gate=gate))
+    assert all(torch.equal(a, b) for a, b in zip(spread, default))
     assert not triton_router._COUNTERS[torch.device("cpu")].any()
+
+
+@pytest.mark.parametrize("name", ["WARPS_ENV", "EXPERTS_ENV"])
+def test_a_bad_router_launch_setting_is_refused_by_name(monkeypatch, name):
+    env = getattr(triton_router, name)
+    x, proj, bias = inputs(1, 16, 64, torch.float32, 2)
     for bad in ("3", "16", "four"):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
-            triton_router.route(x, proj, 4, selection_bias=bias, scale=2.5)
+            triton_router.route(x, proj, 2, selection_bias=bias)
 
 
 def test_gguf_float_routers_are_read_in_place_and_quantized_ones_left_to_the_product():

@@ -36,14 +36,18 @@ from .triton_ops import _device_scope, grid_dependency
 # Tokens one launch routes: a decode step, and every verify pass (`op_kernels.VERIFY_ROWS`), so that a verified
 # node routes with the decode step's arithmetic; a prefill chunk takes the product and top-k apart.
 MAX_TOKENS = 128
-EXPERTS_PER_PROGRAM = 4  # 64 programs a token for 256 experts: 32 KiB of an fp32 router each
-EXPERTS_ENV = "LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM"  # 1, 2, 4 or 8: a benchmark's A/B of the product's spread
 HIDDEN_BLOCK = 256
 ENV_SWITCH = "LUCEBOX_FUSED_ROUTER"  # "0": the two-launch router (a benchmark's A/B)
-# Warps a program: the token's last program chooses alone, so fewer warps make its reductions shorter (fewer
-# shared-memory rounds) while the product's loads stay in flight. `LUCEBOX_ROUTER_WARPS` for an A/B.
-WARPS_ENV = "LUCEBOX_ROUTER_WARPS"
-DEFAULT_WARPS = 4
+# Launch shape, measured on the H200 (session 23, `scripts/router_probe.py` and `lucebox bench` tg128): 2 router
+# rows a program at 1 warp (128 programs a token for 256 experts, 16 KiB each, spread over most SMs; the last
+# program's top-k then reduces within one warp, with no shared-memory rounds) took Laguna-XS.2 from 355.6 to
+# 380.8 tok/s and Qwen3.5-35B-A3B from 340.2 to 355.3 against 4 rows at 4 warps; 4 rows at 1 warp was slower
+# than both. Settings for an A/B (one value a process: the decode step and a verify pass must launch alike,
+# since on the GPU the warps can change a logit's summation order and so its last bits):
+EXPERTS_PER_PROGRAM = 2
+EXPERTS_ENV = "LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM"  # 1, 2, 4 or 8
+WARPS_ENV = "LUCEBOX_ROUTER_WARPS"  # 1, 2, 4 or 8
+DEFAULT_WARPS = 1
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -113,8 +117,7 @@ def warps() -> int:
 
 def experts_per_program() -> int:
     """Router rows a program computes: `LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM` (1, 2, 4 or 8), else
-    EXPERTS_PER_PROGRAM. Fewer rows a program spread the product's loads over more SMs; each logit is the
-    same fixed-order sum whatever the spread."""
+    EXPERTS_PER_PROGRAM. Fewer rows a program spread the product's loads over more SMs."""
     return _power_of_two_setting(EXPERTS_ENV, EXPERTS_PER_PROGRAM, "router rows a program")
 
 
