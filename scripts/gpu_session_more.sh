@@ -253,8 +253,19 @@ s23_confirm() {  # ~6 min: session 23's router defaults (1 warp, 2 rows a progra
   variants qwen35moe "$big" "-p 512 -n 128 -r 3" default
   wait "$dense_writer"; tail -1 "$RES/synth_27b.log"
   variants 27b-d32k "$(model 27b)" "-p 0 -n 64 -d 32768 -r 2" default wide:LUCEBOX_PATH_NARROW_SPLITS=0
-  llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
-  llama_rows 27b-d32k -m "$(model 27b)" -p 0 -n 64 -d 32768 -r 2
+  llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3 \
+    && llama_rows 27b-d32k -m "$(model 27b)" -p 0 -n 64 -d 32768 -r 2
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s23_profile35() {  # ~3 min: the 35B-A3B's decode step profile without PDL (its kernels one by one) at the router's
+  #                 session-23 launch shape.                                                      carry: .whl
+  local big; big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  step synth-35b 100 sh -c "[ -s $big ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b \
+    --type q4_k_m --router-skew $SPARK_SKEW -o $big"
+  mkdir -p "$RES/qwen35moe" && step profile-qwen35moe 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py \
+    profile "$big" --out "$RES/qwen35moe"
+  cp "$RES"/qwen35moe/*.json "$OUT/" 2>/dev/null
   return 0
 }
