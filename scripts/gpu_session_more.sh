@@ -115,6 +115,14 @@ for r in json.load(open(sys.argv[1])): print(\"llama\", sys.argv[2], r[\"n_promp
     round(r[\"avg_ts\"], 1))' $RES/llama_$tag.json $tag"
 }
 
+moe_files() {  # laguna-file 35b-file: the skewed Laguna-XS.2 and 35B-A3B files, written where missing (host-bound:
+  #             modes start it in the background while GPU tests run), logs in $RES/synth_*.log
+  [ -s "$1" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
+    --router-skew "$SPARK_SKEW" -o "$1" > "$RES/synth_laguna.log" 2>&1
+  [ -s "$2" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
+    --router-skew "$SPARK_SKEW" -o "$2" > "$RES/synth_35b.log" 2>&1
+}
+
 s22_moe() {
   LLAMA_NICE=19 llama_build_bg
   local big; big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
@@ -162,10 +170,7 @@ s22_all() {
   LLAMA_NICE=19 llama_build_bg
   local laguna big; laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
   # The three files written meanwhile (host-bound; the tests mostly wait on the GPU).
-  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
-      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
-    [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
-      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  moe_files "$laguna" "$big" &
   local moe_writer=$!
   ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local dense_writer=$!
@@ -209,10 +214,7 @@ s23_router() {
   LLAMA_NICE=19 llama_build_bg
   local laguna big best
   laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
-  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
-      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
-    [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
-      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  moe_files "$laguna" "$big" &
   local moe_writer=$!
   step router-probe 100 sh -c "python3 scripts/router_probe.py --warps 1 2 4 --json $RES/router_probe.json | tee $RES/router_probe.txt"
   local probed; probed=$(sed -n 's/^best: //p' "$RES/router_probe.txt"); probed=${probed:-LUCEBOX_ROUTER_WARPS=4}
@@ -239,10 +241,7 @@ s23_confirm() {  # ~6 min: session 23's router defaults (1 warp, 2 rows a progra
   LLAMA_NICE=19 llama_build_bg
   local laguna big
   laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
-  ( [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
-      --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
-    [ -s "$big" ] || python3 -m lucebox_core.cli synth --arch qwen35moe --size 35b-a3b --type q4_k_m \
-      --router-skew "$SPARK_SKEW" -o "$big" > "$RES/synth_35b.log" 2>&1 ) &
+  moe_files "$laguna" "$big" &
   local moe_writer=$!
   ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local dense_writer=$!

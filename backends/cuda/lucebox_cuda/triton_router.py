@@ -41,8 +41,8 @@ ENV_SWITCH = "LUCEBOX_FUSED_ROUTER"  # "0": the two-launch router (a benchmark's
 # Launch shape, measured on the H200 (session 23, `scripts/router_probe.py` and `lucebox bench` tg128): 2 router
 # rows a program at 1 warp (128 programs a token for 256 experts, 16 KiB each, spread over most SMs; the last
 # program's top-k then reduces within one warp, with no shared-memory rounds) took Laguna-XS.2 from 355.6 to
-# 380.8 tok/s and Qwen3.5-35B-A3B from 340.2 to 355.3 against 4 rows at 4 warps; 4 rows at 1 warp was slower
-# than both. Settings for an A/B (one value a process: the decode step and a verify pass must launch alike,
+# 380.8 tok/s against 4 rows at 4 warps (381.8 in the next call); Qwen3.5-35B-A3B gave 355.3 against 340.2, then
+# 339.8, within the machine's spread; 4 rows at 1 warp was slower than both shapes. Settings for an A/B (one value a process: the decode step and a verify pass must launch alike,
 # since on the GPU the warps can change a logit's summation order and so its last bits):
 EXPERTS_PER_PROGRAM = 2
 EXPERTS_ENV = "LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM"  # 1, 2, 4 or 8
