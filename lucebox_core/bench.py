@@ -6,7 +6,9 @@ context depth) feeds N tokens one at a time, each a fresh random id, and the hos
 after every token, so the per-step host work is inside the clock. Every timed row has an untimed run at its
 own shape first (kernels compile and tune, graphs are recorded for the KV windows the run crosses), the
 device is synchronised before a clock starts and before it stops, and the figure is the median of `-r`
-repetitions. The clocks wait for the model's own device, through its backend.
+repetitions; each pp/tg row also keeps every repetition's rate and their standard deviation (llama-bench's
+`± stddev`), so a row's noise is on record beside it. The clocks wait for the model's own device, through
+its backend.
 
 Decode at batch 1 reads every weight once per token (the embedding table only one row), so bytes read per
 token / seconds per token is the bandwidth achieved; compare it with the device's copy bandwidth.
@@ -52,6 +54,16 @@ def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _timed(tokens: int, seconds: list[float]) -> dict:
+    """A pp/tg row's timing fields from its repetitions' seconds: the median (the figure), every repetition's
+    rate and their sample standard deviation (0 for one repetition)."""
+    median = statistics.median(seconds)
+    rates = [tokens / s for s in seconds]
+    spread = statistics.stdev(rates) if len(rates) > 1 else 0.0
+    return {"seconds": median, "tokens_per_s": tokens / median, "tokens_per_s_samples": rates,
+            "tokens_per_s_stddev": spread}
+
+
 def run_bench(assembled: Any, *, prompts: list[int], n_gen: int, depths: list[int], reps: int,
               force_accept: float | None = None) -> list[dict]:
     """The rows of `lucebox bench` for an `assembly.AssembledEngine` (its context must hold the longest test
@@ -95,23 +107,20 @@ def run_bench(assembled: Any, *, prompts: list[int], n_gen: int, depths: list[in
         # Warm-up at the measured length (as llama-bench's warm-up run): the first pass of a new prompt
         # length compiles and tunes kernels for its shapes, which a shorter warm-up leaves to the timed runs.
         time_prefill(n, reps)
-        seconds = statistics.median(time_prefill(n, rep) for rep in range(reps))
-        rows.append({"test": f"pp{n}", "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds})
+        rows.append({"test": f"pp{n}", "tokens": n, **_timed(n, [time_prefill(n, rep) for rep in range(reps)])})
     if n_gen > 0:
         bytes_per_token = decode_bytes_per_token(loaded.gguf)
         for depth in depths:
             time_decode(depth, 1000 + depth)  # warm-up at this depth: records every KV window the test crosses
-            seconds = statistics.median(time_decode(depth, rep) for rep in range(reps))
-            rate = n_gen / seconds
+            timed = _timed(n_gen, [time_decode(depth, rep) for rep in range(reps)])
             rows.append(
                 {
                     "test": f"tg{n_gen}" + (f" @ d{depth}" if depth else ""),
                     "tokens": n_gen,
                     "depth": depth,
-                    "seconds": seconds,
-                    "tokens_per_s": rate,
+                    **timed,
                     "weight_bytes_per_token": bytes_per_token,
-                    "achieved_GB_per_s": bytes_per_token * rate / 1e9,
+                    "achieved_GB_per_s": bytes_per_token * timed["tokens_per_s"] / 1e9,
                 }
             )
     if assembled_engine.speculative is not None and n_gen > 0:
@@ -194,12 +203,15 @@ def format_bench(loaded: Any, rows: list[dict]) -> str:
     from rich.table import Table
 
     table = Table(title=f"{loaded.path.name} ({loaded.family.name}, backend {loaded.backend_name})")
-    for column in ("test", "tok/s", "seconds", "GB/s (weights)", "accepted len"):
+    for column in ("test", "tok/s (median ± sd)", "seconds", "GB/s (weights)", "accepted len"):
         table.add_column(column, justify="right")
     for row in rows:
         gbps = f"{row['achieved_GB_per_s']:.2f}" if "achieved_GB_per_s" in row else ""
         accepted = f"{row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else ""
-        table.add_row(row["test"], f"{row['tokens_per_s']:.2f}", f"{row['seconds']:.3f}", gbps, accepted)
+        rate = f"{row['tokens_per_s']:.2f}"
+        if "tokens_per_s_stddev" in row:
+            rate += f" ± {row['tokens_per_s_stddev']:.2f}"
+        table.add_row(row["test"], rate, f"{row['seconds']:.3f}", gbps, accepted)
     console = Console(width=100, record=True)
     with console.capture() as capture:
         console.print(table)

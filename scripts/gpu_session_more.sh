@@ -41,7 +41,8 @@
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
 for row in json.load(open(sys.argv[1])):
-    print(sys.argv[2], row['test'], round(row['tokens_per_s'], 1))" "$@" || cat "$1"; }
+    print(sys.argv[2], row['test'], round(row['tokens_per_s'], 1), '+-', round(row.get('tokens_per_s_stddev', 0), 1))" \
+  "$@" || cat "$1"; }
 
 s21_fusion() {
   LLAMA_NICE=19 llama_build_bg

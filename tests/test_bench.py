@@ -4,6 +4,7 @@ device after each, warm-ups at each row's own shape, and speculative rows (force
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -51,6 +52,29 @@ def test_decode_feeds_fresh_random_ids_and_waits_for_each(tiny_target_and_draft,
         assert len(set(ids)) > 1  # fresh ids, not one token fed again and again
         for index in timed:
             assert events[index + 1] == ("sync",), "the host waits for every token"
+
+
+def test_rows_keep_every_repetition_and_their_spread(tiny_target_and_draft):
+    """The figure is the median repetition; beside it each repetition's rate and their standard deviation
+    (llama-bench's `± stddev`), shown in the table: a noisy row says so."""
+    from lucebox_core.bench import format_bench
+
+    reps = 3
+    assembled = build_engine(EngineOptions(model=str(tiny_target_and_draft[0]), ctx_size=64))
+    rows = run_bench(assembled, prompts=[8], n_gen=4, depths=[0], reps=reps)
+    assert [r["test"] for r in rows] == ["pp8", "tg4"]
+    for row in rows:
+        samples = row["tokens_per_s_samples"]
+        assert len(samples) == reps and all(rate > 0 for rate in samples)
+        assert row["tokens_per_s"] == pytest.approx(statistics.median(samples))
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+        assert row["tokens_per_s_stddev"] == pytest.approx(statistics.stdev(samples))
+    decode = rows[1]
+    assert decode["achieved_GB_per_s"] == pytest.approx(decode["weight_bytes_per_token"] * decode["tokens_per_s"] / 1e9)
+    table = format_bench(assembled.loaded, rows)
+    assert f"{rows[0]['tokens_per_s']:.2f} ± {rows[0]['tokens_per_s_stddev']:.2f}" in table
+    single = run_bench(assembled, prompts=[8], n_gen=0, depths=[0], reps=1)[0]
+    assert single["tokens_per_s_stddev"] == 0.0 and len(single["tokens_per_s_samples"]) == 1
 
 
 def test_speculative_and_forced_rows_warm_up_at_their_shapes(tiny_target_and_draft, monkeypatch):
