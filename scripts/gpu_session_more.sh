@@ -33,7 +33,7 @@
 #                                           #                                          carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s23-router  # ~8 min: the one-launch router's top-k back to k passes: its time a launch
 #                                           #   per launch shape (scripts/router_probe.py), its GPU tests, Laguna-XS.2
-#                                           #   and 35B-A3B pp512/tg128 default / the probe's best / fewer warps, a profile,
+#                                           #   and 35B-A3B pp512/tg128 default / the probe's best / the old shape, a profile,
 #                                           #   llama-bench beside; Spark's paged-step GPU tests. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s23-confirm # ~6 min: the router's measured defaults: fused-decode GPU tests, Laguna and
 #                                           #   35B-A3B tg128, 27B tg64 at depth 32K narrow / wide, llama-bench beside.
@@ -222,13 +222,16 @@ s23_router() {
   step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=3 \
     tests/test_fused_decode_gpu.py -k "routes_as or one_launch"
   echo "[$SECONDS s] waiting for the MoE files"; wait "$moe_writer"; tail -qn1 "$RES"/synth_*.log
-  variants laguna "$laguna" "-p 512 -n 128 -r 3" default "probed:$probed" w1:LUCEBOX_ROUTER_WARPS=1 \
-    w2:LUCEBOX_ROUTER_WARPS=2
+  # Since 2c465a5 the default is 1 warp, 2 rows; "old" is the shape before it.
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default "probed:$probed" \
+    old:LUCEBOX_ROUTER_WARPS=4,LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM=4 w2:LUCEBOX_ROUTER_WARPS=2
   best=$(best_variant laguna); echo "best laguna variant: $best (probed: $probed)"
-  local envs=""; case $best in probed) envs=${probed//,/ } ;; w*) envs=LUCEBOX_ROUTER_WARPS=${best#w} ;; esac
+  local envs=""; case $best in probed) envs=${probed//,/ } ;; w*) envs=LUCEBOX_ROUTER_WARPS=${best#w} ;;
+    old) envs="LUCEBOX_ROUTER_WARPS=4 LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM=4" ;; esac
   mkdir -p "$RES/laguna" && step profile-laguna 60 env LUCEBOX_PDL=0 $envs \
     python3 scripts/bench_vs_llamacpp.py profile "$laguna" --out "$RES/laguna"
-  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default "probed:$probed" w1:LUCEBOX_ROUTER_WARPS=1
+  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default "probed:$probed" \
+    old:LUCEBOX_ROUTER_WARPS=4,LUCEBOX_ROUTER_EXPERTS_PER_PROGRAM=4
   llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
   step spark-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
     tests/test_spark_graphed.py -k gpu

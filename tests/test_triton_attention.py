@@ -452,3 +452,19 @@ def test_a_bad_partition_is_refused_by_name():
         triton_attention.decode_attention(q, k, v, torch.tensor([3]), scale=0.2, narrow_splits=-1)
     with pytest.raises(ValueError, match="blocks_per_split 0"):
         triton_attention.decode_attention(q, k, v, torch.tensor([3]), scale=0.2, blocks_per_split=0)
+
+
+@pytest.mark.parametrize("name", ["LUCEBOX_PATH_NARROW_SPLITS", "LUCEBOX_PATH_BLOCKS_PER_SPLIT"])
+def test_a_partition_override_that_is_no_number_is_refused_by_name(name):
+    """The overrides are read when the module is imported: a value that is no whole number stops the import
+    with the variable's name, not int()'s bare complaint."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", name: "four"}
+    result = subprocess.run([sys.executable, "-c", "import lucebox_cuda.triton_path_combine"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and f"{name}='four': expected a whole number" in result.stderr
+    env[name] = " 8 "
+    assert subprocess.run([sys.executable, "-c", "import lucebox_cuda.triton_path_combine"], env=env,
+                          capture_output=True, text=True, timeout=120).returncode == 0

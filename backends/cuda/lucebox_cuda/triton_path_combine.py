@@ -40,9 +40,21 @@ from .triton_ops import grid_dependency
 # long contexts (a 65-node verify of the 27B at 128K: ~3.3 GB instead of ~0.8). The narrow head gives the
 # first 2048 rows one block a split and keeps the long tail at four (128K: 536 splits instead of 512).
 # `LUCEBOX_PATH_BLOCKS_PER_SPLIT` / `LUCEBOX_PATH_NARROW_SPLITS` override them for a whole process (A/B).
+def _whole_number_setting(name: str, default: int) -> int:
+    """An environment override read at import: a whole number, or an error naming the variable (its range is
+    checked where the partition is used, `triton_attention.tree_attention`)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a whole number") from None
+
+
 PATH_BLOCK_N = 64
-PATH_BLOCKS_PER_SPLIT = int(os.environ.get("LUCEBOX_PATH_BLOCKS_PER_SPLIT", "4"))
-PATH_NARROW_SPLITS = int(os.environ.get("LUCEBOX_PATH_NARROW_SPLITS", "32"))
+PATH_BLOCKS_PER_SPLIT = _whole_number_setting("LUCEBOX_PATH_BLOCKS_PER_SPLIT", 4)
+PATH_NARROW_SPLITS = _whole_number_setting("LUCEBOX_PATH_NARROW_SPLITS", 32)
 
 
 @triton.jit
