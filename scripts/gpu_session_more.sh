@@ -37,6 +37,8 @@
 #                                           #   llama-bench beside; Spark's paged-step GPU tests. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s23-confirm # ~6 min: the router's measured defaults: fused-decode GPU tests, Laguna and
 #                                           #   35B-A3B tg128, 27B tg64 at depth 32K narrow / wide, llama-bench beside.
+#   bash scripts/gpu_session.sh s23-profile35  # ~3 min: the 35B-A3B's step profile (no PDL) at the router's new shape.
+#                                           #                                                     carry: .whl
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys

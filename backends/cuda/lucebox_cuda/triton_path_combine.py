@@ -31,15 +31,7 @@ from .pdl import triton_options
 from .triton_gates import SOFTPLUS_THRESHOLD, softplus_fp32
 from .triton_ops import grid_dependency
 
-# Key rows per loop step, and the path kernel's partition (`split_bounds`): the first PATH_NARROW_SPLITS
-# splits of one block, then splits of PATH_BLOCKS_PER_SPLIT blocks. Fixed (never chosen from the window,
-# the node count or the position): the partition of a node's key sequence, and so the rounding of its
-# result, then depends only on the sequence. Session 22 on the H200 (Laguna-XS.2, tg128 at a 640-token
-# context, with PDL): one block a split everywhere 387 tok/s against 362 with four, since a short context
-# then spreads over 4x the programs; but one block a split everywhere is also 4x the merge's scratch at
-# long contexts (a 65-node verify of the 27B at 128K: ~3.3 GB instead of ~0.8). The narrow head gives the
-# first 2048 rows one block a split and keeps the long tail at four (128K: 536 splits instead of 512).
-# `LUCEBOX_PATH_BLOCKS_PER_SPLIT` / `LUCEBOX_PATH_NARROW_SPLITS` override them for a whole process (A/B).
+
 def _whole_number_setting(name: str, default: int) -> int:
     """An environment override read at import: a whole number, or an error naming the variable (its range is
     checked where the partition is used, `triton_attention.tree_attention`)."""
@@ -52,6 +44,15 @@ def _whole_number_setting(name: str, default: int) -> int:
         raise ValueError(f"{name}={text!r}: expected a whole number") from None
 
 
+# Key rows per loop step, and the path kernel's partition (`split_bounds`): the first PATH_NARROW_SPLITS
+# splits of one block, then splits of PATH_BLOCKS_PER_SPLIT blocks. Fixed (never chosen from the window,
+# the node count or the position): the partition of a node's key sequence, and so the rounding of its
+# result, then depends only on the sequence. Session 22 on the H200 (Laguna-XS.2, tg128 at a 640-token
+# context, with PDL): one block a split everywhere 387 tok/s against 362 with four, since a short context
+# then spreads over 4x the programs; but one block a split everywhere is also 4x the merge's scratch at
+# long contexts (a 65-node verify of the 27B at 128K: ~3.3 GB instead of ~0.8). The narrow head gives the
+# first 2048 rows one block a split and keeps the long tail at four (128K: 536 splits instead of 512).
+# `LUCEBOX_PATH_BLOCKS_PER_SPLIT` / `LUCEBOX_PATH_NARROW_SPLITS` override them for a whole process (A/B).
 PATH_BLOCK_N = 64
 PATH_BLOCKS_PER_SPLIT = _whole_number_setting("LUCEBOX_PATH_BLOCKS_PER_SPLIT", 4)
 PATH_NARROW_SPLITS = _whole_number_setting("LUCEBOX_PATH_NARROW_SPLITS", 32)
