@@ -21,8 +21,9 @@ the CUDA toolkit's PTX (never on the CPU, where Triton's interpreter runs, nor o
 `LUCEBOX_PDL=0` switches it off (an A/B switch).
 Session 22 on the H200 (Laguna-XS.2 Q4_K_M, tg128): 337 -> 362 tok/s; as shipped, inside static steps (session
 23): 315.6 -> 344.9 on Laguna-XS.2, 287.6 -> 329.1 on the 35B-A3B, 100.2 -> 105.8 on the 27B; every family's
-decode step and verify pass to the bit as without it (tests/test_fused_decode_gpu.py). Not in a prefill: its large kernels lost to it
-(pp512 6521 -> 4425 tok/s), the next kernel's early blocks holding SMs while the tail of the one ahead ran.
+decode step and verify pass to the bit as without it (tests/test_fused_decode_gpu.py). Not in a prefill: its
+large kernels lost to it (pp512 6521 -> 4425 tok/s), the next kernel's early blocks holding SMs while the tail
+of the one ahead ran.
 """
 
 from __future__ import annotations
