@@ -23,6 +23,18 @@ from .static_step import MIN_WINDOW, run_decode_step
 Weight = Any  # a QuantTensor (weights stay in their GGUF type) or a torch tensor
 
 
+def mlp_after_residual(ops: Any, mlp: Any, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's MLP after the residual add and its norm: `(mlp(rms_norm(residual + x)), residual + x)`. A SwiGLU
+    MLP (`swiglu` true) whose gate and up rows the backend fused (`gate_up_proj`, beside `down_proj`) goes through
+    the one op `add_rms_norm_swiglu`, which a backend may run as one launch; its reference is the same ops."""
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if getattr(mlp, "swiglu", False) and gate_up is not None:
+        return ops.add_rms_norm_swiglu(x, residual, norm, eps, gate_up, mlp.down_proj)
+    normed, summed = ops.add_rms_norm(x, residual, norm, eps)
+    return mlp(normed), summed
+
+
 class DecoderModel(StateSnapshots):
     state_class: type  # the family's per-sequence state (fields `kv`, `length`, `captured`, `features`)
     # Whether the family's attention reads a bounded KV policy's pool (`KVPolicy.bounded`): causal offsets
@@ -98,9 +110,10 @@ class DecoderModel(StateSnapshots):
         ops, eps = self.ops, self.config.eps
         normed = ops.rms_norm(hidden, self.layers[0].input_layernorm, eps)
         for i, layer in enumerate(self.layers):
-            mlp_in, hidden = ops.add_rms_norm(attend(layer, normed), hidden, layer.post_attention_layernorm, eps)
+            out, hidden = mlp_after_residual(ops, layer.mlp, attend(layer, normed), hidden,
+                                             layer.post_attention_layernorm, eps)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            normed, hidden = ops.add_rms_norm(layer.mlp(mlp_in), hidden, next_norm, eps)
+            normed, hidden = ops.add_rms_norm(out, hidden, next_norm, eps)
             if tap is not None:
                 tap(layer, hidden)
         return normed[:, -1:] if last_only else normed

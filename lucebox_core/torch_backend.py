@@ -385,6 +385,15 @@ class TorchBackend:
         summed = residual + x
         return self.rms_norm(summed, weight, eps), summed
 
+    def add_rms_norm_swiglu(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            gate_up: Weight, down: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm SwiGLU MLP after the residual add: `(down(silu(g) * u), residual + x)`, where `g | u` are the
+        rows of `rms_norm(residual + x) @ gate_up.T` (the gate's first, as `fuse_rows([gate, up])` makes them).
+        One op so that a backend may run the four steps in one launch; here they are the ops they always were."""
+        normed, summed = self.add_rms_norm(x, residual, weight, eps)
+        gate, up = self.linear(normed, gate_up).chunk(2, dim=-1)
+        return self.linear(self.silu_mul(gate, up), down), summed
+
     def write_kv_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ring: int,
                       k: torch.Tensor, v: torch.Tensor) -> None:
         """A static step's K/V store (`kv.write_rows`): rows `k` `[N, heads, k_dim]` and `v` into a plain cache's

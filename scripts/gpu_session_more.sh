@@ -39,6 +39,9 @@
 #                                           #   35B-A3B tg128, 27B tg64 at depth 32K narrow / wide, llama-bench beside.
 #   bash scripts/gpu_session.sh s23-profile35  # ~3 min: the 35B-A3B's step profile (no PDL) at the router's new shape.
 #                                           #                                                     carry: .whl
+#   bash scripts/gpu_session.sh s24-ffn     # ~7 min: the persistent add + norm + SwiGLU MLP kernel: its GPU tests, its
+#                                           #   time against the four kernels (scripts/ffn_probe.py), 0.8B and 27B tg128
+#                                           #   off / on, a 0.8B profile with it, llama-bench beside. carry: .whl .llamacpp
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -272,5 +275,24 @@ s23_profile35() {  # ~3 min: the 35B-A3B's decode step profile without PDL (its 
   mkdir -p "$RES/qwen35moe" && step profile-qwen35moe 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py \
     profile "$big" --out "$RES/qwen35moe"
   cp "$RES"/qwen35moe/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s24_ffn() {  # ~7 min: session 24's persistent add + norm + SwiGLU MLP (LUCEBOX_PERSISTENT_FFN=1, off by default): its
+  #           GPU tests, its time against the four kernels per MLP shape (scripts/ffn_probe.py), then the 0.8B and 27B
+  #           tg128 with it off / on, a 0.8B step profile with it on, llama-bench beside. carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$!
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_ffn_persistent_gpu.py
+  step ffn-probe 90 sh -c "python3 scripts/ffn_probe.py --json $RES/ffn_probe.json | tee $RES/ffn_probe.txt"
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1
+  mkdir -p "$RES/p08b" && step profile-08b-persistent 60 env LUCEBOX_PDL=0 LUCEBOX_PERSISTENT_FFN=1 \
+    python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1
+  llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

@@ -572,6 +572,20 @@ def moe_matvec_kernel(weight_format: str, activation: str, cols: int, kind: str 
     return MoeMatvecLaunch(program, name, 32 * warps, MMA_ROWS_PER_BLOCK)
 
 
+# The persistent FFN block (ffn_persistent.cu): 16-bit activations (its staged vectors are counted in them), at
+# most this many values in the hidden and the intermediate size, each a multiple of the row tile (16).
+FFN_PERSISTENT_ACTIVATIONS: tuple[str, ...] = ("bf16", "f16")
+FFN_PERSISTENT_MAX_VALUES = 18432
+FFN_PERSISTENT_THREADS = 128
+
+
+def ffn_persistent(gate_up_format: str, down_format: str, activation: str, norm: str) -> tuple[KernelProgram, str]:
+    """The persistent SwiGLU block for these formats (gate | up fused, down), activation and norm-weight types."""
+    name = f"ffn_persistent_{gate_up_format}_{down_format}_{activation}_{norm}"
+    line = f"LUCEBOX_FFN_PERSISTENT({gate_up_format}, {down_format}, {activation}, {norm})"
+    return KernelProgram("ffn_persistent.cu", [line]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -599,6 +613,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                                                          for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
                                                          for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
+        "ffn_persistent.cu": KernelProgram("ffn_persistent.cu", [
+            f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
+            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
         "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
             f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
             for f in MMA_FORMATS for a in acts for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]

@@ -24,7 +24,7 @@ import torch
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, add_shared_expert, concat_rows
 
-from . import catalogue
+from . import catalogue, ffn_persistent
 
 # Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
 # kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
@@ -243,6 +243,17 @@ def accepts_add_rms_norm(ops: Any, x: torch.Tensor, residual: torch.Tensor, weig
 
 def add_rms_norm(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     return triton_fused().add_rms_norm(x, residual, weight, eps)
+
+
+def accepts_add_rms_norm_swiglu(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                gate_up: Any, down: Any) -> bool:
+    return ffn_persistent.takes(ops, x, residual, weight, gate_up, down)
+
+
+def add_rms_norm_swiglu(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        gate_up: QuantTensor, down: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's add + norm and SwiGLU MLP in one persistent launch (`ffn_persistent`, LUCEBOX_PERSISTENT_FFN=1)."""
+    return ffn_persistent.run(ops, x, residual, weight, eps, gate_up, down)
 
 
 def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:

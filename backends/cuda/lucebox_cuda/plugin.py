@@ -15,6 +15,7 @@ MIN_CAPABILITY = (8, 0)
 GENERIC_KERNEL_OPS = (
     "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm", "l2norm",
     "add_sigmoid_gated",  # a gated shared expert joining the routed ones (Qwen3.5-MoE): one launch, not three
+    "add_rms_norm_swiglu",  # a decode step's add + norm and SwiGLU MLP, one persistent launch (LUCEBOX_PERSISTENT_FFN)
     "qk_norm_rope", "attention", "decode_attention", "tree_attention",
     "write_kv_rows",  # a static step's K/V rows stored in one launch (the cache's write is two copies and a modulo)
     "moe_experts_swiglu",  # routed SwiGLU experts over separate gate and up stacks (Laguna, Qwen3.5-MoE)
@@ -88,7 +89,8 @@ def lucebox_op_kernels():
     return [
         OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.op_kernels:{op}", accepts=f"lucebox_cuda.op_kernels:accepts_{op}",
                  description="NVRTC matrix-vector and dequant kernels" if op in ("linear", "embedding", "fuse_rows",
-                                                                                  "rms_norm") else "Triton")
+                                                                                  "rms_norm", "add_rms_norm_swiglu")
+                 else "Triton")
         for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
     ] + [
         OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.norm_kernels:{op}",

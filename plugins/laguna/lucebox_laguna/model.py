@@ -159,6 +159,8 @@ class LagunaAttention:
 class LagunaMLP:
     """A SwiGLU block: the leading dense layers' MLP and each MoE layer's shared expert."""
 
+    swiglu: ClassVar[bool] = True  # `decoder_model.mlp_after_residual` may run it as one op with the add + norm
+
     ops: Any
     gate_proj: Weight
     up_proj: Weight

@@ -27,12 +27,12 @@ What llama.cpp's converter baked into the GGUF, and what that means here:
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
-from lucebox_core.decoder_model import DecoderModel
+from lucebox_core.decoder_model import DecoderModel, mlp_after_residual
 from lucebox_core.device_map import SplitKVCache, hand_over
 from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_query, write_rows
 from lucebox_core.split_step import run_split_decode_step
@@ -318,6 +318,8 @@ class GatedAttention:
 class MLP:
     """SwiGLU: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
 
+    swiglu: ClassVar[bool] = True  # `decoder_model.mlp_after_residual` may run it as one op with the add + norm
+
     ops: Any
     gate_proj: Weight
     up_proj: Weight
@@ -600,8 +602,8 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
                 x = ops.rms_norm(hidden, layer.input_layernorm, eps)
             else:
                 x, hidden = ops.add_rms_norm(pending, hidden, layer.input_layernorm, eps)
-            x, hidden = ops.add_rms_norm(mix(layer, x), hidden, layer.post_attention_layernorm, eps)
-            pending = layer.mlp(x)
+            pending, hidden = mlp_after_residual(ops, layer.mlp, mix(layer, x), hidden, layer.post_attention_layernorm,
+                                                 eps)
             if layer.index in tapped:
                 tap(layer, hidden + pending)
         return hidden, pending

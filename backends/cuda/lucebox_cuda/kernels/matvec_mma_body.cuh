@@ -11,9 +11,11 @@
 // block, outweigh the weights, and more rows per block read them fewer times. A row's arithmetic is the
 // same whatever ROW_TILES (the same mma steps in the same order, the same partial-sum order), so every
 // variant of one warp count gives the same bits.
+// The rows from `row0` (16 * ROW_TILES of them): a block's tile, which a grid of one tile a block takes from its
+// index (`matvec_mma_body`) and a persistent kernel from its own loop over tiles (ffn_persistent.cu).
 template <class W, class X, int NB, int WARPS, int ROW_TILES>
-__device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, const X* __restrict__ x,
-                                                X* __restrict__ y, int rows, int cols, int batch) {
+__device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, const X* __restrict__ x,
+                                                X* __restrict__ y, int rows, int cols, int batch, int row0) {
     typedef ActivationFragment<X> Frag;
     typedef typename Frag::E E;
     constexpr int SPLITS = Frag::SPLITS, COLUMNS = NB * SPLITS, TILES = (COLUMNS + 7) / 8;
@@ -23,7 +25,6 @@ __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, c
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16 * ROW_TILES;
     const int blocks_per_row = cols / W::BLOCK_VALUES;
     // Rows past the end re-read the last row (valid memory); their results are never stored.
     const u8* bytes_a[ROW_TILES];
@@ -170,4 +171,10 @@ __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, c
             for (int split = 0; split < SPLITS; ++split) total += partial[w][local][r * SPLITS + split];
         y[static_cast<i64>(r) * rows + row] = from_float<X>(total);
     }
+}
+
+template <class W, class X, int NB, int WARPS, int ROW_TILES>
+__device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, const X* __restrict__ x,
+                                                X* __restrict__ y, int rows, int cols, int batch) {
+    matvec_mma_rows<W, X, NB, WARPS, ROW_TILES>(weight, x, y, rows, cols, batch, blockIdx.x * 16 * ROW_TILES);
 }

@@ -1,0 +1,133 @@
+"""A decode step's dense SwiGLU MLP, with the residual add and norm before it, as one persistent launch.
+
+`add_rms_norm_swiglu` (the core's generic op: `(down(silu(g) * u), residual + x)` for `g | u` the fused gate and
+up rows of `rms_norm(residual + x)`) is four kernels on this backend: add + norm, the gate | up product, the
+SwiGLU and the down product, each a few microseconds that pay a launch, a ramp and a drain. A small model's step
+is made of such kernels (Qwen3.5-0.8B: ~11 a layer, launch-bound at ~1.6 ms a token on the H200). Here they are
+two phases of `kernels/ffn_persistent.cu` with one grid-wide barrier between them: the first piece of issue
+#17's megakernel, and a measurement of what a barrier costs against a launch.
+
+Off by default until measured on a GPU: `LUCEBOX_PERSISTENT_FFN=1` turns it on for one token at a time (the
+decode step); a verify pass and a prefill keep the four kernels. Its products are the `mma` kernel's
+arithmetic, its norm adds the squares in another order than the Triton add + norm, so with it on a decode step
+may differ from a verify node in a last bit (near-tie equal, not bit-equal): speculative decoding keeps it off.
+
+The grid must be resident all at once (the barrier waits for every block), so it is the SM count times the
+blocks an SM holds of this kernel (the driver's occupancy for its registers and shared memory), never more.
+The barrier's counter (`uint32`, one a device) is zeroed once outside any graph capture and needs no reset
+after (see the kernel's comment); kernels of one device that use it run on one stream, one after another.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lucebox_core.quants import QuantTensor
+from lucebox_core.static_step import inside_static_step
+
+from . import catalogue
+from .nvrtc import Float, Int, Pointer
+
+ENV_SWITCH = "LUCEBOX_PERSISTENT_FFN"
+TILE = 16  # output rows a block computes at a time (the tensor-core body's M)
+ACTIVATIONS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+NORM_WEIGHTS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def enabled() -> bool:
+    """Whether `LUCEBOX_PERSISTENT_FFN` asks for the persistent block (read at each call, for an A/B)."""
+    return os.environ.get(ENV_SWITCH, "0") == "1"
+
+
+def _format(weight: Any, rows: int, cols: int) -> str | None:
+    """The tensor-core format name of a 2-D GGUF weight `[rows, cols]`, or None."""
+    if not isinstance(weight, QuantTensor) or tuple(weight.shape) != (rows, cols):
+        return None
+    name = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
+    return name if name in catalogue.MMA_FORMATS else None
+
+
+def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_up: Any, down: Any) -> str | None:
+    """Why the kernel cannot take these operands, wherever they are (None: it can): one token of 16-bit activations,
+    K-quant weights of matching shapes in whole blocks and row tiles, sizes its staging holds, a norm weight it
+    reads."""
+    hidden = x.shape[-1]
+    if x.numel() != hidden:
+        return f"{x.numel() // max(hidden, 1)} tokens (one at a time)"
+    if x.dtype not in ACTIVATIONS or residual.dtype != x.dtype or residual.shape != x.shape:
+        return f"activations {x.dtype} / residual {residual.dtype} {tuple(residual.shape)}"
+    if weight.dtype not in NORM_WEIGHTS or weight.numel() != hidden or not weight.is_contiguous():
+        return f"norm weight {weight.dtype} {tuple(weight.shape)}"
+    if not isinstance(gate_up, QuantTensor) or len(gate_up.shape) != 2 or gate_up.shape[0] % (2 * TILE):
+        return f"gate | up rows {tuple(getattr(gate_up, 'shape', ()))} (GGUF, an even count of {TILE}-row tiles)"
+    inter = gate_up.shape[0] // 2
+    if max(hidden, inter) > catalogue.FFN_PERSISTENT_MAX_VALUES:
+        return f"hidden {hidden} / intermediate {inter} (at most {catalogue.FFN_PERSISTENT_MAX_VALUES})"
+    if hidden % 256 or inter % 256:
+        return f"hidden {hidden} / intermediate {inter} (whole 256-value blocks)"
+    if _format(gate_up, 2 * inter, hidden) is None or _format(down, hidden, inter) is None:
+        return "weights not of a tensor-core K-quant format, or of other shapes"
+    return None
+
+
+def takes(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_up: Any,
+          down: Any) -> bool:
+    """Whether the persistent kernel runs this call: switched on, inside a static step, a CUDA build of torch,
+    operands it takes (`refusal`) on the backend's CUDA device, and the barrier's counter already made (never
+    inside a graph capture: its zeroing must not be a recorded node that a replay has not run yet)."""
+    if not enabled() or not inside_static_step() or getattr(torch.version, "hip", None):
+        return False
+    if refusal(x, residual, weight, gate_up, down) is not None:
+        return False
+    if x.device.type != "cuda" or x.device != ops.device or weight.device != ops.device:
+        return False
+    return _counter(ops, make=not torch.cuda.is_current_stream_capturing()) is not None
+
+
+def _counter(ops: Any, *, make: bool) -> torch.Tensor | None:
+    counter = ops.__dict__.get("_ffn_barrier")
+    if counter is None and make:
+        counter = ops.__dict__["_ffn_barrier"] = torch.zeros(1, dtype=torch.int32, device=ops.device)
+    return counter
+
+
+def grid_size(ops: Any, program: Any, name: str, tiles: int) -> int:
+    """Blocks for a launch over `tiles` row tiles (the larger phase's): no more than the device holds at once
+    (the SM count times the driver's occupancy for the kernel, asked once a kernel and device)."""
+    resident = ops.__dict__.setdefault("_ffn_resident", {})
+    if name not in resident:
+        from cuda.bindings import driver
+
+        result, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ops.kernel(program, name), catalogue.FFN_PERSISTENT_THREADS, 0)
+        if int(result) != 0 or int(per_sm) < 1:
+            raise RuntimeError(f"{name} cannot be resident on {ops.device} "
+                               f"(cuOccupancyMaxActiveBlocksPerMultiprocessor: {result}, {per_sm} blocks an SM)")
+        resident[name] = torch.cuda.get_device_properties(ops.device).multi_processor_count * int(per_sm)
+    return max(1, min(tiles, resident[name]))
+
+
+def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gate_up: QuantTensor,
+        down: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent block for a call `takes` accepted: `(mlp output, residual + x)`, both of residual's shape."""
+    hidden = x.shape[-1]
+    inter = gate_up.shape[0] // 2
+    activation = ACTIVATIONS[x.dtype]
+    program, name = catalogue.ffn_persistent(_format(gate_up, 2 * inter, hidden), _format(down, hidden, inter),
+                                             activation, NORM_WEIGHTS[weight.dtype])
+    grid = grid_size(ops, program, name, max(inter, hidden) // TILE)
+    x, residual = x.contiguous(), residual.contiguous()
+    summed = torch.empty_like(residual)
+    out = torch.empty_like(residual)
+    products = torch.empty(2 * inter, dtype=x.dtype, device=ops.device)
+    act = torch.empty(inter, dtype=x.dtype, device=ops.device)
+    counter = _counter(ops, make=False)
+    ops._launch((program, name), grid, catalogue.FFN_PERSISTENT_THREADS,
+                Pointer(ops.device_weight(gate_up).data.data_ptr()), Pointer(ops.device_weight(down).data.data_ptr()),
+                Pointer(x.data_ptr()), Pointer(residual.data_ptr()), Pointer(weight.data_ptr()),
+                Pointer(summed.data_ptr()), Pointer(products.data_ptr()), Pointer(act.data_ptr()),
+                Pointer(out.data_ptr()), Pointer(counter.data_ptr()), Int(hidden), Int(inter), Float(eps))
+    return out, summed

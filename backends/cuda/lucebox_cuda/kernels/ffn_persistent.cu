@@ -1,0 +1,140 @@
+// A dense SwiGLU MLP of a decode step (one token) with the residual add and norm before it, in one persistent
+// launch:
+//     summed = x + residual                       (the mixer's output joins the residual stream)
+//     m      = rms_norm(summed) * norm
+//     a      = silu(gate(m)) * up(m)              (gate | up: one fused weight, [2I x hidden])
+//     out    = down(a)                            (the MLP's output, added by the next layer's norm)
+// where the unfused step launches add + norm, the gate | up product, the SwiGLU and the down product.
+//
+// Why: a small model's decode step is launch-bound, not bandwidth-bound. Each of those four kernels is a few
+// microseconds of work that pays a launch, a ramp while its first loads are in flight and a drain while its
+// last blocks finish (Qwen3.5-0.8B: ~11 kernels a layer, ~1.6 ms a step on the H200 for ~0.5 GB of weights,
+// which the copy bandwidth reads in ~0.12 ms). Here the four are two phases of one kernel, separated by one
+// grid-wide barrier: the first step of issue #17's megakernel (every layer's work in one persistent kernel).
+//
+// The grid is persistent: every block must be resident at once for the barrier to finish, so the launcher
+// sizes it from the driver's occupancy (`ffn_persistent.grid_size`), never more blocks than the SMs hold.
+//   Phase 1. Every block computes the add and the norm itself (hidden values, a few KB: cheaper than a barrier)
+//     into its shared memory; block 0 stores `summed`.
+//     Then it takes 16-row tiles of the gate rows in turn (tile t, t + grid, ...): the gate's 16 rows and the
+//     up's 16 rows (rows I + 16t of the fused weight) into `products`, and their SwiGLU into `act`.
+//   Barrier.
+//   Phase 2. Every block stages `act` in shared memory, then takes 16-row tiles of the down product into `out`.
+// The products run matvec_mma.cu's tensor-core body (`matvec_mma_rows`, 4 warps, one row tile), so each output
+// has the arithmetic of the unfused `mma` kernel: the same bits where the unfused step runs that variant. The
+// norm and the SwiGLU round where the unfused kernels round (the sum, the normed value, silu(g) before the
+// product); the norm's sum of squares adds in another order, so its last bit may differ from the Triton kernel's.
+//
+// The barrier's counter needs no reset: block 0 adds 2^31 - (blocks - 1) and every other block 1, so once all
+// have arrived the top bit has flipped and the low bits are back at zero (where a zeroed counter starts). A
+// block waits for the flip it expects from the value its own add returned. `__threadfence` before the add
+// publishes the block's writes (made visible to thread 0 by `__syncthreads`); after the wait it orders the
+// block's later reads after the other blocks' writes.
+//
+// LUCEBOX_FFN_PERSISTENT(gate_up format, down format, activation, norm weight) defines
+// `ffn_persistent_<gate_up>_<down>_<activation>_<norm>`: launch with 128 threads a block.
+#include "matvec_mma_body.cuh"
+
+constexpr int FFN_WARPS = 4;
+constexpr int FFN_TILE = 16;
+// The longest vector a block stages (hidden and intermediate sizes): 36 KiB of 16-bit values, the 27B's 17,408
+// intermediate values with room; with the products' partial sums under the 48 KiB of static shared memory.
+constexpr int FFN_STAGE_VALUES = 18432;
+
+__device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+        __threadfence();
+        const unsigned int before = atomicAdd(arrived, add);
+        const volatile unsigned int* watched = arrived;
+        while (((before ^ *watched) & 0x80000000u) == 0) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// A block-wide sum (any multiple of 32 threads up to 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call's readers are done with `partial`
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    float total = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(total);
+}
+
+// `count` 16-bit values (count even, both pointers 4-byte aligned) from global memory written by other blocks of
+// this launch into shared memory: volatile loads, which go to L2, never to a line this SM may hold from before.
+__device__ __forceinline__ void stage_from_grid(const u16* from, u16* to, int count) {
+    const volatile u32* words = reinterpret_cast<const volatile u32*>(from);
+    u32* into = reinterpret_cast<u32*>(to);
+    for (int i = threadIdx.x; i < count / 2; i += blockDim.x) into[i] = words[i];
+    __syncthreads();
+}
+
+template <class Wg, class Wd, class X, class Nw>
+__device__ __forceinline__ void ffn_persistent_body(
+    const u8* __restrict__ gate_up, const u8* __restrict__ down, const X* __restrict__ x,
+    const X* __restrict__ residual, const Nw* __restrict__ norm, X* __restrict__ summed_out,
+    X* __restrict__ products, X* __restrict__ act, X* __restrict__ out, unsigned int* __restrict__ arrived,
+    int hidden, int inter, float eps) {
+    static_assert(sizeof(X) == 2, "16-bit activations: the staged vector's room is counted in them");
+    // The vector the products read: the normed input in phase 1, the SwiGLU's output in phase 2. In shared memory,
+    // so that the products' loads (read-only ones, for a kernel parameter) never see a line written in this launch.
+    __shared__ __align__(16) X staged[FFN_STAGE_VALUES];
+    lucebox_wait_prior_grid();
+    // Phase 1: the add and the norm, each block its own copy.
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const X s = from_float<X>(to_float(x[i]) + to_float(residual[i]));
+        staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
+        if (blockIdx.x == 0) summed_out[i] = s;
+        const float v = to_float(s);
+        squares = fmaf(v, v, squares);
+    }
+    const float inverse_rms = 1.0f / sqrtf(block_sum(squares) / static_cast<float>(hidden) + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        staged[i] = from_float<X>(to_float(staged[i]) * inverse_rms * to_float(norm[i]));
+    __syncthreads();
+
+    // Gate and up tiles, then their SwiGLU.
+    const int gate_tiles = inter / FFN_TILE;
+    for (int tile = blockIdx.x; tile < gate_tiles; tile += gridDim.x) {
+        const int row0 = tile * FFN_TILE;
+        matvec_mma_rows<Wg, X, 1, FFN_WARPS, 1>(gate_up, staged, products, 2 * inter, hidden, 1, row0);
+        __syncthreads();  // the body's shared partial sums are reused by the next call
+        matvec_mma_rows<Wg, X, 1, FFN_WARPS, 1>(gate_up, staged, products, 2 * inter, hidden, 1, inter + row0);
+        __syncthreads();  // both products of the tile are stored (by this block: visible to it now)
+        if (threadIdx.x < FFN_TILE) {
+            const int row = row0 + threadIdx.x;
+            const float g = to_float(products[row]);
+            const float silu = to_float(from_float<X>(g / (1.0f + expf(-g))));
+            act[row] = from_float<X>(silu * to_float(products[inter + row]));
+        }
+    }
+    grid_barrier(arrived);
+
+    // Phase 2: the down product over every block's SwiGLU rows.
+    stage_from_grid(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), inter);
+    const int down_tiles = (hidden + FFN_TILE - 1) / FFN_TILE;
+    for (int tile = blockIdx.x; tile < down_tiles; tile += gridDim.x) {
+        matvec_mma_rows<Wd, X, 1, FFN_WARPS, 1>(down, staged, out, hidden, inter, 1, tile * FFN_TILE);
+        __syncthreads();
+    }
+}
+
+#define LUCEBOX_FFN_PERSISTENT(GATE_UP, DOWN, ACT, NORM)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * FFN_WARPS)                                             \
+        ffn_persistent_##GATE_UP##_##DOWN##_##ACT##_##NORM(                                                   \
+            const u8* __restrict__ gate_up, const u8* __restrict__ down, const ACT* __restrict__ x,            \
+            const ACT* __restrict__ residual, const NORM* __restrict__ norm, ACT* __restrict__ summed_out,     \
+            ACT* __restrict__ products, ACT* __restrict__ act, ACT* __restrict__ out,                          \
+            unsigned int* __restrict__ arrived, int hidden, int inter, float eps) {                          \
+        ffn_persistent_body<Mma_##GATE_UP, Mma_##DOWN, ACT, NORM>(gate_up, down, x, residual, norm,           \
+                                                                   summed_out, products, act, out, arrived,   \
+                                                                   hidden, inter, eps);                       \
+    }

@@ -1,0 +1,124 @@
+"""Time the persistent add + norm + SwiGLU MLP kernel against the four kernels it replaces, on the GPU.
+
+For each MLP shape (Qwen3.5-0.8B's, Laguna-XS.2's leading dense one, the 27B's; gate | up Q4_K, down Q6_K as a
+Q4_K_M file has them on its `use_more_bits` layers, and Q4_K), random operands, bf16 activations: the op
+`add_rms_norm_swiglu` on the CUDA backend inside a static step (PDL as in a decode step) with
+LUCEBOX_PERSISTENT_FFN=1 and =0. Each is warmed up, REPEAT calls are recorded in one CUDA graph and the graph is
+replayed; the figure is the median per call over REPLAYS, with the weights' bytes a call over that time (GB/s)
+beside the copy bandwidth measured here (a device-to-device copy of 1 GiB). Outputs are compared (max abs
+difference, share of equal values).
+
+    python3 scripts/ffn_probe.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from lucebox_core.kquants import random_blocks
+from lucebox_core.quants import QuantTensor
+from lucebox_core.static_step import running_static_step
+from lucebox_cuda import ffn_persistent
+from lucebox_cuda.backend import CudaBackend
+
+SHAPES = {"0.8b": (1024, 3584), "laguna-dense": (2048, 8192), "27b": (5120, 17408)}
+REPEAT, REPLAYS = 50, 20
+
+
+def quant(ggml_type: T, rows: int, cols: int, seed: int) -> QuantTensor:
+    raw = random_blocks(ggml_type, rows * cols, 0.05, np.random.default_rng(seed))
+    return QuantTensor(f"w{seed}", ggml_type, (rows, cols), torch.from_numpy(raw.copy()))
+
+
+def timed(graph: torch.cuda.CUDAGraph, repeat: int) -> float:
+    """Median microseconds a call over REPLAYS replays of `graph` (`repeat` calls each)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / repeat)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write counted), median of 10."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(10):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1000)
+    return 2 * a.numel() / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    backend = CudaBackend(dtype=torch.bfloat16)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth:.0f} GB/s")
+    rows = []
+    for name, (hidden, inter) in SHAPES.items():
+        for down_type in (T.Q6_K, T.Q4_K):
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            x = torch.randn(1, 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+            residual = torch.randn(1, 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+            norm = torch.rand(hidden, device="cuda", generator=gen) + 0.5
+            gate_up, down = quant(T.Q4_K, 2 * inter, hidden, 2), quant(down_type, hidden, inter, 3)
+            weight_bytes = gate_up.nbytes + down.nbytes
+            row = {"shape": name, "hidden": hidden, "inter": inter, "down": down_type.name,
+                   "weight_bytes": weight_bytes, "copy_gb_s": round(bandwidth)}
+            outs = {}
+            for switch, label in (("0", "four"), ("1", "persistent")):
+                os.environ[ffn_persistent.ENV_SWITCH] = switch
+                with running_static_step():
+                    for _ in range(3):
+                        outs[label] = backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)[0]
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(REPEAT):
+                            backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)
+                    us = timed(graph, REPEAT)
+                row[f"{label}_us"] = round(us, 2)
+                row[f"{label}_gb_s"] = round(weight_bytes / us / 1e3, 1)
+            row["speedup"] = round(row["four_us"] / row["persistent_us"], 3)
+            diff = (outs["four"].float() - outs["persistent"].float()).abs()
+            row["max_abs_diff"] = float(diff.max())
+            row["equal_share"] = round(float((outs["four"] == outs["persistent"]).float().mean()), 4)
+            row["grid"] = ffn_persistent.grid_size(backend, *_program(gate_up, down), max(hidden, inter) // 16)
+            rows.append(row)
+            print(json.dumps(row))
+    os.environ.pop(ffn_persistent.ENV_SWITCH, None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _program(gate_up: QuantTensor, down: QuantTensor):
+    from lucebox_cuda import catalogue
+
+    return catalogue.ffn_persistent(catalogue.WEIGHT_FORMATS[gate_up.ggml_type], catalogue.WEIGHT_FORMATS[down.ggml_type],
+                                    "bf16", "f32")
+
+
+if __name__ == "__main__":
+    main()
