@@ -76,6 +76,22 @@ def test_expert_product_kernels_are_named_as_compiled(kind, monkeypatch):
         catalogue.moe_matvec_kernel("q4_k", "bf16", 512, kind)
 
 
+@pytest.mark.parametrize("kind", ["swiglu", "paged_swiglu"])
+def test_the_swiglu_down_kernels_exist_only_where_the_kernel_holds_the_row(kind, monkeypatch):
+    """The down product computing silu(gate) * up itself: tensor-core variants with 16-bit activations and rows
+    its shared memory holds; elsewhere the catalogue refuses by name and the caller keeps the SwiGLU kernel."""
+    monkeypatch.delenv("LUCEBOX_MOE_MATVEC", raising=False)
+    launch = catalogue.moe_matvec_kernel("q4_k", "bf16", 512, kind)
+    assert launch.name == f"moe_matvec_mma2_{kind}_q4_k_bf16"
+    assert launch.name.encode() in nvrtc.compile_program(launch.program, "sm_90")
+    assert catalogue.moe_swiglu_kernel("q6_k", "f16", 2048)
+    for fmt, act, cols, cores in (("q4_k", "f32", 512, True), ("q8_0", "bf16", 512, True),
+                                  ("q4_k", "bf16", 2 * catalogue.MOE_SWIGLU_MAX_COLS, True), ("q4_k", "bf16", 512, False)):
+        assert not catalogue.moe_swiglu_kernel(fmt, act, cols, tensor_cores=cores)
+        with pytest.raises(ValueError, match=f"no {kind} expert kernel"):
+            catalogue.moe_matvec_kernel(fmt, act, cols, kind, tensor_cores=cores)
+
+
 def test_compile_error_carries_the_log():
     broken = nvrtc.KernelProgram("matvec.cu", ["LUCEBOX_MATVEC(q3_k, bf16, 1)"])  # no such format
     with pytest.raises(nvrtc.CudaCompileError, match=r"matvec\.cu for sm_90:\n.*W_q3_k"):

@@ -113,3 +113,73 @@ def test_shared_expert_folded_into_the_expert_launches(gated, tokens):
     assert rows.shape == (tokens * 4 + tokens, 256)
     torch.testing.assert_close(rows[tokens * 4 :], x @ ops.dense(shared_parts[0]).T.float(), atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(rows[: tokens * 4], ops.expert_matvec(x, gate, ids.reshape(-1), 4))
+
+
+@pytest.mark.parametrize("cols", [512, 2048])  # the down rows of Laguna-XS.2's / Qwen3.5-35B-A3B's experts; longer
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_swiglu_down_kernel_equals_silu_mul_then_the_product(cols, dtype):
+    """`expert_matvec(gate, down, ..., up=up)` (the kernel computing silu(gate) * up in each block) against the
+    separate SwiGLU kernel and then the product: silu's exp may differ from Triton's in a last bit, so the rows
+    agree within a rounding, and most to the bit; the shared expert's extra pairs ride as in the plain kind."""
+    from lucebox_cuda.backend import CudaBackend
+
+    ops = CudaBackend(dtype=dtype)
+    down, _ = _stack(Q.Q4_K, (EXPERTS, 2048, cols), seed=21)
+    shared_down = _weight(Q.Q4_K, (2048, cols), 22)
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    tokens, k = 3, 8
+    ids = torch.randint(0, EXPERTS, (tokens * k,), device="cuda", generator=g)
+    gate = (torch.randn(tokens * k + tokens, cols, device="cuda", generator=g) * 2).to(dtype)
+    up = torch.randn(tokens * k + tokens, cols, device="cuda", generator=g).to(dtype)
+    extra = {"extra": shared_down, "extra_pairs": tokens, "extra_x": tokens * k}
+    fused = ops.expert_matvec(gate, down, ids, 1, up=up, **extra)
+    want = ops.expert_matvec(ops.silu_mul(gate, up), down, ids, 1, **extra)
+    scale = want.float().abs().max()
+    torch.testing.assert_close(fused.float(), want.float(), rtol=1e-2, atol=1e-2 * float(scale))
+    assert (fused == want).float().mean() > 0.9
+
+
+def test_the_paged_swiglu_down_kernel_equals_the_stacked_one():
+    """Spark's paged stack (some experts in device slots, the rest read from pinned host memory) through the
+    SwiGLU kind: the stacked kind's rows to the bit (one body, the same arithmetic)."""
+    from lucebox_core.quants import QuantTensor
+    from lucebox_core.spark import ExpertPages, ExpertSlots
+    from lucebox_cuda.backend import CudaBackend
+
+    ops = CudaBackend(dtype=torch.bfloat16)
+    down, _ = _stack(Q.Q4_K, (EXPERTS, 2048, 512), seed=31)
+    host = down.data.reshape(EXPERTS, -1).pin_memory()
+    slots = ExpertSlots(host, 4, torch.device("cuda"), initial=[0, 3, 5, 7])
+    pool = QuantTensor("pool", Q.Q4_K, (4, 2048, 512), slots.stack.reshape(-1))
+    pages = ExpertPages(pool=pool, host=host, where=slots.slot_of, pinned=True)
+    assert int((slots.slot_of >= 0).sum()) == 4  # four experts in slots, eight read from the host
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ids = torch.randint(0, EXPERTS, (16,), device="cuda", generator=g)
+    gate = torch.randn(16, 512, device="cuda", generator=g).to(torch.bfloat16)
+    up = torch.randn(16, 512, device="cuda", generator=g).to(torch.bfloat16)
+    assert torch.equal(ops.expert_matvec(gate, pages, ids, 1, up=up), ops.expert_matvec(gate, down, ids, 1, up=up))
+
+
+def test_the_swiglu_pairs_take_the_swiglu_down_kernel_when_switched_on(monkeypatch):
+    """`moe_experts_swiglu` for a few tokens with LUCEBOX_MOE_SWIGLU_DOWN=1: the down launch computes the SwiGLU
+    (no `silu_mul` call), within a rounding of the op with it off."""
+    from lucebox_cuda import op_kernels
+    from lucebox_cuda.backend import CudaBackend
+
+    ops = CudaBackend(dtype=torch.bfloat16)
+    gate, _ = _stack(Q.Q4_K, (EXPERTS, 512, 2048), seed=41)
+    up, _ = _stack(Q.Q4_K, (EXPERTS, 512, 2048), seed=42)
+    down, _ = _stack(Q.Q4_K, (EXPERTS, 2048, 512), seed=43)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(2, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.sigmoid(torch.randn(2, EXPERTS, device="cuda", generator=g)), 8, dim=-1)
+    monkeypatch.setenv("LUCEBOX_MOE_SWIGLU_DOWN", "0")
+    want = op_kernels.moe_experts_swiglu(ops, x, gate, up, down, weights, ids)
+    monkeypatch.setenv("LUCEBOX_MOE_SWIGLU_DOWN", "1")
+    assert ops.takes_swiglu(down, torch.bfloat16)
+    calls = []
+    silu = ops.silu_mul
+    monkeypatch.setattr(ops, "silu_mul", lambda *a: calls.append(1) or silu(*a))
+    got = op_kernels.moe_experts_swiglu(ops, x, gate, up, down, weights, ids)
+    assert not calls
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max()))

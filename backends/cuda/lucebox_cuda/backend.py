@@ -293,7 +293,8 @@ class CudaBackend(TorchBackend):
         return out
 
     def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int, *,
-                      extra: QuantTensor | None = None, extra_pairs: int = 0, extra_x: int = 0) -> torch.Tensor:
+                      extra: QuantTensor | None = None, extra_pairs: int = 0, extra_x: int = 0,
+                      up: torch.Tensor | None = None) -> torch.Tensor:
         """Mixture-of-experts products for few tokens: for each routed pair `s` (flat `ids` `[S]`, long, on the
         device), `x[s // x_group] @ experts[ids[s]].T`, from a stack `experts` `[E, rows, cols]` in its GGUF
         format, reading only the chosen experts' blocks. x `[S / x_group, cols]` -> `[S, rows]`.
@@ -303,7 +304,11 @@ class CudaBackend(TorchBackend):
         where set). Graph-capturable: no host value depends on the ids (or the table).
 
         `extra` (a shared expert `[rows, cols]` of the stack's format, where `takes_extra_expert` says so):
-        `extra_pairs` more rows of output, row `S + j` = `x[extra_x + j] @ extra.T`, in the same launch."""
+        `extra_pairs` more rows of output, row `S + j` = `x[extra_x + j] @ extra.T`, in the same launch.
+
+        `up` (the down product of a SwiGLU block, where `takes_swiglu` says so): `x` is the gate products and `up`
+        the up products of the same shape; the kernel computes each row `silu(x) * up` itself, rounded as
+        `silu_mul` rounds it (one launch fewer)."""
         pages = None
         if not isinstance(experts, QuantTensor):
             pages, experts = experts, experts.pool
@@ -312,6 +317,12 @@ class CudaBackend(TorchBackend):
         x = x.contiguous()
         if not _aligned(x):
             x = x.clone()
+        inputs = [x]
+        if up is not None:
+            if up.shape != x.shape or up.dtype != x.dtype:
+                raise ValueError(f"up products {tuple(up.shape)} {up.dtype} beside gate {tuple(x.shape)} {x.dtype}")
+            up = up.contiguous()
+            inputs.append(up if _aligned(up) else up.clone())
         ids = ids.reshape(-1).to(torch.long).contiguous()
         routed = ids.numel()
         pairs = routed + (extra_pairs if extra is not None else 0)
@@ -319,10 +330,11 @@ class CudaBackend(TorchBackend):
         if pairs == 0:
             return out
         data = self.device_weight(experts).data
-        kernel = catalogue.moe_matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], cols,
-                                             "" if pages is None else "paged", tensor_cores=self.tensor_core_moe)
+        kind = ("" if pages is None else "paged") if up is None else ("swiglu" if pages is None else "paged_swiglu")
+        kernel = catalogue.moe_matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], cols, kind,
+                                             tensor_cores=self.tensor_core_moe)
         grid = (-(-rows // kernel.rows_per_block), pairs, 1)
-        tail = [Pointer(x.data_ptr()), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
+        tail = [*(Pointer(t.data_ptr()) for t in inputs), Pointer(out.data_ptr()), Pointer(ids.data_ptr()),
                 Int64(data.numel() // n_experts), Int(rows), Int(cols), Int(x_group)]
         tail += self._extra_args(kernel, [extra], experts, routed, extra_x)
         if pages is None:
@@ -383,6 +395,20 @@ class CudaBackend(TorchBackend):
                          Pointer(second.host.data_ptr()), Pointer(first.where.data_ptr()), _counts(first),
                          *([Int(staged)] if staged is not None else []), *tail, shared_bytes=staged or 0)
         return out[0], out[1]
+
+    def takes_swiglu(self, stack: Any, activation: torch.dtype) -> bool:
+        """Whether `expert_matvec` over `stack` (or Spark's paged stack: a down stack) can take the gate and up
+        products and compute the SwiGLU itself (`up`): switched on (`LUCEBOX_MOE_SWIGLU_DOWN=1`, off until
+        measured on a GPU), a tensor-core format, 16-bit activations, rows the kernel holds."""
+        stack = stack if isinstance(stack, QuantTensor) else getattr(stack, "pool", None)
+        if os.environ.get("LUCEBOX_MOE_SWIGLU_DOWN", "0") != "1" or not isinstance(stack, QuantTensor):
+            return False
+        weight_format = catalogue.WEIGHT_FORMATS.get(stack.ggml_type)
+        activation_name = catalogue.ACTIVATIONS.get(activation)
+        if weight_format is None or activation_name is None or len(stack.shape) != 3:
+            return False
+        return catalogue.moe_swiglu_kernel(weight_format, activation_name, stack.shape[2],
+                                           tensor_cores=self.tensor_core_moe)
 
     def takes_extra_expert(self, stack: Any, extra: Any, activation: torch.dtype) -> bool:
         """Whether the expert products over `stack` (or Spark's paged stack) can carry `extra` (a shared expert)

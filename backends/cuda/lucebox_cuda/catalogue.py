@@ -554,13 +554,29 @@ def moe_matvec_variant(weight_format: str, cols: int, tensor_cores: bool = True)
     return f"mma{min(4, max(1, cols // 256))}"
 
 
+MOE_MATVEC_KINDS = ("", "paged", "pair", "pair_paged", "swiglu", "paged_swiglu")
+# The SwiGLU kinds (the down product computing silu(gate) * up itself, moe_matvec_mma.cu): tensor-core variants
+# and 16-bit activations only, rows of at most this many values (the kernel's shared row).
+MOE_SWIGLU_MAX_COLS = 4096
+
+
+def moe_swiglu_kernel(weight_format: str, activation: str, cols: int, *, tensor_cores: bool = True) -> bool:
+    """Whether a SwiGLU kind exists for this down product: a tensor-core variant, 16-bit activations, a row the
+    kernel's shared memory holds."""
+    return (activation in ("bf16", "f16") and cols <= MOE_SWIGLU_MAX_COLS
+            and moe_matvec_variant(weight_format, cols, tensor_cores) != "simt")
+
+
 def moe_matvec_kernel(weight_format: str, activation: str, cols: int, kind: str = "", *,
                       tensor_cores: bool = True) -> MoeMatvecLaunch:
-    """The expert-product kernel of `kind` ("", "paged", "pair" or "pair_paged") for the shape."""
-    if kind not in ("", "paged", "pair", "pair_paged"):
-        raise ValueError(f"moe_matvec kind must be '', 'paged', 'pair' or 'pair_paged', not {kind!r}")
+    """The expert-product kernel of `kind` (one of MOE_MATVEC_KINDS) for the shape."""
+    if kind not in MOE_MATVEC_KINDS:
+        raise ValueError(f"moe_matvec kind must be one of {', '.join(map(repr, MOE_MATVEC_KINDS))}, not {kind!r}")
     variant = moe_matvec_variant(weight_format, cols, tensor_cores)
     macro_kind = f"_{kind.upper()}" if kind else ""
+    if kind.endswith("swiglu") and not moe_swiglu_kernel(weight_format, activation, cols, tensor_cores=tensor_cores):
+        raise ValueError(f"no {kind} expert kernel for {weight_format} x {activation} rows of {cols} (see "
+                         "moe_swiglu_kernel)")
     if variant == "simt":
         name = "_".join(part for part in ("moe_matvec", kind, weight_format, activation) if part)
         program = KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{macro_kind}({weight_format}, {activation})"])
@@ -619,5 +635,7 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
             f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
             for f in MMA_FORMATS for a in acts for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]
+            + [f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("_SWIGLU", "_PAGED_SWIGLU")
+               for f in MMA_FORMATS for a in ("bf16", "f16") for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]
             + [f"LUCEBOX_MOE_MATVEC_MMA(q6_k, f32, {w})" for w in (1, 8)]),
     }

@@ -621,8 +621,8 @@ def _swiglu_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weig
         if products is None:
             products = (ops.expert_matvec(x, gate, flat, top_k, extra=shared.gate_proj, **fold),
                         ops.expert_matvec(x, up, flat, top_k, extra=shared.up_proj, **fold))
-        rows = ops.expert_matvec(ops.silu_mul(*products), down, flat, 1, extra=shared.down_proj, extra_pairs=tokens,
-                                 extra_x=routed)  # [T * k + T, hidden]: the shared rows last
+        rows = _swiglu_down(ops, products, down, flat, extra=shared.down_proj, extra_pairs=tokens,
+                            extra_x=routed)  # [T * k + T, hidden]: the shared rows last
         return triton_moe().combine_pairs(rows, weights, shared=True, shared_logit=shared_logit)
     return add_shared_expert(ops, _routed_pairs(ops, x, gate, up, down, weights, flat, top_k), x, shared, shared_logit)
 
@@ -633,8 +633,17 @@ def _routed_pairs(ops: Any, x: torch.Tensor, gate: Any, up: Any, down: Any, weig
     products = ops.expert_matvec_pair(x, gate, up, flat, top_k) if hasattr(ops, "expert_matvec_pair") else None
     if products is None:
         products = ops.expert_matvec(x, gate, flat, top_k), ops.expert_matvec(x, up, flat, top_k)
-    act = ops.silu_mul(*products)
-    return _combine(ops.expert_matvec(act, down, flat, 1), weights, x.dtype)  # down: [T * k, hidden]
+    return _combine(_swiglu_down(ops, products, down, flat), weights, x.dtype)  # down: [T * k, hidden]
+
+
+def _swiglu_down(ops: Any, products: tuple[torch.Tensor, torch.Tensor], down: Any, flat: torch.Tensor,
+                 **extra: Any) -> torch.Tensor:
+    """The down product of the SwiGLU pairs: the kernel computing `silu(gate) * up` itself where the backend takes
+    it (`takes_swiglu`: one launch fewer, every pair path alike), else `silu_mul` and then the product."""
+    gate, up = products
+    if getattr(ops, "takes_swiglu", None) is not None and ops.takes_swiglu(down, gate.dtype):
+        return ops.expert_matvec(gate, down, flat, 1, up=up, **extra)
+    return ops.expert_matvec(ops.silu_mul(gate, up), down, flat, 1, **extra)
 
 
 def _paged_stack(ops: Any, pages: Any) -> bool:

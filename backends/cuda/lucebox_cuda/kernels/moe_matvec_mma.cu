@@ -17,7 +17,8 @@
 // equal the stacked ones and the pair kernel equals two single launches, bit for bit. Launch with
 // 32 * WARPS threads and (ceil(rows / 16), pairs, 1 or 2) blocks (the paged ones with `staged_bytes` of
 // dynamic shared memory: 16 rows, the block's). The names: `moe_matvec_mma<WARPS>[_paged|_pair|_pair_paged]_
-// <format>_<activation>`.
+// <format>_<activation>`; two more, `_swiglu` and `_paged_swiglu`, are the plain and paged ones with the SwiGLU
+// computed in the block (below).
 //
 // An always-on shared expert of the same format and shape (Laguna's, Qwen3.5-MoE's) rides along as extra pairs:
 // pairs `routed`.. read `extra` (in the pair kernels `extra0` / `extra1`: its gate and up) instead of a stack's
@@ -87,6 +88,32 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
     return pair < routed ? pair / x_group : extra_x + pair - routed;
 }
 
+// The SwiGLU kinds (`_swiglu`, `_paged_swiglu`: the down product of a SwiGLU block) take the gate and up
+// products instead of the activations and compute the pair's activation row, silu(gate) * up rounded as the
+// separate SwiGLU kernel rounds it (silu rounded to the activation type, then the product), into shared memory
+// before the body reads it: the SwiGLU's launch a layer fewer (Laguna-XS.2: 39 a step). Each block computes its
+// pair's row itself (a row is a few hundred values, a block a few microseconds of weight reads). Every pair path
+// (decode, verify, paged or not) takes the same kind, so their bits stay alike. Rows up to SWIGLU_MAX_COLS
+// 16-bit values (the caller checks: `catalogue.MOE_SWIGLU_MAX_COLS`).
+constexpr int SWIGLU_MAX_COLS = 4096;
+
+template <class X>
+__device__ __forceinline__ const X* swiglu_row(const X* __restrict__ gate, const X* __restrict__ up, int x_row,
+                                               int cols) {
+    static_assert(sizeof(X) == 2, "16-bit activations: the row's room is counted in them");
+    __shared__ __align__(16) X act[SWIGLU_MAX_COLS];
+    lucebox_wait_prior_grid();  // the gate and up products are the kernel ahead's
+    const X* g = gate + static_cast<i64>(x_row) * cols;
+    const X* u = up + static_cast<i64>(x_row) * cols;
+    for (int k = threadIdx.x; k < cols; k += blockDim.x) {
+        const float v = to_float(g[k]);
+        const float silu = to_float(from_float<X>(v * (1.0f / (1.0f + expf(-v)))));
+        act[k] = from_float<X>(silu * to_float(u[k]));
+    }
+    __syncthreads();
+    return act;
+}
+
 #define LUCEBOX_MOE_EXTRA_ARGS const u8 *__restrict__ extra, int routed, int extra_x
 #define LUCEBOX_MOE_PAIR_EXTRA_ARGS const u8 *__restrict__ extra0, const u8 *__restrict__ extra1, int routed, int extra_x
 
@@ -151,4 +178,31 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
                                          : (first ? extra0 : extra1);                                        \
         expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, x, first ? y0 : y1, pair, rows, cols,                  \
                                               pair_x_row(pair, x_group, routed, extra_x));                   \
+    }
+
+#define LUCEBOX_MOE_MATVEC_MMA_SWIGLU(FORMAT, ACT, WARPS)                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_matvec_mma##WARPS##_swiglu_##FORMAT##_##ACT( \
+        const u8* __restrict__ weight, const ACT* __restrict__ gate, const ACT* __restrict__ up,             \
+        ACT* __restrict__ y, const long long* __restrict__ ids, long long expert_bytes, int rows, int cols,   \
+        int x_group, LUCEBOX_MOE_EXTRA_ARGS) {                                                               \
+        const int pair = blockIdx.y;                                                                         \
+        const ACT* act = swiglu_row<ACT>(gate, up, pair_x_row(pair, x_group, routed, extra_x), cols);        \
+        const u8* blocks = pair < routed ? weight + ids[pair] * expert_bytes : extra;                        \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, act, y, pair, rows, cols, 0);                          \
+    }
+
+#define LUCEBOX_MOE_MATVEC_MMA_PAGED_SWIGLU(FORMAT, ACT, WARPS)                                              \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                \
+        moe_matvec_mma##WARPS##_paged_swiglu_##FORMAT##_##ACT(                                               \
+            const u8* __restrict__ pool, const u8* __restrict__ host, const long long* __restrict__ where,    \
+            unsigned long long* __restrict__ counts, int staged_bytes, const ACT* __restrict__ gate,         \
+            const ACT* __restrict__ up, ACT* __restrict__ y, const long long* __restrict__ ids,              \
+            long long expert_bytes, int rows, int cols, int x_group, LUCEBOX_MOE_EXTRA_ARGS) {               \
+        const int pair = blockIdx.y;                                                                         \
+        const ACT* act = swiglu_row<ACT>(gate, up, pair_x_row(pair, x_group, routed, extra_x), cols);        \
+        if (pair < routed) count_routed_pair(counts, ids[pair], true);                                       \
+        const u8* blocks = pair < routed ? paged_rows<Mma_##FORMAT>(pool, host, where, ids[pair],             \
+                                                                    expert_bytes, rows, cols, staged_bytes)  \
+                                         : extra;                                                            \
+        expert_rows<Mma_##FORMAT, ACT, WARPS>(blocks, act, y, pair, rows, cols, 0);                          \
     }
