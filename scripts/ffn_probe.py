@@ -3,7 +3,8 @@
 For each MLP shape (Qwen3.5-0.8B's, Laguna-XS.2's leading dense one, the 27B's; gate | up Q4_K, down Q6_K as a
 Q4_K_M file has them on its `use_more_bits` layers, and Q4_K), random operands, bf16 activations: the op
 `add_rms_norm_swiglu` on the CUDA backend inside a static step (PDL as in a decode step) with
-LUCEBOX_PERSISTENT_FFN=1 and =0. Each is warmed up, REPEAT calls are recorded in one CUDA graph and the graph is
+LUCEBOX_PERSISTENT_FFN=0 (`four`) and =1 at 2 blocks an SM (`persistent`, the default), 1 and 4
+(`persistent_b1`, `persistent_b4`; LUCEBOX_PERSISTENT_FFN_BLOCKS). Each is warmed up, REPEAT calls are recorded in one CUDA graph and the graph is
 replayed; the figure is the median per call over REPLAYS, with the weights' bytes a call over that time (GB/s)
 beside the copy bandwidth measured here (a device-to-device copy of 1 GiB). Outputs are compared (max abs
 difference, share of equal values).
@@ -87,8 +88,10 @@ def main() -> None:
             row = {"shape": name, "hidden": hidden, "inter": inter, "down": down_type.name,
                    "weight_bytes": weight_bytes, "copy_gb_s": round(bandwidth)}
             outs = {}
-            for switch, label in (("0", "four"), ("1", "persistent")):
+            for switch, label, blocks in (("0", "four", "2"), ("1", "persistent", "2"), ("1", "persistent_b1", "1"),
+                                          ("1", "persistent_b4", "4")):
                 os.environ[ffn_persistent.ENV_SWITCH] = switch
+                os.environ[ffn_persistent.BLOCKS_ENV] = blocks
                 with running_static_step():
                     for _ in range(3):
                         outs[label] = backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)[0]
@@ -104,10 +107,12 @@ def main() -> None:
             diff = (outs["four"].float() - outs["persistent"].float()).abs()
             row["max_abs_diff"] = float(diff.max())
             row["equal_share"] = round(float((outs["four"] == outs["persistent"]).float().mean()), 4)
+            os.environ[ffn_persistent.BLOCKS_ENV] = "2"
             row["grid"] = ffn_persistent.grid_size(backend, *_program(gate_up, down), max(hidden, inter) // 16)
             rows.append(row)
             print(json.dumps(row))
     os.environ.pop(ffn_persistent.ENV_SWITCH, None)
+    os.environ.pop(ffn_persistent.BLOCKS_ENV, None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

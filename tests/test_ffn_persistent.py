@@ -161,3 +161,28 @@ def test_the_persistent_kernel_refuses_what_it_cannot_take(case):
         norm = norm.double()
     reason = ffn_persistent.refusal(x, x if case != "two tokens" else x, norm, gate_up, down)
     assert reason is not None and expected in reason
+
+
+def test_the_kernels_limits_are_the_catalogues():
+    """The limits the Python checks use are the ones compiled into the kernels (each written in both places)."""
+    import re
+
+    from lucebox_cuda import catalogue, nvrtc
+
+    sources = nvrtc.kernel_sources()
+    ffn = int(re.search(r"constexpr int FFN_STAGE_VALUES = (\d+);", sources["ffn_persistent.cu"]).group(1))
+    swiglu = int(re.search(r"constexpr int SWIGLU_MAX_COLS = (\d+);", sources["moe_matvec_mma.cu"]).group(1))
+    threads = int(re.search(r"constexpr int FFN_WARPS = (\d+);", sources["ffn_persistent.cu"]).group(1)) * 32
+    assert (ffn, swiglu, threads) == (catalogue.FFN_PERSISTENT_MAX_VALUES, catalogue.MOE_SWIGLU_MAX_COLS,
+                                      catalogue.FFN_PERSISTENT_THREADS)
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_bad_blocks_per_sm_setting_is_refused_by_name(value, monkeypatch):
+    from lucebox_cuda import ffn_persistent
+
+    monkeypatch.setenv(ffn_persistent.BLOCKS_ENV, value)
+    with pytest.raises(ValueError, match=ffn_persistent.BLOCKS_ENV):
+        ffn_persistent.blocks_per_sm()
+    monkeypatch.setenv(ffn_persistent.BLOCKS_ENV, "3")
+    assert ffn_persistent.blocks_per_sm() == 3

@@ -8,14 +8,17 @@ two phases of `kernels/ffn_persistent.cu` with one grid-wide barrier between the
 #17's megakernel, and a measurement of what a barrier costs against a launch.
 
 Off by default until measured on a GPU: `LUCEBOX_PERSISTENT_FFN=1` turns it on for one token at a time (the
-decode step); a verify pass and a prefill keep the four kernels. Its products are the `mma` kernel's
-arithmetic, its norm adds the squares in another order than the Triton add + norm, so with it on a decode step
-may differ from a verify node in a last bit (near-tie equal, not bit-equal): speculative decoding keeps it off.
+decode step); a verify pass and a prefill keep the four kernels. Its products are the `mma` kernel's arithmetic
+and its norm and SwiGLU round with the Triton kernels' operations, but the norm adds its squares in another
+order, so with it on a decode step may differ from a verify node in a last bit (near-tie equal, not bit-equal).
+That is why it is a switch for plain decoding's measurements, not yet for a speculative run.
 
-The grid must be resident all at once (the barrier waits for every block), so it is the SM count times the
-blocks an SM holds of this kernel (the driver's occupancy for its registers and shared memory), never more.
-The barrier's counter (`uint32`, one a device) is zeroed once outside any graph capture and needs no reset
-after (see the kernel's comment); kernels of one device that use it run on one stream, one after another.
+The grid must be resident all at once (the barrier waits for every block): the SM count times the blocks an SM
+holds of the kernel (the driver's occupancy), capped at `LUCEBOX_PERSISTENT_FFN_BLOCKS` a SM (default 2, below
+the kernel's 4) for a margin. A barrier that still waits ~30 s traps: an error, not a hung GPU. The barrier's
+counter (`uint32`, one a device) is zeroed once outside any graph capture and needs no reset after (see the
+kernel's comment); the launches that use it run on one stream, one after another (each waits for the kernel ahead
+before it lets the next start: PDL's contract, `pdl.py`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import inside_static_step
 
 from . import catalogue
-from .nvrtc import Float, Int, Pointer
+from .nvrtc import Float, Int, Pointer, ensure_context
 
 ENV_SWITCH = "LUCEBOX_PERSISTENT_FFN"
+BLOCKS_ENV = "LUCEBOX_PERSISTENT_FFN_BLOCKS"
+DEFAULT_BLOCKS_PER_SM = 2
 TILE = 16  # output rows a block computes at a time (the tensor-core body's M)
 ACTIVATIONS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 NORM_WEIGHTS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -59,8 +64,8 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_
         return f"{x.numel() // max(hidden, 1)} tokens (one at a time)"
     if x.dtype not in ACTIVATIONS or residual.dtype != x.dtype or residual.shape != x.shape:
         return f"activations {x.dtype} / residual {residual.dtype} {tuple(residual.shape)}"
-    if weight.dtype not in NORM_WEIGHTS or weight.numel() != hidden or not weight.is_contiguous():
-        return f"norm weight {weight.dtype} {tuple(weight.shape)}"
+    if weight.dtype not in (torch.float32, x.dtype) or weight.numel() != hidden or not weight.is_contiguous():
+        return f"norm weight {weight.dtype} {tuple(weight.shape)} (fp32 or the activations' type)"
     if not isinstance(gate_up, QuantTensor) or len(gate_up.shape) != 2 or gate_up.shape[0] % (2 * TILE):
         return f"gate | up rows {tuple(getattr(gate_up, 'shape', ()))} (GGUF, an even count of {TILE}-row tiles)"
     inter = gate_up.shape[0] // 2
@@ -94,20 +99,39 @@ def _counter(ops: Any, *, make: bool) -> torch.Tensor | None:
     return counter
 
 
+def blocks_per_sm() -> int:
+    """Blocks an SM runs at most (`LUCEBOX_PERSISTENT_FFN_BLOCKS`, default 2): below the 4 the kernel's registers
+    allow, so that the grid stays resident even where the shared-memory split or another stream's kernel leaves
+    an SM short of one block (the barrier waits for every block)."""
+    asked = os.environ.get(BLOCKS_ENV, str(DEFAULT_BLOCKS_PER_SM)).strip()
+    if not asked.isdigit() or int(asked) < 1:
+        raise ValueError(f"{BLOCKS_ENV} must be a whole number of blocks of at least 1, not {asked!r}")
+    return int(asked)
+
+
 def grid_size(ops: Any, program: Any, name: str, tiles: int) -> int:
-    """Blocks for a launch over `tiles` row tiles (the larger phase's): no more than the device holds at once
-    (the SM count times the driver's occupancy for the kernel, asked once a kernel and device)."""
+    """Blocks for a launch over `tiles` row tiles (the larger phase's): the SM count times the blocks an SM holds
+    of the kernel (the driver's occupancy, with the shared-memory split preferred at its largest so that the
+    query and the launch agree), capped by `blocks_per_sm`."""
     resident = ops.__dict__.setdefault("_ffn_resident", {})
     if name not in resident:
         from cuda.bindings import driver
 
-        result, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ops.kernel(program, name), catalogue.FFN_PERSISTENT_THREADS, 0)
+        function = ops.kernel(program, name)
+        with torch.cuda.device(ops.device):  # the driver calls act on the current context: this device's
+            ensure_context(ops.device.index)
+            carveout = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            (result,) = driver.cuFuncSetAttribute(function, carveout, 100)
+            if int(result) != 0:
+                raise RuntimeError(f"{name}: cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT): {result}")
+            result, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                function, catalogue.FFN_PERSISTENT_THREADS, 0)
         if int(result) != 0 or int(per_sm) < 1:
             raise RuntimeError(f"{name} cannot be resident on {ops.device} "
                                f"(cuOccupancyMaxActiveBlocksPerMultiprocessor: {result}, {per_sm} blocks an SM)")
         resident[name] = torch.cuda.get_device_properties(ops.device).multi_processor_count * int(per_sm)
-    return max(1, min(tiles, resident[name]))
+    sms = torch.cuda.get_device_properties(ops.device).multi_processor_count
+    return max(1, min(tiles, resident[name], sms * blocks_per_sm()))
 
 
 def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gate_up: QuantTensor,

@@ -21,9 +21,10 @@
 //   Barrier.
 //   Phase 2. Every block stages `act` in shared memory, then takes 16-row tiles of the down product into `out`.
 // The products run matvec_mma.cu's tensor-core body (`matvec_mma_rows`, 4 warps, one row tile), so each output
-// has the arithmetic of the unfused `mma` kernel: the same bits where the unfused step runs that variant. The
-// norm and the SwiGLU round where the unfused kernels round (the sum, the normed value, silu(g) before the
-// product); the norm's sum of squares adds in another order, so its last bit may differ from the Triton kernel's.
+// has the arithmetic of the unfused `mma` kernel: the same bits where the unfused step runs a 4-warp variant of
+// one K slice (not `mma8` or a split-K `pipe` one). The norm and the SwiGLU round where the Triton kernels round,
+// with their operations (triton_math.cuh); the norm's sum of squares adds in another order, so its last bit may
+// differ from the Triton kernel's, and a normed value's bf16 rounding with it.
 //
 // The barrier's counter needs no reset: block 0 adds 2^31 - (blocks - 1) and every other block 1, so once all
 // have arrived the top bit has flipped and the low bits are back at zero (where a zeroed counter starts). A
@@ -34,12 +35,14 @@
 // LUCEBOX_FFN_PERSISTENT(gate_up format, down format, activation, norm weight) defines
 // `ffn_persistent_<gate_up>_<down>_<activation>_<norm>`: launch with 128 threads a block.
 #include "matvec_mma_body.cuh"
+#include "triton_math.cuh"
 
 constexpr int FFN_WARPS = 4;
 constexpr int FFN_TILE = 16;
 // The longest vector a block stages (hidden and intermediate sizes): 36 KiB of 16-bit values, the 27B's 17,408
 // intermediate values with room; with the products' partial sums under the 48 KiB of static shared memory.
 constexpr int FFN_STAGE_VALUES = 18432;
+constexpr unsigned int FFN_BARRIER_POLL_LIMIT = 1u << 26;  // polls of L2 (~0.5 us each): half a minute
 
 __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
     __syncthreads();
@@ -48,7 +51,11 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
         __threadfence();
         const unsigned int before = atomicAdd(arrived, add);
         const volatile unsigned int* watched = arrived;
+        // A barrier waits microseconds. One that waits ~seconds means a block never ran (the grid was not all
+        // resident: another process's kernels, an SM partition): stop with an error rather than hang the GPU.
+        unsigned int polls = 0;
         while (((before ^ *watched) & 0x80000000u) == 0) {
+            if (++polls == FFN_BARRIER_POLL_LIMIT) __trap();
         }
         __threadfence();
     }
@@ -90,15 +97,17 @@ __device__ __forceinline__ void ffn_persistent_body(
     // Phase 1: the add and the norm, each block its own copy.
     float squares = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const X s = from_float<X>(to_float(x[i]) + to_float(residual[i]));
+        const X s = from_float<X>(__fadd_rn(to_float(x[i]), to_float(residual[i])));
         staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
         if (blockIdx.x == 0) summed_out[i] = s;
         const float v = to_float(s);
         squares = fmaf(v, v, squares);
     }
-    const float inverse_rms = 1.0f / sqrtf(block_sum(squares) / static_cast<float>(hidden) + eps);
+    // Rounded as the Triton add + norm rounds (triton_math.cuh); only the sum of squares adds in another order.
+    const float mean_square = triton_div(block_sum(squares), static_cast<float>(hidden));
+    const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        staged[i] = from_float<X>(to_float(staged[i]) * inverse_rms * to_float(norm[i]));
+        staged[i] = from_float<X>(__fmul_rn(__fmul_rn(to_float(staged[i]), inverse_rms), to_float(norm[i])));
     __syncthreads();
 
     // Gate and up tiles, then their SwiGLU.
@@ -111,16 +120,16 @@ __device__ __forceinline__ void ffn_persistent_body(
         __syncthreads();  // both products of the tile are stored (by this block: visible to it now)
         if (threadIdx.x < FFN_TILE) {
             const int row = row0 + threadIdx.x;
-            const float g = to_float(products[row]);
-            const float silu = to_float(from_float<X>(g / (1.0f + expf(-g))));
-            act[row] = from_float<X>(silu * to_float(products[inter + row]));
+            const float silu = triton_silu_rounded<X>(to_float(products[row]));
+            act[row] = from_float<X>(__fmul_rn(silu, to_float(products[inter + row])));
         }
     }
     grid_barrier(arrived);
 
-    // Phase 2: the down product over every block's SwiGLU rows.
-    stage_from_grid(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), inter);
+    // Phase 2: the down product over every block's SwiGLU rows (blocks past its tiles are done).
     const int down_tiles = (hidden + FFN_TILE - 1) / FFN_TILE;
+    if (blockIdx.x >= down_tiles) return;  // the whole block: no barrier follows
+    stage_from_grid(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), inter);
     for (int tile = blockIdx.x; tile < down_tiles; tile += gridDim.x) {
         matvec_mma_rows<Wd, X, 1, FFN_WARPS, 1>(down, staged, out, hidden, inter, 1, tile * FFN_TILE);
         __syncthreads();

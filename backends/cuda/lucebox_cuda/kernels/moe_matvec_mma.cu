@@ -26,6 +26,7 @@
 // activation row for down), so the block's products are one launch each, not three more. Null `extra` and
 // `routed` = the pairs: none.
 #include "matvec_mma_body.cuh"
+#include "triton_math.cuh"
 
 template <class W, class X, int WARPS>
 __device__ __forceinline__ void expert_rows(const u8* __restrict__ blocks, const X* __restrict__ x, X* __restrict__ y,
@@ -90,7 +91,7 @@ __device__ __forceinline__ int pair_x_row(int pair, int x_group, int routed, int
 
 // The SwiGLU kinds (`_swiglu`, `_paged_swiglu`: the down product of a SwiGLU block) take the gate and up
 // products instead of the activations and compute the pair's activation row, silu(gate) * up rounded as the
-// separate SwiGLU kernel rounds it (silu rounded to the activation type, then the product), into shared memory
+// separate Triton SwiGLU kernel rounds it, with its operations (triton_math.cuh), into shared memory
 // before the body reads it: the SwiGLU's launch a layer fewer (Laguna-XS.2: 39 a step). Each block computes its
 // pair's row itself (a row is a few hundred values, a block a few microseconds of weight reads). Every pair path
 // (decode, verify, paged or not) takes the same kind, so their bits stay alike. Rows up to SWIGLU_MAX_COLS
@@ -106,9 +107,7 @@ __device__ __forceinline__ const X* swiglu_row(const X* __restrict__ gate, const
     const X* g = gate + static_cast<i64>(x_row) * cols;
     const X* u = up + static_cast<i64>(x_row) * cols;
     for (int k = threadIdx.x; k < cols; k += blockDim.x) {
-        const float v = to_float(g[k]);
-        const float silu = to_float(from_float<X>(v * (1.0f / (1.0f + expf(-v)))));
-        act[k] = from_float<X>(silu * to_float(u[k]));
+        act[k] = from_float<X>(__fmul_rn(triton_silu_rounded<X>(to_float(g[k])), to_float(u[k])));
     }
     __syncthreads();
     return act;
