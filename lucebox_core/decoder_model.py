@@ -27,10 +27,13 @@ def mlp_after_residual(ops: Any, mlp: Any, x: torch.Tensor, residual: torch.Tens
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's MLP after the residual add and its norm: `(mlp(rms_norm(residual + x)), residual + x)`. A SwiGLU
     MLP (`swiglu` true) whose gate and up rows the backend fused (`gate_up_proj`, beside `down_proj`) goes through
-    the one op `add_rms_norm_swiglu`, which a backend may run as one launch; its reference is the same ops."""
+    the one op `add_rms_norm_swiglu`, a MoE block that can say what it is (`routing()`, see `moe_routing`)
+    through `add_rms_norm_moe`: a backend may run either as one launch; their references are the same ops."""
     gate_up = getattr(mlp, "gate_up_proj", None)
     if getattr(mlp, "swiglu", False) and gate_up is not None:
         return ops.add_rms_norm_swiglu(x, residual, norm, eps, gate_up, mlp.down_proj)
+    if callable(getattr(mlp, "routing", None)):
+        return ops.add_rms_norm_moe(x, residual, norm, eps, mlp)
     normed, summed = ops.add_rms_norm(x, residual, norm, eps)
     return mlp(normed), summed
 

@@ -394,6 +394,14 @@ class TorchBackend:
         gate, up = self.linear(normed, gate_up).chunk(2, dim=-1)
         return self.linear(self.silu_mul(gate, up), down), summed
 
+    def add_rms_norm_moe(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         block: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm MoE block after the residual add: `(block(rms_norm(residual + x)), residual + x)`, `block`
+        a family's MoE block (callable, with `routing()`: `moe_routing.MoERouting`). One op so that a backend may
+        run the add, the norm, the router and the experts in one launch; here the block runs its own code."""
+        normed, summed = self.add_rms_norm(x, residual, weight, eps)
+        return block(normed), summed
+
     def write_kv_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ring: int,
                       k: torch.Tensor, v: torch.Tensor) -> None:
         """A static step's K/V store (`kv.write_rows`): rows `k` `[N, heads, k_dim]` and `v` into a plain cache's

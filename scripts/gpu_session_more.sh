@@ -39,9 +39,12 @@
 #                                           #   35B-A3B tg128, 27B tg64 at depth 32K narrow / wide, llama-bench beside.
 #   bash scripts/gpu_session.sh s23-profile35  # ~3 min: the 35B-A3B's step profile (no PDL) at the router's new shape.
 #                                           #                                                     carry: .whl
-#   bash scripts/gpu_session.sh s24-ffn     # ~7 min: the persistent add + norm + SwiGLU MLP kernel: its GPU tests, its
-#                                           #   time against the four kernels (scripts/ffn_probe.py), 0.8B and 27B tg128
-#                                           #   off / on, a 0.8B profile with it, llama-bench beside. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s24-ffn     # ~8 min: session 24's persistent kernels (MLP, MoE block) and MoE SwiGLU-down
+#                                           #   kind: GPU tests, their time against the kernels they replace
+#                                           #   (scripts/persistent_probe.py), 0.8B and 27B tg128 with the MLP's off / on,
+#                                           #   a 0.8B profile with it, llama-bench beside.     carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
+#                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
 # tok/s of `lucebox bench` rows (its --json) for the A/B table.
 bench_rows() { python3 -c "import json,sys
@@ -278,21 +281,43 @@ s23_profile35() {  # ~3 min: the 35B-A3B's decode step profile without PDL (its 
   return 0
 }
 
-s24_ffn() {  # ~7 min: session 24's persistent add + norm + SwiGLU MLP (LUCEBOX_PERSISTENT_FFN=1, off by default): its
-  #           GPU tests, its time against the four kernels per MLP shape (scripts/ffn_probe.py), then the 0.8B and 27B
-  #           tg128 with it off / on, a 0.8B step profile with it on, llama-bench beside. carry: .whl .llamacpp
+s24_ffn() {  # ~8 min: session 24's persistent kernels (off by default): their GPU tests (the MLP's, the MoE block's, the
+  #           MoE SwiGLU-down kind's), their time against the kernels they replace (scripts/persistent_probe.py), then
+  #           the 0.8B and 27B tg128 with LUCEBOX_PERSISTENT_FFN off / on, a 0.8B step profile with it on, llama-bench
+  #           beside.                                                                       carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
   ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local dense_writer=$!
-  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
-    tests/test_ffn_persistent_gpu.py
-  step ffn-probe 90 sh -c "python3 scripts/ffn_probe.py --json $RES/ffn_probe.json | tee $RES/ffn_probe.txt"
+  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_ffn_persistent_gpu.py tests/test_moe_persistent_gpu.py tests/test_moe_matvec_cuda.py
+  step persistent-probe 120 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
+    | tee $RES/persistent_probe.txt"
   wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
   variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1
   mkdir -p "$RES/p08b" && step profile-08b-persistent 60 env LUCEBOX_PDL=0 LUCEBOX_PERSISTENT_FFN=1 \
     python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
   variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1
   llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s24_moe() {  # ~8 min: the MoE decode step with session 24's kernels: Laguna-XS.2 and 35B-A3B tg128 default,
+  #           LUCEBOX_PERSISTENT_MOE=1, LUCEBOX_MOE_SWIGLU_DOWN=1, both (with the MLP's for Laguna's dense layer),
+  #           a Laguna step profile with the best, llama-bench beside.                  carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  local laguna big best
+  laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  moe_files "$laguna" "$big"; tail -qn1 "$RES"/synth_*.log 2>/dev/null
+  local all=LUCEBOX_PERSISTENT_MOE=1,LUCEBOX_MOE_SWIGLU_DOWN=1,LUCEBOX_PERSISTENT_FFN=1
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default moe:LUCEBOX_PERSISTENT_MOE=1 \
+    swiglu:LUCEBOX_MOE_SWIGLU_DOWN=1 "all:$all"
+  best=$(best_variant laguna); echo "best laguna variant: $best"
+  variants qwen35moe "$big" "-p 512 -n 128 -r 3" default moe:LUCEBOX_PERSISTENT_MOE=1 \
+    swiglu:LUCEBOX_MOE_SWIGLU_DOWN=1 "all:$all"
+  mkdir -p "$RES/laguna" && step profile-laguna-all 60 env LUCEBOX_PDL=0 ${all//,/ } \
+    python3 scripts/bench_vs_llamacpp.py profile "$laguna" --out "$RES/laguna"
+  llama_wait && llama_rows laguna -m "$laguna" -p 512 -n 128 -r 3 && llama_rows qwen35moe -m "$big" -p 512 -n 128 -r 3
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

@@ -35,6 +35,10 @@ def test_source_compiles(source, arch):
             fmt, act, batch, warps, depth, groups = parts
             assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
+        if macro == "LUCEBOX_MOE_PERSISTENT":  # both router kinds from one line
+            for suffix in ("sn", "xg"):
+                assert f"moe_persistent_{'_'.join(parts)}_{suffix}".encode() in cubin
+            continue
         if macro.startswith("LUCEBOX_MOE_MATVEC_MMA"):
             fmt, act, warps = parts
             kind = macro.removeprefix("LUCEBOX_MOE_MATVEC_MMA").lower()

@@ -175,6 +175,11 @@ def test_the_kernels_limits_are_the_catalogues():
     threads = int(re.search(r"constexpr int FFN_WARPS = (\d+);", sources["ffn_persistent.cu"]).group(1)) * 32
     assert (ffn, swiglu, threads) == (catalogue.FFN_PERSISTENT_MAX_VALUES, catalogue.MOE_SWIGLU_MAX_COLS,
                                       catalogue.FFN_PERSISTENT_THREADS)
+    moe = sources["moe_persistent.cu"]
+    limits = [int(re.search(rf"constexpr int {name} = (\d+);", moe).group(1))
+              for name in ("MOE_STAGE_VALUES", "MOE_MAX_EXPERTS", "MOE_MAX_TOP_K", "MOE_WARPS")]
+    assert limits == [catalogue.MOE_PERSISTENT_STAGE_VALUES, catalogue.MOE_PERSISTENT_MAX_EXPERTS,
+                      catalogue.MOE_PERSISTENT_MAX_TOP_K, catalogue.FFN_PERSISTENT_THREADS // 32]
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1"])

@@ -602,6 +602,24 @@ def ffn_persistent(gate_up_format: str, down_format: str, activation: str, norm:
     return KernelProgram("ffn_persistent.cu", [line]), name
 
 
+# The persistent MoE block (moe_persistent.cu): rows it stages (the hidden size; the chosen and shared experts'
+# intermediate rows together), experts a router may have, experts a token may take.
+MOE_PERSISTENT_STAGE_VALUES = 8192
+MOE_PERSISTENT_MAX_EXPERTS = 512
+MOE_PERSISTENT_MAX_TOP_K = 16
+
+
+def moe_persistent(gate_format: str, down_format: str, activation: str, norm: str, *,
+                   sigmoid: bool) -> tuple[KernelProgram, str]:
+    """The persistent MoE block for these formats (gate and up stacks, down stack), activation and norm-weight
+    types: `sigmoid` a sigmoid router with a selection bias and an ungated shared expert (Laguna's), else a softmax
+    router and a shared expert behind a sigmoid gate (Qwen3.5-MoE's). The program defines both kinds."""
+    suffix = "sn" if sigmoid else "xg"
+    name = f"moe_persistent_{gate_format}_{down_format}_{activation}_{norm}_{suffix}"
+    line = f"LUCEBOX_MOE_PERSISTENT({gate_format}, {down_format}, {activation}, {norm})"
+    return KernelProgram("moe_persistent.cu", [line]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -629,6 +647,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                                                          for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
                                                          for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
+        "moe_persistent.cu": KernelProgram("moe_persistent.cu", [
+            f"LUCEBOX_MOE_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
+            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32",)]),
         "ffn_persistent.cu": KernelProgram("ffn_persistent.cu", [
             f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),

@@ -89,14 +89,16 @@ def takes(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         return False
     if x.device.type != "cuda" or x.device != ops.device or weight.device != ops.device:
         return False
-    return _counter(ops, make=not torch.cuda.is_current_stream_capturing()) is not None
+    return counter(ops, make=not torch.cuda.is_current_stream_capturing()) is not None
 
 
-def _counter(ops: Any, *, make: bool) -> torch.Tensor | None:
-    counter = ops.__dict__.get("_ffn_barrier")
-    if counter is None and make:
-        counter = ops.__dict__["_ffn_barrier"] = torch.zeros(1, dtype=torch.int32, device=ops.device)
-    return counter
+def counter(ops: Any, *, make: bool) -> torch.Tensor | None:
+    """The device's barrier counter (one for every persistent kernel of the backend: `moe_persistent` too), made
+    with `make` (never during a graph capture), else None until made."""
+    made = ops.__dict__.get("_grid_barrier")
+    if made is None and make:
+        made = ops.__dict__["_grid_barrier"] = torch.zeros(1, dtype=torch.int32, device=ops.device)
+    return made
 
 
 def blocks_per_sm() -> int:
@@ -148,10 +150,10 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty_like(residual)
     products = torch.empty(2 * inter, dtype=x.dtype, device=ops.device)
     act = torch.empty(inter, dtype=x.dtype, device=ops.device)
-    counter = _counter(ops, make=False)
+    barrier = counter(ops, make=False)
     ops._launch((program, name), grid, catalogue.FFN_PERSISTENT_THREADS,
                 Pointer(ops.device_weight(gate_up).data.data_ptr()), Pointer(ops.device_weight(down).data.data_ptr()),
                 Pointer(x.data_ptr()), Pointer(residual.data_ptr()), Pointer(weight.data_ptr()),
                 Pointer(summed.data_ptr()), Pointer(products.data_ptr()), Pointer(act.data_ptr()),
-                Pointer(out.data_ptr()), Pointer(counter.data_ptr()), Int(hidden), Int(inter), Float(eps))
+                Pointer(out.data_ptr()), Pointer(barrier.data_ptr()), Int(hidden), Int(inter), Float(eps))
     return out, summed

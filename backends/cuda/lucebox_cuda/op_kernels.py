@@ -24,7 +24,7 @@ import torch
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, add_shared_expert, concat_rows
 
-from . import catalogue, ffn_persistent
+from . import catalogue, ffn_persistent, moe_persistent
 
 # Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
 # kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
@@ -254,6 +254,17 @@ def add_rms_norm_swiglu(ops: Any, x: torch.Tensor, residual: torch.Tensor, weigh
                         gate_up: QuantTensor, down: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's add + norm and SwiGLU MLP in one persistent launch (`ffn_persistent`, LUCEBOX_PERSISTENT_FFN=1)."""
     return ffn_persistent.run(ops, x, residual, weight, eps, gate_up, down)
+
+
+def accepts_add_rms_norm_moe(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             block: Any) -> bool:
+    return moe_persistent.takes(ops, x, residual, weight, block)
+
+
+def add_rms_norm_moe(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     block: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's add + norm and MoE block in one persistent launch (`moe_persistent`, LUCEBOX_PERSISTENT_MOE=1)."""
+    return moe_persistent.run(ops, x, residual, weight, eps, block)
 
 
 def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ GENERIC_KERNEL_OPS = (
     "linear", "embedding", "fuse_rows", "rms_norm", "add_rms_norm", "silu_mul", "sigmoid_mul", "gated_rms_norm", "l2norm",
     "add_sigmoid_gated",  # a gated shared expert joining the routed ones (Qwen3.5-MoE): one launch, not three
     "add_rms_norm_swiglu",  # a decode step's add + norm and SwiGLU MLP, one persistent launch (LUCEBOX_PERSISTENT_FFN)
+    "add_rms_norm_moe",  # a decode step's add + norm and MoE block, one persistent launch (LUCEBOX_PERSISTENT_MOE)
     "qk_norm_rope", "attention", "decode_attention", "tree_attention",
     "write_kv_rows",  # a static step's K/V rows stored in one launch (the cache's write is two copies and a modulo)
     "moe_experts_swiglu",  # routed SwiGLU experts over separate gate and up stacks (Laguna, Qwen3.5-MoE)
@@ -89,7 +90,8 @@ def lucebox_op_kernels():
     return [
         OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.op_kernels:{op}", accepts=f"lucebox_cuda.op_kernels:accepts_{op}",
                  description="NVRTC matrix-vector and dequant kernels" if op in ("linear", "embedding", "fuse_rows",
-                                                                                  "rms_norm", "add_rms_norm_swiglu")
+                                                                                  "rms_norm", "add_rms_norm_swiglu",
+                                                                                  "add_rms_norm_moe")
                  else "Triton")
         for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
     ] + [

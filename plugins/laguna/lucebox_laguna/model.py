@@ -27,6 +27,7 @@ import torch
 
 from lucebox_core.decoder_model import DecoderModel
 from lucebox_core.kv import KVCache, KVLayerShape, window_start, write_rows
+from lucebox_core.moe_routing import SIGMOID, MoERouting
 from lucebox_core.spark import SWIGLU_EXPERTS, ExpertLayout, run_experts
 from lucebox_core.static_step import StaticInputs, StaticStep
 
@@ -195,6 +196,16 @@ class LagunaMoE:
     routed_scale: float
     offload: Any = None  # Spark's `OffloadedExperts` for this layer's stacks (`spark.attach_spark`), or None
     expert_layout: ClassVar[ExpertLayout] = SWIGLU_EXPERTS  # its stacks and ops, as Spark reads them
+
+    def routing(self) -> MoERouting | None:
+        """This block as data, for a backend that runs it as one kernel (`lucebox_core.moe_routing`); None with
+        Spark's paged stacks, or before the backend fused the shared expert's gate and up rows."""
+        shared = self.shared_expert
+        if self.offload is not None or shared.gate_up_proj is None:
+            return None
+        return MoERouting(SIGMOID, self.router, self.top_k, self.gate_exps, self.up_exps, self.down_exps,
+                          shared.gate_up_proj, shared.down_proj, selection_bias=self.selection_bias,
+                          scale=self.routed_scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from lucebox_core.moe_routing import SOFTMAX, MoERouting
 from lucebox_core.spark import SWIGLU_EXPERTS, ExpertLayout, run_experts
 
 from .model import MLP, Weight
@@ -50,6 +51,15 @@ class SparseMoeBlock:
 
     def fuse_projections(self) -> None:
         self.shared_expert.fuse_projections()
+
+    def routing(self) -> MoERouting | None:
+        """This block as data, for a backend that runs it as one kernel (`lucebox_core.moe_routing`); None with
+        Spark's paged stacks, or before the backend fused the shared expert's gate and up rows."""
+        shared = self.shared_expert
+        if self.offload is not None or shared.gate_up_proj is None:
+            return None
+        return MoERouting(SOFTMAX, self.router, self.top_k, self.gate_exps, self.up_exps, self.down_exps,
+                          shared.gate_up_proj, shared.down_proj, shared_gate=self.shared_expert_gate)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops

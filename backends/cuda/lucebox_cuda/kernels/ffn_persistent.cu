@@ -26,14 +26,11 @@
 // with their operations (triton_math.cuh); the norm's sum of squares adds in another order, so its last bit may
 // differ from the Triton kernel's, and a normed value's bf16 rounding with it.
 //
-// The barrier's counter needs no reset: block 0 adds 2^31 - (blocks - 1) and every other block 1, so once all
-// have arrived the top bit has flipped and the low bits are back at zero (where a zeroed counter starts). A
-// block waits for the flip it expects from the value its own add returned. `__threadfence` before the add
-// publishes the block's writes (made visible to thread 0 by `__syncthreads`); after the wait it orders the
-// block's later reads after the other blocks' writes.
+// The barrier (grid_barrier.cuh) needs no reset between launches.
 //
 // LUCEBOX_FFN_PERSISTENT(gate_up format, down format, activation, norm weight) defines
 // `ffn_persistent_<gate_up>_<down>_<activation>_<norm>`: launch with 128 threads a block.
+#include "grid_barrier.cuh"
 #include "matvec_mma_body.cuh"
 #include "triton_math.cuh"
 
@@ -42,46 +39,6 @@ constexpr int FFN_TILE = 16;
 // The longest vector a block stages (hidden and intermediate sizes): 36 KiB of 16-bit values, the 27B's 17,408
 // intermediate values with room; with the products' partial sums under the 48 KiB of static shared memory.
 constexpr int FFN_STAGE_VALUES = 18432;
-constexpr unsigned int FFN_BARRIER_POLL_LIMIT = 1u << 26;  // polls of L2 (~0.5 us each): half a minute
-
-__device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        __threadfence();
-        const unsigned int before = atomicAdd(arrived, add);
-        const volatile unsigned int* watched = arrived;
-        // A barrier waits microseconds. One that waits ~seconds means a block never ran (the grid was not all
-        // resident: another process's kernels, an SM partition): stop with an error rather than hang the GPU.
-        unsigned int polls = 0;
-        while (((before ^ *watched) & 0x80000000u) == 0) {
-            if (++polls == FFN_BARRIER_POLL_LIMIT) __trap();
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// A block-wide sum (any multiple of 32 threads up to 1024); every thread gets it.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float partial[32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();  // an earlier call's readers are done with `partial`
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    float total = lane < warps ? partial[lane] : 0.0f;
-    return warp_sum(total);
-}
-
-// `count` 16-bit values (count even, both pointers 4-byte aligned) from global memory written by other blocks of
-// this launch into shared memory: volatile loads, which go to L2, never to a line this SM may hold from before.
-__device__ __forceinline__ void stage_from_grid(const u16* from, u16* to, int count) {
-    const volatile u32* words = reinterpret_cast<const volatile u32*>(from);
-    u32* into = reinterpret_cast<u32*>(to);
-    for (int i = threadIdx.x; i < count / 2; i += blockDim.x) into[i] = words[i];
-    __syncthreads();
-}
 
 template <class Wg, class Wd, class X, class Nw>
 __device__ __forceinline__ void ffn_persistent_body(
@@ -104,7 +61,7 @@ __device__ __forceinline__ void ffn_persistent_body(
         squares = fmaf(v, v, squares);
     }
     // Rounded as the Triton add + norm rounds (triton_math.cuh); only the sum of squares adds in another order.
-    const float mean_square = triton_div(block_sum(squares), static_cast<float>(hidden));
+    const float mean_square = triton_div(grid_block_sum(squares), static_cast<float>(hidden));
     const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
         staged[i] = from_float<X>(__fmul_rn(__fmul_rn(to_float(staged[i]), inverse_rms), to_float(norm[i])));
@@ -129,7 +86,7 @@ __device__ __forceinline__ void ffn_persistent_body(
     // Phase 2: the down product over every block's SwiGLU rows (blocks past its tiles are done).
     const int down_tiles = (hidden + FFN_TILE - 1) / FFN_TILE;
     if (blockIdx.x >= down_tiles) return;  // the whole block: no barrier follows
-    stage_from_grid(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), inter);
+    grid_stage(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), inter);
     for (int tile = blockIdx.x; tile < down_tiles; tile += gridDim.x) {
         matvec_mma_rows<Wd, X, 1, FFN_WARPS, 1>(down, staged, out, hidden, inter, 1, tile * FFN_TILE);
         __syncthreads();

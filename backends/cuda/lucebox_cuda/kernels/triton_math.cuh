@@ -6,6 +6,7 @@
 // `ex2.approx.f32`. CUDA's own `/`, `sqrtf` and `expf` are correctly rounded or more accurate, so they differ in
 // a last bit now and then, and a bf16 rounding after them may then differ too. NVIDIA only (PTX): not a HIP source.
 #pragma once
+#include "common.cuh"
 
 __device__ __forceinline__ float triton_div(float a, float b) {
     float out;
@@ -29,4 +30,12 @@ __device__ __forceinline__ float triton_sigmoid(float x) {
 // silu(g) = g * sigmoid(g), rounded to the activation type X as the SwiGLU kernel rounds it before the product.
 template <class X> __device__ __forceinline__ float triton_silu_rounded(float g) {
     return to_float(from_float<X>(__fmul_rn(triton_sigmoid(g), g)));
+}
+
+// `tl.exp` on fp32: 2^(x * log2(e)) with `ex2.approx.f32`, as in the sigmoid above.
+__device__ __forceinline__ float triton_exp(float x) {
+    const float scaled = __fmul_rn(x, 1.4426950408889634f);
+    float power;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(power) : "f"(scaled));
+    return power;
 }

@@ -1,4 +1,4 @@
-"""Time the persistent add + norm + SwiGLU MLP kernel against the four kernels it replaces, on the GPU.
+"""Time the persistent kernels (add + norm + SwiGLU MLP; add + norm + MoE block) against the kernels they replace.
 
 For each MLP shape (Qwen3.5-0.8B's, Laguna-XS.2's leading dense one, the 27B's; gate | up Q4_K, down Q6_K as a
 Q4_K_M file has them on its `use_more_bits` layers, and Q4_K), random operands, bf16 activations: the op
@@ -9,7 +9,11 @@ replayed; the figure is the median per call over REPLAYS, with the weights' byte
 beside the copy bandwidth measured here (a device-to-device copy of 1 GiB). Outputs are compared (max abs
 difference, share of equal values).
 
-    python3 scripts/ffn_probe.py [--json out.json]
+Then the MoE block (`add_rms_norm_moe`, LUCEBOX_PERSISTENT_MOE=0 / 1) on Laguna-XS.2's and Qwen3.5-35B-A3B's
+decode shapes (random blocks of each family's class: 256 experts, top-8, hidden 2048, intermediate 512), timed
+alike; the weights' bytes are the routed and shared experts' and the fp32 router's.
+
+    python3 scripts/persistent_probe.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -112,10 +116,54 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row))
     os.environ.pop(ffn_persistent.ENV_SWITCH, None)
+    rows += moe_rows(backend, bandwidth)
     os.environ.pop(ffn_persistent.BLOCKS_ENV, None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def moe_rows(backend: CudaBackend, bandwidth: float) -> list[dict]:
+    """The MoE block of each family, unfused and persistent (2 and 4 blocks an SM)."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from test_moe_persistent_gpu import EXPERTS, HIDDEN, INTER, TOP_K, _block, _inputs
+
+    from lucebox_cuda import moe_persistent
+
+    rows = []
+    for arch in ("laguna", "qwen35moe"):
+        block = _block(backend, arch, seed=5)
+        x, residual, norm = _inputs(5)
+        routing = block.routing()
+        expert_bytes = sum(w.nbytes // EXPERTS for w in (routing.gate_exps, routing.up_exps, routing.down_exps))
+        weight_bytes = (TOP_K + 1) * expert_bytes + EXPERTS * HIDDEN * 4
+        row = {"shape": f"moe-{arch}", "hidden": HIDDEN, "inter": INTER, "weight_bytes": weight_bytes,
+               "copy_gb_s": round(bandwidth)}
+        outs = {}
+        for switch, label, blocks in (("0", "unfused", "2"), ("1", "persistent", "2"), ("1", "persistent_b4", "4")):
+            os.environ[moe_persistent.ENV_SWITCH] = switch
+            os.environ[ffn_persistent.BLOCKS_ENV] = blocks
+            with running_static_step():
+                for _ in range(3):
+                    outs[label] = backend.add_rms_norm_moe(x, residual, norm, 1e-6, block)[0]
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(REPEAT):
+                        backend.add_rms_norm_moe(x, residual, norm, 1e-6, block)
+                us = timed(graph, REPEAT)
+            row[f"{label}_us"] = round(us, 2)
+            row[f"{label}_gb_s"] = round(weight_bytes / us / 1e3, 1)
+        row["speedup"] = round(row["unfused_us"] / row["persistent_us"], 3)
+        diff = (outs["unfused"].float() - outs["persistent"].float()).abs()
+        row["max_abs_diff"] = float(diff.max())
+        row["equal_share"] = round(float((outs["unfused"] == outs["persistent"]).float().mean()), 4)
+        rows.append(row)
+        print(json.dumps(row))
+    os.environ.pop(moe_persistent.ENV_SWITCH, None)
+    return rows
 
 
 def _program(gate_up: QuantTensor, down: QuantTensor):

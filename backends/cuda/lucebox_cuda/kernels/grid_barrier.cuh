@@ -1,0 +1,56 @@
+// What the persistent kernels (ffn_persistent.cu, moe_persistent.cu) share: a barrier across the whole grid, a
+// block-wide sum, and the staging of rows other blocks wrote.
+//
+// The grid must be resident all at once (the barrier waits for every block): the launchers size it from the
+// driver's occupancy with a margin (`ffn_persistent.grid_size`). The counter needs no reset: block 0 adds
+// 2^31 - (blocks - 1) and every other block 1, so once all have arrived the top bit has flipped and the low bits
+// are back at zero (where a zeroed counter starts); a block waits for the flip from the value its own add
+// returned. `__threadfence` before the add publishes the block's writes (made visible to thread 0 by
+// `__syncthreads`); after the wait it orders the block's later reads after the other blocks' writes. One counter
+// serves every launch of a device's stream: each launch's barriers end before the next launch's begin (every
+// kernel launched with PDL waits for the one ahead before it lets the next one start).
+#pragma once
+#include "common.cuh"
+
+// A barrier waits microseconds. One that waits for ~30 s (polls of L2, ~0.5 us each) means a block never ran
+// (the grid was not all resident: another process's kernels, an SM partition): trap, an error rather than a hung
+// GPU.
+constexpr unsigned int GRID_BARRIER_POLL_LIMIT = 1u << 26;
+
+__device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+        __threadfence();
+        const unsigned int before = atomicAdd(arrived, add);
+        const volatile unsigned int* watched = arrived;
+        unsigned int polls = 0;
+        while (((before ^ *watched) & 0x80000000u) == 0) {
+            if (++polls == GRID_BARRIER_POLL_LIMIT) __trap();
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// A block-wide sum (any multiple of 32 threads up to 1024); every thread gets it.
+__device__ __forceinline__ float grid_block_sum(float v) {
+    __shared__ float partial[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call's readers are done with `partial`
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    float total = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(total);
+}
+
+// `count` 16-bit values (count even, both pointers 4-byte aligned) that other blocks of this launch wrote, from
+// global into shared memory: volatile loads, which go to L2, never to a line this SM may hold from before (a
+// kernel parameter's loads may take the read-only cache).
+__device__ __forceinline__ void grid_stage(const u16* from, u16* to, int count) {
+    const volatile u32* words = reinterpret_cast<const volatile u32*>(from);
+    u32* into = reinterpret_cast<u32*>(to);
+    for (int i = threadIdx.x; i < count / 2; i += blockDim.x) into[i] = words[i];
+    __syncthreads();
+}
