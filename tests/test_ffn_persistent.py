@@ -179,7 +179,7 @@ def test_the_kernels_limits_are_the_catalogues():
     limits = [int(re.search(rf"constexpr int {name} = (\d+);", moe).group(1))
               for name in ("MOE_STAGE_VALUES", "MOE_MAX_EXPERTS", "MOE_MAX_TOP_K", "MOE_WARPS")]
     assert limits == [catalogue.MOE_PERSISTENT_STAGE_VALUES, catalogue.MOE_PERSISTENT_MAX_EXPERTS,
-                      catalogue.MOE_PERSISTENT_MAX_TOP_K, catalogue.FFN_PERSISTENT_THREADS // 32]
+                      catalogue.MOE_PERSISTENT_MAX_TOP_K, catalogue.MOE_PERSISTENT_THREADS // 32]
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1"])

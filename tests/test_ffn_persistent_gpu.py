@@ -30,11 +30,11 @@ def _quant(name, ggml_type, rows, cols, seed):
     return QuantTensor(name, ggml_type, (rows, cols), torch.from_numpy(raw.copy()))
 
 
-def _operands(hidden, inter, down_type, seed):
+def _operands(hidden, inter, down_type, seed, norm_dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(1, 1, hidden, device="cuda", generator=g).to(torch.bfloat16)
     residual = (torch.randn(1, 1, hidden, device="cuda", generator=g) * 4).to(torch.bfloat16)
-    norm = torch.rand(hidden, device="cuda", generator=g) + 0.5
+    norm = (torch.rand(hidden, device="cuda", generator=g) + 0.5).to(norm_dtype)  # bf16: a loaded model's
     gate_up = _quant("gate_up", T.Q4_K, 2 * inter, hidden, seed)
     down = _quant("down", down_type, hidden, inter, seed + 1)
     return x, residual, norm, gate_up, down
@@ -63,10 +63,11 @@ def _both(backend, monkeypatch, *operands):
     return results
 
 
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_persistent_block_equals_the_four_kernels(shape, down_type, backend, monkeypatch):
-    (out, summed), (want_out, want_summed) = _both(backend, monkeypatch, *_operands(*shape, down_type, 1))
+def test_the_persistent_block_equals_the_four_kernels(shape, down_type, norm_dtype, backend, monkeypatch):
+    (out, summed), (want_out, want_summed) = _both(backend, monkeypatch, *_operands(*shape, down_type, 1, norm_dtype))
     assert torch.equal(summed, want_summed)  # the add rounds as the Triton add + norm does
     # The products are the `mma` body's; the norm's sum of squares adds in another order, so a normed value may
     # differ in its last bit and move the outputs by a rounding or two.

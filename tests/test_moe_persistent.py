@@ -95,12 +95,13 @@ def _routing(choice=SIGMOID, *, experts=16, top_k=4, hidden=256, inter=256, **ch
         "shared_gate": lambda: torch.randn(1, hidden) if choice == SOFTMAX else None,
     }
     fields = {name: changes.pop(name) if name in changes else make() for name, make in made.items()}
-    return MoERouting(choice=choice, top_k=top_k, scale=2.5, **fields, **changes)
+    return MoERouting(choice=choice, top_k=top_k, scale=2.5 if choice == SIGMOID else 1.0, **fields, **changes)
 
 
 @pytest.mark.parametrize("case", ["no routing", "two tokens", "fp16 norm", "bf16 router", "too many experts",
                                   "top-k", "no bias", "no shared gate", "q8_0 stacks", "gate and up apart",
-                                  "shared expert", "short rows", "too wide"])
+                                  "shared expert", "short rows", "too wide", "gated sigmoid", "biased softmax",
+                                  "misaligned router"])
 def test_the_persistent_moe_kernel_refuses_what_it_cannot_take(case):
     """Each case breaks one condition of a call the kernel takes (a tiny Laguna-like block, which it does take,
     sigmoid and softmax alike): the refusal names what is wrong."""
@@ -115,7 +116,7 @@ def test_the_persistent_moe_kernel_refuses_what_it_cannot_take(case):
         routing, expected = None, "no routing"
     elif case == "two tokens":
         x, expected = torch.randn(1, 2, 256, dtype=torch.bfloat16), "2 tokens"
-    elif case == "fp16 norm":
+    elif case == "fp16 norm":  # neither fp32 nor the activations' bf16
         norm, expected = norm.half(), "norm weight"
     elif case == "bf16 router":
         routing, expected = _routing(router=torch.randn(16, 256).bfloat16()), "router"
@@ -139,8 +140,14 @@ def test_the_persistent_moe_kernel_refuses_what_it_cannot_take(case):
             ("gate_exps", (16, 160, 256), 10), ("up_exps", (16, 160, 256), 11), ("down_exps", (16, 256, 160), 12),
             ("shared_gate_up", (320, 256), 13), ("shared_down", (256, 160), 14))})
         expected = "whole 256-value blocks"
-    else:
+    elif case == "too wide":
         routing, expected = _routing(top_k=8, inter=1024), "at most 8192 values"
+    elif case == "gated sigmoid":
+        routing, expected = _routing(shared_gate=torch.randn(1, 256)), "gated shared expert"
+    elif case == "biased softmax":
+        routing, expected = _routing(SOFTMAX, selection_bias=torch.zeros(16)), "selection bias or a scale"
+    else:
+        routing, expected = _routing(router=torch.randn(16 * 256 + 1)[1:].view(16, 256)), "router"
     reason = moe_persistent.refusal(x, x, norm, routing)
     assert reason is not None and expected in reason, reason
 

@@ -56,11 +56,12 @@ def _block(ops, arch, seed=0):
     return block
 
 
-def _inputs(seed):
+def _inputs(seed, norm_dtype=torch.float32):
+    """x, residual (bf16) and a norm weight (fp32, or bf16 as a loaded model on the bf16 backend has it)."""
     g = torch.Generator(device="cuda").manual_seed(100 + seed)
     x = torch.randn(1, 1, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
     residual = (torch.randn(1, 1, HIDDEN, device="cuda", generator=g) * 4).to(torch.bfloat16)
-    norm = torch.rand(HIDDEN, device="cuda", generator=g) + 0.5
+    norm = (torch.rand(HIDDEN, device="cuda", generator=g) + 0.5).to(norm_dtype)
     return x, residual, norm
 
 
@@ -71,15 +72,16 @@ def backend():
     return CudaBackend(dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["laguna", "qwen35moe"])
-def test_the_persistent_block_chooses_and_computes_as_the_unfused_kernels(arch, backend, monkeypatch):
+def test_the_persistent_block_chooses_and_computes_as_the_unfused_kernels(arch, norm_dtype, backend, monkeypatch):
     """Phase by phase against the unfused kernels on the same inputs: the sum to the bit, the experts chosen (the
     same set unless two scores are within a rounding), their weights, each pair's SwiGLU row, and the output."""
     from lucebox_core.static_step import running_static_step
     from lucebox_cuda import moe_persistent
 
     block = _block(backend, arch, seed=1)
-    x, residual, norm = _inputs(1)
+    x, residual, norm = _inputs(1, norm_dtype)
     monkeypatch.setenv(moe_persistent.ENV_SWITCH, "1")
     trace = {}
     with running_static_step():

@@ -607,6 +607,7 @@ def ffn_persistent(gate_up_format: str, down_format: str, activation: str, norm:
 MOE_PERSISTENT_STAGE_VALUES = 8192
 MOE_PERSISTENT_MAX_EXPERTS = 512
 MOE_PERSISTENT_MAX_TOP_K = 16
+MOE_PERSISTENT_THREADS = 128
 
 
 def moe_persistent(gate_format: str, down_format: str, activation: str, norm: str, *,
@@ -649,7 +650,7 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
         "moe_persistent.cu": KernelProgram("moe_persistent.cu", [
             f"LUCEBOX_MOE_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
-            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32",)]),
+            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
         "ffn_persistent.cu": KernelProgram("ffn_persistent.cu", [
             f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),

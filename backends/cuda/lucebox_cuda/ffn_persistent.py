@@ -101,17 +101,18 @@ def counter(ops: Any, *, make: bool) -> torch.Tensor | None:
     return made
 
 
-def blocks_per_sm() -> int:
-    """Blocks an SM runs at most (`LUCEBOX_PERSISTENT_FFN_BLOCKS`, default 2): below the 4 the kernel's registers
-    allow, so that the grid stays resident even where the shared-memory split or another stream's kernel leaves
-    an SM short of one block (the barrier waits for every block)."""
-    asked = os.environ.get(BLOCKS_ENV, str(DEFAULT_BLOCKS_PER_SM)).strip()
+def blocks_per_sm(default: int = DEFAULT_BLOCKS_PER_SM) -> int:
+    """Blocks an SM runs at most (`LUCEBOX_PERSISTENT_FFN_BLOCKS`, else `default`: 2 for the MLP, 3 for the MoE
+    block, whose 288 units a layer would leave a tail at 264 blocks): below the 4 the kernels' registers allow, so
+    that the grid stays resident even where the shared-memory split or another stream's kernel leaves an SM short
+    of one block (the barrier waits for every block)."""
+    asked = os.environ.get(BLOCKS_ENV, str(default)).strip()
     if not asked.isdigit() or int(asked) < 1:
         raise ValueError(f"{BLOCKS_ENV} must be a whole number of blocks of at least 1, not {asked!r}")
     return int(asked)
 
 
-def grid_size(ops: Any, program: Any, name: str, tiles: int) -> int:
+def grid_size(ops: Any, program: Any, name: str, tiles: int, per_sm: int = DEFAULT_BLOCKS_PER_SM) -> int:
     """Blocks for a launch over `tiles` row tiles (the larger phase's): the SM count times the blocks an SM holds
     of the kernel (the driver's occupancy, with the shared-memory split preferred at its largest so that the
     query and the launch agree), capped by `blocks_per_sm`."""
@@ -133,7 +134,7 @@ def grid_size(ops: Any, program: Any, name: str, tiles: int) -> int:
                                f"(cuOccupancyMaxActiveBlocksPerMultiprocessor: {result}, {per_sm} blocks an SM)")
         resident[name] = torch.cuda.get_device_properties(ops.device).multi_processor_count * int(per_sm)
     sms = torch.cuda.get_device_properties(ops.device).multi_processor_count
-    return max(1, min(tiles, resident[name], sms * blocks_per_sm()))
+    return max(1, min(tiles, resident[name], sms * blocks_per_sm(per_sm)))
 
 
 def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gate_up: QuantTensor,

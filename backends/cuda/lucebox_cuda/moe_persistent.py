@@ -10,8 +10,10 @@ kernels each, ~9 us of fixed cost a kernel against ~4 us of bytes). Here the six
 Off by default until measured on a GPU: `LUCEBOX_PERSISTENT_MOE=1` turns it on for one token at a time (the decode
 step); a verify pass, a prefill and Spark's paged stacks keep the unfused kernels. Its expert products are the
 pair kernels' arithmetic and its SwiGLU, norm, choice and combine round with the Triton kernels' operations, but
-the router's logits and the norm's sum of squares add in another order: near-tie equal to the unfused step, not
-bit-equal (a switch for plain decoding's measurements, not yet for a speculative run).
+the router's logits, the norm's sum of squares and the choice's renormalising sums add in another order: a
+weight or a normed value may differ in a last bit, and a near tie between two experts go the other way. Near-tie
+equal to the unfused step, not bit-equal (a switch for plain decoding's measurements, not yet for a speculative
+run).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from .nvrtc import Float, Int, Int64, Pointer
 ENV_SWITCH = "LUCEBOX_PERSISTENT_MOE"
 TILE = 16
 ACTIVATIONS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+NORM_WEIGHTS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+BLOCKS_PER_SM = 3  # Laguna-XS.2's and the 35B-A3B's 288 gate | up units a layer in one round on 132 SMs
 
 
 def enabled() -> bool:
@@ -39,11 +43,12 @@ def enabled() -> bool:
 
 
 def _float_rows(weight: Any, rows: int, cols: int) -> bool:
-    """Whether `weight` is an fp32 matrix `[rows, cols]` (a torch tensor, or a GGUF F32 tensor's bytes)."""
+    """Whether `weight` is an fp32 matrix `[rows, cols]` (a torch tensor, 16-byte aligned for the kernel's vector
+    loads, or a GGUF F32 tensor's bytes, which the backend uploads aligned)."""
     if isinstance(weight, QuantTensor):
         return weight.ggml_type.name == "F32" and tuple(weight.shape) == (rows, cols)
     return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and tuple(weight.shape) == (rows, cols)
-            and weight.is_contiguous())
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 
 
 def _format(weight: Any, shape: tuple[int, ...]) -> str | None:
@@ -63,8 +68,8 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, routi
         return f"{x.numel() // max(hidden, 1)} tokens (one at a time)"
     if x.dtype not in ACTIVATIONS or residual.dtype != x.dtype or residual.shape != x.shape:
         return f"activations {x.dtype} / residual {residual.dtype} {tuple(residual.shape)}"
-    if weight.dtype != torch.float32 or weight.numel() != hidden or not weight.is_contiguous():
-        return f"norm weight {weight.dtype} {tuple(weight.shape)} (fp32)"
+    if weight.dtype not in (torch.float32, x.dtype) or weight.numel() != hidden or not weight.is_contiguous():
+        return f"norm weight {weight.dtype} {tuple(weight.shape)} (fp32 or the activations' type)"
     if routing is None:
         return "the block gives no routing (Spark's paged stacks, or no fused shared gate | up rows)"
     experts = routing.router.shape[0] if len(getattr(routing.router, "shape", ())) == 2 else 0
@@ -77,8 +82,12 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, routi
         bias = routing.selection_bias
         if not isinstance(bias, torch.Tensor) or bias.numel() != experts:
             return "a sigmoid router without a selection bias of one value an expert"
+        if routing.shared_gate is not None:
+            return "a sigmoid router with a gated shared expert (the kernel adds the shared expert ungated)"
     elif not _float_rows(routing.shared_gate, 1, hidden):
         return "a softmax router without an fp32 shared-expert gate row"
+    elif routing.selection_bias is not None or routing.scale != 1.0:
+        return "a softmax router with a selection bias or a scale (the kernel has neither)"
     gate_shape = tuple(getattr(routing.gate_exps, "shape", ()))
     if len(gate_shape) != 3 or gate_shape[0] != experts or gate_shape[2] != hidden:
         return f"expert stacks {gate_shape}"
@@ -111,7 +120,7 @@ def takes(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     routing = block.routing()
     if refusal(x, residual, weight, routing) is not None:
         return False
-    if x.device.type != "cuda" or x.device != ops.device or weight.device != ops.device:
+    if x.device.type != "cuda" or x.device != ops.device or residual.device != ops.device or weight.device != ops.device:
         return False
     for tensor in (routing.router, routing.selection_bias, routing.shared_gate):
         if isinstance(tensor, torch.Tensor) and tensor.device != ops.device:
@@ -136,10 +145,10 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     top_k, sigmoid = routing.top_k, routing.choice == SIGMOID
     program, name = catalogue.moe_persistent(catalogue.WEIGHT_FORMATS[routing.gate_exps.ggml_type],
                                              catalogue.WEIGHT_FORMATS[routing.down_exps.ggml_type],
-                                             ACTIVATIONS[x.dtype], "f32", sigmoid=sigmoid)
+                                             ACTIVATIONS[x.dtype], NORM_WEIGHTS[weight.dtype], sigmoid=sigmoid)
     pairs = top_k + 1
     tiles = max(pairs * inter // TILE, hidden // TILE, -(-experts // 4))
-    grid = ffn_persistent.grid_size(ops, program, name, tiles)
+    grid = ffn_persistent.grid_size(ops, program, name, tiles, BLOCKS_PER_SM)
     x, residual = x.contiguous(), residual.contiguous()
     device, dtype = ops.device, x.dtype
     summed, out = torch.empty_like(residual), torch.empty_like(residual)
@@ -157,7 +166,7 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     shared_gate_up = ops.device_weight(routing.shared_gate_up).data
     shared_up_offset = shared_gate_up.numel() // 2  # the up rows after the gate rows, whole GGUF rows each half
     barrier = ffn_persistent.counter(ops, make=False)
-    ops._launch((program, name), grid, catalogue.FFN_PERSISTENT_THREADS,
+    ops._launch((program, name), grid, catalogue.MOE_PERSISTENT_THREADS,
                 Pointer(x.data_ptr()), Pointer(residual.data_ptr()), Pointer(weight.data_ptr()), Float(eps),
                 Pointer(router.data_ptr()), Pointer(bias.data_ptr() if bias is not None else 0),
                 Pointer(shared_row.data_ptr() if shared_row is not None else 0), Float(routing.scale),

@@ -46,6 +46,8 @@ constexpr int MOE_MAX_TOP_K = 16;
 constexpr int MOE_MAX_EXPERTS = 512;
 constexpr float MOE_FLOAT_LOWEST = -3.4028234663852886e38f;  // a NaN or -inf score's place: below every real one
 
+__device__ __forceinline__ int moe_shfl_xor(int v, int offset) { return __shfl_xor_sync(0xFFFFFFFFu, v, offset); }
+
 // One (value, index) candidate of the top-k: the larger value wins, the lower index among equals.
 __device__ __forceinline__ bool moe_better(float value, int index, float other_value, int other_index) {
     return value > other_value || (value == other_value && index < other_index);
@@ -75,7 +77,7 @@ __device__ __forceinline__ void moe_top_k(float* choice_of_lane, int experts, in
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float other = lucebox_shfl_xor(best, offset);
-            const int other_index = lucebox_shfl_xor(best_index, offset);
+            const int other_index = moe_shfl_xor(best_index, offset);
             if (moe_better(other, other_index, best, best_index)) {
                 best = other;
                 best_index = other_index;
@@ -232,7 +234,9 @@ __device__ __forceinline__ void moe_persistent_body(
     const int out_tiles = hidden / MOE_TILE;
     if (blockIdx.x >= out_tiles) return;  // the whole block: no barrier follows
     grid_stage(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), pairs * inter);
-    const float shared_weight = GATED ? triton_sigmoid(to_float(gate_logit[0])) : 1.0f;
+    // The gate logit, another block's phase-1 write: a volatile load, as every cross-block read here.
+    const u16 gate_bits = *reinterpret_cast<const volatile u16*>(gate_logit);
+    const float shared_weight = GATED ? triton_sigmoid(bits_to_float<X>(gate_bits)) : 1.0f;
     for (int tile = blockIdx.x; tile < out_tiles; tile += gridDim.x) {
         const int row0 = tile * MOE_TILE;
         for (int pair = 0; pair < pairs; ++pair) {
