@@ -32,6 +32,7 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import running_static_step
 from lucebox_cuda import ffn_persistent
 from lucebox_cuda.backend import CudaBackend
+from router_probe import replay_us  # scripts/ is the path's first entry when run as a script
 
 SHAPES = {"0.8b": (1024, 3584), "laguna-dense": (2048, 8192), "27b": (5120, 17408)}
 REPEAT, REPLAYS = 50, 20
@@ -42,19 +43,28 @@ def quant(ggml_type: T, rows: int, cols: int, seed: int) -> QuantTensor:
     return QuantTensor(f"w{seed}", ggml_type, (rows, cols), torch.from_numpy(raw.copy()))
 
 
-def timed(graph: torch.cuda.CUDAGraph, repeat: int) -> float:
-    """Median microseconds a call over REPLAYS replays of `graph` (`repeat` calls each)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / repeat)
-    return statistics.median(times)
+def measure(row: dict, label: str, weight_bytes: int, call) -> torch.Tensor:
+    """`call` (one op, inside a static step as a decode step runs it) warmed up, then REPEAT of it recorded in one
+    graph and timed (`router_probe.replay_us`): `<label>_us` and `<label>_gb_s` into `row`; returns the warm-up's output."""
+    with running_static_step():
+        for _ in range(3):
+            out = call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(REPEAT):
+                call()
+        us = replay_us(graph, REPEAT, REPLAYS)
+    row[f"{label}_us"] = round(us, 2)
+    row[f"{label}_gb_s"] = round(weight_bytes / us / 1e3, 1)
+    return out
+
+
+def compare(row: dict, unfused: torch.Tensor, persistent: torch.Tensor, unfused_us: float) -> None:
+    """The persistent kernel's speedup and how far its output is from the unfused kernels', into `row`."""
+    row["speedup"] = round(unfused_us / row["persistent_us"], 3)
+    row["max_abs_diff"] = float((unfused.float() - persistent.float()).abs().max())
+    row["equal_share"] = round(float((unfused == persistent).float().mean()), 4)
 
 
 def copy_bandwidth() -> float:
@@ -96,21 +106,9 @@ def main() -> None:
                                           ("1", "persistent_b4", "4")):
                 os.environ[ffn_persistent.ENV_SWITCH] = switch
                 os.environ[ffn_persistent.BLOCKS_ENV] = blocks
-                with running_static_step():
-                    for _ in range(3):
-                        outs[label] = backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)[0]
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        for _ in range(REPEAT):
-                            backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)
-                    us = timed(graph, REPEAT)
-                row[f"{label}_us"] = round(us, 2)
-                row[f"{label}_gb_s"] = round(weight_bytes / us / 1e3, 1)
-            row["speedup"] = round(row["four_us"] / row["persistent_us"], 3)
-            diff = (outs["four"].float() - outs["persistent"].float()).abs()
-            row["max_abs_diff"] = float(diff.max())
-            row["equal_share"] = round(float((outs["four"] == outs["persistent"]).float().mean()), 4)
+                outs[label] = measure(row, label, weight_bytes,
+                                      lambda: backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)[0])
+            compare(row, outs["four"], outs["persistent"], row["four_us"])
             os.environ[ffn_persistent.BLOCKS_ENV] = "2"
             row["grid"] = ffn_persistent.grid_size(backend, *_program(gate_up, down), max(hidden, inter) // 16)
             rows.append(row)
@@ -145,21 +143,9 @@ def moe_rows(backend: CudaBackend, bandwidth: float) -> list[dict]:
         for switch, label, blocks in (("0", "unfused", "2"), ("1", "persistent", "2"), ("1", "persistent_b4", "4")):
             os.environ[moe_persistent.ENV_SWITCH] = switch
             os.environ[ffn_persistent.BLOCKS_ENV] = blocks
-            with running_static_step():
-                for _ in range(3):
-                    outs[label] = backend.add_rms_norm_moe(x, residual, norm, 1e-6, block)[0]
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(REPEAT):
-                        backend.add_rms_norm_moe(x, residual, norm, 1e-6, block)
-                us = timed(graph, REPEAT)
-            row[f"{label}_us"] = round(us, 2)
-            row[f"{label}_gb_s"] = round(weight_bytes / us / 1e3, 1)
-        row["speedup"] = round(row["unfused_us"] / row["persistent_us"], 3)
-        diff = (outs["unfused"].float() - outs["persistent"].float()).abs()
-        row["max_abs_diff"] = float(diff.max())
-        row["equal_share"] = round(float((outs["unfused"] == outs["persistent"]).float().mean()), 4)
+            outs[label] = measure(row, label, weight_bytes,
+                                  lambda: backend.add_rms_norm_moe(x, residual, norm, 1e-6, block)[0])
+        compare(row, outs["unfused"], outs["persistent"], row["unfused_us"])
         rows.append(row)
         print(json.dumps(row))
     os.environ.pop(moe_persistent.ENV_SWITCH, None)

@@ -50,16 +50,22 @@ def time_variant(family: str, data: dict) -> float:
     with torch.cuda.graph(graph):
         for _ in range(REPEAT):
             call(family, data)
+    return replay_us(graph, REPEAT, REPLAYS)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, repeat: int, replays: int) -> float:
+    """Median microseconds a call over `replays` replays of `graph` (`repeat` calls each), after one replay
+    (scripts/persistent_probe.py times its kernels with it too)."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000 / REPEAT)
+        times.append(start.elapsed_time(stop) * 1000 / repeat)
     return statistics.median(times)
 
 

@@ -128,11 +128,19 @@ def test_a_loaded_models_decode_step_runs_the_persistent_block(tmp_path, monkeyp
     calls = []
     run = ffn_persistent.run
     monkeypatch.setattr(ffn_persistent, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
+    compare_switched_decode(model, ffn_persistent.ENV_SWITCH, calls, monkeypatch)
+    assert len(calls) >= len(model.layers)  # the warm-up's launches and the recording's
+
+
+def compare_switched_decode(model, switch_name, calls, monkeypatch):
+    """16 recorded decode steps of `model` with the switch `switch_name` off, then on fed the same tokens: `calls`
+    (what the switched kernel appends to) stays empty while off, and the logits agree within a rounding (the same
+    greedy token wherever it is not a near tie). Shared with test_moe_persistent_gpu."""
     prompt = torch.randint(0, 200, (5,), generator=torch.Generator().manual_seed(1)).cuda()
 
     def generate(switch, tokens=None):
         """16 decode steps: greedy, or feeding `tokens` (the other run's, so that both see the same inputs)."""
-        monkeypatch.setenv(ffn_persistent.ENV_SWITCH, switch)
+        monkeypatch.setenv(switch_name, switch)
         state = model.new_state(64)
         logits = model.forward(state, prompt)[-1:]
         steps, fed = [], []
@@ -149,9 +157,8 @@ def test_a_loaded_models_decode_step_runs_the_persistent_block(tmp_path, monkeyp
         warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
         plain, tokens = generate("0")
         assert not calls
-        persistent, _ = generate("1", tokens)
-    assert len(calls) >= len(model.layers)  # the warm-up's launches and the recording's
-    for step, (a, b) in enumerate(zip(plain, persistent)):
+        switched, _ = generate("1", tokens)
+    for step, (a, b) in enumerate(zip(plain, switched)):
         top = a.float().topk(2, dim=-1).values[0]
         if top[0] - top[1] > 0.05:  # not a near tie: the same token
             assert a.argmax() == b.argmax(), f"step {step}"

@@ -5,12 +5,13 @@ shapes, replayed in a graph, hundreds of launches in a row, and in loaded models
 from __future__ import annotations
 
 import os
-import warnings
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+
+from test_ffn_persistent_gpu import compare_switched_decode  # tests/ is on the path (pytest's rootdir import)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -155,31 +156,6 @@ def test_a_loaded_models_decode_step_runs_the_persistent_block(arch, tmp_path, m
     calls = []
     run = moe_persistent.run
     monkeypatch.setattr(moe_persistent, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
-    prompt = torch.randint(0, 200, (5,), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def generate(switch, tokens=None):
-        monkeypatch.setenv(moe_persistent.ENV_SWITCH, switch)
-        state = model.new_state(64)
-        logits = model.forward(state, prompt)[-1:]
-        steps, fed = [], []
-        for step in range(16):
-            token = logits.argmax(-1).reshape(1) if tokens is None else tokens[step]
-            fed.append(token)
-            logits = model.decode_step(state, token)
-            steps.append(logits.clone())
-        torch.cuda.synchronize()
-        assert state.decode is not None and state.decode.failure is None and state.decode._recorded
-        return steps, fed
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
-        plain, tokens = generate("0")
-        assert not calls
-        persistent, _ = generate("1", tokens)
+    compare_switched_decode(model, moe_persistent.ENV_SWITCH, calls, monkeypatch)
     moe_layers = sum(1 for layer in model.layers if callable(getattr(layer.mlp, "routing", None)))
     assert moe_layers and len(calls) >= moe_layers
-    for step, (a, b) in enumerate(zip(plain, persistent)):
-        top = a.float().topk(2, dim=-1).values[0]
-        if top[0] - top[1] > 0.05:
-            assert a.argmax() == b.argmax(), f"step {step}"
-        torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2)

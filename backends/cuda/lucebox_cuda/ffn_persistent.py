@@ -55,10 +55,9 @@ def _format(weight: Any, rows: int, cols: int) -> str | None:
     return name if name in catalogue.MMA_FORMATS else None
 
 
-def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_up: Any, down: Any) -> str | None:
-    """Why the kernel cannot take these operands, wherever they are (None: it can): one token of 16-bit activations,
-    K-quant weights of matching shapes in whole blocks and row tiles, sizes its staging holds, a norm weight it
-    reads."""
+def token_refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why a persistent kernel's first phase (add + norm, `grid_barrier.cuh`) cannot take these (None: it can): one
+    token of 16-bit activations, a residual like it, a norm weight of fp32 or the activations' type."""
     hidden = x.shape[-1]
     if x.numel() != hidden:
         return f"{x.numel() // max(hidden, 1)} tokens (one at a time)"
@@ -66,6 +65,17 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_
         return f"activations {x.dtype} / residual {residual.dtype} {tuple(residual.shape)}"
     if weight.dtype not in (torch.float32, x.dtype) or weight.numel() != hidden or not weight.is_contiguous():
         return f"norm weight {weight.dtype} {tuple(weight.shape)} (fp32 or the activations' type)"
+    return None
+
+
+def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_up: Any, down: Any) -> str | None:
+    """Why the kernel cannot take these operands, wherever they are (None: it can): one token of 16-bit activations,
+    K-quant weights of matching shapes in whole blocks and row tiles, sizes its staging holds, a norm weight it
+    reads."""
+    hidden = x.shape[-1]
+    reason = token_refusal(x, residual, weight)
+    if reason is not None:
+        return reason
     if not isinstance(gate_up, QuantTensor) or len(gate_up.shape) != 2 or gate_up.shape[0] % (2 * TILE):
         return f"gate | up rows {tuple(getattr(gate_up, 'shape', ()))} (GGUF, an even count of {TILE}-row tiles)"
     inter = gate_up.shape[0] // 2

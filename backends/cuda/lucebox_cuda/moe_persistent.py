@@ -32,8 +32,7 @@ from .nvrtc import Float, Int, Int64, Pointer
 
 ENV_SWITCH = "LUCEBOX_PERSISTENT_MOE"
 TILE = 16
-ACTIVATIONS = {torch.bfloat16: "bf16", torch.float16: "f16"}
-NORM_WEIGHTS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+ACTIVATIONS, NORM_WEIGHTS = ffn_persistent.ACTIVATIONS, ffn_persistent.NORM_WEIGHTS
 BLOCKS_PER_SM = 3  # Laguna-XS.2's and the 35B-A3B's 288 gate | up units a layer in one round on 132 SMs
 
 
@@ -64,12 +63,9 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, routi
     top-k 16, K-quant stacks of matching shapes in whole blocks (the shared expert's of the experts' formats), and
     rows the kernel's staging holds."""
     hidden = x.shape[-1]
-    if x.numel() != hidden:
-        return f"{x.numel() // max(hidden, 1)} tokens (one at a time)"
-    if x.dtype not in ACTIVATIONS or residual.dtype != x.dtype or residual.shape != x.shape:
-        return f"activations {x.dtype} / residual {residual.dtype} {tuple(residual.shape)}"
-    if weight.dtype not in (torch.float32, x.dtype) or weight.numel() != hidden or not weight.is_contiguous():
-        return f"norm weight {weight.dtype} {tuple(weight.shape)} (fp32 or the activations' type)"
+    reason = ffn_persistent.token_refusal(x, residual, weight)
+    if reason is not None:
+        return reason
     if routing is None:
         return "the block gives no routing (Spark's paged stacks, or no fused shared gate | up rows)"
     experts = routing.router.shape[0] if len(getattr(routing.router, "shape", ())) == 2 else 0

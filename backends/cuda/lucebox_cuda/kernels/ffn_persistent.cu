@@ -52,20 +52,7 @@ __device__ __forceinline__ void ffn_persistent_body(
     __shared__ __align__(16) X staged[FFN_STAGE_VALUES];
     lucebox_wait_prior_grid();
     // Phase 1: the add and the norm, each block its own copy.
-    float squares = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const X s = from_float<X>(__fadd_rn(to_float(x[i]), to_float(residual[i])));
-        staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
-        if (blockIdx.x == 0) summed_out[i] = s;
-        const float v = to_float(s);
-        squares = fmaf(v, v, squares);
-    }
-    // Rounded as the Triton add + norm rounds (triton_math.cuh); only the sum of squares adds in another order.
-    const float mean_square = triton_div(grid_block_sum(squares), static_cast<float>(hidden));
-    const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        staged[i] = from_float<X>(__fmul_rn(__fmul_rn(to_float(staged[i]), inverse_rms), to_float(norm[i])));
-    __syncthreads();
+    add_rms_norm_staged(x, residual, norm, eps, hidden, staged, summed_out);
 
     // Gate and up tiles, then their SwiGLU.
     const int gate_tiles = inter / FFN_TILE;

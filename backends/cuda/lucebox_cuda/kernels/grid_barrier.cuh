@@ -1,5 +1,5 @@
 // What the persistent kernels (ffn_persistent.cu, moe_persistent.cu) share: a barrier across the whole grid, a
-// block-wide sum, and the staging of rows other blocks wrote.
+// block-wide sum, the staging of rows other blocks wrote, and the add + RMSNorm of their first phase.
 //
 // The grid must be resident all at once (the barrier waits for every block): the launchers size it from the
 // driver's occupancy with a margin (`ffn_persistent.grid_size`). The counter needs no reset: block 0 adds
@@ -11,6 +11,7 @@
 // kernel launched with PDL waits for the one ahead before it lets the next one start).
 #pragma once
 #include "common.cuh"
+#include "triton_math.cuh"
 
 // A barrier waits microseconds. One that waits for ~30 s (polls of L2, ~0.5 us each) means a block never ran
 // (the grid was not all resident: another process's kernels, an SM partition): trap, an error rather than a hung
@@ -52,5 +53,29 @@ __device__ __forceinline__ void grid_stage(const u16* from, u16* to, int count) 
     const volatile u32* words = reinterpret_cast<const volatile u32*>(from);
     u32* into = reinterpret_cast<u32*>(to);
     for (int i = threadIdx.x; i < count / 2; i += blockDim.x) into[i] = words[i];
+    __syncthreads();
+}
+
+// The residual add and RMSNorm of a persistent kernel's first phase, each block its own copy: `staged` (shared
+// memory, `hidden` values) gets rms_norm(x + residual) * norm and block 0 stores the rounded sum in `summed_out`.
+// Rounded as the Triton add + norm rounds (the sum, then (s * inverse_rms) * w); only the sum of squares adds in
+// another order (the block's), so its last bit, and a normed value's rounding with it, may differ. Ends with the
+// block synchronised.
+template <class X, class Nw>
+__device__ __forceinline__ void add_rms_norm_staged(const X* __restrict__ x, const X* __restrict__ residual,
+                                                    const Nw* __restrict__ norm, float eps, int hidden, X* staged,
+                                                    X* __restrict__ summed_out) {
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const X s = from_float<X>(__fadd_rn(to_float(x[i]), to_float(residual[i])));
+        staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
+        if (blockIdx.x == 0) summed_out[i] = s;
+        const float v = to_float(s);
+        squares = fmaf(v, v, squares);
+    }
+    const float mean_square = triton_div(grid_block_sum(squares), static_cast<float>(hidden));
+    const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        staged[i] = from_float<X>(__fmul_rn(__fmul_rn(to_float(staged[i]), inverse_rms), to_float(norm[i])));
     __syncthreads();
 }

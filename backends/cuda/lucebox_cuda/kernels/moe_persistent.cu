@@ -171,19 +171,7 @@ __device__ __forceinline__ void moe_persistent_body(
     lucebox_wait_prior_grid();
 
     // Phase 1: the add and the norm (each block its own copy), then the router's rows.
-    float squares = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const X s = from_float<X>(__fadd_rn(to_float(x[i]), to_float(residual[i])));
-        staged[i] = s;
-        if (blockIdx.x == 0) summed_out[i] = s;
-        const float v = to_float(s);
-        squares = fmaf(v, v, squares);
-    }
-    const float mean_square = triton_div(grid_block_sum(squares), static_cast<float>(hidden));
-    const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        staged[i] = from_float<X>(__fmul_rn(__fmul_rn(to_float(staged[i]), inverse_rms), to_float(norm[i])));
-    __syncthreads();
+    add_rms_norm_staged(x, residual, norm, eps, hidden, staged, summed_out);
     const int router_rows = experts + (GATED ? 1 : 0);
     for (int row = blockIdx.x * MOE_WARPS + warp; row < router_rows; row += gridDim.x * MOE_WARPS) {
         const float* weight = row < experts ? router + static_cast<i64>(row) * hidden : shared_gate_row;
