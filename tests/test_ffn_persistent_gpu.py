@@ -76,6 +76,26 @@ def test_the_persistent_block_equals_the_four_kernels(shape, down_type, norm_dty
     assert (out == want_out).float().mean() > 0.5
 
 
+def test_the_persistent_blocks_first_phase_is_the_unfused_products_and_swiglu(backend, monkeypatch):
+    """Phase 1 alone, against the unfused kernels on the unfused norm's output: the gate | up products within a
+    rounding (the norm may differ in a last bit), and the SwiGLU row of the kernel's own products to the bit where
+    the Triton SwiGLU kernel rounds alike (most of it)."""
+    from lucebox_core.static_step import running_static_step
+    from lucebox_cuda import ffn_persistent
+
+    x, residual, norm, gate_up, down = _operands(1024, 3584, T.Q6_K, 4)
+    monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
+    trace = {}
+    with running_static_step():
+        ffn_persistent.run(backend, x, residual, norm, 1e-6, gate_up, down, trace=trace)
+    normed, _ = backend.add_rms_norm(x, residual, norm, 1e-6)
+    products = backend.linear(normed.reshape(1, -1), gate_up)[0]
+    torch.testing.assert_close(trace["products"].float(), products.float(), rtol=2e-2, atol=2e-2)
+    gate, up = trace["products"].chunk(2)
+    swiglu = backend.silu_mul(gate[None], up[None])[0]
+    assert (trace["act"] == swiglu).float().mean() > 0.99
+
+
 def test_the_persistent_block_replays_in_a_graph(backend, monkeypatch):
     """Recorded once (its counter made by the eager call before), replayed over new inputs: each replay gives the
     eager launch's output to the bit (the grid, so every sum's order, is the same)."""

@@ -148,8 +148,9 @@ def grid_size(ops: Any, program: Any, name: str, tiles: int, per_sm: int = DEFAU
 
 
 def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gate_up: QuantTensor,
-        down: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The persistent block for a call `takes` accepted: `(mlp output, residual + x)`, both of residual's shape."""
+        down: QuantTensor, *, trace: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent block for a call `takes` accepted: `(mlp output, residual + x)`, both of residual's shape.
+    `trace` (a check's): filled with the launch's gate | up products and SwiGLU row, phase 1's outputs."""
     hidden = x.shape[-1]
     inter = gate_up.shape[0] // 2
     activation = ACTIVATIONS[x.dtype]
@@ -167,4 +168,6 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 Pointer(x.data_ptr()), Pointer(residual.data_ptr()), Pointer(weight.data_ptr()),
                 Pointer(summed.data_ptr()), Pointer(products.data_ptr()), Pointer(act.data_ptr()),
                 Pointer(out.data_ptr()), Pointer(barrier.data_ptr()), Int(hidden), Int(inter), Float(eps))
+    if trace is not None:
+        trace.update(products=products, act=act)
     return out, summed
