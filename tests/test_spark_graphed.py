@@ -326,4 +326,8 @@ def test_the_paged_kernels_launch_arguments_for_counts_and_staging():
     row_bytes = 2048 // 256 * 144
     assert _staged_bytes(mma, row_bytes) == 16 * row_bytes <= STAGED_LIMIT
     assert _staged_bytes(mma, STAGED_LIMIT // 16 + 1) == 0
+    # The SwiGLU down kind keeps its activation row (8 KiB) in static shared memory too: less room for rows.
+    swiglu = catalogue.moe_matvec_kernel("q4_k", "bf16", 512, "paged_swiglu")
+    assert _staged_bytes(swiglu, 16 * 1024 // 16) == 16 * 1024
+    assert _staged_bytes(swiglu, STAGED_LIMIT // 16) == 0
     assert _staged_bytes(catalogue.moe_matvec_kernel("q8_0", "bf16", 2048, "paged"), 2048 // 32 * 34) is None

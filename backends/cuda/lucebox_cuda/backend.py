@@ -65,9 +65,10 @@ def _aligned(tensor: torch.Tensor) -> bool:
 
 
 # The shared memory a paged tensor-core expert kernel stages a missed expert's 16 rows in (moe_matvec_mma.cu's
-# `staged_expert`), at most: the default limit without an opt-in (a Q4_K row of 2,048 columns takes 18 KiB).
-# Longer rows are read in place.
-STAGED_LIMIT = 48 * 1024
+# `staged_expert`), at most: the 48 KiB a block may have without an opt-in, less 4 KiB for the kernel's own
+# static shared memory (the body's partial sums: up to 2.3 KiB), which counts against the same limit (a Q4_K row
+# of 2,048 columns takes 18 KiB). Longer rows are read in place.
+STAGED_LIMIT = 44 * 1024
 
 
 def _staged_bytes(kernel: Any, row_bytes: int) -> int | None:
@@ -76,7 +77,9 @@ def _staged_bytes(kernel: Any, row_bytes: int) -> int | None:
     if kernel.program.file != "moe_matvec_mma.cu":
         return None
     staged = kernel.rows_per_block * row_bytes
-    return staged if staged <= STAGED_LIMIT else 0
+    # The SwiGLU kinds hold the pair's activation row in static shared memory beside the staged rows.
+    limit = STAGED_LIMIT - (2 * catalogue.MOE_SWIGLU_MAX_COLS if "swiglu" in kernel.name else 0)
+    return staged if staged <= limit else 0
 
 
 def _counts(pages: Any) -> Any:
