@@ -115,13 +115,18 @@ def test_every_nvrtc_kernel_source_waits_for_the_kernel_ahead():
     sources = nvrtc.kernel_sources()
     everything = "\n".join(sources.values())
     waiting_bodies = set()
-    for body in ("matvec_body", "matvec_mma_body", "matvec_pipe_body", "rms_norm_body", "dequant_body"):
+    bodies = {"matvec_body", "matvec_mma_rows", "matvec_pipe_body", "rms_norm_body", "dequant_body",
+              "ffn_persistent_body", "moe_persistent_body"}
+    for body in bodies:
         definition = re.search(rf"void {body}\(", everything)
         assert definition, body
         if "lucebox_wait_prior_grid();" in _braced(everything, definition.start()):
             waiting_bodies.add(body)
-    assert waiting_bodies == {"matvec_body", "matvec_mma_body", "matvec_pipe_body", "rms_norm_body", "dequant_body"}
-    waiting_bodies.add("expert_rows")  # matvec_mma_body for one pair (moe_matvec_mma.cu)
+    assert waiting_bodies == bodies
+    # matvec_mma_rows with the block's own row tile, and for one pair (moe_matvec_mma.cu): both wait through it.
+    mma_body = _braced(everything, re.search(r"void matvec_mma_body\(", everything).start())
+    assert "matvec_mma_rows<" in mma_body
+    waiting_bodies |= {"matvec_mma_body", "expert_rows"}
     entries = 0
     for name, text in sources.items():
         for entry in re.finditer(r'extern "C" __global__', text):
