@@ -122,7 +122,8 @@ def blocks_per_sm(default: int = DEFAULT_BLOCKS_PER_SM) -> int:
     return int(asked)
 
 
-def grid_size(ops: Any, program: Any, name: str, tiles: int, per_sm: int = DEFAULT_BLOCKS_PER_SM) -> int:
+def grid_size(ops: Any, program: Any, name: str, tiles: int, per_sm: int = DEFAULT_BLOCKS_PER_SM,
+              threads: int = catalogue.FFN_PERSISTENT_THREADS) -> int:
     """Blocks for a launch over `tiles` row tiles (the larger phase's): the SM count times the blocks an SM holds
     of the kernel (the driver's occupancy, with the shared-memory split preferred at its largest so that the
     query and the launch agree), capped by `blocks_per_sm`."""
@@ -137,12 +138,11 @@ def grid_size(ops: Any, program: Any, name: str, tiles: int, per_sm: int = DEFAU
             (result,) = driver.cuFuncSetAttribute(function, carveout, 100)
             if int(result) != 0:
                 raise RuntimeError(f"{name}: cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT): {result}")
-            result, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                function, catalogue.FFN_PERSISTENT_THREADS, 0)
-        if int(result) != 0 or int(per_sm) < 1:
+            result, per_sm_held = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0)
+        if int(result) != 0 or int(per_sm_held) < 1:
             raise RuntimeError(f"{name} cannot be resident on {ops.device} "
-                               f"(cuOccupancyMaxActiveBlocksPerMultiprocessor: {result}, {per_sm} blocks an SM)")
-        resident[name] = torch.cuda.get_device_properties(ops.device).multi_processor_count * int(per_sm)
+                               f"(cuOccupancyMaxActiveBlocksPerMultiprocessor: {result}, {per_sm_held} blocks an SM)")
+        resident[name] = torch.cuda.get_device_properties(ops.device).multi_processor_count * int(per_sm_held)
     sms = torch.cuda.get_device_properties(ops.device).multi_processor_count
     return max(1, min(tiles, resident[name], sms * blocks_per_sm(per_sm)))
 

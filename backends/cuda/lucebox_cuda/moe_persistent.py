@@ -144,7 +144,7 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                              ACTIVATIONS[x.dtype], NORM_WEIGHTS[weight.dtype], sigmoid=sigmoid)
     pairs = top_k + 1
     tiles = max(pairs * inter // TILE, hidden // TILE, -(-experts // 4))
-    grid = ffn_persistent.grid_size(ops, program, name, tiles, BLOCKS_PER_SM)
+    grid = ffn_persistent.grid_size(ops, program, name, tiles, BLOCKS_PER_SM, catalogue.MOE_PERSISTENT_THREADS)
     x, residual = x.contiguous(), residual.contiguous()
     device, dtype = ops.device, x.dtype
     summed, out = torch.empty_like(residual), torch.empty_like(residual)
