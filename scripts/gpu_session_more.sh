@@ -281,22 +281,25 @@ s23_profile35() {  # ~3 min: the 35B-A3B's decode step profile without PDL (its 
   return 0
 }
 
-s24_ffn() {  # ~8 min: session 24's persistent kernels (off by default): their GPU tests (the MLP's, the MoE block's, the
-  #           MoE SwiGLU-down kind's), their time against the kernels they replace (scripts/persistent_probe.py), then
-  #           the 0.8B and 27B tg128 with LUCEBOX_PERSISTENT_FFN off / on, a 0.8B step profile with it on, llama-bench
-  #           beside.                                                                       carry: .whl .llamacpp
+s24_ffn() {  # ~9 min: session 24's persistent kernels (off by default) and session 25's Gated DeltaNet one: their GPU
+  #           tests (the MLP's, the MoE block's, the MoE SwiGLU-down kind's, the mixer's), 0.8B tg128 with
+  #           LUCEBOX_PERSISTENT_FFN / _GDN off / on, 27B likewise, their time against the kernels they replace
+  #           (scripts/persistent_probe.py), a 0.8B profile with both, llama-bench beside.   carry: .whl .llamacpp
   LLAMA_NICE=19 llama_build_bg
   ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
-  local dense_writer=$!
+  local dense_writer=$! both=LUCEBOX_PERSISTENT_GDN=1,LUCEBOX_PERSISTENT_FFN=1
   step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
     tests/test_ffn_persistent_gpu.py tests/test_moe_persistent_gpu.py tests/test_moe_matvec_cuda.py
+  step gdn-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
+    tests/test_gdn_persistent_gpu.py
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1 \
+    gdn:LUCEBOX_PERSISTENT_GDN=1 "both:$both"
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1 "both:$both"
   step persistent-probe 120 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
     | tee $RES/persistent_probe.txt"
-  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
-  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1
-  mkdir -p "$RES/p08b" && step profile-08b-persistent 60 env LUCEBOX_PDL=0 LUCEBOX_PERSISTENT_FFN=1 \
+  mkdir -p "$RES/p08b" && step profile-08b-persistent 60 env LUCEBOX_PDL=0 ${both//,/ } \
     python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
-  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default persistent:LUCEBOX_PERSISTENT_FFN=1
   llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0

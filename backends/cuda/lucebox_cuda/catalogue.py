@@ -621,6 +621,19 @@ def moe_persistent(gate_format: str, down_format: str, activation: str, norm: st
     return KernelProgram("moe_persistent.cu", [line]), name
 
 
+# The persistent Gated DeltaNet mixer (gdn_persistent.cu): values it stages (the hidden size; the value channels).
+GDN_PERSISTENT_STAGE_VALUES = 8192
+GDN_PERSISTENT_THREADS = 128
+
+
+def gdn_persistent(qkv_format: str, rest_format: str, activation: str, norm: str) -> tuple[KernelProgram, str]:
+    """The persistent Gated DeltaNet mixer for these formats (the qkv rows; z, b, a and the output product),
+    activation and gated-norm weight types."""
+    name = f"gdn_persistent_{qkv_format}_{rest_format}_{activation}_{norm}"
+    line = f"LUCEBOX_GDN_PERSISTENT({qkv_format}, {rest_format}, {activation}, {norm})"
+    return KernelProgram("gdn_persistent.cu", [line]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -653,6 +666,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
         "ffn_persistent.cu": KernelProgram("ffn_persistent.cu", [
             f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
+            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
+        "gdn_persistent.cu": KernelProgram("gdn_persistent.cu", [
+            f"LUCEBOX_GDN_PERSISTENT({q}, {r}, {a}, {n})" for q in MMA_FORMATS for r in MMA_FORMATS
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
         "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
             f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")

@@ -24,7 +24,7 @@ import torch
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, add_shared_expert, concat_rows
 
-from . import catalogue, ffn_persistent, moe_persistent
+from . import catalogue, ffn_persistent, gdn_persistent, moe_persistent
 
 # Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
 # kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
@@ -265,6 +265,15 @@ def add_rms_norm_moe(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: 
                      block: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's add + norm and MoE block in one persistent launch (`moe_persistent`, LUCEBOX_PERSISTENT_MOE=1)."""
     return moe_persistent.run(ops, x, residual, weight, eps, block)
+
+
+def accepts_gated_delta_net_decode_(ops: Any, x: torch.Tensor, mixer: Any, state: Any) -> bool:
+    return gdn_persistent.takes(ops, x, mixer, state)
+
+
+def gated_delta_net_decode_(ops: Any, x: torch.Tensor, mixer: Any, state: Any) -> torch.Tensor:
+    """One token's Gated DeltaNet mixer in one persistent launch (`gdn_persistent`, LUCEBOX_PERSISTENT_GDN=1)."""
+    return gdn_persistent.run(ops, x, mixer, state)
 
 
 def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:

@@ -150,15 +150,10 @@ class GatedDeltaNet:
         ops = self.ops
         batch, tokens, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
+        if tokens == 1:  # decode: one op, which a backend may run as one launch
+            return ops.gated_delta_net_decode_(x, self, state)
         mixed_qkv, z, b, a = self._project(x)
         z = z.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
-        if tokens == 1:  # decode: the fused one-token ops, states updated in place
-            mixed = ops.conv_silu_update_(mixed_qkv[:, 0], self.conv1d, state.conv)
-            core = ops.gated_delta_decode_(mixed, a[:, 0], b[:, 0], self.ssm_a, self.dt_bias, state.recurrent,
-                                           self.num_k_heads, self.head_k_dim)
-            core = ops.gated_rms_norm(core, z, self.norm, self.eps)
-            return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
-
         conv_out = ops.causal_conv1d_silu_(mixed_qkv, self.conv1d, state.conv)  # the conv state in place
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
@@ -172,6 +167,19 @@ class GatedDeltaNet:
         # Gated RMSNorm, norm before gate: rmsnorm(core) * w * silu(z), per value head.
         core = ops.gated_rms_norm(core, z, self.norm, self.eps)
         return ops.linear(core.reshape(batch, tokens, -1), self.out_proj)
+
+    def decode_token(self, x: torch.Tensor, state: GatedDeltaNetState) -> torch.Tensor:
+        """One token `x` `[B, 1, hidden]` through the fused one-token ops, the states updated in place (the
+        reference of `gated_delta_net_decode_`)."""
+        ops = self.ops
+        batch = x.shape[0]
+        mixed_qkv, z, b, a = self._project(x)
+        z = z.reshape(batch, 1, self.num_v_heads, self.head_v_dim)
+        mixed = ops.conv_silu_update_(mixed_qkv[:, 0], self.conv1d, state.conv)
+        core = ops.gated_delta_decode_(mixed, a[:, 0], b[:, 0], self.ssm_a, self.dt_bias, state.recurrent,
+                                       self.num_k_heads, self.head_k_dim)
+        core = ops.gated_rms_norm(core, z, self.norm, self.eps)
+        return ops.linear(core.reshape(batch, 1, -1), self.out_proj)
 
     def verify_tree(
         self, x: torch.Tensor, state: GatedDeltaNetState, parents: torch.Tensor

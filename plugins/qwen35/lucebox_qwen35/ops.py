@@ -72,6 +72,15 @@ def gated_delta_decode_(
 
 
 @QWEN35_OPS.reference
+def gated_delta_net_decode_(ops: Any, x: torch.Tensor, mixer: Any, state: Any) -> torch.Tensor:
+    """One token through a whole Gated DeltaNet mixer (`model.GatedDeltaNet`), from its normed input x `[1, 1,
+    hidden]` to its output, `state` (`model.GatedDeltaNetState`) updated in place: the mixer's own one-token path
+    (its input projections, `conv_silu_update_`, `gated_delta_decode_`, `gated_rms_norm`, its output projection).
+    One op so that a backend may run the whole mixer as one launch (lucebox-cuda's `LUCEBOX_PERSISTENT_GDN`)."""
+    return mixer.decode_token(x, state)
+
+
+@QWEN35_OPS.reference
 def gated_delta_tree(
     ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
