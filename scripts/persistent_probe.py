@@ -13,6 +13,9 @@ Then the MoE block (`add_rms_norm_moe`, LUCEBOX_PERSISTENT_MOE=0 / 1) on Laguna-
 decode shapes (random blocks of each family's class: 256 experts, top-8, hidden 2048, intermediate 512), timed
 alike; the weights' bytes are the routed and shared experts' and the fp32 router's.
 
+Then the Gated DeltaNet mixer (`gated_delta_net_decode_`, LUCEBOX_PERSISTENT_GDN=0 / 1) at the 0.8B's and the 27B's
+shapes; its bytes are the five products' weights and the recurrent state read and written.
+
     python3 scripts/persistent_probe.py [--json out.json]
 """
 
@@ -115,6 +118,7 @@ def main() -> None:
             print(json.dumps(row))
     os.environ.pop(ffn_persistent.ENV_SWITCH, None)
     rows += moe_rows(backend, bandwidth)
+    rows += gdn_rows(backend, bandwidth)
     os.environ.pop(ffn_persistent.BLOCKS_ENV, None)
     if args.json:
         with open(args.json, "w") as f:
@@ -149,6 +153,42 @@ def moe_rows(backend: CudaBackend, bandwidth: float) -> list[dict]:
         rows.append(row)
         print(json.dumps(row))
     os.environ.pop(moe_persistent.ENV_SWITCH, None)
+    return rows
+
+
+def gdn_rows(backend: CudaBackend, bandwidth: float) -> list[dict]:
+    """The Gated DeltaNet mixer (`gated_delta_net_decode_`, LUCEBOX_PERSISTENT_GDN=0 / 1) at the 0.8B's and the
+    27B's shapes (qkv Q6_K as a `use_more_bits` layer has it, the rest Q4_K): the six kernels, then the persistent
+    one at 2, 1 and 4 blocks an SM; the outputs compared on the first call from one state."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from test_gdn_persistent_gpu import _copy, _mixer
+
+    from lucebox_cuda import gdn_persistent
+    from lucebox_qwen35.ops import QWEN35_OPS
+
+    ops = QWEN35_OPS.bind(backend)
+    rows = []
+    for name, shape in (("0.8b", (1024, 16, 16)), ("27b", (5120, 16, 48))):
+        mixer, state, x = _mixer(ops, *shape, T.Q6_K, 7)
+        weights = [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj]
+        weight_bytes = sum(w.nbytes for w in weights) + state.recurrent.numel() * 4 * 2  # the state read and written
+        row = {"shape": f"gdn-{name}", "hidden": shape[0], "value_heads": shape[2], "weight_bytes": weight_bytes,
+               "copy_gb_s": round(bandwidth)}
+        firsts = {}
+        for switch, label, blocks in (("0", "unfused", "2"), ("1", "persistent", "2"), ("1", "persistent_b1", "1"),
+                                      ("1", "persistent_b4", "4")):
+            os.environ[gdn_persistent.ENV_SWITCH] = switch
+            os.environ[ffn_persistent.BLOCKS_ENV] = blocks
+            with running_static_step():
+                firsts[label] = ops.gated_delta_net_decode_(x, mixer, _copy(state))
+            running = _copy(state)
+            measure(row, label, weight_bytes, lambda: ops.gated_delta_net_decode_(x, mixer, running))
+        compare(row, firsts["unfused"], firsts["persistent"], row["unfused_us"])
+        rows.append(row)
+        print(json.dumps(row))
+    os.environ.pop(gdn_persistent.ENV_SWITCH, None)
     return rows
 
 
