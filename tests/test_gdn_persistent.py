@@ -119,6 +119,31 @@ def test_the_model_runs_one_token_through_the_op(monkeypatch):
     assert seen == [x.shape]
 
 
+def test_a_decode_step_runs_each_linear_layer_after_the_first_through_the_add_and_norm_op(tmp_path, monkeypatch):
+    """The tiny model's recorded decode step (on the CPU, not recorded): every linear-attention layer but the first
+    (which has no MLP output to add yet) goes through `add_rms_norm_gated_delta_net_`, whose reference is the ops
+    that ran before, so the logits are still the forward pass's."""
+    from lucebox_core.ggufio import GGUFFile
+    from lucebox_qwen35 import loader, ops as qwen_ops, synth
+
+    path = synth.write(tmp_path / "tiny.gguf", size="tiny", type="q4_k_m", seed=2)
+    seen = []
+    reference = qwen_ops.QWEN35_OPS.references["add_rms_norm_gated_delta_net_"]
+    monkeypatch.setitem(qwen_ops.QWEN35_OPS.references, "add_rms_norm_gated_delta_net_",
+                        lambda ops, *a: seen.append(a[4]) or reference(ops, *a))
+    model = loader.load(GGUFFile(path), TorchBackend("cpu", torch.float32))  # bound with the recording reference
+    prompt = torch.tensor([5, 9, 11, 3])
+    state = model.new_state(32)
+    model.forward(state, prompt[:-1])
+    stepped = model.decode_step(state, int(prompt[-1]), graphs=False)
+    whole = model.forward(model.new_state(32), prompt)[-1:]
+    linear = [layer.linear_attn for layer in model.layers if layer.is_linear]
+    first_is_linear = model.layers[0].is_linear
+    assert seen == linear[1:] if first_is_linear else seen == linear
+    logits = stepped[0] if isinstance(stepped, tuple) else stepped
+    torch.testing.assert_close(logits.reshape(whole.shape), whole, rtol=1e-4, atol=1e-4)
+
+
 def test_the_persistent_kernel_is_off_unless_asked_and_never_on_the_cpu(monkeypatch):
     from lucebox_cuda import gdn_persistent
     from lucebox_qwen35.ops import QWEN35_OPS
@@ -182,6 +207,19 @@ def test_the_persistent_kernel_refuses_what_it_cannot_take(case):
         mixer.out_proj = _quant("out", T.Q6_K, 256, value_heads * dim, 9)
     reason = gdn_persistent.refusal(x, mixer, state)
     assert reason is not None and CASES[case] in reason
+
+
+def test_the_input_add_and_norm_is_refused_by_name_where_the_kernel_cannot_take_it():
+    from lucebox_cuda import gdn_persistent
+    from lucebox_qwen35.ops import QWEN35_OPS
+
+    ops = QWEN35_OPS.bind(TorchBackend("cpu", torch.bfloat16, kernel_table_for={}))
+    mixer, _, x = _mixer(ops, key_heads=4, value_heads=16)
+    mixer.norm, x = mixer.norm.bfloat16(), x.bfloat16()
+    residual = torch.randn_like(x)
+    assert gdn_persistent.residual_refusal(x, residual, torch.ones(256, dtype=torch.bfloat16), mixer) is None
+    assert "input norm torch.float32" in gdn_persistent.residual_refusal(x, residual, torch.ones(256), mixer)
+    assert "residual torch.float32" in gdn_persistent.residual_refusal(x, residual.float(), mixer.norm, mixer)
 
 
 def test_a_fused_weights_rows_are_addressed_where_they_start():

@@ -109,6 +109,31 @@ def test_the_persistent_mixer_equals_the_six_kernels(shape, qkv_type, norm_dtype
     assert (out == want).float().mean() > 0.3  # most outputs to the bit: a rounding apart, not a different sum
 
 
+@pytest.mark.parametrize("shape", SHAPES[::2])
+def test_the_persistent_mixer_with_the_input_add_and_norm(shape, ops, monkeypatch):
+    """`add_rms_norm_gated_delta_net_`: the layer's input add + norm in the kernel's first phase; the sum to the bit
+    (rounded as the Triton add), the output within a rounding of the seven kernels'."""
+    from lucebox_core.static_step import running_static_step
+    from lucebox_cuda import gdn_persistent
+
+    mixer, state, x = _mixer(ops, *shape, T.Q6_K, 8)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    residual = (torch.randn(x.shape, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    norm = (torch.rand(shape[0], device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    assert gdn_persistent.residual_refusal(x, residual, norm, mixer) is None
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(gdn_persistent.ENV_SWITCH, switch)
+        after = _copy(state)
+        with running_static_step():
+            assert gdn_persistent.takes(ops, x, mixer, after, residual, norm) == (switch == "1")
+            results.append((*ops.add_rms_norm_gated_delta_net_(x, residual, norm, 1e-6, mixer, after), after))
+    (out, summed, after), (want, want_summed, want_after) = results
+    assert torch.equal(summed, want_summed)
+    _close(out, want)
+    _close(after.recurrent, want_after.recurrent)
+
+
 def test_the_persistent_mixers_phases_are_the_unfused_ops(ops, monkeypatch):
     """Phase by phase against the unfused ops fed the kernel's own intermediate rows: the products against the
     `linear` kernel's, then the delta step's readout against conv_silu_update_ + gated_delta_decode_ on the
@@ -183,8 +208,9 @@ def test_hundreds_of_launches_in_a_row_give_one_answer(ops, monkeypatch):
 
 def test_a_loaded_models_decode_step_runs_the_persistent_mixer(tmp_path, monkeypatch):
     """A small Qwen3.5 file with 16 value heads of 128 dims (the kernel's shapes): with LUCEBOX_PERSISTENT_GDN=1
-    every linear-attention layer's mixer in the recorded decode step is the persistent kernel, and 16 greedy steps
-    give the tokens of the six kernels (the logits within a rounding: near-tie equal)."""
+    every linear-attention layer's mixer in the recorded decode step is the persistent kernel (with its input add +
+    norm after the first layer), and 16 greedy steps give the tokens of the six kernels (the logits within a
+    rounding: near-tie equal)."""
     from lucebox_core.ggufio import GGUFFile
     from lucebox_cuda import gdn_persistent
     from lucebox_cuda.backend import CudaBackend

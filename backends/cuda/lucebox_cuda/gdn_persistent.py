@@ -115,16 +115,29 @@ def refusal(x: torch.Tensor, mixer: Any, state: Any) -> str | None:
     return None
 
 
-def takes(ops: Any, x: torch.Tensor, mixer: Any, state: Any) -> bool:
+def residual_refusal(x: torch.Tensor, residual: torch.Tensor, input_norm: torch.Tensor, mixer: Any) -> str | None:
+    """Why the kernel cannot take the layer's input add + norm with the mixer (None: it can): the first phase's
+    (`ffn_persistent.token_refusal`), and an input norm weight of the gated norm's type (one template type)."""
+    reason = ffn_persistent.token_refusal(x, residual, input_norm)
+    if reason is None and input_norm.dtype != mixer.norm.dtype:
+        return f"input norm {input_norm.dtype} beside the gated norm's {mixer.norm.dtype} (one type)"
+    return reason
+
+
+def takes(ops: Any, x: torch.Tensor, mixer: Any, state: Any, residual: torch.Tensor | None = None,
+          input_norm: torch.Tensor | None = None) -> bool:
     """Whether the persistent kernel runs this call: switched on, inside a static step, a CUDA build of torch,
-    operands it takes (`refusal`) on the backend's CUDA device, the barrier's counter made (never inside a graph
-    capture)."""
+    operands it takes (`refusal`, and `residual_refusal` with a residual) on the backend's CUDA device, the
+    barrier's counter made (never inside a graph capture)."""
     if not enabled() or not inside_static_step() or getattr(torch.version, "hip", None):
         return False
     ops = getattr(ops, "backend", ops)  # a family op gets the family's view: the counter is the backend's
     if refusal(x, mixer, state) is not None:
         return False
-    tensors = (x, mixer.conv1d, mixer.ssm_a, mixer.dt_bias, mixer.norm, state.conv, state.recurrent)
+    if residual is not None and residual_refusal(x, residual, input_norm, mixer) is not None:
+        return False
+    tensors = (x, mixer.conv1d, mixer.ssm_a, mixer.dt_bias, mixer.norm, state.conv, state.recurrent,
+               *((residual, input_norm) if residual is not None else ()))
     if x.device.type != "cuda" or any(t.device != ops.device for t in tensors):
         return False
     return ffn_persistent.counter(ops, make=not torch.cuda.is_current_stream_capturing()) is not None
@@ -136,11 +149,13 @@ def _pointer(ops: Any, weight: QuantTensor, first_row: int) -> Pointer:
     return Pointer(data.data_ptr() + first_row * (data.numel() // weight.shape[0]))
 
 
-def run(ops: Any, x: torch.Tensor, mixer: Any, state: Any, *,
-        trace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """The persistent mixer for a call `takes` accepted: the output `[1, 1, hidden]`, the states updated in place.
-    `trace` (a check's): filled with the launch's products (qkv | z | b | a rows) and core (the delta step's
-    readout, before the gated norm)."""
+def run(ops: Any, x: torch.Tensor, mixer: Any, state: Any, *, residual: torch.Tensor | None = None,
+        input_norm: torch.Tensor | None = None, input_eps: float = 0.0,
+        trace: dict[str, torch.Tensor] | None = None) -> Any:
+    """The persistent mixer for a call `takes` accepted, the states updated in place: the output `[1, 1, hidden]`
+    of the normed input `x`; with a `residual`, `(the output, residual + x)` of `rms_norm(residual + x) *
+    input_norm` (the layer's input add + norm in the same launch). `trace` (a check's): filled with the launch's
+    products (qkv | z | b | a rows) and core (the delta step's readout, before the gated norm)."""
     ops = getattr(ops, "backend", ops)  # a family op gets the family's view: the counter is the backend's
     hidden = x.shape[-1]
     qkv_format, rest_format = formats(mixer, hidden)
@@ -155,14 +170,21 @@ def run(ops: Any, x: torch.Tensor, mixer: Any, state: Any, *,
     products = torch.empty(channels + value_channels + 2 * value_heads, dtype=x.dtype, device=ops.device)
     core = torch.empty(value_channels, dtype=x.dtype, device=ops.device)
     out = torch.empty_like(x)
+    summed = None
+    if residual is not None:
+        residual = residual.contiguous()
+        summed = torch.empty_like(residual)
     rows = _rows(mixer)
     ops._launch((program, name), grid, catalogue.GDN_PERSISTENT_THREADS, Pointer(x.data_ptr()),
+                Pointer(residual.data_ptr() if residual is not None else 0),
+                Pointer(input_norm.data_ptr() if residual is not None else 0),
+                Pointer(summed.data_ptr() if summed is not None else 0),
                 *(_pointer(ops, *rows[part]) for part in ("qkv", "z", "b", "a", "out")),
                 Pointer(mixer.conv1d.data_ptr()), Pointer(mixer.ssm_a.data_ptr()), Pointer(mixer.dt_bias.data_ptr()),
                 Pointer(mixer.norm.data_ptr()), Pointer(state.conv.data_ptr()), Pointer(state.recurrent.data_ptr()),
                 Pointer(products.data_ptr()), Pointer(core.data_ptr()), Pointer(out.data_ptr()),
                 Pointer(ffn_persistent.counter(ops, make=False).data_ptr()), Int(hidden), Int(key_heads),
-                Int(value_heads), Float(mixer.eps))
+                Int(value_heads), Float(mixer.eps), Float(input_eps))
     if trace is not None:
         trace.update(products=products, core=core)
-    return out
+    return out if summed is None else (out, summed)

@@ -276,6 +276,17 @@ def gated_delta_net_decode_(ops: Any, x: torch.Tensor, mixer: Any, state: Any) -
     return gdn_persistent.run(ops, x, mixer, state)
 
 
+def accepts_add_rms_norm_gated_delta_net_(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                          eps: float, mixer: Any, state: Any) -> bool:
+    return gdn_persistent.takes(ops, x, mixer, state, residual, weight)
+
+
+def add_rms_norm_gated_delta_net_(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  mixer: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's input add + norm and its Gated DeltaNet mixer in one persistent launch (LUCEBOX_PERSISTENT_GDN=1)."""
+    return gdn_persistent.run(ops, x, mixer, state, residual=residual, input_norm=weight, input_eps=eps)
+
+
 def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:
     return (_triton_takes(ops, gate, up) and gate.shape == up.shape and gate.dtype == up.dtype
             and _rows_indexable(gate, up))

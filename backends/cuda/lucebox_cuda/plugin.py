@@ -30,6 +30,7 @@ FAMILY_KERNEL_OPS = (
     "moe_experts",  # Gemma-4's (and any family's of that name and signature) routed experts, GeGLU
     "moe_experts_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)
     "gated_delta_net_decode_",  # a decode step's Gated DeltaNet mixer, one persistent launch (LUCEBOX_PERSISTENT_GDN)
+    "add_rms_norm_gated_delta_net_",  # the same with the layer's input add + norm
 )
 # A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route",
@@ -93,7 +94,8 @@ def lucebox_op_kernels():
                  description="NVRTC matrix-vector and dequant kernels" if op in ("linear", "embedding", "fuse_rows",
                                                                                   "rms_norm", "add_rms_norm_swiglu",
                                                                                   "add_rms_norm_moe",
-                                                                                  "gated_delta_net_decode_")
+                                                                                  "gated_delta_net_decode_",
+                                                                                  "add_rms_norm_gated_delta_net_")
                  else "Triton")
         for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
     ] + [

@@ -604,14 +604,19 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         """`layers` (one part's, all on one device) over the residual stream `hidden` and the MLP output not
         yet added to it (`pending`, None before the first layer); returns both after the last of them."""
         eps = self.config.eps
+        # A decode step's `mix` may also run a layer's input add + norm with its mixer, as one op (None where not).
+        after_residual = getattr(mix, "after_residual", None)
         for layer in layers:
             ops = self._layer_ops(layer)
+            fused = None
             if pending is None:
-                x = ops.rms_norm(hidden, layer.input_layernorm, eps)
+                mixed = mix(layer, ops.rms_norm(hidden, layer.input_layernorm, eps))
+            elif after_residual is not None and (fused := after_residual(layer, pending, hidden, eps)) is not None:
+                mixed, hidden = fused
             else:
                 x, hidden = ops.add_rms_norm(pending, hidden, layer.input_layernorm, eps)
-            pending, hidden = mlp_after_residual(ops, layer.mlp, mix(layer, x), hidden, layer.post_attention_layernorm,
-                                                 eps)
+                mixed = mix(layer, x)
+            pending, hidden = mlp_after_residual(ops, layer.mlp, mixed, hidden, layer.post_attention_layernorm, eps)
             if layer.index in tapped:
                 tap(layer, hidden + pending)
         return hidden, pending
@@ -648,11 +653,27 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
                 return layer.linear_attn(x, state.linear[layer.index])
             return layer.self_attn.decode_static(x, self._local(layer, inputs.position), state.kv, window)
 
+        mix.after_residual = self._linear_after_residual(state)
         taps: list[torch.Tensor] = []
         tapped = state.capture_layers if state.features is not None else ()
         hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
         self._ring_features(state, inputs, taps)
         return self.head_ops.linear(hidden, self.lm_head)[0]
+
+    @staticmethod
+    def _linear_after_residual(state: Qwen35State) -> Any:
+        """A decode step's input add + norm and Gated DeltaNet mixer of a layer as one op
+        (`add_rms_norm_gated_delta_net_`, which a backend may run as one launch): `(layer, pending, hidden, eps) ->
+        (the mixer's output, hidden + pending)`, or None for an attention layer."""
+
+        def after_residual(layer: DecoderLayer, pending: torch.Tensor, hidden: torch.Tensor, eps: float) -> Any:
+            mixer = layer.linear_attn
+            if mixer is None or pending.shape[-2] != 1:
+                return None
+            return mixer.ops.add_rms_norm_gated_delta_net_(pending, hidden, layer.input_layernorm, eps, mixer,
+                                                           state.linear[layer.index])
+
+        return after_residual
 
     def _ring_features(self, state: Qwen35State, inputs: StaticInputs, taps: list[torch.Tensor]) -> None:
         if state.features is not None:
@@ -674,6 +695,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
                 return layer.linear_attn(x, state.linear[layer.index])
             return layer.self_attn.decode_static(x, inputs.position, state.kv, window)
 
+        mix.after_residual = self._linear_after_residual(state)
         tapped = state.capture_layers if state.features is not None else ()
         handed, hidden, pending = self._static_part_layers(part, inputs, mix, tapped)
         if part < len(self.part_layers) - 1:

@@ -81,6 +81,15 @@ def gated_delta_net_decode_(ops: Any, x: torch.Tensor, mixer: Any, state: Any) -
 
 
 @QWEN35_OPS.reference
+def add_rms_norm_gated_delta_net_(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  mixer: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's linear-attention layer up to its mixer's output: the residual add and the input norm
+    (`add_rms_norm`), then `gated_delta_net_decode_`. Returns `(the mixer's output, residual + x)`."""
+    normed, summed = ops.add_rms_norm(x, residual, weight, eps)
+    return ops.gated_delta_net_decode_(normed, mixer, state), summed
+
+
+@QWEN35_OPS.reference
 def gated_delta_tree(
     ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,

@@ -10,8 +10,9 @@
 // and the output product: six kernels of a few microseconds each (Qwen3.5-0.8B: 18 of its 24 layers), each paying a
 // launch, a ramp and a drain. Issue #17's megakernel, its second piece (ffn_persistent.cu is the first).
 //
-//   Phase 1. Every block stages m in shared memory, then takes 16-row tiles of the four products in turn (qkv's
-//     rows, then z's, b's, a's) into `products`.
+//   Phase 1. Every block stages m in shared memory: with a residual, m = rms_norm(x + residual) * input_norm,
+//     each block its own copy (the layer's input add + norm: one launch fewer; block 0 stores the sum), else m = x.
+//     Then it takes 16-row tiles of the four products in turn (qkv's rows, then z's, b's, a's) into `products`.
 //   Barrier.
 //   Phase 2. Units (value head h, 32 of its 128 value dims): a block convolves the q and k channels of h's key head
 //     and the unit's v channels itself (from `products` and the conv state, which nobody writes in this phase),
@@ -66,11 +67,12 @@ __device__ __forceinline__ float gdn_conv_silu(const X* __restrict__ conv_weight
 
 template <class Wq, class Wr, class X, class Nw>
 __device__ __forceinline__ void gdn_persistent_body(
-    const X* __restrict__ x, const u8* __restrict__ qkv_w, const u8* __restrict__ z_w, const u8* __restrict__ b_w,
+    const X* __restrict__ x, const X* __restrict__ residual, const Nw* __restrict__ input_norm, X* __restrict__ summed_out,
+    const u8* __restrict__ qkv_w, const u8* __restrict__ z_w, const u8* __restrict__ b_w,
     const u8* __restrict__ a_w, const u8* __restrict__ out_w, const X* __restrict__ conv_weight,
     const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const Nw* __restrict__ norm, X* conv_state,
     float* recurrent, X* products, X* core, X* __restrict__ out, unsigned int* __restrict__ arrived, int hidden,
-    int key_heads, int value_heads, float eps) {
+    int key_heads, int value_heads, float eps, float input_eps) {
     static_assert(sizeof(X) == 2, "16-bit activations: the staged vector's room is counted in them");
     __shared__ __align__(16) X staged[GDN_STAGE_VALUES];
     __shared__ float q_s[GDN_HEAD_DIM], k_s[GDN_HEAD_DIM], v_s[GDN_CHUNK];
@@ -83,9 +85,15 @@ __device__ __forceinline__ void gdn_persistent_body(
     X* a_rows = b_rows + value_heads;
     lucebox_wait_prior_grid();
 
-    // Phase 1: the normed input (the launch ahead wrote it) in shared memory, then the four products' tiles.
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) staged[i] = x[i];
-    __syncthreads();
+    // Phase 1: the normed input in shared memory: the residual add and the layer's input norm, each block its own
+    // copy (block 0 stores the sum), or without a residual the input as it is (normed by the launch ahead). Then
+    // the four products' tiles.
+    if (residual != nullptr) {
+        add_rms_norm_staged(x, residual, input_norm, input_eps, hidden, staged, summed_out);
+    } else {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) staged[i] = x[i];
+        __syncthreads();
+    }
     const int qkv_tiles = channels / GDN_TILE, z_tiles = value_channels / GDN_TILE, ba_tiles = value_heads / GDN_TILE;
     for (int tile = blockIdx.x; tile < qkv_tiles + z_tiles + 2 * ba_tiles; tile += gridDim.x) {
         if (tile < qkv_tiles) {
@@ -199,13 +207,16 @@ __device__ __forceinline__ void gdn_persistent_body(
 
 #define LUCEBOX_GDN_PERSISTENT(QKV, REST, ACT, NORM)                                                            \
     extern "C" __global__ void __launch_bounds__(32 * GDN_WARPS) gdn_persistent_##QKV##_##REST##_##ACT##_##NORM( \
-        const ACT* __restrict__ x, const u8* __restrict__ qkv_w, const u8* __restrict__ z_w,                   \
+        const ACT* __restrict__ x, const ACT* __restrict__ residual, const NORM* __restrict__ input_norm,       \
+        ACT* __restrict__ summed_out, const u8* __restrict__ qkv_w, const u8* __restrict__ z_w,                 \
         const u8* __restrict__ b_w, const u8* __restrict__ a_w, const u8* __restrict__ out_w,                  \
         const ACT* __restrict__ conv_weight, const float* __restrict__ ssm_a, const float* __restrict__ dt_bias,  \
         const NORM* __restrict__ norm, ACT* conv_state, float* recurrent, ACT* products, ACT* core,              \
         ACT* __restrict__ out, unsigned int* __restrict__ arrived, int hidden, int key_heads, int value_heads,   \
-        float eps) {                                                                                           \
-        gdn_persistent_body<Mma_##QKV, Mma_##REST, ACT, NORM>(x, qkv_w, z_w, b_w, a_w, out_w, conv_weight, ssm_a, \
+        float eps, float input_eps) {                                                                          \
+        gdn_persistent_body<Mma_##QKV, Mma_##REST, ACT, NORM>(x, residual, input_norm, summed_out, qkv_w, z_w, b_w,  \
+                                                              a_w, out_w, conv_weight, ssm_a,                      \
                                                               dt_bias, norm, conv_state, recurrent, products, core, \
-                                                              out, arrived, hidden, key_heads, value_heads, eps); \
+                                                              out, arrived, hidden, key_heads, value_heads, eps,  \
+                                                              input_eps);                                          \
     }
