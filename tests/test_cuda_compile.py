@@ -48,7 +48,8 @@ def test_source_compiles(source, arch):
                 "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
                 "LUCEBOX_RMS_NORM": "rms_norm", "LUCEBOX_MOE_MATVEC": "moe_matvec",
                 "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged", "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair",
-                "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged", "LUCEBOX_FFN_PERSISTENT": "ffn_persistent"}[macro]
+                "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged", "LUCEBOX_FFN_PERSISTENT": "ffn_persistent",
+                "LUCEBOX_GDN_PERSISTENT": "gdn_persistent"}[macro]
         assert f"{name}_{'_'.join(parts)}".encode() in cubin
 
 
