@@ -77,10 +77,10 @@ class SplitStaticStep:
         return self.steps[part].inputs(**values)
 
     def run(self, key: Hashable, part_step: Callable[[int, StaticInputs], tuple[dict[str, torch.Tensor], Any]],
-            inputs: Sequence[StaticInputs], *, graphs: bool | None = None) -> list[Any]:
+            inputs: Sequence[StaticInputs], *, graphs: bool | None = None, decode_only: bool = False) -> list[Any]:
         """Each part's `part_step`, recorded for `key` the first time and replayed after, with the hand-over
         copied into the next part's buffers between them; returns each part's result (in the recordings'
-        buffers, overwritten by the next replay, as `StaticStep.run` without `clone`)."""
+        buffers, overwritten by the next replay, as `StaticStep.run` without `clone`; `decode_only` as there)."""
         handed: dict[str, torch.Tensor] = {}  # name -> the producing part's output
         results = []
         for part, step in enumerate(self.steps):
@@ -88,7 +88,7 @@ class SplitStaticStep:
             for name, value in handed.items():
                 part_inputs.set(name, value)  # the hand-over: into this part's static buffer, on its device
             out, result = step.run(key, lambda step_inputs, part=part: part_step(part, step_inputs), part_inputs,
-                                   graphs=graphs)
+                                   graphs=graphs, decode_only=decode_only)
             if step.failure is not None and self.failed_parts is not None:
                 self.failed_parts.add(part)
             handed.update(out)
@@ -121,7 +121,7 @@ def run_split_decode_step(model: Any, state: Any, token: Any,
     window = kv_window(length + 1, window_limit(state.kv), model.decode_min_window)
     key = window if state.features is None else (window, state.features.data_ptr())
     results = state.decode.run(key, lambda part, step_inputs: part_step(state, part, step_inputs, window), inputs,
-                               graphs=graphs)
+                               graphs=graphs, decode_only=state.features is None)
     logits = results[-1].clone()
     state.kv.commit(length + 1)
     state.length = length + 1

@@ -36,6 +36,7 @@ from .kv import window_limit
 
 ENV_SWITCH = "LUCEBOX_CUDA_GRAPHS"  # "0" turns graph replay off (eager steps, for debugging and profiling)
 _INSIDE = contextvars.ContextVar("lucebox_inside_static_step", default=False)
+_DECODE_ONLY = contextvars.ContextVar("lucebox_decode_only_kernels", default=False)
 
 
 def inside_static_step() -> bool:
@@ -46,13 +47,23 @@ def inside_static_step() -> bool:
     return _INSIDE.get()
 
 
+def decode_only_kernels() -> bool:
+    """Whether the static step running now may take kernels that only a decode step runs, which compute a token
+    near-tie equal to, not bit-equal with, a verify pass (the persistent kernels of lucebox_cuda): a decode step of
+    a sequence with no drafter. A sequence with one (`state.features`) keeps the kernels its verify passes share,
+    so that its speculative output stays what its plain decoding gives, bit for bit."""
+    return _DECODE_ONLY.get()
+
+
 @contextlib.contextmanager
-def running_static_step():
-    """The scope of `inside_static_step()`: `StaticStep.run` runs in it; tests may too."""
-    token = _INSIDE.set(True)
+def running_static_step(*, decode_only: bool = False):
+    """The scope of `inside_static_step()` (and of `decode_only_kernels()` with `decode_only`): `StaticStep.run`
+    runs in it; tests may too."""
+    token, only = _INSIDE.set(True), _DECODE_ONLY.set(decode_only)
     try:
         yield
     finally:
+        _DECODE_ONLY.reset(only)
         _INSIDE.reset(token)
 
 
@@ -154,7 +165,7 @@ class StaticStep:
         return inputs
 
     def run(self, key: Hashable, step: Callable[[StaticInputs], Any], inputs: StaticInputs, *,
-            clone: bool = False, graphs: bool | None = None) -> Any:
+            clone: bool = False, graphs: bool | None = None, decode_only: bool = False) -> Any:
         """`step(inputs)`, recorded for `key` the first time and replayed after; returns its outputs (any
         structure of tensors).
 
@@ -163,9 +174,10 @@ class StaticStep:
         `step` may read host values only to choose shapes that `key` (with the inputs' shapes) determines,
         and must update its state in place. A replay leaves its outputs in the recording's buffers, which
         the next replay overwrites: `clone` hands out copies. If recording fails, the step warns once; from
-        then on keys without a recording run eagerly, and those recorded before still replay.
+        then on keys without a recording run eagerly, and those recorded before still replay. `decode_only`: the
+        step may take decode-only kernels (`decode_only_kernels`); `key` must tell such a recording apart.
         """
-        with running_static_step():
+        with running_static_step(decode_only=decode_only):
             return self._run(key, step, inputs, clone=clone, graphs=graphs)
 
     def _run(self, key: Hashable, step: Callable[[StaticInputs], Any], inputs: StaticInputs, *, clone: bool,
@@ -239,14 +251,18 @@ def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, Sta
                                  position=length)
     inputs.set("embedded", model.embed(inputs.token).reshape(1, 1, -1))
     window = kv_window(length + 1, window_limit(state.kv), model.decode_min_window)
+    # A sequence with a drafter keeps the kernels its verify passes share (`decode_only_kernels`); its recordings
+    # are told apart by the ring.
     key = window if state.features is None else (window, state.features.data_ptr())
+    decode_only = state.features is None
     with step_scope(model):
         if sampler is None:
             result = state.decode.run(key, lambda step_inputs: step(state, step_inputs, window), inputs, clone=True,
-                                      graphs=graphs)
+                                      graphs=graphs, decode_only=decode_only)
         else:
             result = state.decode.run((key, sampler.key), lambda step_inputs: _then_draw(
-                step(state, step_inputs, window), sampler), inputs, clone=True, graphs=graphs)
+                step(state, step_inputs, window), sampler), inputs, clone=True, graphs=graphs,
+                decode_only=decode_only)
             sampler.drawn()
     state.kv.commit(length + 1)
     state.length = length + 1

@@ -49,7 +49,7 @@ def quant(ggml_type: T, rows: int, cols: int, seed: int) -> QuantTensor:
 def measure(row: dict, label: str, weight_bytes: int, call) -> torch.Tensor:
     """`call` (one op, inside a static step as a decode step runs it) warmed up, then REPEAT of it recorded in one
     graph and timed (`router_probe.replay_us`): `<label>_us` and `<label>_gb_s` into `row`; returns the warm-up's output."""
-    with running_static_step():
+    with running_static_step(decode_only=True):
         for _ in range(3):
             out = call()
         torch.cuda.synchronize()
@@ -181,7 +181,7 @@ def gdn_rows(backend: CudaBackend, bandwidth: float) -> list[dict]:
                                       ("1", "persistent_b4", "4")):
             os.environ[gdn_persistent.ENV_SWITCH] = switch
             os.environ[ffn_persistent.BLOCKS_ENV] = blocks
-            with running_static_step():
+            with running_static_step(decode_only=True):
                 firsts[label] = ops.gated_delta_net_decode_(x, mixer, _copy(state))
             running = _copy(state)
             measure(row, label, weight_bytes, lambda: ops.gated_delta_net_decode_(x, mixer, running))

@@ -125,7 +125,7 @@ def test_the_persistent_kernel_is_off_unless_asked_and_never_on_the_cpu(monkeypa
     gate_up = _quant("gate_up", T.Q4_K, 2 * inter, hidden, 6)
     down = _quant("down", T.Q6_K, hidden, inter, 7)
     monkeypatch.delenv(ffn_persistent.ENV_SWITCH, raising=False)
-    with running_static_step():
+    with running_static_step(decode_only=True):
         assert not ffn_persistent.takes(_Device(), x, x, norm, gate_up, down)  # off by default
         monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
         assert not ffn_persistent.takes(_Device(), x, x, norm, gate_up, down)  # a CPU tensor

@@ -57,7 +57,7 @@ def _both(backend, monkeypatch, *operands):
     results = []
     for switch in ("1", "0"):
         monkeypatch.setenv(ffn_persistent.ENV_SWITCH, switch)
-        with running_static_step():
+        with running_static_step(decode_only=True):
             assert ffn_persistent.takes(backend, x, residual, norm, gate_up, down) == (switch == "1")
             results.append(backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down))
     return results
@@ -86,7 +86,7 @@ def test_the_persistent_blocks_first_phase_is_the_unfused_products_and_swiglu(ba
     x, residual, norm, gate_up, down = _operands(1024, 3584, T.Q6_K, 4)
     monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
     trace = {}
-    with running_static_step():
+    with running_static_step(decode_only=True):
         ffn_persistent.run(backend, x, residual, norm, 1e-6, gate_up, down, trace=trace)
     normed, _ = backend.add_rms_norm(x, residual, norm, 1e-6)
     products = backend.linear(normed.reshape(1, -1), gate_up)[0]
@@ -105,7 +105,7 @@ def test_the_persistent_block_replays_in_a_graph(backend, monkeypatch):
     monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
     x, residual, norm, gate_up, down = _operands(1024, 3584, T.Q6_K, 2)
     static_x, static_r = x.clone(), residual.clone()
-    with running_static_step():
+    with running_static_step(decode_only=True):
         backend.add_rms_norm_swiglu(static_x, static_r, norm, 1e-6, gate_up, down)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -127,7 +127,7 @@ def test_hundreds_of_launches_in_a_row_give_one_answer(backend, monkeypatch):
 
     monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
     operands = _operands(2048, 8192, T.Q4_K, 3)
-    with running_static_step():
+    with running_static_step(decode_only=True):
         first, _ = backend.add_rms_norm_swiglu(*operands[:3], 1e-6, *operands[3:])
         outs = [backend.add_rms_norm_swiglu(*operands[:3], 1e-6, *operands[3:])[0] for _ in range(300)]
     torch.cuda.synchronize()

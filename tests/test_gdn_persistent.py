@@ -155,7 +155,7 @@ def test_the_persistent_kernel_is_off_unless_asked_and_never_on_the_cpu(monkeypa
     x = x.bfloat16()
     assert gdn_persistent.refusal(x, mixer, state) is None  # the shapes it takes
     monkeypatch.delenv(gdn_persistent.ENV_SWITCH, raising=False)
-    with running_static_step():
+    with running_static_step(decode_only=True):
         assert not gdn_persistent.takes(ops, x, mixer, state)
         monkeypatch.setenv(gdn_persistent.ENV_SWITCH, "1")
         assert not gdn_persistent.takes(ops, x, mixer, state)  # a CPU tensor

@@ -83,7 +83,7 @@ def _both(ops, monkeypatch, mixer, state, x):
     for switch in ("1", "0"):
         monkeypatch.setenv(gdn_persistent.ENV_SWITCH, switch)
         after = _copy(state)
-        with running_static_step():
+        with running_static_step(decode_only=True):
             assert gdn_persistent.takes(ops, x, mixer, after) == (switch == "1")
             results.append((ops.gated_delta_net_decode_(x, mixer, after), after))
     return results
@@ -125,7 +125,7 @@ def test_the_persistent_mixer_with_the_input_add_and_norm(shape, ops, monkeypatc
     for switch in ("1", "0"):
         monkeypatch.setenv(gdn_persistent.ENV_SWITCH, switch)
         after = _copy(state)
-        with running_static_step():
+        with running_static_step(decode_only=True):
             assert gdn_persistent.takes(ops, x, mixer, after, residual, norm) == (switch == "1")
             results.append((*ops.add_rms_norm_gated_delta_net_(x, residual, norm, 1e-6, mixer, after), after))
     (out, summed, after), (want, want_summed, want_after) = results
@@ -144,7 +144,7 @@ def test_the_persistent_mixers_phases_are_the_unfused_ops(ops, monkeypatch):
     mixer, state, x = _mixer(ops, 1024, 16, 16, T.Q6_K, 4, fuse=False)
     monkeypatch.setenv(gdn_persistent.ENV_SWITCH, "1")
     trace = {}
-    with running_static_step():
+    with running_static_step(decode_only=True):
         gdn_persistent.run(ops, x, mixer, _copy(state), trace=trace)
     products = trace["products"]
     channels, value_channels, heads = mixer.conv1d.shape[0], 16 * 128, 16
@@ -172,7 +172,7 @@ def test_the_persistent_mixer_replays_in_a_graph(ops, monkeypatch):
     monkeypatch.setenv(gdn_persistent.ENV_SWITCH, "1")
     mixer, state, x = _mixer(ops, 1024, 16, 16, T.Q4_K, 2)
     static_x, static_state = x.clone(), _copy(state)
-    with running_static_step():
+    with running_static_step(decode_only=True):
         ops.gated_delta_net_decode_(static_x, mixer, _copy(state))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -199,7 +199,7 @@ def test_hundreds_of_launches_in_a_row_give_one_answer(ops, monkeypatch):
     monkeypatch.setenv(gdn_persistent.ENV_SWITCH, "1")
     mixer, state, x = _mixer(ops, 5120, 16, 48, T.Q6_K, 3)
     copies = [_copy(state) for _ in range(201)]
-    with running_static_step():
+    with running_static_step(decode_only=True):
         outs = [ops.gated_delta_net_decode_(x, mixer, copy) for copy in copies]
     torch.cuda.synchronize()
     assert all(torch.equal(outs[0], out) for out in outs)

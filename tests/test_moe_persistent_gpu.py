@@ -85,7 +85,7 @@ def test_the_persistent_block_chooses_and_computes_as_the_unfused_kernels(arch, 
     x, residual, norm = _inputs(1, norm_dtype)
     monkeypatch.setenv(moe_persistent.ENV_SWITCH, "1")
     trace = {}
-    with running_static_step():
+    with running_static_step(decode_only=True):
         assert moe_persistent.takes(backend, x, residual, norm, block)
         out, summed = moe_persistent.run(backend, x, residual, norm, 1e-6, block, trace=trace)
     monkeypatch.setenv(moe_persistent.ENV_SWITCH, "0")
@@ -117,7 +117,7 @@ def test_the_persistent_block_replays_in_a_graph_and_launches_hundreds_of_times(
     monkeypatch.setenv(moe_persistent.ENV_SWITCH, "1")
     x, residual, norm = _inputs(2)
     static_x, static_r = x.clone(), residual.clone()
-    with running_static_step():
+    with running_static_step(decode_only=True):
         backend.add_rms_norm_moe(static_x, static_r, norm, 1e-6, block)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

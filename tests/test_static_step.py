@@ -291,3 +291,28 @@ def test_short_prefill_pieces_run_as_recorded_decode_steps(tiny_target_and_draft
     second = cached_engine.generate(request)
     assert second.token_ids == plain and second.timings.cached_tokens == 24
     assert calls[:3] == [1, 1, 1]  # only the tail was prefilled, stepped
+
+
+def test_decode_only_kernels_are_offered_to_plain_decode_steps_only(tiny_target_and_draft, monkeypatch):
+    """`decode_only_kernels()` (where lucebox_cuda's persistent kernels, near-tie equal to a verify pass, may run)
+    holds in the decode steps of a sequence without a drafter, and in no static step of a speculative one (its
+    decode steps, verify passes and draft blocks), so a switch for those kernels never costs speculative output
+    its equality with plain decoding."""
+    from lucebox_core import static_step
+    from lucebox_core.static_step import decode_only_kernels
+
+    seen: dict[str, set[bool]] = {}
+    original = static_step.StaticStep._run
+
+    def recording(self, *args, **kwargs):
+        seen.setdefault(self.label, set()).add(decode_only_kernels())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(static_step.StaticStep, "_run", recording)
+    target, draft = tiny_target_and_draft
+    _generate(target, None, GraphStandIn(kernel_table_for={}))
+    assert seen == {"decode step": {True}}
+    seen.clear()
+    _generate(target, draft, GraphStandIn(kernel_table_for={}))  # unforced: no plain reference run beside it
+    assert seen and all(values == {False} for values in seen.values()), seen
+    assert not decode_only_kernels()

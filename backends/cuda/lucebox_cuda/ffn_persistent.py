@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lucebox_core.quants import QuantTensor
-from lucebox_core.static_step import inside_static_step
+from lucebox_core.static_step import decode_only_kernels
 
 from . import catalogue
 from .nvrtc import Float, Int, Pointer, ensure_context
@@ -90,10 +90,11 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_
 
 def takes(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_up: Any,
           down: Any) -> bool:
-    """Whether the persistent kernel runs this call: switched on, inside a static step, a CUDA build of torch,
-    operands it takes (`refusal`) on the backend's CUDA device, and the barrier's counter already made (never
-    inside a graph capture: its zeroing must not be a recorded node that a replay has not run yet)."""
-    if not enabled() or not inside_static_step() or getattr(torch.version, "hip", None):
+    """Whether the persistent kernel runs this call: switched on, inside a decode step that may take decode-only
+    kernels (`static_step.decode_only_kernels`: not a verify pass, not a sequence with a drafter), a CUDA build of
+    torch, operands it takes (`refusal`) on the backend's CUDA device, and the barrier's counter already made
+    (never inside a graph capture: its zeroing must not be a recorded node that a replay has not run yet)."""
+    if not enabled() or not decode_only_kernels() or getattr(torch.version, "hip", None):
         return False
     if refusal(x, residual, weight, gate_up, down) is not None:
         return False

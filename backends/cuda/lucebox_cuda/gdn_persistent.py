@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lucebox_core.quants import QuantTensor
-from lucebox_core.static_step import inside_static_step
+from lucebox_core.static_step import decode_only_kernels
 
 from . import catalogue, ffn_persistent
 from .nvrtc import Float, Int, Pointer
@@ -126,10 +126,11 @@ def residual_refusal(x: torch.Tensor, residual: torch.Tensor, input_norm: torch.
 
 def takes(ops: Any, x: torch.Tensor, mixer: Any, state: Any, residual: torch.Tensor | None = None,
           input_norm: torch.Tensor | None = None) -> bool:
-    """Whether the persistent kernel runs this call: switched on, inside a static step, a CUDA build of torch,
-    operands it takes (`refusal`, and `residual_refusal` with a residual) on the backend's CUDA device, the
-    barrier's counter made (never inside a graph capture)."""
-    if not enabled() or not inside_static_step() or getattr(torch.version, "hip", None):
+    """Whether the persistent kernel runs this call: switched on, inside a decode step that may take decode-only
+    kernels (`static_step.decode_only_kernels`: not a verify pass, not a sequence with a drafter), a CUDA build of
+    torch, operands it takes (`refusal`, and `residual_refusal` with a residual) on the backend's CUDA device,
+    the barrier's counter made (never inside a graph capture)."""
+    if not enabled() or not decode_only_kernels() or getattr(torch.version, "hip", None):
         return False
     ops = getattr(ops, "backend", ops)  # a family op gets the family's view: the counter is the backend's
     if refusal(x, mixer, state) is not None:

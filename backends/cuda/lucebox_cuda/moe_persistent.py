@@ -25,7 +25,7 @@ import torch
 
 from lucebox_core.moe_routing import SIGMOID, MoERouting
 from lucebox_core.quants import QuantTensor
-from lucebox_core.static_step import inside_static_step
+from lucebox_core.static_step import decode_only_kernels
 
 from . import catalogue, ffn_persistent
 from .nvrtc import Float, Int, Int64, Pointer
@@ -108,10 +108,11 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, routi
 
 
 def takes(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, block: Any) -> bool:
-    """Whether the persistent kernel runs this call: switched on, inside a static step, a CUDA build of torch, the
-    block's routing taken (`refusal`) on the backend's CUDA device, the float tensors there, the barrier's counter
-    made (never inside a graph capture)."""
-    if not enabled() or not inside_static_step() or getattr(torch.version, "hip", None):
+    """Whether the persistent kernel runs this call: switched on, inside a decode step that may take decode-only
+    kernels (`static_step.decode_only_kernels`: not a verify pass, not a sequence with a drafter), a CUDA build of
+    torch, the block's routing taken (`refusal`) on the backend's CUDA device, the float tensors there, the
+    barrier's counter made (never inside a graph capture)."""
+    if not enabled() or not decode_only_kernels() or getattr(torch.version, "hip", None):
         return False
     routing = block.routing()
     if refusal(x, residual, weight, routing) is not None:
