@@ -174,6 +174,8 @@ CASES = {
     "norm f64": "norm weight",
     "q8_0 qkv": "tensor-core K-quant",
     "q6_k out": "tensor-core K-quant",
+    "short z": "z rows 2032",
+    "no key heads": "value heads over 0 key heads",
 }
 
 
@@ -203,6 +205,10 @@ def test_the_persistent_kernel_refuses_what_it_cannot_take(case):
         mixer.ssm_a = mixer.ssm_a.bfloat16()
     elif case == "norm f64":
         mixer.norm = mixer.norm.double()
+    elif case == "short z":
+        mixer.in_proj_z = _quant("z", T.Q4_K, value_heads * dim - 16, 256, 9)
+    elif case == "no key heads":
+        mixer.num_k_heads = 0
     elif case == "q6_k out":
         mixer.out_proj = _quant("out", T.Q6_K, 256, value_heads * dim, 9)
     reason = gdn_persistent.refusal(x, mixer, state)

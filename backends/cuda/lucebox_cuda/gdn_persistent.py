@@ -86,7 +86,7 @@ def refusal(x: torch.Tensor, mixer: Any, state: Any) -> str | None:
     if mixer.head_k_dim != HEAD_DIM or mixer.head_v_dim != HEAD_DIM:
         return f"head dims {mixer.head_k_dim} / {mixer.head_v_dim} (the kernel's {HEAD_DIM})"
     key_heads, value_heads = mixer.num_k_heads, mixer.num_v_heads
-    if value_heads % TILE or value_heads % key_heads:
+    if key_heads < 1 or value_heads % TILE or value_heads % key_heads:
         return f"{value_heads} value heads over {key_heads} key heads (a multiple of {TILE} and of the key heads)"
     channels = (2 * key_heads + value_heads) * HEAD_DIM
     value_channels = value_heads * HEAD_DIM
@@ -112,6 +112,14 @@ def refusal(x: torch.Tensor, mixer: Any, state: Any) -> str | None:
         return f"norm weight {mixer.norm.dtype} {tuple(mixer.norm.shape)} (fp32 or the activations' type)"
     if formats(mixer, hidden) is None:
         return "input or output products not of tensor-core K-quant formats (z, b, a and out of one)"
+    # Each product's rows where the kernel reads them (a fused weight holds its parts' rows one after another).
+    rows = _rows(mixer)
+    wanted = {"qkv": channels, "z": value_channels, "b": value_heads, "a": value_heads, "out": hidden}
+    for part, (weight, first) in rows.items():
+        if weight.shape[0] < first + wanted[part]:
+            return f"{part} rows {weight.shape[0] - first} from row {first} of {weight.name!r} (wants {wanted[part]})"
+    if mixer.out_proj.shape[0] != hidden:
+        return f"out rows {mixer.out_proj.shape[0]} (the hidden size {hidden})"
     return None
 
 

@@ -30,7 +30,8 @@
 // in this kernel's order, not Triton's, so a value's last bit may differ: near-tie equal, not bit-equal, to the
 // unfused step (a switch for plain decoding, as the other persistent kernels).
 //
-// The barrier and the grid are ffn_persistent.cu's. Shapes: d_k = d_v = 128, 4 conv taps, value heads a multiple of
+// The barrier and the grid are ffn_persistent.cu's; `__launch_bounds__(128, 3)` keeps the registers (~180 with a
+// Q6_K qkv beside Q4_K products) under 3 blocks an SM's worth, so the grid's cap of 2 leaves one as a margin. Shapes: d_k = d_v = 128, 4 conv taps, value heads a multiple of
 // 16 (b's and a's rows are whole tiles) and of the key heads; the hidden size and the value channels at most
 // GDN_STAGE_VALUES. LUCEBOX_GDN_PERSISTENT(qkv format, other products' format, activation, norm weight) defines
 // `gdn_persistent_<qkv>_<rest>_<activation>_<norm>`: launch with 128 threads a block.
@@ -129,9 +130,11 @@ __device__ __forceinline__ void gdn_persistent_body(
         q_s[t] = __fmul_rn(to_float(from_float<X>(triton_div(q, q_norm))), scale);
         k_s[t] = to_float(from_float<X>(triton_div(k, k_norm)));
         const float beta = to_float(from_float<X>(triton_sigmoid(gdn_seen(b_rows, head))));
-        // g = ssm_a * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's); decay = exp(g).
+        // g = ssm_a * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's); decay = exp(g). The log
+        // is `logf` (libdevice's, as Triton's `tl.log`): `__logf`'s lg2.approx would cost a small softplus its
+        // relative accuracy, and every head's decay with it.
         const float pre = __fadd_rn(gdn_seen(a_rows, head), dt_bias[head]);
-        const float softplus = pre > 20.0f ? pre : __logf(__fadd_rn(1.0f, triton_exp(fminf(pre, 20.0f))));
+        const float softplus = pre > 20.0f ? pre : logf(__fadd_rn(1.0f, triton_exp(fminf(pre, 20.0f))));
         const float decay = triton_exp(__fmul_rn(ssm_a[head], softplus));
         __syncthreads();  // q_s, k_s, v_s complete
 
@@ -206,7 +209,7 @@ __device__ __forceinline__ void gdn_persistent_body(
 }
 
 #define LUCEBOX_GDN_PERSISTENT(QKV, REST, ACT, NORM)                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * GDN_WARPS) gdn_persistent_##QKV##_##REST##_##ACT##_##NORM( \
+    extern "C" __global__ void __launch_bounds__(32 * GDN_WARPS, 3) gdn_persistent_##QKV##_##REST##_##ACT##_##NORM( \
         const ACT* __restrict__ x, const ACT* __restrict__ residual, const NORM* __restrict__ input_norm,       \
         ACT* __restrict__ summed_out, const u8* __restrict__ qkv_w, const u8* __restrict__ z_w,                 \
         const u8* __restrict__ b_w, const u8* __restrict__ a_w, const u8* __restrict__ out_w,                  \
