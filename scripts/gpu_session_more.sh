@@ -43,6 +43,8 @@
 #                                           #   kind: GPU tests, their time against the kernels they replace
 #                                           #   (scripts/persistent_probe.py), 0.8B and 27B tg128 with the MLP's off / on,
 #                                           #   a 0.8B profile with it, llama-bench beside.     carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s25-all     # ~9.5 min: every persistent switch's GPU tests and tg128 A/B in one call
+#                                           #   (0.8B, Laguna-XS.2, 27B), the probe, a 0.8B profile. carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -301,6 +303,36 @@ s24_ffn() {  # ~9 min: session 24's persistent kernels (off by default) and sess
   mkdir -p "$RES/p08b" && step profile-08b-persistent 60 env LUCEBOX_PDL=0 ${both//,/ } \
     python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
   llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s25_all() {  # ~9.5 min: every persistent switch's GPU tests and its tg128 A/B in one call (for a session with one call):
+  #           the four kernels' GPU tests, the 0.8B (default / FFN / GDN / both), Laguna-XS.2 (default / MoE /
+  #           SwiGLU-down / all) and the 27B (default / both); the probe and a 0.8B profile if time is left. No
+  #           llama.cpp rows (session 23's same-day figures stand beside).                   carry: .whl
+  local laguna both=LUCEBOX_PERSISTENT_GDN=1,LUCEBOX_PERSISTENT_FFN=1
+  local all=LUCEBOX_PERSISTENT_MOE=1,LUCEBOX_MOE_SWIGLU_DOWN=1,LUCEBOX_PERSISTENT_FFN=1
+  laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna \
+    --size xs2 --type q4_k_m --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1 ) &
+  local writer=$!
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local big_writer=$!
+  step gpu-tests 170 env TRITON_INTERPRET=0 python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
+    tests/test_gdn_persistent_gpu.py tests/test_ffn_persistent_gpu.py tests/test_moe_persistent_gpu.py \
+    tests/test_moe_matvec_cuda.py
+  wait "$writer"
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default ffn:LUCEBOX_PERSISTENT_FFN=1 \
+    gdn:LUCEBOX_PERSISTENT_GDN=1 "both:$both"
+  variants laguna "$laguna" "-p 512 -n 128 -r 3" default moe:LUCEBOX_PERSISTENT_MOE=1 \
+    swiglu:LUCEBOX_MOE_SWIGLU_DOWN=1 "all:$all"
+  wait "$big_writer"; tail -qn1 "$RES"/synth_*.log
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default "both:$both"
+  step persistent-probe 100 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
+    | tee $RES/persistent_probe.txt"
+  mkdir -p "$RES/p08b" && step profile-08b-both 50 env LUCEBOX_PDL=0 ${both//,/ } \
+    python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
