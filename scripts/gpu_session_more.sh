@@ -319,7 +319,7 @@ s25_all() {  # ~9.5 min: every persistent switch's GPU tests and its tg128 A/B i
   local writer=$!
   ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local big_writer=$!
-  step gpu-tests 170 env TRITON_INTERPRET=0 python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
+  step gpu-tests 170 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
     tests/test_gdn_persistent_gpu.py tests/test_ffn_persistent_gpu.py tests/test_moe_persistent_gpu.py \
     tests/test_moe_matvec_cuda.py
   wait "$writer"
