@@ -608,7 +608,6 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         after_residual = getattr(mix, "after_residual", None)
         for layer in layers:
             ops = self._layer_ops(layer)
-            fused = None
             if pending is None:
                 mixed = mix(layer, ops.rms_norm(hidden, layer.input_layernorm, eps))
             elif after_residual is not None and (fused := after_residual(layer, pending, hidden, eps)) is not None:
