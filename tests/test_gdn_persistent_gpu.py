@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -20,14 +19,6 @@ pytestmark = [
 SHAPES = [(1024, 16, 16), (4096, 16, 32), (5120, 16, 48)]
 
 
-def _quant(name, ggml_type, rows, cols, seed):
-    from lucebox_core.kquants import random_blocks
-    from lucebox_core.quants import QuantTensor
-
-    raw = random_blocks(ggml_type, rows * cols, 0.05, np.random.default_rng(seed))
-    return QuantTensor(name, ggml_type, (rows, cols), torch.from_numpy(raw.copy()))
-
-
 @pytest.fixture
 def ops():
     from lucebox_cuda.backend import CudaBackend
@@ -37,33 +28,18 @@ def ops():
 
 
 def _mixer(ops, hidden, key_heads, value_heads, qkv_type, seed, norm_dtype=torch.bfloat16, fuse=True):
-    """A random mixer with a loaded model's tensor types, and a random state (a sequence some tokens in)."""
-    from lucebox_qwen35.model import GatedDeltaNet, GatedDeltaNetState
+    """test_gdn_persistent's random mixer and state (a sequence some tokens in), with a loaded model's tensor
+    types on the GPU: bf16 activations, conv weights and conv state, fp32 gates and recurrent state."""
+    from test_gdn_persistent import _mixer as cpu_mixer  # tests/ is on the path (pytest's rootdir import)
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    d = 128
-    channels, value_channels = (2 * key_heads + value_heads) * d, value_heads * d
-    mixer = GatedDeltaNet(
-        ops,
-        in_proj_qkv=_quant("qkv", qkv_type, channels, hidden, seed),
-        in_proj_z=_quant("z", T.Q4_K, value_channels, hidden, seed + 1),
-        in_proj_b=_quant("b", T.Q4_K, value_heads, hidden, seed + 2),
-        in_proj_a=_quant("a", T.Q4_K, value_heads, hidden, seed + 3),
-        conv1d=(torch.randn(channels, 4, device="cuda", generator=g) * 0.5).to(torch.bfloat16),
-        ssm_a=-torch.rand(value_heads, device="cuda", generator=g) * 4,
-        dt_bias=torch.randn(value_heads, device="cuda", generator=g),
-        norm=(torch.rand(d, device="cuda", generator=g) + 0.5).to(norm_dtype),
-        out_proj=_quant("out", T.Q4_K, hidden, value_channels, seed + 4),
-        num_k_heads=key_heads, num_v_heads=value_heads, head_k_dim=d, head_v_dim=d, eps=1e-6,
-    )
+    mixer, state, x = cpu_mixer(ops, hidden, key_heads, value_heads, qkv_type=qkv_type, seed=seed)
+    mixer.conv1d = mixer.conv1d.to("cuda", torch.bfloat16)
+    mixer.ssm_a, mixer.dt_bias = mixer.ssm_a.cuda(), mixer.dt_bias.cuda()
+    mixer.norm = mixer.norm.to("cuda", norm_dtype)
     if fuse:
         mixer.fuse_projections()
-    state = GatedDeltaNetState(
-        conv=torch.randn(1, 3, channels, device="cuda", generator=g).to(torch.bfloat16),
-        recurrent=torch.randn(1, value_heads, d, d, device="cuda", generator=g) * 0.1,
-    )
-    x = torch.randn(1, 1, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    return mixer, state, x
+    state.conv, state.recurrent = state.conv.to("cuda", torch.bfloat16), state.recurrent.cuda()
+    return mixer, state, x.to("cuda", torch.bfloat16)
 
 
 def _copy(state):
