@@ -45,6 +45,9 @@
 #                                           #   a 0.8B profile with it, llama-bench beside.     carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s25-all     # ~9.5 min: every persistent switch's GPU tests and tg128 A/B in one call
 #                                           #   (0.8B, Laguna-XS.2, 27B), the probe, a 0.8B profile. carry: .whl
+#   bash scripts/gpu_session.sh s26-dense   # ~9.5 min: the MLP's, Gated DeltaNet's and attention's persistent kernels:
+#                                           #   GPU tests, 0.8B tg128 default / each / all, 27B default / all, the probe,
+#                                           #   a 0.8B profile with all, llama-bench beside.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -332,6 +335,29 @@ s25_all() {  # ~9.5 min: every persistent switch's GPU tests and its tg128 A/B i
   step persistent-probe 100 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
     | tee $RES/persistent_probe.txt"
   mkdir -p "$RES/p08b" && step profile-08b-both 50 env LUCEBOX_PDL=0 ${both//,/ } \
+    python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s26_dense() {  # ~9.5 min: the dense decode step's persistent kernels (MLP, Gated DeltaNet, attention): their GPU tests,
+  #             0.8B tg128 default / each / all three, 27B default / all three, the probe, a 0.8B profile with all
+  #             three, llama-bench beside (built meanwhile, niced).                          carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$! all=LUCEBOX_PERSISTENT_FFN=1,LUCEBOX_PERSISTENT_GDN=1,LUCEBOX_PERSISTENT_ATTENTION=1
+  step attention-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_attention_persistent_gpu.py
+  step dense-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/test_gdn_persistent_gpu.py tests/test_ffn_persistent_gpu.py
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default ffn:LUCEBOX_PERSISTENT_FFN=1 gdn:LUCEBOX_PERSISTENT_GDN=1 \
+    attn:LUCEBOX_PERSISTENT_ATTENTION=1 "all:$all"
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default "all:$all"
+  llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  step persistent-probe 80 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
+    | tee $RES/persistent_probe.txt"
+  mkdir -p "$RES/p08b" && step profile-08b-all 50 env LUCEBOX_PDL=0 ${all//,/ } \
     python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0

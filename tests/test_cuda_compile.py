@@ -39,6 +39,10 @@ def test_source_compiles(source, arch):
             for suffix in ("sn", "xg"):
                 assert f"moe_persistent_{'_'.join(parts)}_{suffix}".encode() in cubin
             continue
+        if macro == "LUCEBOX_ATTENTION_PERSISTENT":  # the group size last, after a "g"
+            *types, group = parts
+            assert f"attention_persistent_{'_'.join(types)}_g{group}".encode() in cubin
+            continue
         if macro.startswith("LUCEBOX_MOE_MATVEC_MMA"):
             fmt, act, warps = parts
             kind = macro.removeprefix("LUCEBOX_MOE_MATVEC_MMA").lower()

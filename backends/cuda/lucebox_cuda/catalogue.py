@@ -634,6 +634,20 @@ def gdn_persistent(qkv_format: str, rest_format: str, activation: str, norm: str
     return KernelProgram("gdn_persistent.cu", [line]), name
 
 
+# The persistent gated attention (attention_persistent.cu): values it stages (the hidden size; the query channels).
+ATTENTION_PERSISTENT_STAGE_VALUES = 8192
+ATTENTION_PERSISTENT_THREADS = 128
+
+
+def attention_persistent(qk_format: str, v_format: str, o_format: str, activation: str, norm: str,
+                         group: int) -> tuple[KernelProgram, str]:
+    """The persistent gated attention for these formats (q | k rows, v rows, the output product), activation and
+    q/k norm weight types, and query heads a KV head."""
+    name = f"attention_persistent_{qk_format}_{v_format}_{o_format}_{activation}_{norm}_g{group}"
+    line = f"LUCEBOX_ATTENTION_PERSISTENT({qk_format}, {v_format}, {o_format}, {activation}, {norm}, {group})"
+    return KernelProgram("attention_persistent.cu", [line]), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -670,6 +684,11 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "gdn_persistent.cu": KernelProgram("gdn_persistent.cu", [
             f"LUCEBOX_GDN_PERSISTENT({q}, {r}, {a}, {n})" for q in MMA_FORMATS for r in MMA_FORMATS
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
+        # Each format in each place once, and Qwen3.5's group sizes (the kernel's registers grow with them).
+        "attention_persistent.cu": KernelProgram("attention_persistent.cu", [
+            f"LUCEBOX_ATTENTION_PERSISTENT({f}, {f}, {f}, {a}, {n}, 4)" for f in MMA_FORMATS
+            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]
+            + [f"LUCEBOX_ATTENTION_PERSISTENT(q4_k, q6_k, q4_k, bf16, f32, {g})" for g in (1, 6, 8)]),
         "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
             f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
             for f in MMA_FORMATS for a in acts for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]

@@ -24,7 +24,7 @@ import torch
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, add_shared_expert, concat_rows
 
-from . import catalogue, ffn_persistent, gdn_persistent, moe_persistent
+from . import attention_persistent, catalogue, ffn_persistent, gdn_persistent, moe_persistent
 
 # Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
 # kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
@@ -285,6 +285,32 @@ def add_rms_norm_gated_delta_net_(ops: Any, x: torch.Tensor, residual: torch.Ten
                                   mixer: Any, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's input add + norm and its Gated DeltaNet mixer in one persistent launch (LUCEBOX_PERSISTENT_GDN=1)."""
     return gdn_persistent.run(ops, x, mixer, state, residual=residual, input_norm=weight, input_eps=eps)
+
+
+def accepts_gated_attention_decode_(ops: Any, x: torch.Tensor, attention: Any, kv: Any, position: torch.Tensor,
+                                    window: int) -> bool:
+    return attention_persistent.takes(ops, x, attention, kv, position, window)
+
+
+def gated_attention_decode_(ops: Any, x: torch.Tensor, attention: Any, kv: Any, position: torch.Tensor,
+                            window: int) -> torch.Tensor:
+    """One token's gated attention in one persistent launch (`attention_persistent`, LUCEBOX_PERSISTENT_ATTENTION=1)."""
+    return attention_persistent.run(ops, x, attention, kv, position, window)
+
+
+def accepts_add_rms_norm_gated_attention_(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                          eps: float, attention: Any, kv: Any, position: torch.Tensor,
+                                          window: int) -> bool:
+    return attention_persistent.takes(ops, x, attention, kv, position, window, residual, weight)
+
+
+def add_rms_norm_gated_attention_(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  attention: Any, kv: Any, position: torch.Tensor,
+                                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's input add + norm and its gated attention in one persistent launch
+    (LUCEBOX_PERSISTENT_ATTENTION=1)."""
+    return attention_persistent.run(ops, x, attention, kv, position, window, residual=residual, input_norm=weight,
+                                    input_eps=eps)
 
 
 def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:

@@ -31,6 +31,8 @@ FAMILY_KERNEL_OPS = (
     "moe_experts_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)
     "gated_delta_net_decode_",  # a decode step's Gated DeltaNet mixer, one persistent launch (LUCEBOX_PERSISTENT_GDN)
     "add_rms_norm_gated_delta_net_",  # the same with the layer's input add + norm
+    "gated_attention_decode_",  # a decode step's gated attention, one persistent launch (LUCEBOX_PERSISTENT_ATTENTION)
+    "add_rms_norm_gated_attention_",  # the same with the layer's input add + norm
 )
 # A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route",
@@ -95,7 +97,9 @@ def lucebox_op_kernels():
                                                                                   "rms_norm", "add_rms_norm_swiglu",
                                                                                   "add_rms_norm_moe",
                                                                                   "gated_delta_net_decode_",
-                                                                                  "add_rms_norm_gated_delta_net_")
+                                                                                  "add_rms_norm_gated_delta_net_",
+                                                                                  "gated_attention_decode_",
+                                                                                  "add_rms_norm_gated_attention_")
                  else "Triton")
         for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
     ] + [

@@ -278,7 +278,12 @@ class GatedAttention:
 
     def decode_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:
         """One token `x` `[1, 1, hidden]` at the device position `position` `[1]`: its K/V written there,
-        attention over the first `window` positions masked past it. No host value but `window`."""
+        attention over the first `window` positions masked past it. No host value but `window`. One op, which a
+        backend may run as one launch."""
+        return self.ops.gated_attention_decode_(x, self, kv, position, window)
+
+    def decode_unfused(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache, window: int) -> torch.Tensor:
+        """`decode_static` op by op (the reference of `gated_attention_decode_`)."""
         query, gate, key, value = self._project(x, position)
         observe_query(kv, self.layer_index, query)
         write_rows(kv, self.ops, self.layer_index, position, key[0], value[0])
@@ -652,7 +657,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
                 return layer.linear_attn(x, state.linear[layer.index])
             return layer.self_attn.decode_static(x, self._local(layer, inputs.position), state.kv, window)
 
-        mix.after_residual = self._linear_after_residual(state)
+        mix.after_residual = self._after_residual(state, window, lambda layer: self._local(layer, inputs.position))
         taps: list[torch.Tensor] = []
         tapped = state.capture_layers if state.features is not None else ()
         hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
@@ -660,17 +665,21 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         return self.head_ops.linear(hidden, self.lm_head)[0]
 
     @staticmethod
-    def _linear_after_residual(state: Qwen35State) -> Any:
-        """A decode step's input add + norm and Gated DeltaNet mixer of a layer as one op
-        (`add_rms_norm_gated_delta_net_`, which a backend may run as one launch): `(layer, pending, hidden, eps) ->
-        (the mixer's output, hidden + pending)`, or None for an attention layer."""
+    def _after_residual(state: Qwen35State, window: int, position_of: Any) -> Any:
+        """A decode step's input add + norm and mixer of a layer as one op, which a backend may run as one launch
+        (`add_rms_norm_gated_delta_net_`, `add_rms_norm_gated_attention_`): `(layer, pending, hidden, eps) -> (the
+        mixer's output, hidden + pending)`. `position_of(layer)`: the token's device position on the layer's
+        device; `window`: the attention's."""
 
         def after_residual(layer: DecoderLayer, pending: torch.Tensor, hidden: torch.Tensor, eps: float) -> Any:
-            mixer = layer.linear_attn
-            if mixer is None or pending.shape[-2] != 1:
+            if pending.shape[-2] != 1:
                 return None
-            return mixer.ops.add_rms_norm_gated_delta_net_(pending, hidden, layer.input_layernorm, eps, mixer,
-                                                           state.linear[layer.index])
+            mixer, attention = layer.linear_attn, layer.self_attn
+            if mixer is not None:
+                return mixer.ops.add_rms_norm_gated_delta_net_(pending, hidden, layer.input_layernorm, eps, mixer,
+                                                               state.linear[layer.index])
+            return attention.ops.add_rms_norm_gated_attention_(pending, hidden, layer.input_layernorm, eps,
+                                                               attention, state.kv, position_of(layer), window)
 
         return after_residual
 
@@ -694,7 +703,7 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
                 return layer.linear_attn(x, state.linear[layer.index])
             return layer.self_attn.decode_static(x, inputs.position, state.kv, window)
 
-        mix.after_residual = self._linear_after_residual(state)
+        mix.after_residual = self._after_residual(state, window, lambda layer: inputs.position)
         tapped = state.capture_layers if state.features is not None else ()
         handed, hidden, pending = self._static_part_layers(part, inputs, mix, tapped)
         if part < len(self.part_layers) - 1:

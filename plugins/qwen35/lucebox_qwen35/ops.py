@@ -90,6 +90,27 @@ def add_rms_norm_gated_delta_net_(ops: Any, x: torch.Tensor, residual: torch.Ten
 
 
 @QWEN35_OPS.reference
+def gated_attention_decode_(ops: Any, x: torch.Tensor, attention: Any, kv: Any, position: torch.Tensor,
+                            window: int) -> torch.Tensor:
+    """One token through a whole gated attention (`model.GatedAttention`) in a static decode step, from its normed
+    input x `[1, 1, hidden]` at the device position `position` `[1]` to its output, its K/V row written in `kv`:
+    the attention's own path (`GatedAttention.decode_unfused`: its projections, `qk_norm_rope`, the cache's write,
+    `decode_attention` over the first `window` rows, `sigmoid_mul`, its output projection). One op so that a
+    backend may run the whole attention as one launch (lucebox-cuda's `LUCEBOX_PERSISTENT_ATTENTION`)."""
+    return attention.decode_unfused(x, position, kv, window)
+
+
+@QWEN35_OPS.reference
+def add_rms_norm_gated_attention_(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float, attention: Any, kv: Any, position: torch.Tensor,
+                                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's full-attention layer up to its attention's output: the residual add and the input norm
+    (`add_rms_norm`), then `gated_attention_decode_`. Returns `(the attention's output, residual + x)`."""
+    normed, summed = ops.add_rms_norm(x, residual, weight, eps)
+    return ops.gated_attention_decode_(normed, attention, kv, position, window), summed
+
+
+@QWEN35_OPS.reference
 def gated_delta_tree(
     ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
