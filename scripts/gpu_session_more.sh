@@ -48,6 +48,8 @@
 #   bash scripts/gpu_session.sh s26-dense   # ~9.5 min: the MLP's, Gated DeltaNet's and attention's persistent kernels:
 #                                           #   GPU tests, 0.8B tg128 default / each / all, 27B default / all, the probe,
 #                                           #   a 0.8B profile with all, llama-bench beside.  carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s26-check   # ~4 min: the persistent attention's GPU tests, the phase tests, 0.8B and 27B
+#                                           #   step profiles default / with the three dense persistent kernels. carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -360,6 +362,25 @@ s26_dense() {  # ~9.5 min: the dense decode step's persistent kernels (MLP, Gate
   mkdir -p "$RES/p08b" && step profile-08b-all 50 env LUCEBOX_PDL=0 ${all//,/ } \
     python3 scripts/bench_vs_llamacpp.py profile "$(model 0.8b)" --out "$RES/p08b"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s26_check() {  # ~4 min: the persistent attention's GPU tests (short tracebacks), the persistent kernels' phase tests,
+  #             decode step profiles of the 0.8B and the 27B, default and with the three dense persistent kernels. carry: .whl
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$! all=LUCEBOX_PERSISTENT_FFN=1,LUCEBOX_PERSISTENT_GDN=1,LUCEBOX_PERSISTENT_ATTENTION=1
+  step attention-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_attention_persistent_gpu.py tests/test_gdn_persistent_gpu.py::test_the_persistent_mixers_phases_are_the_unfused_ops \
+    tests/test_ffn_persistent_gpu.py::test_the_persistent_blocks_first_phase_is_the_unfused_products_and_swiglu
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  local size
+  for size in 0.8b 27b; do
+    mkdir -p "$RES/$size-default" "$RES/$size-all"
+    step "profile-$size-default" 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile "$(model $size)" \
+      --out "$RES/$size-default"
+    step "profile-$size-all" 60 env LUCEBOX_PDL=0 ${all//,/ } python3 scripts/bench_vs_llamacpp.py profile \
+      "$(model $size)" --out "$RES/$size-all"
+  done
   return 0
 }
 

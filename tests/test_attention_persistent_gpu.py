@@ -129,6 +129,7 @@ def test_the_persistent_attentions_phases_are_the_unfused_ops(ops, monkeypatch):
     monkeypatch.setenv(attention_persistent.ENV_SWITCH, "1")
     trace = {}
     with running_static_step(decode_only=True):
+        assert attention_persistent.takes(ops, x, attention, kv, position, 512)  # the counter, the frequencies
         attention_persistent.run(ops, x, attention, kv, position, 512, trace=trace)
     products = trace["products"]
     q_rows, kv_rows = heads * 512, kv_heads * 256

@@ -87,6 +87,7 @@ def test_the_persistent_blocks_first_phase_is_the_unfused_products_and_swiglu(ba
     monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
     trace = {}
     with running_static_step(decode_only=True):
+        assert ffn_persistent.takes(backend, x, residual, norm, gate_up, down)  # makes the barrier's counter
         ffn_persistent.run(backend, x, residual, norm, 1e-6, gate_up, down, trace=trace)
     normed, _ = backend.add_rms_norm(x, residual, norm, 1e-6)
     products = backend.linear(normed.reshape(1, -1), gate_up)[0]

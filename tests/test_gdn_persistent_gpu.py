@@ -121,6 +121,7 @@ def test_the_persistent_mixers_phases_are_the_unfused_ops(ops, monkeypatch):
     monkeypatch.setenv(gdn_persistent.ENV_SWITCH, "1")
     trace = {}
     with running_static_step(decode_only=True):
+        assert gdn_persistent.takes(ops, x, mixer, state)  # makes the barrier's counter
         gdn_persistent.run(ops, x, mixer, _copy(state), trace=trace)
     products = trace["products"]
     channels, value_channels, heads = mixer.conv1d.shape[0], 16 * 128, 16
