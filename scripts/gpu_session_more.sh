@@ -50,6 +50,8 @@
 #                                           #   a 0.8B profile with all, llama-bench beside.  carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s26-check   # ~4 min: the persistent attention's GPU tests, the phase tests, 0.8B and 27B
 #                                           #   step profiles default / with the three dense persistent kernels. carry: .whl
+#   bash scripts/gpu_session.sh s26-swiglu  # ~5 min: LUCEBOX_MOE_SWIGLU_DOWN on Laguna-XS.2: verify == decode with it on
+#                                           #   and off, tg128 default / on twice each.            carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -381,6 +383,23 @@ s26_check() {  # ~4 min: the persistent attention's GPU tests (short tracebacks)
     step "profile-$size-all" 60 env LUCEBOX_PDL=0 ${all//,/ } python3 scripts/bench_vs_llamacpp.py profile \
       "$(model $size)" --out "$RES/$size-all"
   done
+  return 0
+}
+
+s26_swiglu() {  # ~5 min: whether LUCEBOX_MOE_SWIGLU_DOWN can be Laguna's default: verify == decode to the bit with it on
+  #              and off (verify_determinism.py), tg128 default / on twice each, interleaved.        carry: .whl
+  local laguna switch round
+  laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW")
+  [ -s "$laguna" ] || python3 -m lucebox_core.cli synth --arch laguna --size xs2 --type q4_k_m \
+    --router-skew "$SPARK_SKEW" -o "$laguna" > "$RES/synth_laguna.log" 2>&1
+  for switch in 1 0; do
+    step "determinism-swiglu$switch" 100 sh -c "LUCEBOX_MOE_SWIGLU_DOWN=$switch python3 scripts/verify_determinism.py \
+      $laguna --prefix 300 --json $RES/determinism_swiglu$switch.json | tail -4"
+  done
+  for round in 1 2; do
+    variants "laguna-r$round" "$laguna" "-p 0 -n 128 -r 5" default swiglu:LUCEBOX_MOE_SWIGLU_DOWN=1
+  done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
 
