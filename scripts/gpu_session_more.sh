@@ -52,6 +52,7 @@
 #                                           #   step profiles default / with the three dense persistent kernels. carry: .whl
 #   bash scripts/gpu_session.sh s26-swiglu  # ~5 min: LUCEBOX_MOE_SWIGLU_DOWN on Laguna-XS.2: verify == decode with it on
 #                                           #   and off, tg128 default / on twice each.            carry: .whl
+#   bash scripts/gpu_session.sh s26-profile-moe  # ~3.5 min: Laguna-XS.2 and 35B-A3B step profiles (defaults). carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -400,6 +401,17 @@ s26_swiglu() {  # ~5 min: whether LUCEBOX_MOE_SWIGLU_DOWN can be Laguna's defaul
     variants "laguna-r$round" "$laguna" "-p 0 -n 128 -r 5" default swiglu:LUCEBOX_MOE_SWIGLU_DOWN=1
   done
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s26_profile_moe() {  # ~3.5 min: Laguna-XS.2's and the 35B-A3B's decode step profiles (defaults, no PDL).  carry: .whl
+  local laguna big arch
+  laguna=$(sparkmodel laguna xs2 "$SPARK_SKEW") big=$(sparkmodel qwen35moe 35b-a3b "$SPARK_SKEW")
+  moe_files "$laguna" "$big"; tail -qn1 "$RES"/synth_*.log 2>/dev/null
+  for arch in laguna qwen35moe; do
+    mkdir -p "$RES/$arch" && step "profile-$arch" 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py \
+      profile "$([ $arch = laguna ] && echo "$laguna" || echo "$big")" --out "$RES/$arch"
+  done
   return 0
 }
 
