@@ -222,7 +222,7 @@ def test_the_input_add_and_norm_is_refused_by_name_where_the_kernel_cannot_take_
 def test_a_fused_weights_rows_are_addressed_where_they_start():
     """The kernel reads k's rows (and v's) inside the fused q | k | v weight: the weight's start plus the rows
     before them, whole GGUF rows."""
-    from lucebox_cuda import attention_persistent
+    from lucebox_cuda import attention_persistent, ffn_persistent
     from lucebox_qwen35.ops import QWEN35_OPS
 
     ops = QWEN35_OPS.bind(TorchBackend("cpu", torch.float32, kernel_table_for={}))
@@ -239,7 +239,7 @@ def test_a_fused_weights_rows_are_addressed_where_they_start():
             return weight
 
     row_bytes = fused.data.numel() // fused.shape[0]
-    pointer = attention_persistent._pointer(_Device(), fused, q_rows + k_rows)
+    pointer = ffn_persistent.row_pointer(_Device(), fused, q_rows + k_rows)
     assert torch.equal(fused.data[(q_rows + k_rows) * row_bytes:], attention.v_proj.data)
     assert pointer.value == fused.data.data_ptr() + (q_rows + k_rows) * row_bytes
     attention.in_proj_parts = 2  # q | k fused, v apart (another GGUF type)

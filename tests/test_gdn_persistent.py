@@ -231,7 +231,7 @@ def test_the_input_add_and_norm_is_refused_by_name_where_the_kernel_cannot_take_
 def test_a_fused_weights_rows_are_addressed_where_they_start():
     """The kernel reads z's rows inside the fused qkv | z weight (and a's inside b | a): the pointer is the weight's
     start plus the rows before it, whole GGUF rows."""
-    from lucebox_cuda import gdn_persistent
+    from lucebox_cuda import ffn_persistent, gdn_persistent
     from lucebox_qwen35.ops import QWEN35_OPS
 
     ops = QWEN35_OPS.bind(TorchBackend("cpu", torch.float32, kernel_table_for={}))
@@ -245,7 +245,7 @@ def test_a_fused_weights_rows_are_addressed_where_they_start():
             return weight
 
     fused = mixer.in_proj_qkvz
-    pointer = gdn_persistent._pointer(_Device(), fused, mixer.conv1d.shape[0])
+    pointer = ffn_persistent.row_pointer(_Device(), fused, mixer.conv1d.shape[0])
     row_bytes = fused.data.numel() // fused.shape[0]
     z_bytes = fused.data[mixer.conv1d.shape[0] * row_bytes:]
     assert torch.equal(z_bytes, mixer.in_proj_z.data)

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import decode_only_kernels
 
 from . import catalogue, ffn_persistent
@@ -65,21 +64,13 @@ def _rows(attention: Any) -> dict[str, tuple[Any, int]]:
     return rows
 
 
-def _format(weight: Any, cols: int) -> str | None:
-    """The tensor-core format name of a 2-D GGUF weight with `cols` columns, or None."""
-    if not isinstance(weight, QuantTensor) or len(weight.shape) != 2 or weight.shape[1] != cols:
-        return None
-    name = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
-    return name if name in catalogue.MMA_FORMATS else None
-
-
 def formats(attention: Any, hidden: int) -> tuple[str, str, str] | None:
     """(q | k format, v format, o format) where the kernel takes the weights, else None: q and k of one format (a
     fused weight holds one; Q4_K_M files give v its own on some layers)."""
     rows = _rows(attention)
-    qk = {_format(rows[part][0], hidden) for part in ("q", "k")}
-    v = _format(rows["v"][0], hidden)
-    o = _format(attention.o_proj, attention.num_heads * attention.head_dim)
+    qk = {ffn_persistent.mma_format(rows[part][0], hidden) for part in ("q", "k")}
+    v = ffn_persistent.mma_format(rows["v"][0], hidden)
+    o = ffn_persistent.mma_format(attention.o_proj, attention.num_heads * attention.head_dim)
     if len(qk) != 1 or None in qk or v is None or o is None:
         return None
     return qk.pop(), v, o
@@ -196,12 +187,6 @@ def partition(window: int, kv_heads: int, units: int) -> tuple[int, int]:
     return span, -(-window // (WARPS * span))
 
 
-def _pointer(ops: Any, weight: QuantTensor, first_row: int) -> Pointer:
-    """The device address of `weight`'s row `first_row` (rows of one GGUF type are whole blocks: equal bytes)."""
-    data = ops.device_weight(weight).data
-    return Pointer(data.data_ptr() + first_row * (data.numel() // weight.shape[0]))
-
-
 def run(ops: Any, x: torch.Tensor, attention: Any, kv: Any, position: torch.Tensor, window: int, *,
         residual: torch.Tensor | None = None, input_norm: torch.Tensor | None = None, input_eps: float = 0.0,
         trace: dict[str, torch.Tensor] | None = None) -> Any:
@@ -237,7 +222,7 @@ def run(ops: Any, x: torch.Tensor, attention: Any, kv: Any, position: torch.Tens
                 Pointer(residual.data_ptr() if residual is not None else 0),
                 Pointer(input_norm.data_ptr() if residual is not None else 0),
                 Pointer(summed.data_ptr() if summed is not None else 0),
-                *(_pointer(ops, *rows[part]) for part in ("q", "k", "v", "o")),
+                *(ffn_persistent.row_pointer(ops, *rows[part]) for part in ("q", "k", "v", "o")),
                 Pointer(attention.q_norm.data_ptr()), Pointer(attention.k_norm.data_ptr()),
                 Pointer(_inv_freq(ops, attention.rope_dim, attention.rope_theta, make=False).data_ptr()),
                 Pointer(position.data_ptr()), Pointer(keys.data_ptr()), Pointer(values.data_ptr()),

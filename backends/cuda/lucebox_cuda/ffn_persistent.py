@@ -47,12 +47,22 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "0") == "1"
 
 
-def _format(weight: Any, rows: int, cols: int) -> str | None:
-    """The tensor-core format name of a 2-D GGUF weight `[rows, cols]`, or None."""
-    if not isinstance(weight, QuantTensor) or tuple(weight.shape) != (rows, cols):
+def mma_format(weight: Any, cols: int, rows: int | None = None) -> str | None:
+    """The tensor-core format name of a 2-D GGUF weight with `cols` columns (and `rows` rows, where given), or None:
+    what every persistent kernel's products read."""
+    if not isinstance(weight, QuantTensor) or len(weight.shape) != 2 or weight.shape[1] != cols:
+        return None
+    if rows is not None and weight.shape[0] != rows:
         return None
     name = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
     return name if name in catalogue.MMA_FORMATS else None
+
+
+def row_pointer(ops: Any, weight: QuantTensor, first_row: int) -> Pointer:
+    """The device address of `weight`'s row `first_row` (rows of one GGUF type are whole blocks: equal bytes), for a
+    kernel that reads one part of a fused weight."""
+    data = ops.device_weight(weight).data
+    return Pointer(data.data_ptr() + first_row * (data.numel() // weight.shape[0]))
 
 
 def token_refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -83,7 +93,7 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, gate_
         return f"hidden {hidden} / intermediate {inter} (at most {catalogue.FFN_PERSISTENT_MAX_VALUES})"
     if hidden % 256 or inter % 256:
         return f"hidden {hidden} / intermediate {inter} (whole 256-value blocks)"
-    if _format(gate_up, 2 * inter, hidden) is None or _format(down, hidden, inter) is None:
+    if mma_format(gate_up, hidden, 2 * inter) is None or mma_format(down, inter, hidden) is None:
         return "weights not of a tensor-core K-quant format, or of other shapes"
     return None
 
@@ -155,7 +165,7 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     hidden = x.shape[-1]
     inter = gate_up.shape[0] // 2
     activation = ACTIVATIONS[x.dtype]
-    program, name = catalogue.ffn_persistent(_format(gate_up, 2 * inter, hidden), _format(down, hidden, inter),
+    program, name = catalogue.ffn_persistent(mma_format(gate_up, hidden, 2 * inter), mma_format(down, inter, hidden),
                                              activation, NORM_WEIGHTS[weight.dtype])
     grid = grid_size(ops, program, name, max(inter, hidden) // TILE)
     x, residual = x.contiguous(), residual.contiguous()

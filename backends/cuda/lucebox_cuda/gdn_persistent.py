@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import decode_only_kernels
 
 from . import catalogue, ffn_persistent
@@ -55,22 +54,14 @@ def _rows(mixer: Any) -> dict[str, tuple[Any, int]]:
     return {"qkv": qkv, "z": z, "b": b, "a": a, "out": (mixer.out_proj, 0)}
 
 
-def _format(weight: Any, cols: int) -> str | None:
-    """The tensor-core format name of a 2-D GGUF weight with `cols` columns, or None."""
-    if not isinstance(weight, QuantTensor) or len(weight.shape) != 2 or weight.shape[1] != cols:
-        return None
-    name = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
-    return name if name in catalogue.MMA_FORMATS else None
-
-
 def formats(mixer: Any, hidden: int) -> tuple[str, str] | None:
     """(the qkv rows' format, every other product's) where the kernel takes the weights, else None: the qkv rows
     may be of their own format (Q4_K_M files give every layer's `attn_qkv` Q6_K on some layers), z, b, a and the
     output product share one (a fused weight holds one format)."""
     rows = _rows(mixer)
-    qkv = _format(rows["qkv"][0], hidden)
-    rest = {_format(rows[part][0], hidden) for part in ("z", "b", "a")}
-    rest.add(_format(mixer.out_proj, mixer.num_v_heads * mixer.head_v_dim))
+    qkv = ffn_persistent.mma_format(rows["qkv"][0], hidden)
+    rest = {ffn_persistent.mma_format(rows[part][0], hidden) for part in ("z", "b", "a")}
+    rest.add(ffn_persistent.mma_format(mixer.out_proj, mixer.num_v_heads * mixer.head_v_dim))
     if qkv is None or len(rest) != 1 or None in rest:
         return None
     return qkv, rest.pop()
@@ -152,12 +143,6 @@ def takes(ops: Any, x: torch.Tensor, mixer: Any, state: Any, residual: torch.Ten
     return ffn_persistent.counter(ops, make=not torch.cuda.is_current_stream_capturing()) is not None
 
 
-def _pointer(ops: Any, weight: QuantTensor, first_row: int) -> Pointer:
-    """The device address of `weight`'s row `first_row` (rows of one GGUF type are whole blocks: equal bytes)."""
-    data = ops.device_weight(weight).data
-    return Pointer(data.data_ptr() + first_row * (data.numel() // weight.shape[0]))
-
-
 def run(ops: Any, x: torch.Tensor, mixer: Any, state: Any, *, residual: torch.Tensor | None = None,
         input_norm: torch.Tensor | None = None, input_eps: float = 0.0,
         trace: dict[str, torch.Tensor] | None = None) -> Any:
@@ -188,7 +173,7 @@ def run(ops: Any, x: torch.Tensor, mixer: Any, state: Any, *, residual: torch.Te
                 Pointer(residual.data_ptr() if residual is not None else 0),
                 Pointer(input_norm.data_ptr() if residual is not None else 0),
                 Pointer(summed.data_ptr() if summed is not None else 0),
-                *(_pointer(ops, *rows[part]) for part in ("qkv", "z", "b", "a", "out")),
+                *(ffn_persistent.row_pointer(ops, *rows[part]) for part in ("qkv", "z", "b", "a", "out")),
                 Pointer(mixer.conv1d.data_ptr()), Pointer(mixer.ssm_a.data_ptr()), Pointer(mixer.dt_bias.data_ptr()),
                 Pointer(mixer.norm.data_ptr()), Pointer(state.conv.data_ptr()), Pointer(state.recurrent.data_ptr()),
                 Pointer(products.data_ptr()), Pointer(core.data_ptr()), Pointer(out.data_ptr()),

@@ -141,12 +141,7 @@ __device__ __forceinline__ void attention_persistent_body(
     const i64 position = *position_ptr;  // the launch ahead may have written it (a graph's input buffer)
 
     // Phase 1: the normed input in shared memory (add + norm, or the input as it is), then the products' tiles.
-    if (residual != nullptr) {
-        add_rms_norm_staged(x, residual, input_norm, input_eps, hidden, staged, summed_out);
-    } else {
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) staged[i] = x[i];
-        __syncthreads();
-    }
+    stage_layer_input(x, residual, input_norm, input_eps, hidden, staged, summed_out);
     const int q_tiles = q_rows / ATTN_TILE, kv_tiles = kv_rows / ATTN_TILE;
     for (int tile = blockIdx.x; tile < q_tiles + 2 * kv_tiles; tile += gridDim.x) {
         if (tile < q_tiles) {

@@ -89,12 +89,7 @@ __device__ __forceinline__ void gdn_persistent_body(
     // Phase 1: the normed input in shared memory: the residual add and the layer's input norm, each block its own
     // copy (block 0 stores the sum), or without a residual the input as it is (normed by the launch ahead). Then
     // the four products' tiles.
-    if (residual != nullptr) {
-        add_rms_norm_staged(x, residual, input_norm, input_eps, hidden, staged, summed_out);
-    } else {
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) staged[i] = x[i];
-        __syncthreads();
-    }
+    stage_layer_input(x, residual, input_norm, input_eps, hidden, staged, summed_out);
     const int qkv_tiles = channels / GDN_TILE, z_tiles = value_channels / GDN_TILE, ba_tiles = value_heads / GDN_TILE;
     for (int tile = blockIdx.x; tile < qkv_tiles + z_tiles + 2 * ba_tiles; tile += gridDim.x) {
         if (tile < qkv_tiles) {

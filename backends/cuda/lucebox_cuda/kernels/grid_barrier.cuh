@@ -1,4 +1,4 @@
-// What the persistent kernels (ffn_persistent.cu, moe_persistent.cu) share: a barrier across the whole grid, a
+// What the persistent kernels (ffn_, moe_, gdn_, attention_persistent.cu) share: a barrier across the whole grid, a
 // block-wide sum, the staging of rows other blocks wrote, and the add + RMSNorm of their first phase.
 //
 // The grid must be resident all at once (the barrier waits for every block): the launchers size it from the
@@ -77,5 +77,20 @@ __device__ __forceinline__ void add_rms_norm_staged(const X* __restrict__ x, con
     const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
         staged[i] = from_float<X>(__fmul_rn(__fmul_rn(to_float(staged[i]), inverse_rms), to_float(norm[i])));
+    __syncthreads();
+}
+
+// A persistent mixer's first phase (gdn_persistent.cu, attention_persistent.cu): with a residual, the layer's input
+// add + norm into `staged` as `add_rms_norm_staged` (block 0 stores the sum); without one, the input as it is (the
+// launch ahead normed it). Ends with the block synchronised.
+template <class X, class Nw>
+__device__ __forceinline__ void stage_layer_input(const X* __restrict__ x, const X* __restrict__ residual,
+                                                  const Nw* __restrict__ norm, float eps, int hidden, X* staged,
+                                                  X* __restrict__ summed_out) {
+    if (residual != nullptr) {
+        add_rms_norm_staged(x, residual, norm, eps, hidden, staged, summed_out);
+        return;
+    }
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) staged[i] = x[i];
     __syncthreads();
 }
