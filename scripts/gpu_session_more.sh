@@ -53,6 +53,7 @@
 #   bash scripts/gpu_session.sh s26-swiglu  # ~5 min: LUCEBOX_MOE_SWIGLU_DOWN on Laguna-XS.2: verify == decode with it on
 #                                           #   and off, tg128 default / on twice each.            carry: .whl
 #   bash scripts/gpu_session.sh s26-profile-moe  # ~3.5 min: Laguna-XS.2 and 35B-A3B step profiles (defaults). carry: .whl
+#   bash scripts/gpu_session.sh s26-probe   # ~1.5 min: persistent_probe.py alone (incl. the MLP's 32-row tiles). carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -412,6 +413,14 @@ s26_profile_moe() {  # ~3.5 min: Laguna-XS.2's and the 35B-A3B's decode step pro
     mkdir -p "$RES/$arch" && step "profile-$arch" 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py \
       profile "$([ $arch = laguna ] && echo "$laguna" || echo "$big")" --out "$RES/$arch"
   done
+  return 0
+}
+
+s26_probe() {  # ~1.5 min: scripts/persistent_probe.py alone (each persistent kernel against the kernels it replaces,
+  #             the MLP's 16- and 32-row tiles at 1-4 blocks an SM), its rows on stdout.          carry: .whl
+  step persistent-probe 120 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
+    | tee $RES/persistent_probe.txt"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
 

@@ -4,7 +4,9 @@ For each MLP shape (Qwen3.5-0.8B's, Laguna-XS.2's leading dense one, the 27B's; 
 Q4_K_M file has them on its `use_more_bits` layers, and Q4_K), random operands, bf16 activations: the op
 `add_rms_norm_swiglu` on the CUDA backend inside a static step (PDL as in a decode step) with
 LUCEBOX_PERSISTENT_FFN=0 (`four`) and =1 at 2 blocks an SM (`persistent`, the default), 1 and 4
-(`persistent_b1`, `persistent_b4`; LUCEBOX_PERSISTENT_FFN_BLOCKS). Each is warmed up, REPEAT calls are recorded in one CUDA graph and the graph is
+(`persistent_b1`, `persistent_b4`; LUCEBOX_PERSISTENT_FFN_BLOCKS), and with 32-row tiles at 1 and 2 blocks an SM
+(`persistent_r2_b1`, `persistent_r2_b2`; LUCEBOX_PERSISTENT_FFN_ROW_TILES=2; `r2_equal`: their outputs are the
+16-row tiles' to the bit). Each is warmed up, REPEAT calls are recorded in one CUDA graph and the graph is
 replayed; the figure is the median per call over REPLAYS, with the weights' bytes a call over that time (GB/s)
 beside the copy bandwidth measured here (a device-to-device copy of 1 GiB). Outputs are compared (max abs
 difference, share of equal values).
@@ -105,14 +107,22 @@ def main() -> None:
             row = {"shape": name, "hidden": hidden, "inter": inter, "down": down_type.name,
                    "weight_bytes": weight_bytes, "copy_gb_s": round(bandwidth)}
             outs = {}
-            for switch, label, blocks in (("0", "four", "2"), ("1", "persistent", "2"), ("1", "persistent_b1", "1"),
-                                          ("1", "persistent_b4", "4")):
+            # (switch, label, blocks an SM, row tiles): 32-row tiles at 1 and 2 blocks an SM test session 26's
+            # reading that a block's tiles one after another, nothing in flight between them, are the cost.
+            for switch, label, blocks, tiles in (("0", "four", "2", "1"), ("1", "persistent", "2", "1"),
+                                                 ("1", "persistent_b1", "1", "1"), ("1", "persistent_b4", "4", "1"),
+                                                 ("1", "persistent_r2_b1", "1", "2"),
+                                                 ("1", "persistent_r2_b2", "2", "2")):
                 os.environ[ffn_persistent.ENV_SWITCH] = switch
                 os.environ[ffn_persistent.BLOCKS_ENV] = blocks
+                os.environ[ffn_persistent.ROW_TILES_ENV] = tiles
                 outs[label] = measure(row, label, weight_bytes,
                                       lambda: backend.add_rms_norm_swiglu(x, residual, norm, 1e-6, gate_up, down)[0])
             compare(row, outs["four"], outs["persistent"], row["four_us"])
+            row["r2_equal"] = all(bool(torch.equal(outs["persistent"], outs[label]))
+                                  for label in ("persistent_r2_b1", "persistent_r2_b2"))
             os.environ[ffn_persistent.BLOCKS_ENV] = "2"
+            os.environ[ffn_persistent.ROW_TILES_ENV] = "1"
             row["grid"] = ffn_persistent.grid_size(backend, *_program(gate_up, down), max(hidden, inter) // 16)
             rows.append(row)
             print(json.dumps(row))
@@ -120,6 +130,7 @@ def main() -> None:
     rows += moe_rows(backend, bandwidth)
     rows += gdn_rows(backend, bandwidth)
     os.environ.pop(ffn_persistent.BLOCKS_ENV, None)
+    os.environ.pop(ffn_persistent.ROW_TILES_ENV, None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -53,6 +53,7 @@ def test_source_compiles(source, arch):
                 "LUCEBOX_RMS_NORM": "rms_norm", "LUCEBOX_MOE_MATVEC": "moe_matvec",
                 "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged", "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair",
                 "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged", "LUCEBOX_FFN_PERSISTENT": "ffn_persistent",
+                "LUCEBOX_FFN_PERSISTENT_R2": "ffn_persistent_r2",
                 "LUCEBOX_GDN_PERSISTENT": "gdn_persistent"}[macro]
         assert f"{name}_{'_'.join(parts)}".encode() in cubin
 

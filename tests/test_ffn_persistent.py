@@ -191,3 +191,17 @@ def test_a_bad_blocks_per_sm_setting_is_refused_by_name(value, monkeypatch):
         ffn_persistent.blocks_per_sm()
     monkeypatch.setenv(ffn_persistent.BLOCKS_ENV, "3")
     assert ffn_persistent.blocks_per_sm() == 3
+
+
+@pytest.mark.parametrize("value", ["0", "3", "two"])
+def test_a_bad_row_tiles_setting_is_refused_by_name(value, monkeypatch):
+    from lucebox_cuda import catalogue, ffn_persistent
+
+    monkeypatch.setenv(ffn_persistent.ROW_TILES_ENV, value)
+    with pytest.raises(ValueError, match=ffn_persistent.ROW_TILES_ENV):
+        ffn_persistent.row_tiles()
+    monkeypatch.setenv(ffn_persistent.ROW_TILES_ENV, "2")
+    assert ffn_persistent.row_tiles() == 2
+    program, name = catalogue.ffn_persistent("q4_k", "q6_k", "bf16", "f32", row_tiles=2)
+    assert name == "ffn_persistent_r2_q4_k_q6_k_bf16_f32" and program.instantiations[0].startswith(
+        "LUCEBOX_FFN_PERSISTENT_R2(")

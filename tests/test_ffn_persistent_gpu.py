@@ -76,6 +76,26 @@ def test_the_persistent_block_equals_the_four_kernels(shape, down_type, norm_dty
     assert (out == want_out).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("shape", SHAPES[::2])
+def test_32_row_tiles_give_the_16_row_tiles_bits(shape, backend, monkeypatch):
+    """LUCEBOX_PERSISTENT_FFN_ROW_TILES=2 (session 26's A/B of the tile loop): the same body with two row tiles a
+    step, so every output to the bit, at one block an SM (its default) and at two."""
+    from lucebox_core.static_step import running_static_step
+    from lucebox_cuda import ffn_persistent
+
+    operands = _operands(*shape, T.Q6_K, 5)
+    monkeypatch.setenv(ffn_persistent.ENV_SWITCH, "1")
+    results = []
+    for tiles, blocks in (("1", "2"), ("2", "1"), ("2", "2")):
+        monkeypatch.setenv(ffn_persistent.ROW_TILES_ENV, tiles)
+        monkeypatch.setenv(ffn_persistent.BLOCKS_ENV, blocks)
+        with running_static_step(decode_only=True):
+            assert ffn_persistent.takes(backend, *operands)
+            results.append(backend.add_rms_norm_swiglu(*operands[:3], 1e-6, *operands[3:]))
+    for out, summed in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(summed, results[0][1])
+
+
 def test_the_persistent_blocks_first_phase_is_the_unfused_products_and_swiglu(backend, monkeypatch):
     """Phase 1 alone, against the unfused kernels on the unfused norm's output: the gate | up products within a
     rounding (the norm may differ in a last bit), and the SwiGLU row of the kernel's own products to the bit where

@@ -595,10 +595,14 @@ FFN_PERSISTENT_MAX_VALUES = 18432
 FFN_PERSISTENT_THREADS = 128
 
 
-def ffn_persistent(gate_up_format: str, down_format: str, activation: str, norm: str) -> tuple[KernelProgram, str]:
-    """The persistent SwiGLU block for these formats (gate | up fused, down), activation and norm-weight types."""
-    name = f"ffn_persistent_{gate_up_format}_{down_format}_{activation}_{norm}"
-    line = f"LUCEBOX_FFN_PERSISTENT({gate_up_format}, {down_format}, {activation}, {norm})"
+def ffn_persistent(gate_up_format: str, down_format: str, activation: str, norm: str,
+                   row_tiles: int = 1) -> tuple[KernelProgram, str]:
+    """The persistent SwiGLU block for these formats (gate | up fused, down), activation and norm-weight types, with
+    16-row tiles or (`row_tiles` 2) 32-row ones."""
+    prefix, macro = ("ffn_persistent", "LUCEBOX_FFN_PERSISTENT") if row_tiles == 1 else (
+        "ffn_persistent_r2", "LUCEBOX_FFN_PERSISTENT_R2")
+    name = f"{prefix}_{gate_up_format}_{down_format}_{activation}_{norm}"
+    line = f"{macro}({gate_up_format}, {down_format}, {activation}, {norm})"
     return KernelProgram("ffn_persistent.cu", [line]), name
 
 
@@ -680,7 +684,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
         "ffn_persistent.cu": KernelProgram("ffn_persistent.cu", [
             f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
-            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
+            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]
+            + [f"LUCEBOX_FFN_PERSISTENT_R2({f}, {f}, {a}, f32)" for f in MMA_FORMATS
+               for a in FFN_PERSISTENT_ACTIVATIONS]),
         "gdn_persistent.cu": KernelProgram("gdn_persistent.cu", [
             f"LUCEBOX_GDN_PERSISTENT({q}, {r}, {a}, {n})" for q in MMA_FORMATS for r in MMA_FORMATS
             for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),

@@ -36,6 +36,9 @@ from .nvrtc import Float, Int, Pointer, ensure_context
 
 ENV_SWITCH = "LUCEBOX_PERSISTENT_FFN"
 BLOCKS_ENV = "LUCEBOX_PERSISTENT_FFN_BLOCKS"
+# 1 (16-row tiles) or 2 (32-row tiles, the same bits): for the probe's A/B of session 26's reading that a block's
+# tiles, one after another with nothing in flight between them, are what makes the kernel slow.
+ROW_TILES_ENV = "LUCEBOX_PERSISTENT_FFN_ROW_TILES"
 DEFAULT_BLOCKS_PER_SM = 2
 TILE = 16  # output rows a block computes at a time (the tensor-core body's M)
 ACTIVATIONS = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -133,6 +136,14 @@ def blocks_per_sm(default: int = DEFAULT_BLOCKS_PER_SM) -> int:
     return int(asked)
 
 
+def row_tiles() -> int:
+    """16-row tiles a block computes at a time (`LUCEBOX_PERSISTENT_FFN_ROW_TILES`: 1, the default, or 2)."""
+    asked = os.environ.get(ROW_TILES_ENV, "1").strip()
+    if asked not in ("1", "2"):
+        raise ValueError(f"{ROW_TILES_ENV} must be 1 or 2, not {asked!r}")
+    return int(asked)
+
+
 def grid_size(ops: Any, program: Any, name: str, tiles: int, per_sm: int = DEFAULT_BLOCKS_PER_SM,
               threads: int = catalogue.FFN_PERSISTENT_THREADS) -> int:
     """Blocks for a launch over `tiles` row tiles (the larger phase's): the SM count times the blocks an SM holds
@@ -165,9 +176,11 @@ def run(ops: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     hidden = x.shape[-1]
     inter = gate_up.shape[0] // 2
     activation = ACTIVATIONS[x.dtype]
+    tiles = row_tiles()  # hidden and inter are whole 256-value blocks (`refusal`): whole 32-row tiles too
     program, name = catalogue.ffn_persistent(mma_format(gate_up, hidden, 2 * inter), mma_format(down, inter, hidden),
-                                             activation, NORM_WEIGHTS[weight.dtype])
-    grid = grid_size(ops, program, name, max(inter, hidden) // TILE)
+                                             activation, NORM_WEIGHTS[weight.dtype], tiles)
+    # 32-row tiles take ~200-255 registers (2 blocks an SM): one a SM by default, for the barrier's margin.
+    grid = grid_size(ops, program, name, max(inter, hidden) // (TILE * tiles), per_sm=DEFAULT_BLOCKS_PER_SM // tiles)
     x, residual = x.contiguous(), residual.contiguous()
     summed = torch.empty_like(residual)
     out = torch.empty_like(residual)

@@ -29,7 +29,8 @@
 // The barrier (grid_barrier.cuh) needs no reset between launches.
 //
 // LUCEBOX_FFN_PERSISTENT(gate_up format, down format, activation, norm weight) defines
-// `ffn_persistent_<gate_up>_<down>_<activation>_<norm>`: launch with 128 threads a block.
+// `ffn_persistent_<gate_up>_<down>_<activation>_<norm>` (LUCEBOX_FFN_PERSISTENT_R2: `ffn_persistent_r2_...`, 32-row
+// tiles): launch with 128 threads a block.
 #include "grid_barrier.cuh"
 #include "matvec_mma_body.cuh"
 #include "triton_math.cuh"
@@ -40,7 +41,7 @@ constexpr int FFN_TILE = 16;
 // intermediate values with room; with the products' partial sums under the 48 KiB of static shared memory.
 constexpr int FFN_STAGE_VALUES = 18432;
 
-template <class Wg, class Wd, class X, class Nw>
+template <class Wg, class Wd, class X, class Nw, int ROW_TILES>
 __device__ __forceinline__ void ffn_persistent_body(
     const u8* __restrict__ gate_up, const u8* __restrict__ down, const X* __restrict__ x,
     const X* __restrict__ residual, const Nw* __restrict__ norm, X* __restrict__ summed_out,
@@ -54,15 +55,17 @@ __device__ __forceinline__ void ffn_persistent_body(
     // Phase 1: the add and the norm, each block its own copy.
     add_rms_norm_staged(x, residual, norm, eps, hidden, staged, summed_out);
 
-    // Gate and up tiles, then their SwiGLU.
-    const int gate_tiles = inter / FFN_TILE;
+    // Gate and up tiles (16 * ROW_TILES rows each), then their SwiGLU.
+    constexpr int rows_a_tile = FFN_TILE * ROW_TILES;
+    const int gate_tiles = inter / rows_a_tile;
     for (int tile = blockIdx.x; tile < gate_tiles; tile += gridDim.x) {
-        const int row0 = tile * FFN_TILE;
-        matvec_mma_rows<Wg, X, 1, FFN_WARPS, 1>(gate_up, staged, products, 2 * inter, hidden, 1, row0);
+        const int row0 = tile * rows_a_tile;
+        matvec_mma_rows<Wg, X, 1, FFN_WARPS, ROW_TILES>(gate_up, staged, products, 2 * inter, hidden, 1, row0);
         __syncthreads();  // the body's shared partial sums are reused by the next call
-        matvec_mma_rows<Wg, X, 1, FFN_WARPS, 1>(gate_up, staged, products, 2 * inter, hidden, 1, inter + row0);
+        matvec_mma_rows<Wg, X, 1, FFN_WARPS, ROW_TILES>(gate_up, staged, products, 2 * inter, hidden, 1,
+                                                        inter + row0);
         __syncthreads();  // both products of the tile are stored (by this block: visible to it now)
-        if (threadIdx.x < FFN_TILE) {
+        if (threadIdx.x < rows_a_tile) {
             const int row = row0 + threadIdx.x;
             const float silu = triton_silu_rounded<X>(to_float(products[row]));
             act[row] = from_float<X>(__fmul_rn(silu, to_float(products[inter + row])));
@@ -71,23 +74,28 @@ __device__ __forceinline__ void ffn_persistent_body(
     grid_barrier(arrived);
 
     // Phase 2: the down product over every block's SwiGLU rows (blocks past its tiles are done).
-    const int down_tiles = (hidden + FFN_TILE - 1) / FFN_TILE;
+    const int down_tiles = (hidden + rows_a_tile - 1) / rows_a_tile;
     if (blockIdx.x >= down_tiles) return;  // the whole block: no barrier follows
     grid_stage(reinterpret_cast<const u16*>(act), reinterpret_cast<u16*>(staged), inter);
     for (int tile = blockIdx.x; tile < down_tiles; tile += gridDim.x) {
-        matvec_mma_rows<Wd, X, 1, FFN_WARPS, 1>(down, staged, out, hidden, inter, 1, tile * FFN_TILE);
+        matvec_mma_rows<Wd, X, 1, FFN_WARPS, ROW_TILES>(down, staged, out, hidden, inter, 1, tile * rows_a_tile);
         __syncthreads();
     }
 }
 
-#define LUCEBOX_FFN_PERSISTENT(GATE_UP, DOWN, ACT, NORM)                                                      \
+#define LUCEBOX_FFN_PERSISTENT_ROWS(PREFIX, ROW_TILES, GATE_UP, DOWN, ACT, NORM)                              \
     extern "C" __global__ void __launch_bounds__(32 * FFN_WARPS)                                             \
-        ffn_persistent_##GATE_UP##_##DOWN##_##ACT##_##NORM(                                                   \
+        PREFIX##_##GATE_UP##_##DOWN##_##ACT##_##NORM(                                                         \
             const u8* __restrict__ gate_up, const u8* __restrict__ down, const ACT* __restrict__ x,            \
             const ACT* __restrict__ residual, const NORM* __restrict__ norm, ACT* __restrict__ summed_out,     \
             ACT* __restrict__ products, ACT* __restrict__ act, ACT* __restrict__ out,                          \
             unsigned int* __restrict__ arrived, int hidden, int inter, float eps) {                          \
-        ffn_persistent_body<Mma_##GATE_UP, Mma_##DOWN, ACT, NORM>(gate_up, down, x, residual, norm,           \
-                                                                   summed_out, products, act, out, arrived,   \
-                                                                   hidden, inter, eps);                       \
+        ffn_persistent_body<Mma_##GATE_UP, Mma_##DOWN, ACT, NORM, ROW_TILES>(                                 \
+            gate_up, down, x, residual, norm, summed_out, products, act, out, arrived, hidden, inter, eps);    \
     }
+#define LUCEBOX_FFN_PERSISTENT(GATE_UP, DOWN, ACT, NORM) \
+    LUCEBOX_FFN_PERSISTENT_ROWS(ffn_persistent, 1, GATE_UP, DOWN, ACT, NORM)
+// Two row tiles a step (`ffn_persistent_r2_...`): the same bits (a row's arithmetic does not depend on
+// ROW_TILES), twice the weight rows in flight a warp and half the steps; the rows a multiple of 32.
+#define LUCEBOX_FFN_PERSISTENT_R2(GATE_UP, DOWN, ACT, NORM) \
+    LUCEBOX_FFN_PERSISTENT_ROWS(ffn_persistent_r2, 2, GATE_UP, DOWN, ACT, NORM)
