@@ -54,6 +54,8 @@
 #                                           #   and off, tg128 default / on twice each.            carry: .whl
 #   bash scripts/gpu_session.sh s26-profile-moe  # ~3.5 min: Laguna-XS.2 and 35B-A3B step profiles (defaults). carry: .whl
 #   bash scripts/gpu_session.sh s26-probe   # ~1.5 min: persistent_probe.py alone (incl. the MLP's 32-row tiles). carry: .whl
+#   bash scripts/gpu_session.sh s27-tiled   # ~3 min: tiled_probe.py (the tiled-layout matvec against the row-major
+#                                           #   kernels on the 27B / 0.8B shapes), then persistent_probe.py. carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -420,6 +422,16 @@ s26_probe() {  # ~1.5 min: scripts/persistent_probe.py alone (each persistent ke
   #             the MLP's 16- and 32-row tiles at 1-4 blocks an SM), its rows on stdout.          carry: .whl
   step persistent-probe 120 sh -c "python3 scripts/persistent_probe.py --json $RES/persistent_probe.json \
     | tee $RES/persistent_probe.txt"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s27_tiled() {  # ~3 min: scripts/tiled_probe.py (the tiled layout's kernel against the row-major ones, bits and GB/s),
+  #              then persistent_probe.py (the MLP's 32-row tiles).                                 carry: .whl
+  step tiled-probe 390 sh -c "python3 scripts/tiled_probe.py --json $RES/tiled_probe.json | tee $RES/tiled_probe.txt"
+  [ -n "${NO_PERSISTENT:-}" ] || step persistent-probe 120 sh -c "python3 scripts/persistent_probe.py \
+    --json $RES/persistent_probe.json > $RES/persistent_probe.txt; grep -o '\"shape[^}]*' $RES/persistent_probe.txt \
+    | cut -c1-300"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

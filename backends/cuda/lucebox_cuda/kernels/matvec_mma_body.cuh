@@ -3,6 +3,136 @@
 #pragma once
 #include "mma_formats.cuh"
 
+// -- pieces shared by the row-major kernel below and the tiled one (matvec_tiled.cuh) -------------------
+
+// The B columns of an activation batch: column n of a tile is activation row n / SPLITS, fp32 part n % SPLITS.
+template <class X, int NB> struct MmaColumns {
+    typedef ActivationFragment<X> Frag;
+    static constexpr int SPLITS = Frag::SPLITS, COLUMNS = NB * SPLITS, TILES = (COLUMNS + 7) / 8;
+    // This lane's B column in each tile: activation row and fp32 part, or none (zeros).
+    const X* x_col[TILES];
+    int part[TILES];
+    bool has_col[TILES];
+    __device__ __forceinline__ MmaColumns(const X* __restrict__ x, int cols, int batch, int g) {
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+            const int column = 8 * tile + g, r = column / SPLITS;
+            has_col[tile] = column < COLUMNS && r < batch;
+            part[tile] = column % SPLITS;
+            x_col[tile] = x + static_cast<i64>(has_col[tile] ? r : 0) * cols;
+        }
+    }
+};
+
+// Add one GGUF block (`block` of the row) of ROW_TILES row tiles to the accumulators: `raw_a` / `raw_b` hold this
+// lane's bytes of rows g and g+8 of each tile. The mma steps, then each sub-block's scale and min on its fp32 sums.
+template <class W, class X, int NB, int ROW_TILES>
+__device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TILES],
+                                          const typename W::Raw (&raw_b)[ROW_TILES], int block, int t,
+                                          const MmaColumns<X, NB>& columns,
+                                          float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4]) {
+    typedef MmaColumns<X, NB> C;
+    typedef typename C::Frag Frag;
+    typedef typename Frag::E E;
+    constexpr int COLUMNS = C::COLUMNS, TILES = C::TILES;
+    constexpr int GROUPS = W::STEPS / W::STEPS_PER_GROUP;
+    // Sub-block sums P come out as magic + bias times S too large; this removes it.
+    constexpr float OFFSET = E::MAGIC + W::BIAS;
+    const u32 ones[4] = {E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR};
+
+    float d_a[ROW_TILES], dmin_a[ROW_TILES], d_b[ROW_TILES], dmin_b[ROW_TILES];
+    typename W::Groups groups_a[ROW_TILES], groups_b[ROW_TILES];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt) {
+        W::scales(raw_a[rt], d_a[rt], dmin_a[rt]);
+        W::scales(raw_b[rt], d_b[rt], dmin_b[rt]);
+        groups_a[rt] = W::groups(raw_a[rt]);
+        groups_b[rt] = W::groups(raw_b[rt]);
+    }
+    const int base = block * W::BLOCK_VALUES;
+#pragma unroll
+    for (int grp = 0; grp < GROUPS; ++grp) {
+        float p[ROW_TILES][TILES][4], s[TILES][4];
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                s[tile][k] = 0.0f;
+#pragma unroll
+                for (int rt = 0; rt < ROW_TILES; ++rt) p[rt][tile][k] = 0.0f;
+            }
+#pragma unroll
+        for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
+            const int step = grp * W::STEPS_PER_GROUP + within;
+            u32 a[ROW_TILES][4];
+#pragma unroll
+            for (int rt = 0; rt < ROW_TILES; ++rt) {
+                const u32 q_a = W::step_quants(raw_a[rt], step), q_b = W::step_quants(raw_b[rt], step);
+                a[rt][0] = even_pair<E>(q_a);
+                a[rt][1] = even_pair<E>(q_b);
+                a[rt][2] = odd_pair<E>(q_a);
+                a[rt][3] = odd_pair<E>(q_b);
+            }
+            const int column = base + W::step_column(step, t);
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile) {
+                u32 b0 = 0, b1 = 0;
+                if (columns.has_col[tile]) Frag::load(columns.x_col[tile] + column, columns.part[tile], b0, b1);
+#pragma unroll
+                for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[rt], b0, b1);
+                E::mma(s[tile], ones, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int rt = 0; rt < ROW_TILES; ++rt) {
+            float scale_a, min_a, scale_b, min_b;
+            W::group(groups_a[rt], grp, scale_a, min_a);
+            W::group(groups_b[rt], grp, scale_b, min_b);
+            const float da = d_a[rt] * scale_a, db = d_b[rt] * scale_b;
+            const float ma = dmin_a[rt] * min_a, mb = dmin_b[rt] * min_b;
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    // Fragment element k: row g (k < 2) or g+8, column 2t + (k & 1) of the tile.
+                    if ((k & 1) && 8 * tile + 1 >= COLUMNS) continue;  // odd columns unused at all
+                    const float sum_x = s[tile][k];
+                    const float q_dot_x = fmaf(-OFFSET, sum_x, p[rt][tile][k]);
+                    acc[rt][tile][k] = fmaf(k < 2 ? da : db, q_dot_x, acc[rt][tile][k]);
+                    if (W::HAS_MIN) acc[rt][tile][k] = fmaf(-(k < 2 ? ma : mb), sum_x, acc[rt][tile][k]);
+                }
+        }
+    }
+}
+
+// Add the warps' partial sums in warp order (partial[warp][row][column]) and store rows row0.. of y.
+template <class X, int NB, int WARPS, int ROW_TILES>
+__device__ __forceinline__ void mma_store(const float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4],
+                                          X* __restrict__ y, int rows, int batch, int row0) {
+    constexpr int SPLITS = MmaColumns<X, NB>::SPLITS, TILES = MmaColumns<X, NB>::TILES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    __shared__ float partial[WARPS][16 * ROW_TILES][8 * TILES + 1];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                partial[warp][16 * rt + g + 8 * (k >> 1)][8 * tile + 2 * t + (k & 1)] = acc[rt][tile][k];
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * ROW_TILES * NB; i += 32 * WARPS) {
+        const int r = i / (16 * ROW_TILES), local = i % (16 * ROW_TILES), row = row0 + local;
+        if (r >= batch || row >= rows) continue;
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+#pragma unroll
+            for (int split = 0; split < SPLITS; ++split) total += partial[w][local][r * SPLITS + split];
+        y[static_cast<i64>(r) * rows + row] = from_float<X>(total);
+    }
+}
+
 // -- the kernel ---------------------------------------------------------------------------------------
 
 // ROW_TILES groups of 16 rows per block (the "mma" and "mma8" kernels: 1). Each activation fragment a
@@ -16,13 +146,8 @@
 template <class W, class X, int NB, int WARPS, int ROW_TILES>
 __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, const X* __restrict__ x,
                                                 X* __restrict__ y, int rows, int cols, int batch, int row0) {
-    typedef ActivationFragment<X> Frag;
-    typedef typename Frag::E E;
-    constexpr int SPLITS = Frag::SPLITS, COLUMNS = NB * SPLITS, TILES = (COLUMNS + 7) / 8;
-    constexpr int GROUPS = W::STEPS / W::STEPS_PER_GROUP;
-    // Sub-block sums P come out as magic + bias times S too large; this removes it.
-    constexpr float OFFSET = E::MAGIC + W::BIAS;
-
+    typedef MmaColumns<X, NB> C;
+    constexpr int TILES = C::TILES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int blocks_per_row = cols / W::BLOCK_VALUES;
@@ -35,18 +160,7 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
         bytes_a[rt] = weight + static_cast<i64>(row_a) * blocks_per_row * W::BLOCK_BYTES;
         bytes_b[rt] = weight + static_cast<i64>(row_b) * blocks_per_row * W::BLOCK_BYTES;
     }
-
-    // This lane's B column in each tile: activation row and fp32 part, or none (zeros).
-    const X* x_col[TILES];
-    int part[TILES];
-    bool has_col[TILES];
-#pragma unroll
-    for (int tile = 0; tile < TILES; ++tile) {
-        const int column = 8 * tile + g, r = column / SPLITS;
-        has_col[tile] = column < COLUMNS && r < batch;
-        part[tile] = column % SPLITS;
-        x_col[tile] = x + static_cast<i64>(has_col[tile] ? r : 0) * cols;
-    }
+    const C columns(x, cols, batch, g);
 
     float acc[ROW_TILES][TILES][4];
 #pragma unroll
@@ -56,7 +170,6 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
 #pragma unroll
             for (int k = 0; k < 4; ++k) acc[rt][tile][k] = 0.0f;
 
-    const u32 ones[4] = {E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR};
     int block = warp;
     typename W::Raw raw_a[ROW_TILES], raw_b[ROW_TILES];
     if (block < blocks_per_row) {
@@ -81,96 +194,14 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
                 next_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
             }
         }
-        float d_a[ROW_TILES], dmin_a[ROW_TILES], d_b[ROW_TILES], dmin_b[ROW_TILES];
-        typename W::Groups groups_a[ROW_TILES], groups_b[ROW_TILES];
-#pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt) {
-            W::scales(raw_a[rt], d_a[rt], dmin_a[rt]);
-            W::scales(raw_b[rt], d_b[rt], dmin_b[rt]);
-            groups_a[rt] = W::groups(raw_a[rt]);
-            groups_b[rt] = W::groups(raw_b[rt]);
-        }
-        const int base = block * W::BLOCK_VALUES;
-#pragma unroll
-        for (int grp = 0; grp < GROUPS; ++grp) {
-            float p[ROW_TILES][TILES][4], s[TILES][4];
-#pragma unroll
-            for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    s[tile][k] = 0.0f;
-#pragma unroll
-                    for (int rt = 0; rt < ROW_TILES; ++rt) p[rt][tile][k] = 0.0f;
-                }
-#pragma unroll
-            for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
-                const int step = grp * W::STEPS_PER_GROUP + within;
-                u32 a[ROW_TILES][4];
-#pragma unroll
-                for (int rt = 0; rt < ROW_TILES; ++rt) {
-                    const u32 q_a = W::step_quants(raw_a[rt], step), q_b = W::step_quants(raw_b[rt], step);
-                    a[rt][0] = even_pair<E>(q_a);
-                    a[rt][1] = even_pair<E>(q_b);
-                    a[rt][2] = odd_pair<E>(q_a);
-                    a[rt][3] = odd_pair<E>(q_b);
-                }
-                const int column = base + W::step_column(step, t);
-#pragma unroll
-                for (int tile = 0; tile < TILES; ++tile) {
-                    u32 b0 = 0, b1 = 0;
-                    if (has_col[tile]) Frag::load(x_col[tile] + column, part[tile], b0, b1);
-#pragma unroll
-                    for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[rt], b0, b1);
-                    E::mma(s[tile], ones, b0, b1);
-                }
-            }
-#pragma unroll
-            for (int rt = 0; rt < ROW_TILES; ++rt) {
-                float scale_a, min_a, scale_b, min_b;
-                W::group(groups_a[rt], grp, scale_a, min_a);
-                W::group(groups_b[rt], grp, scale_b, min_b);
-                const float da = d_a[rt] * scale_a, db = d_b[rt] * scale_b;
-                const float ma = dmin_a[rt] * min_a, mb = dmin_b[rt] * min_b;
-#pragma unroll
-                for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        // Fragment element k: row g (k < 2) or g+8, column 2t + (k & 1) of the tile.
-                        if ((k & 1) && 8 * tile + 1 >= COLUMNS) continue;  // odd columns unused at all
-                        const float sum_x = s[tile][k];
-                        const float q_dot_x = fmaf(-OFFSET, sum_x, p[rt][tile][k]);
-                        acc[rt][tile][k] = fmaf(k < 2 ? da : db, q_dot_x, acc[rt][tile][k]);
-                        if (W::HAS_MIN) acc[rt][tile][k] = fmaf(-(k < 2 ? ma : mb), sum_x, acc[rt][tile][k]);
-                    }
-            }
-        }
+        mma_block<W, X, NB, ROW_TILES>(raw_a, raw_b, block, t, columns, acc);
 #pragma unroll
         for (int rt = 0; rt < ROW_TILES; ++rt) {
             raw_a[rt] = next_a[rt];
             raw_b[rt] = next_b[rt];
         }
     }
-
-    // Add the warps' partial sums: partial[warp][row][column].
-    __shared__ float partial[WARPS][16 * ROW_TILES][8 * TILES + 1];
-#pragma unroll
-    for (int rt = 0; rt < ROW_TILES; ++rt)
-#pragma unroll
-        for (int tile = 0; tile < TILES; ++tile)
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-                partial[warp][16 * rt + g + 8 * (k >> 1)][8 * tile + 2 * t + (k & 1)] = acc[rt][tile][k];
-    __syncthreads();
-    for (int i = threadIdx.x; i < 16 * ROW_TILES * NB; i += 32 * WARPS) {
-        const int r = i / (16 * ROW_TILES), local = i % (16 * ROW_TILES), row = row0 + local;
-        if (r >= batch || row >= rows) continue;
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w)
-#pragma unroll
-            for (int split = 0; split < SPLITS; ++split) total += partial[w][local][r * SPLITS + split];
-        y[static_cast<i64>(r) * rows + row] = from_float<X>(total);
-    }
+    mma_store<X, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);
 }
 
 template <class W, class X, int NB, int WARPS, int ROW_TILES>

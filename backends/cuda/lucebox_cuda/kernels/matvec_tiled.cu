@@ -1,0 +1,154 @@
+// y[r, n] = sum_k x[r, k] * W[n, k] on tensor cores, matvec_mma.cu's exact method and arithmetic class (4 warps
+// a row group, warp w takes GGUF blocks w, w+4, ...: the same bits), reading the weight from a *tiled* copy of
+// its GGUF bytes instead of the file's row-major blocks.
+//
+// Why: in the row-major layout a warp's load instruction gathers 8 rows' pieces (4 lanes x 8 bytes a row, rows a
+// row apart), GGUF's 144-byte Q4_K blocks straddle 32-byte sectors every other block, and each lane needs 5-12
+// loads a block (Q6_K's 210-byte blocks only allow 16-bit ones). The products run at 50-60% of copy bandwidth.
+// Tiled, the 16 rows x 1 GGUF block a warp consumes at once (a "tile") are one contiguous run of bytes in the
+// order the lanes read them: every load is 16 bytes a lane, a warp's load is 128-512 contiguous bytes, and a
+// row group's tiles follow each other along K, so a block of 4 warps streams one contiguous range.
+//
+// A tile holds the same bytes as the 16 rows' blocks (no padding; rows are padded to a multiple of 16 with
+// zero rows, whose results are never stored). Offsets inside a tile, lane L = 4g + t holding rows g and g+8:
+//   Q4_K (2304 bytes): the 16 rows' 16-byte heads (d, dmin, scales) at 16 r; then 4 chunks of 512 bytes at
+//     256 + 512 c: lane L's 16 bytes = row g's quant bytes 16 + 32c + 8t .. +7, then row g+8's.
+//   Q5_K (2816 bytes): heads as Q4_K; qh at 256: lane L's 16 bytes = row g's qh bytes 8t .. 8t+7, then row g+8's;
+//     then the quant chunks as Q4_K from 768.
+//   Q6_K (3360 bytes): the 16 rows' d (2 bytes) at 2 r; their 16 scales at 32 + 16 r; then 6 chunks of 512 bytes
+//     at 288 + 512 k: lane L's 16 bytes = row (k < 3 ? g : g+8)'s ql_a / ql_b / qh words (k % 3) as MmaQ6K::Raw
+//     holds them (its 4 words: [2h + i] = bytes 64h + 16i + 4t (ql_a), + 32 (ql_b); 128 + 32h + 16i + 4t (qh)).
+// Tile (row group G, GGUF block b) starts at (G * blocks_per_row + b) * TILE_BYTES. `lucebox_cuda.tiled_weights`
+// writes the layout (and documents it the same way).
+//
+// AHEAD: GGUF blocks a warp has in flight beyond the one it multiplies (a register ring of AHEAD + 1 stages).
+//
+// LUCEBOX_MATVEC_TILED(format, activation, NB, ROW_TILES, AHEAD) defines
+// `matvec_tiled_r<ROW_TILES>_a<AHEAD>_<format>_<activation>_<NB>`: launch with 128 threads a block and
+// ceil(rows / (16 * ROW_TILES)) blocks; arguments: tiles, x, y, rows, cols, batch.
+#include "matvec_mma_body.cuh"
+
+__device__ __forceinline__ uint4 load_16(const u8* p) { return *reinterpret_cast<const uint4*>(p); }
+
+template <class W> struct TileLayout;
+
+template <> struct TileLayout<MmaQ4K> {
+    static constexpr int BYTES = 16 * MmaQ4K::BLOCK_BYTES, QUANTS = 256;
+    static __device__ __forceinline__ void load(const u8* tile, int lane, MmaQ4K::Raw& a, MmaQ4K::Raw& b) {
+        const int g = lane >> 2;
+        a.head = load_16(tile + 16 * g);
+        b.head = load_16(tile + 16 * (g + 8));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const uint4 v = load_16(tile + QUANTS + 512 * c + 16 * lane);
+            a.qs[c] = make_uint2(v.x, v.y);
+            b.qs[c] = make_uint2(v.z, v.w);
+        }
+    }
+};
+
+template <> struct TileLayout<MmaQ5K> {
+    static constexpr int BYTES = 16 * MmaQ5K::BLOCK_BYTES, HIGH = 256, QUANTS = 768;
+    static __device__ __forceinline__ void load(const u8* tile, int lane, MmaQ5K::Raw& a, MmaQ5K::Raw& b) {
+        const int g = lane >> 2;
+        a.head = load_16(tile + 16 * g);
+        b.head = load_16(tile + 16 * (g + 8));
+        const uint4 high = load_16(tile + HIGH + 16 * lane);
+        a.qh = make_uint2(high.x, high.y);
+        b.qh = make_uint2(high.z, high.w);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const uint4 v = load_16(tile + QUANTS + 512 * c + 16 * lane);
+            a.qs[c] = make_uint2(v.x, v.y);
+            b.qs[c] = make_uint2(v.z, v.w);
+        }
+    }
+};
+
+template <> struct TileLayout<MmaQ6K> {
+    static constexpr int BYTES = 16 * MmaQ6K::BLOCK_BYTES, SCALES = 32, QUANTS = 288;
+    static __device__ __forceinline__ void words(uint4 v, u32* out) {
+        out[0] = v.x;
+        out[1] = v.y;
+        out[2] = v.z;
+        out[3] = v.w;
+    }
+    static __device__ __forceinline__ void load(const u8* tile, int lane, MmaQ6K::Raw& a, MmaQ6K::Raw& b) {
+        const int g = lane >> 2;
+        a.d = load_u16(tile + 2 * g);
+        b.d = load_u16(tile + 2 * (g + 8));
+        words(load_16(tile + SCALES + 16 * g), a.sc);
+        words(load_16(tile + SCALES + 16 * (g + 8)), b.sc);
+        const u8* quants = tile + QUANTS + 16 * lane;
+        words(load_16(quants), a.ql_a);
+        words(load_16(quants + 512), a.ql_b);
+        words(load_16(quants + 1024), a.qh);
+        words(load_16(quants + 1536), b.ql_a);
+        words(load_16(quants + 2048), b.ql_b);
+        words(load_16(quants + 2560), b.qh);
+    }
+};
+
+template <class W, class X, int NB, int WARPS, int ROW_TILES, int AHEAD>
+__device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, const X* __restrict__ x,
+                                                  X* __restrict__ y, int rows, int cols, int batch, int row0) {
+    typedef TileLayout<W> L;
+    typedef MmaColumns<X, NB> C;
+    typedef typename W::Raw Raw;
+    constexpr int TILES = C::TILES, STAGES = AHEAD + 1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int blocks_per_row = cols / W::BLOCK_VALUES, groups = (rows + 15) >> 4;
+    // A second row tile past the last row group re-reads the last one (valid memory); its results are not stored.
+    const u8* group_tiles[ROW_TILES];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+        group_tiles[rt] = tiles + static_cast<i64>(min((row0 >> 4) + rt, groups - 1)) * blocks_per_row * L::BYTES;
+    const C columns(x, cols, batch, g);
+
+    float acc[ROW_TILES][TILES][4];
+#pragma unroll
+    for (int rt = 0; rt < ROW_TILES; ++rt)
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[rt][tile][k] = 0.0f;
+
+    // The ring: stage s holds the block the warp multiplies at step s (mod STAGES) of its walk along K.
+    Raw ring_a[STAGES][ROW_TILES], ring_b[STAGES][ROW_TILES];
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+        const int block = warp + s * WARPS;
+        if (block < blocks_per_row)
+#pragma unroll
+            for (int rt = 0; rt < ROW_TILES; ++rt)
+                L::load(group_tiles[rt] + static_cast<i64>(block) * L::BYTES, lane, ring_a[s][rt], ring_b[s][rt]);
+    }
+    // The first blocks are in flight: only now wait for the kernel that wrote the activations (PDL).
+    lucebox_wait_prior_grid();
+    for (int first = warp; first < blocks_per_row; first += STAGES * WARPS) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            const int block = first + s * WARPS;
+            if (block >= blocks_per_row) break;
+            // Refill the stage multiplied one step ago with the block AHEAD steps on.
+            const int ahead = block + AHEAD * WARPS;
+            if (ahead < blocks_per_row)
+#pragma unroll
+                for (int rt = 0; rt < ROW_TILES; ++rt)
+                    L::load(group_tiles[rt] + static_cast<i64>(ahead) * L::BYTES, lane, ring_a[(s + AHEAD) % STAGES][rt],
+                            ring_b[(s + AHEAD) % STAGES][rt]);
+            mma_block<W, X, NB, ROW_TILES>(ring_a[s], ring_b[s], block, t, columns, acc);
+        }
+    }
+    mma_store<X, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);
+}
+
+#define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, ROW_TILES, AHEAD)                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                          \
+        matvec_tiled_r##ROW_TILES##_a##AHEAD##_##FORMAT##_##ACT##_##NB(                                        \
+            const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
+            int batch) {                                                                                       \
+        matvec_tiled_rows<Mma_##FORMAT, ACT, NB, 4, ROW_TILES, AHEAD>(tiles, x, y, rows, cols, batch,          \
+                                                                      blockIdx.x * 16 * ROW_TILES);            \
+    }

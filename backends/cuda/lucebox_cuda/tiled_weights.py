@@ -1,0 +1,101 @@
+"""The tiled layout of K-quant weights that `matvec_tiled.cu` reads (see its header for why and the offsets).
+
+A tile is 16 weight rows x one GGUF block (256 values): the same bytes as those 16 blocks, reordered so that each
+lane of the warp that multiplies them reads its pieces with 16-byte loads and a warp's loads are contiguous. Rows are
+padded with zero rows to a multiple of 16; tile (row group G, block b) is the (G * blocks_per_row + b)-th.
+Pure torch (no GPU needed): `tile_rows` on the device tensor at upload, `untile_rows` to get the file's bytes back.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+ROWS = 16  # a tile's rows: the mma's M
+BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
+TILED_FORMATS = tuple(BLOCK_BYTES)
+
+
+def _lane_pieces(fmt: str) -> list[tuple[int, int, int]]:
+    """(tile offset, row in the group, byte offset in the row's block) of each 4-byte piece a tile holds, in the
+    order `matvec_tiled.cu`'s TileLayout reads them (lane L = 4g + t holds rows g and g + 8)."""
+    pieces = []
+    if fmt in ("q4_k", "q5_k"):
+        pieces += [(16 * row + 4 * w, row, 4 * w) for row in range(ROWS) for w in range(4)]  # heads
+        quants = 256
+        if fmt == "q5_k":  # qh: row g's bytes 8t.. then row g+8's, 16 bytes a lane
+            pieces += [(256 + 16 * lane + 8 * half + 4 * w, lane // 4 + 8 * half, 16 + 8 * (lane % 4) + 4 * w)
+                       for lane in range(32) for half in range(2) for w in range(2)]
+            quants = 768
+        first = 16 if fmt == "q4_k" else 48
+        pieces += [(quants + 512 * c + 16 * lane + 8 * half + 4 * w, lane // 4 + 8 * half,
+                    first + 32 * c + 8 * (lane % 4) + 4 * w)
+                   for c in range(4) for lane in range(32) for half in range(2) for w in range(2)]
+    elif fmt == "q6_k":
+        pieces += [(32 + 16 * row + 4 * w, row, 192 + 4 * w) for row in range(ROWS) for w in range(4)]  # scales
+        for k in range(6):
+            kind = k % 3  # ql_a, ql_b, qh: word [2h + i] at 64h + 16i + 4t (+32), 128 + 32h + 16i + 4t
+            for lane in range(32):
+                row, t = lane // 4 + (8 if k >= 3 else 0), lane % 4
+                for h in range(2):
+                    for i in range(2):
+                        source = (128 + 32 * h if kind == 2 else 64 * h + 32 * kind) + 16 * i + 4 * t
+                        pieces.append((288 + 512 * k + 16 * lane + 4 * (2 * h + i), row, source))
+    else:
+        raise ValueError(f"no tiled layout for {fmt!r}; tiled formats: {', '.join(TILED_FORMATS)}")
+    return pieces
+
+
+@lru_cache(maxsize=None)
+def tile_order(fmt: str) -> np.ndarray:
+    """For each byte of a tile, the byte of the 16 rows' blocks ([16, BLOCK_BYTES] flattened) it copies."""
+    block = BLOCK_BYTES[fmt]
+    order = np.full(ROWS * block, -1, dtype=np.int64)
+    for offset, row, source in _lane_pieces(fmt):
+        order[offset: offset + 4] = row * block + source + np.arange(4)
+    if fmt == "q6_k":  # each row's d (2 bytes, at 208 of its block) at 2 r
+        for row in range(ROWS):
+            order[2 * row: 2 * row + 2] = row * block + 208 + np.arange(2)
+    if (order < 0).any() or len(np.unique(order)) != order.size:
+        raise AssertionError(f"{fmt}: the tile order is not a permutation")  # a layout bug, not bad input
+    return order
+
+
+def tiled_shape(fmt: str, rows: int, cols: int) -> tuple[int, int]:
+    """(row groups, bytes a group) of the tiled copy of a [rows, cols] weight."""
+    if cols % 256:
+        raise ValueError(f"{fmt}: {cols} columns is not a multiple of 256")
+    return -(-rows // ROWS), cols // 256 * ROWS * BLOCK_BYTES[fmt]
+
+
+def tile_rows(raw: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
+    """The tiled copy ([row groups, bytes a group], uint8, on raw's device) of a weight's GGUF bytes `raw` (its rows'
+    blocks one after another, any shape of rows * cols / 256 * BLOCK_BYTES bytes)."""
+    block = BLOCK_BYTES[fmt]
+    groups, group_bytes = tiled_shape(fmt, rows, cols)
+    blocks = cols // 256
+    flat = raw.reshape(-1)
+    if flat.numel() != rows * blocks * block or flat.dtype != torch.uint8:
+        raise ValueError(f"{fmt} [{rows}, {cols}]: expected {rows * blocks * block} bytes of uint8, got "
+                         f"{flat.numel()} of {flat.dtype}")
+    padded = torch.zeros(groups * ROWS * blocks * block, dtype=torch.uint8, device=raw.device)
+    padded[: flat.numel()] = flat
+    # [G, 16, B, block] -> [G, B, 16 * block]: one tile's source bytes together, then reordered.
+    slabs = padded.view(groups, ROWS, blocks, block).permute(0, 2, 1, 3).reshape(groups, blocks, ROWS * block)
+    order = torch.from_numpy(tile_order(fmt)).to(raw.device)
+    return slabs.index_select(2, order).reshape(groups, group_bytes)
+
+
+def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
+    """The GGUF bytes ([rows, cols / 256 * BLOCK_BYTES]) of a tiled copy: `tile_rows`' inverse."""
+    block = BLOCK_BYTES[fmt]
+    groups, group_bytes = tiled_shape(fmt, rows, cols)
+    blocks = cols // 256
+    if tuple(tiles.shape) != (groups, group_bytes):
+        raise ValueError(f"{fmt} [{rows}, {cols}]: a tiled copy is [{groups}, {group_bytes}], got {list(tiles.shape)}")
+    inverse = torch.from_numpy(np.argsort(tile_order(fmt))).to(tiles.device)
+    slabs = tiles.reshape(groups, blocks, ROWS * block).index_select(2, inverse)
+    rows_bytes = slabs.view(groups, blocks, ROWS, block).permute(0, 2, 1, 3).reshape(groups * ROWS, blocks * block)
+    return rows_bytes[:rows]

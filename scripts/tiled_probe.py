@@ -1,0 +1,141 @@
+"""Time the tiled-layout matrix-vector kernel (matvec_tiled.cu) against the row-major ones on the decode shapes.
+
+For each shape (the 27B's and the 0.8B's K-quant products, the 27B's Q6_K head) and batch: random GGUF blocks, bf16
+activations; the catalogue's default variant, `mma` (the register-prefetch kernel of the same arithmetic class) and
+the tiled kernel with 1, 2 and 3 blocks in flight a warp (`tiled_a1`..`a3`; at batches above 1 also two row tiles
+a block, `tiled_r2_a1`). Each kernel runs on enough copies of the weight (cycled) that the copies outweigh the L2
+twice, so every call reads its weight from memory as a decode step does; REPEAT calls are recorded in one CUDA graph
+and replayed (median over REPLAYS), and the weight's bytes over the time give GB/s beside the copy bandwidth
+measured here. The tiled outputs must equal `mma`'s to the bit (`equal`): same class, same bits.
+
+    python3 scripts/tiled_probe.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from lucebox_core.kquants import random_blocks
+from lucebox_core.quants import QuantTensor
+from lucebox_cuda import catalogue
+from lucebox_cuda.backend import CudaBackend
+from lucebox_cuda.nvrtc import Int, KernelProgram, Pointer
+from lucebox_cuda.tiled_weights import tile_rows
+from persistent_probe import copy_bandwidth  # scripts/ is the path's first entry when run as a script
+from router_probe import replay_us
+
+FORMATS = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+# (format, out, in, label): the 27B's decode products (gate | up, down as Q6_K and Q4_K, the GDN qkv, attention's
+# q | gate, a Q6_K attention-output-sized one), its Q6_K head; the 0.8B's gate | up, down, qkv.
+SHAPES = [("q4_k", 34816, 5120, "27b gate|up"), ("q6_k", 5120, 17408, "27b down q6_k"),
+          ("q4_k", 5120, 17408, "27b down q4_k"), ("q4_k", 10240, 5120, "27b gdn qkv"),
+          ("q4_k", 12288, 5120, "27b attn q|gate"), ("q6_k", 6144, 5120, "27b q6_k 6144"),
+          ("q6_k", 248320, 5120, "27b head"), ("q4_k", 7168, 1024, "0.8b gate|up"),
+          ("q4_k", 1024, 3584, "0.8b down"), ("q6_k", 1024, 3584, "0.8b down q6_k"),
+          ("q4_k", 6144, 1024, "0.8b qkv")]
+BATCHES = (1, 16)
+L2_BYTES = 50 << 20
+REPEAT, REPLAYS = 40, 15
+
+
+def weight_bytes(fmt: str, rows: int, cols: int) -> torch.Tensor:
+    """[rows, row bytes] of valid random blocks on the GPU (4096 distinct rows, repeated: content does not time)."""
+    distinct = min(rows, 4096)
+    raw = random_blocks(FORMATS[fmt], distinct * cols, 0.05, np.random.default_rng(rows + cols))
+    block = torch.from_numpy(raw.copy()).cuda().view(distinct, -1)
+    return block.repeat(-(-rows // distinct), 1)[:rows].contiguous()
+
+
+def time_calls(calls: list) -> float:
+    """Median microseconds a call, the calls cycled REPEAT times in one graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(REPEAT):
+            calls[i % len(calls)]()
+    return replay_us(graph, REPEAT, REPLAYS)
+
+
+def tiled_kernel(fmt: str, batch: int, row_tiles: int, ahead: int) -> tuple[KernelProgram, str]:
+    tile = catalogue.batch_tile(batch)
+    line = f"LUCEBOX_MATVEC_TILED({fmt}, bf16, {tile}, {row_tiles}, {ahead})"
+    return KernelProgram("matvec_tiled.cu", [line]), f"matvec_tiled_r{row_tiles}_a{ahead}_{fmt}_bf16_{tile}"
+
+
+def summary(r: dict) -> str:
+    equal = all(v for k, v in r.items() if k.endswith("_equal"))
+    r2 = f" ({r['tiled_r2_a1_gb_s']})" if "tiled_r2_a1_gb_s" in r else ""
+    return (f"{r['shape']} | {r['batch']} | {r['default_gb_s']} ({r['default_variant']}) | {r['mma_gb_s']} | "
+            f"{r['tiled_a1_gb_s']} | {r['tiled_a2_gb_s']} | {r['tiled_a3_gb_s']}{r2} | {r['speedup_vs_default']} "
+            f"({r['best']}) | {equal}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--quick", action="store_true", help="batch 1 only")
+    args = parser.parse_args()
+    backend = CudaBackend(dtype=torch.bfloat16)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    rows_out = []
+    for fmt, out_features, in_features, label in SHAPES:
+        raw = weight_bytes(fmt, out_features, in_features)
+        nbytes = raw.numel()
+        copies = max(1, -(-2 * L2_BYTES // nbytes))
+        row_major = [raw] + [raw.clone() for _ in range(copies - 1)]
+        tiled = [tile_rows(r, fmt, out_features, in_features) for r in row_major]
+        weights = [QuantTensor(f"w{i}", FORMATS[fmt], (out_features, in_features), r) for i, r in enumerate(row_major)]
+        for batch in ((1,) if args.quick else BATCHES):
+            gen = torch.Generator(device="cuda").manual_seed(batch)
+            x = torch.randn(batch, in_features, device="cuda", generator=gen).to(torch.bfloat16)
+            row = {"shape": label, "format": fmt, "out": out_features, "in": in_features, "batch": batch,
+                   "weight_bytes": nbytes, "copies": copies, "copy_gb_s": round(bandwidth)}
+            outs = {}
+            variants = {"default": None, "mma": "mma"}
+            for name, variant in variants.items():
+                ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in weights]
+                calls = [lambda w=w, y=y, v=variant: backend.matvec(x, w, out=y, variant=v) for w, y in zip(weights, ys)]
+                us = time_calls(calls)
+                row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
+                outs[name] = ys[0]
+            row["default_variant"] = catalogue.matvec_kernel(fmt, "bf16", batch, out_features,
+                                                              in_features=in_features).variant
+            shapes = [(1, 1), (1, 2), (1, 3)] + ([(2, 1)] if batch > 1 else [])
+            for row_tiles, ahead in shapes:
+                name = f"tiled_a{ahead}" if row_tiles == 1 else f"tiled_r{row_tiles}_a{ahead}"
+                kernel = tiled_kernel(fmt, batch, row_tiles, ahead)
+                grid = -(-out_features // (16 * row_tiles))
+                ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in tiled]
+                calls = [lambda t=t, y=y: backend._launch(kernel, grid, 128, Pointer(t.data_ptr()), Pointer(x.data_ptr()),
+                                                         Pointer(y.data_ptr()), Int(out_features), Int(in_features),
+                                                         Int(batch)) for t, y in zip(tiled, ys)]
+                us = time_calls(calls)
+                row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
+                row[f"{name}_equal"] = bool(torch.equal(ys[0], outs["mma"]))
+            best = min((k for k in row if k.endswith("_us")), key=lambda k: row[k])
+            row["best"] = best[:-3]
+            row["speedup_vs_default"] = round(row["default_us"] / row[best], 3)
+            rows_out.append(row)
+            print(summary(row), flush=True)
+        del row_major, tiled, weights
+        torch.cuda.empty_cache()
+    print("columns: shape | batch | GB/s of the default (its variant), mma, tiled a1, a2, a3 (r2_a1) | best x default | "
+          "tiled == mma bits")
+    print(f"copy {bandwidth:.0f} GB/s; median of the per-shape ratios best/default: "
+          f"{statistics.median(r['speedup_vs_default'] for r in rows_out):.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
