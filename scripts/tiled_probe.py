@@ -93,7 +93,8 @@ def main() -> None:
         copies = max(1, -(-2 * L2_BYTES // nbytes))
         row_major = [raw] + [raw.clone() for _ in range(copies - 1)]
         tiled = [tile_rows(r, fmt, out_features, in_features) for r in row_major]
-        weights = [QuantTensor(f"w{i}", FORMATS[fmt], (out_features, in_features), r) for i, r in enumerate(row_major)]
+        weights = [QuantTensor(f"w{i}", FORMATS[fmt], (out_features, in_features), r.reshape(-1))
+                   for i, r in enumerate(row_major)]
         for batch in ((1,) if args.quick else BATCHES):
             gen = torch.Generator(device="cuda").manual_seed(batch)
             x = torch.randn(batch, in_features, device="cuda", generator=gen).to(torch.bfloat16)
