@@ -64,18 +64,24 @@ def time_calls(calls: list) -> float:
     return replay_us(graph, REPEAT, REPLAYS)
 
 
-def tiled_kernel(fmt: str, batch: int, row_tiles: int, ahead: int) -> tuple[KernelProgram, str]:
+# (warps, row tiles, blocks ahead, tile order): batch 1, then the extra ones at larger batches.
+TILED_ONE = [(4, 1, 1, 0), (4, 1, 3, 0), (4, 1, 1, 1), (4, 1, 2, 1), (4, 1, 3, 1), (8, 1, 2, 1)]
+TILED_MORE = [(4, 1, 1, 1), (4, 2, 1, 0), (4, 2, 1, 1)]
+
+
+def tiled_kernel(fmt: str, batch: int, warps: int, row_tiles: int, ahead: int, order: int) -> tuple[KernelProgram, str]:
     tile = catalogue.batch_tile(batch)
-    line = f"LUCEBOX_MATVEC_TILED({fmt}, bf16, {tile}, {row_tiles}, {ahead})"
-    return KernelProgram("matvec_tiled.cu", [line]), f"matvec_tiled_r{row_tiles}_a{ahead}_{fmt}_bf16_{tile}"
+    line = f"LUCEBOX_MATVEC_TILED({fmt}, bf16, {tile}, {warps}, {row_tiles}, {ahead}, {order})"
+    name = f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_bf16_{tile}"
+    return KernelProgram("matvec_tiled.cu", [line]), name
 
 
 def summary(r: dict) -> str:
     equal = all(v for k, v in r.items() if k.endswith("_equal"))
-    r2 = f" ({r['tiled_r2_a1_gb_s']})" if "tiled_r2_a1_gb_s" in r else ""
-    return (f"{r['shape']} | {r['batch']} | {r['default_gb_s']} ({r['default_variant']}) | {r['mma_gb_s']} | "
-            f"{r['tiled_a1_gb_s']} | {r['tiled_a2_gb_s']} | {r['tiled_a3_gb_s']}{r2} | {r['speedup_vs_default']} "
-            f"({r['best']}) | {equal}")
+    rates = " ".join(f"{k[:-5].replace('tiled_', '')}={v:.0f}" for k, v in r.items() if k.endswith("_gb_s")
+                     and k not in ("copy_gb_s", "default_gb_s"))
+    return (f"{r['shape']} b{r['batch']}: default({r['default_variant']})={r['default_gb_s']:.0f} {rates} | best "
+            f"{r['best']} x{r['speedup_vs_default']} | bits {equal}")
 
 
 def main() -> None:
@@ -92,7 +98,8 @@ def main() -> None:
         nbytes = raw.numel()
         copies = max(1, -(-2 * L2_BYTES // nbytes))
         row_major = [raw] + [raw.clone() for _ in range(copies - 1)]
-        tiled = [tile_rows(r, fmt, out_features, in_features) for r in row_major]
+        tiled = {order: [tile_rows(r, fmt, out_features, in_features, bool(order)) for r in row_major]
+                 for order in (0, 1)}
         weights = [QuantTensor(f"w{i}", FORMATS[fmt], (out_features, in_features), r.reshape(-1))
                    for i, r in enumerate(row_major)]
         for batch in ((1,) if args.quick else BATCHES):
@@ -101,7 +108,7 @@ def main() -> None:
             row = {"shape": label, "format": fmt, "out": out_features, "in": in_features, "batch": batch,
                    "weight_bytes": nbytes, "copies": copies, "copy_gb_s": round(bandwidth)}
             outs = {}
-            variants = {"default": None, "mma": "mma"}
+            variants = {"default": None, "mma": "mma", **({"mma8": "mma8"} if batch == 1 else {})}
             for name, variant in variants.items():
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in weights]
                 calls = [lambda w=w, y=y, v=variant: backend.matvec(x, w, out=y, variant=v) for w, y in zip(weights, ys)]
@@ -110,18 +117,18 @@ def main() -> None:
                 outs[name] = ys[0]
             row["default_variant"] = catalogue.matvec_kernel(fmt, "bf16", batch, out_features,
                                                               in_features=in_features).variant
-            shapes = [(1, 1), (1, 2), (1, 3)] + ([(2, 1)] if batch > 1 else [])
-            for row_tiles, ahead in shapes:
-                name = f"tiled_a{ahead}" if row_tiles == 1 else f"tiled_r{row_tiles}_a{ahead}"
-                kernel = tiled_kernel(fmt, batch, row_tiles, ahead)
+            for warps, row_tiles, ahead, order in (TILED_ONE if batch == 1 else TILED_MORE):
+                name = f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}"
+                kernel = tiled_kernel(fmt, batch, warps, row_tiles, ahead, order)
                 grid = -(-out_features // (16 * row_tiles))
-                ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in tiled]
-                calls = [lambda t=t, y=y: backend._launch(kernel, grid, 128, Pointer(t.data_ptr()), Pointer(x.data_ptr()),
-                                                         Pointer(y.data_ptr()), Int(out_features), Int(in_features),
-                                                         Int(batch)) for t, y in zip(tiled, ys)]
+                ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in tiled[order]]
+                calls = [lambda t=t, y=y: backend._launch(kernel, grid, 32 * warps, Pointer(t.data_ptr()),
+                                                         Pointer(x.data_ptr()), Pointer(y.data_ptr()),
+                                                         Int(out_features), Int(in_features), Int(batch))
+                         for t, y in zip(tiled[order], ys)]
                 us = time_calls(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
-                row[f"{name}_equal"] = bool(torch.equal(ys[0], outs["mma"]))
+                row[f"{name}_equal"] = bool(torch.equal(ys[0], outs["mma8" if warps == 8 else "mma"]))
             best = min((k for k in row if k.endswith("_us")), key=lambda k: row[k])
             row["best"] = best[:-3]
             row["speedup_vs_default"] = round(row["default_us"] / row[best], 3)
@@ -129,8 +136,7 @@ def main() -> None:
             print(summary(row), flush=True)
         del row_major, tiled, weights
         torch.cuda.empty_cache()
-    print("columns: shape | batch | GB/s of the default (its variant), mma, tiled a1, a2, a3 (r2_a1) | best x default | "
-          "tiled == mma bits")
+    print("GB/s; tiled variants w<warps>_r<row tiles>_a<blocks ahead>_o<order: 0 group-major, 1 block-major>")
     print(f"copy {bandwidth:.0f} GB/s; median of the per-shape ratios best/default: "
           f"{statistics.median(r['speedup_vs_default'] for r in rows_out):.3f}")
     if args.json:

@@ -35,6 +35,10 @@ def test_source_compiles(source, arch):
             fmt, act, batch, warps, depth, groups = parts
             assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
+        if macro == "LUCEBOX_MATVEC_TILED":
+            fmt, act, batch, warps, row_tiles, ahead, order = parts
+            assert f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_{act}_{batch}".encode() in cubin
+            continue
         if macro == "LUCEBOX_MOE_PERSISTENT":  # both router kinds from one line
             for suffix in ("sn", "xg"):
                 assert f"moe_persistent_{'_'.join(parts)}_{suffix}".encode() in cubin

@@ -2,7 +2,9 @@
 
 A tile is 16 weight rows x one GGUF block (256 values): the same bytes as those 16 blocks, reordered so that each
 lane of the warp that multiplies them reads its pieces with 16-byte loads and a warp's loads are contiguous. Rows are
-padded with zero rows to a multiple of 16; tile (row group G, block b) is the (G * blocks_per_row + b)-th.
+padded with zero rows to a multiple of 16. Tiles follow each other row-group-major (tile (row group G, block b) is the
+(G * blocks_per_row + b)-th: a [groups, blocks * tile bytes] tensor) or block-major (the (b * groups + G)-th: a
+[blocks, groups * tile bytes] tensor), the kernel's ORDER 0 or 1.
 Pure torch (no GPU needed): `tile_rows` on the device tensor at upload, `untile_rows` to get the file's bytes back.
 """
 
@@ -63,19 +65,20 @@ def tile_order(fmt: str) -> np.ndarray:
     return order
 
 
-def tiled_shape(fmt: str, rows: int, cols: int) -> tuple[int, int]:
-    """(row groups, bytes a group) of the tiled copy of a [rows, cols] weight."""
+def tiled_shape(fmt: str, rows: int, cols: int, block_major: bool = False) -> tuple[int, int]:
+    """The shape of the tiled copy of a [rows, cols] weight: (row groups, their bytes) or (blocks, their bytes)."""
     if cols % 256:
         raise ValueError(f"{fmt}: {cols} columns is not a multiple of 256")
-    return -(-rows // ROWS), cols // 256 * ROWS * BLOCK_BYTES[fmt]
+    groups, blocks, tile = -(-rows // ROWS), cols // 256, ROWS * BLOCK_BYTES[fmt]
+    return (blocks, groups * tile) if block_major else (groups, blocks * tile)
 
 
-def tile_rows(raw: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
-    """The tiled copy ([row groups, bytes a group], uint8, on raw's device) of a weight's GGUF bytes `raw` (its rows'
-    blocks one after another, any shape of rows * cols / 256 * BLOCK_BYTES bytes)."""
+def tile_rows(raw: torch.Tensor, fmt: str, rows: int, cols: int, block_major: bool = False) -> torch.Tensor:
+    """The tiled copy (`tiled_shape`, uint8, on raw's device) of a weight's GGUF bytes `raw` (its rows' blocks one
+    after another, any shape of rows * cols / 256 * BLOCK_BYTES bytes)."""
     block = BLOCK_BYTES[fmt]
-    groups, group_bytes = tiled_shape(fmt, rows, cols)
-    blocks = cols // 256
+    groups, blocks = -(-rows // ROWS), cols // 256
+    tiled_shape(fmt, rows, cols)
     flat = raw.reshape(-1)
     if flat.numel() != rows * blocks * block or flat.dtype != torch.uint8:
         raise ValueError(f"{fmt} [{rows}, {cols}]: expected {rows * blocks * block} bytes of uint8, got "
@@ -85,17 +88,22 @@ def tile_rows(raw: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor
     # [G, 16, B, block] -> [G, B, 16 * block]: one tile's source bytes together, then reordered.
     slabs = padded.view(groups, ROWS, blocks, block).permute(0, 2, 1, 3).reshape(groups, blocks, ROWS * block)
     order = torch.from_numpy(tile_order(fmt)).to(raw.device)
-    return slabs.index_select(2, order).reshape(groups, group_bytes)
+    tiles = slabs.index_select(2, order)
+    if block_major:
+        tiles = tiles.transpose(0, 1).contiguous()
+    return tiles.reshape(tiled_shape(fmt, rows, cols, block_major))
 
 
-def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
+def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int, block_major: bool = False) -> torch.Tensor:
     """The GGUF bytes ([rows, cols / 256 * BLOCK_BYTES]) of a tiled copy: `tile_rows`' inverse."""
     block = BLOCK_BYTES[fmt]
-    groups, group_bytes = tiled_shape(fmt, rows, cols)
-    blocks = cols // 256
-    if tuple(tiles.shape) != (groups, group_bytes):
-        raise ValueError(f"{fmt} [{rows}, {cols}]: a tiled copy is [{groups}, {group_bytes}], got {list(tiles.shape)}")
+    groups, blocks = -(-rows // ROWS), cols // 256
+    shape = tiled_shape(fmt, rows, cols, block_major)
+    if tuple(tiles.shape) != shape:
+        raise ValueError(f"{fmt} [{rows}, {cols}]: a tiled copy is {list(shape)}, got {list(tiles.shape)}")
     inverse = torch.from_numpy(np.argsort(tile_order(fmt))).to(tiles.device)
+    if block_major:
+        tiles = tiles.reshape(blocks, groups, ROWS * block).transpose(0, 1)
     slabs = tiles.reshape(groups, blocks, ROWS * block).index_select(2, inverse)
     rows_bytes = slabs.view(groups, blocks, ROWS, block).permute(0, 2, 1, 3).reshape(groups * ROWS, blocks * block)
     return rows_bytes[:rows]

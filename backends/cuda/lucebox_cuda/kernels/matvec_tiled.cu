@@ -18,14 +18,17 @@
 //   Q6_K (3360 bytes): the 16 rows' d (2 bytes) at 2 r; their 16 scales at 32 + 16 r; then 6 chunks of 512 bytes
 //     at 288 + 512 k: lane L's 16 bytes = row (k < 3 ? g : g+8)'s ql_a / ql_b / qh words (k % 3) as MmaQ6K::Raw
 //     holds them (its 4 words: [2h + i] = bytes 64h + 16i + 4t (ql_a), + 32 (ql_b); 128 + 32h + 16i + 4t (qh)).
-// Tile (row group G, GGUF block b) starts at (G * blocks_per_row + b) * TILE_BYTES. `lucebox_cuda.tiled_weights`
-// writes the layout (and documents it the same way).
+// Tile order: row-group-major (ORDER 0: tile (row group G, GGUF block b) at (G * blocks_per_row + b) * TILE_BYTES, so
+// a block's warps stream one contiguous range) or block-major (ORDER 1: at (b * groups + G) * TILE_BYTES, so the
+// blocks resident at one time read neighbouring tiles, spread over the memory channels as row-major rows are).
+// `lucebox_cuda.tiled_weights` writes the layout (and documents it the same way).
 //
 // AHEAD: GGUF blocks a warp has in flight beyond the one it multiplies (a register ring of AHEAD + 1 stages).
+// WARPS: warps a row group (4: matvec_mma.cu's `mma` class; 8: `mma8`'s), each taking every WARPS-th GGUF block.
 //
-// LUCEBOX_MATVEC_TILED(format, activation, NB, ROW_TILES, AHEAD) defines
-// `matvec_tiled_r<ROW_TILES>_a<AHEAD>_<format>_<activation>_<NB>`: launch with 128 threads a block and
-// ceil(rows / (16 * ROW_TILES)) blocks; arguments: tiles, x, y, rows, cols, batch.
+// LUCEBOX_MATVEC_TILED(format, activation, NB, WARPS, ROW_TILES, AHEAD, ORDER) defines
+// `matvec_tiled_w<WARPS>_r<ROW_TILES>_a<AHEAD>_o<ORDER>_<format>_<activation>_<NB>`: launch with 32 * WARPS threads
+// a block and ceil(rows / (16 * ROW_TILES)) blocks; arguments: tiles, x, y, rows, cols, batch.
 #include "matvec_mma_body.cuh"
 
 __device__ __forceinline__ uint4 load_16(const u8* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -89,7 +92,7 @@ template <> struct TileLayout<MmaQ6K> {
     }
 };
 
-template <class W, class X, int NB, int WARPS, int ROW_TILES, int AHEAD>
+template <class W, class X, int NB, int WARPS, int ROW_TILES, int AHEAD, int ORDER>
 __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, const X* __restrict__ x,
                                                   X* __restrict__ y, int rows, int cols, int batch, int row0) {
     typedef TileLayout<W> L;
@@ -100,10 +103,13 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
     const int g = lane >> 2, t = lane & 3;
     const int blocks_per_row = cols / W::BLOCK_VALUES, groups = (rows + 15) >> 4;
     // A second row tile past the last row group re-reads the last one (valid memory); its results are not stored.
+    // Tile (G, b) at group_tiles[G] + b * block_stride.
+    const i64 block_stride = static_cast<i64>(ORDER == 0 ? 1 : groups) * L::BYTES;
     const u8* group_tiles[ROW_TILES];
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
-        group_tiles[rt] = tiles + static_cast<i64>(min((row0 >> 4) + rt, groups - 1)) * blocks_per_row * L::BYTES;
+        group_tiles[rt] = tiles + static_cast<i64>(min((row0 >> 4) + rt, groups - 1)) *
+                                      (ORDER == 0 ? blocks_per_row : 1) * L::BYTES;
     const C columns(x, cols, batch, g);
 
     float acc[ROW_TILES][TILES][4];
@@ -122,7 +128,7 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
         if (block < blocks_per_row)
 #pragma unroll
             for (int rt = 0; rt < ROW_TILES; ++rt)
-                L::load(group_tiles[rt] + static_cast<i64>(block) * L::BYTES, lane, ring_a[s][rt], ring_b[s][rt]);
+                L::load(group_tiles[rt] + block * block_stride, lane, ring_a[s][rt], ring_b[s][rt]);
     }
     // The first blocks are in flight: only now wait for the kernel that wrote the activations (PDL).
     lucebox_wait_prior_grid();
@@ -136,7 +142,7 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
             if (ahead < blocks_per_row)
 #pragma unroll
                 for (int rt = 0; rt < ROW_TILES; ++rt)
-                    L::load(group_tiles[rt] + static_cast<i64>(ahead) * L::BYTES, lane, ring_a[(s + AHEAD) % STAGES][rt],
+                    L::load(group_tiles[rt] + ahead * block_stride, lane, ring_a[(s + AHEAD) % STAGES][rt],
                             ring_b[(s + AHEAD) % STAGES][rt]);
             mma_block<W, X, NB, ROW_TILES>(ring_a[s], ring_b[s], block, t, columns, acc);
         }
@@ -144,11 +150,11 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
     mma_store<X, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);
 }
 
-#define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, ROW_TILES, AHEAD)                                                  \
-    extern "C" __global__ void __launch_bounds__(128)                                                          \
-        matvec_tiled_r##ROW_TILES##_a##AHEAD##_##FORMAT##_##ACT##_##NB(                                        \
+#define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                   \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                   \
+        matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB(                  \
             const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
             int batch) {                                                                                       \
-        matvec_tiled_rows<Mma_##FORMAT, ACT, NB, 4, ROW_TILES, AHEAD>(tiles, x, y, rows, cols, batch,          \
-                                                                      blockIdx.x * 16 * ROW_TILES);            \
+        matvec_tiled_rows<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER>(tiles, x, y, rows, cols,      \
+                                                                                batch, blockIdx.x * 16 * ROW_TILES); \
     }
