@@ -64,15 +64,22 @@ def time_calls(calls: list) -> float:
     return replay_us(graph, REPEAT, REPLAYS)
 
 
-# (warps, row tiles, blocks ahead, tile order): batch 1, then the extra ones at larger batches.
-TILED_ONE = [(4, 1, 1, 0), (4, 1, 3, 0), (4, 1, 1, 1), (4, 1, 2, 1), (4, 1, 3, 1), (8, 1, 2, 1)]
-TILED_MORE = [(4, 1, 1, 1), (4, 2, 1, 0), (4, 2, 1, 1)]
+# (kind, warps, row tiles, blocks ahead, tile order): batch 1, then larger batches. "block": four warps a thread block
+# (LUCEBOX_MATVEC_TILED); "units": one warp a thread block, partial sums added by the group's last warp.
+TILED_ONE = [("block", 4, 1, 1, 0), ("units", 4, 1, 1, 0), ("units", 4, 1, 2, 0), ("units", 4, 1, 3, 0),
+             ("units", 4, 1, 2, 1), ("units", 8, 1, 2, 0)]
+TILED_MORE = [("block", 4, 2, 1, 0), ("units", 4, 1, 1, 0), ("units", 4, 1, 2, 0)]
 
 
-def tiled_kernel(fmt: str, batch: int, warps: int, row_tiles: int, ahead: int, order: int) -> tuple[KernelProgram, str]:
+def tiled_kernel(fmt: str, batch: int, kind: str, warps: int, row_tiles: int, ahead: int,
+                 order: int) -> tuple[KernelProgram, str]:
     tile = catalogue.batch_tile(batch)
-    line = f"LUCEBOX_MATVEC_TILED({fmt}, bf16, {tile}, {warps}, {row_tiles}, {ahead}, {order})"
-    name = f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_bf16_{tile}"
+    if kind == "units":
+        line = f"LUCEBOX_MATVEC_TILED_UNITS({fmt}, bf16, {tile}, {warps}, {ahead}, {order})"
+        name = f"matvec_tiled_units_w{warps}_a{ahead}_o{order}_{fmt}_bf16_{tile}"
+    else:
+        line = f"LUCEBOX_MATVEC_TILED({fmt}, bf16, {tile}, {warps}, {row_tiles}, {ahead}, {order})"
+        name = f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_bf16_{tile}"
     return KernelProgram("matvec_tiled.cu", [line]), name
 
 
@@ -117,14 +124,22 @@ def main() -> None:
                 outs[name] = ys[0]
             row["default_variant"] = catalogue.matvec_kernel(fmt, "bf16", batch, out_features,
                                                               in_features=in_features).variant
-            for warps, row_tiles, ahead, order in (TILED_ONE if batch == 1 else TILED_MORE):
-                name = f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}"
-                kernel = tiled_kernel(fmt, batch, warps, row_tiles, ahead, order)
-                grid = -(-out_features // (16 * row_tiles))
+            for kind, warps, row_tiles, ahead, order in (TILED_ONE if batch == 1 else TILED_MORE):
+                name = (f"units_w{warps}_a{ahead}_o{order}" if kind == "units"
+                        else f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}")
+                kernel = tiled_kernel(fmt, batch, kind, warps, row_tiles, ahead, order)
+                groups = -(-out_features // 16)
+                grid, threads = (groups * warps, 32) if kind == "units" else (-(-groups // row_tiles), 32 * warps)
+                extra = []
+                if kind == "units":
+                    tiles_n = -(-batch // 8)
+                    partials = torch.empty(groups * warps * 16 * 8 * tiles_n, dtype=torch.float32, device="cuda")
+                    counters = torch.zeros(groups, dtype=torch.int32, device="cuda")
+                    extra = [Pointer(partials.data_ptr()), Pointer(counters.data_ptr())]
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in tiled[order]]
-                calls = [lambda t=t, y=y: backend._launch(kernel, grid, 32 * warps, Pointer(t.data_ptr()),
-                                                         Pointer(x.data_ptr()), Pointer(y.data_ptr()),
-                                                         Int(out_features), Int(in_features), Int(batch))
+                calls = [lambda t=t, y=y, e=extra: backend._launch(kernel, grid, threads, Pointer(t.data_ptr()),
+                                                                  Pointer(x.data_ptr()), Pointer(y.data_ptr()),
+                                                                  Int(out_features), Int(in_features), Int(batch), *e)
                          for t, y in zip(tiled[order], ys)]
                 us = time_calls(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
@@ -136,7 +151,8 @@ def main() -> None:
             print(summary(row), flush=True)
         del row_major, tiled, weights
         torch.cuda.empty_cache()
-    print("GB/s; tiled variants w<warps>_r<row tiles>_a<blocks ahead>_o<order: 0 group-major, 1 block-major>")
+    print("GB/s; tiled_w<warps>_r<row tiles>_a<blocks ahead>_o<order: 0 group-major, 1 block-major>: four warps a "
+          "thread block; units_...: a warp a thread block")
     print(f"copy {bandwidth:.0f} GB/s; median of the per-shape ratios best/default: "
           f"{statistics.median(r['speedup_vs_default'] for r in rows_out):.3f}")
     if args.json:

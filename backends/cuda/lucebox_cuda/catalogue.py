@@ -676,7 +676,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "matvec_tiled.cu": KernelProgram("matvec_tiled.cu", [
             f"LUCEBOX_MATVEC_TILED({f}, {a}, {b}, {w}, {r}, {ahead}, {order})" for f in MMA_FORMATS
             for a, b, w, r, ahead, order in (("bf16", 1, 4, 1, 1, 0), ("bf16", 1, 4, 1, 3, 1), ("f16", 1, 8, 1, 2, 1),
-                                             ("f32", MMA_MAX_BATCH["f32"], 4, 1, 1, 1), ("bf16", MAX_BATCH, 4, 2, 1, 1))]),
+                                             ("f32", MMA_MAX_BATCH["f32"], 4, 1, 1, 1), ("bf16", MAX_BATCH, 4, 2, 1, 1))]
+            + [f"LUCEBOX_MATVEC_TILED_UNITS({f}, {a}, {b}, {w}, {ahead}, 0)" for f in MMA_FORMATS
+               for a, b, w, ahead in (("bf16", 1, 4, 3), ("f32", MMA_MAX_BATCH["f32"], 8, 1), ("bf16", MAX_BATCH, 4, 2))]),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")
                                                    for f in formats for a in acts]),
         "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"

@@ -92,18 +92,20 @@ template <> struct TileLayout<MmaQ6K> {
     }
 };
 
+// Warp `warp` of the WARPS that share row groups row0 / 16 .. + ROW_TILES - 1: its sums over GGUF blocks warp, warp +
+// WARPS, ... of those rows, into `acc`.
 template <class W, class X, int NB, int WARPS, int ROW_TILES, int AHEAD, int ORDER>
-__device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, const X* __restrict__ x,
-                                                  X* __restrict__ y, int rows, int cols, int batch, int row0) {
+__device__ __forceinline__ void tiled_accumulate(const u8* __restrict__ tiles, const X* __restrict__ x, int rows,
+                                                 int cols, int batch, int row0, int warp,
+                                                 float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4]) {
     typedef TileLayout<W> L;
     typedef MmaColumns<X, NB> C;
     typedef typename W::Raw Raw;
     constexpr int TILES = C::TILES, STAGES = AHEAD + 1;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int blocks_per_row = cols / W::BLOCK_VALUES, groups = (rows + 15) >> 4;
-    // A second row tile past the last row group re-reads the last one (valid memory); its results are not stored.
-    // Tile (G, b) at group_tiles[G] + b * block_stride.
+    // Tile (G, b) at group_tiles[G] + b * block_stride. A second row tile past the last row group re-reads the last
+    // one (valid memory); its results are not stored.
     const i64 block_stride = static_cast<i64>(ORDER == 0 ? 1 : groups) * L::BYTES;
     const u8* group_tiles[ROW_TILES];
 #pragma unroll
@@ -111,8 +113,6 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
         group_tiles[rt] = tiles + static_cast<i64>(min((row0 >> 4) + rt, groups - 1)) *
                                       (ORDER == 0 ? blocks_per_row : 1) * L::BYTES;
     const C columns(x, cols, batch, g);
-
-    float acc[ROW_TILES][TILES][4];
 #pragma unroll
     for (int rt = 0; rt < ROW_TILES; ++rt)
 #pragma unroll
@@ -147,7 +147,43 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
             mma_block<W, X, NB, ROW_TILES>(ring_a[s], ring_b[s], block, t, columns, acc);
         }
     }
-    mma_store<X, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);
+}
+
+// The warp-unit kernel's store: each warp (one a thread block) writes its partial sums of its row group to
+// `partials` ([group][warp][16 rows][8 * TILES columns], fp32); the last of the group's WARPS warps to arrive (an
+// arrival counter a group in `counters`, which it resets to zero for the next launch) adds them in warp order, each
+// fp32 part after the other, as mma_store does: the same bits.
+template <class X, int NB, int WARPS>
+__device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, NB>::TILES][4], X* __restrict__ y,
+                                           int rows, int batch, int group, int warp, float* __restrict__ partials,
+                                           u32* __restrict__ counters) {
+    constexpr int SPLITS = MmaColumns<X, NB>::SPLITS, COLUMNS = 8 * MmaColumns<X, NB>::TILES;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float* mine = partials + (static_cast<i64>(group) * WARPS + warp) * 16 * COLUMNS;
+#pragma unroll
+    for (int tile = 0; tile < COLUMNS / 8; ++tile)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) mine[(g + 8 * (k >> 1)) * COLUMNS + 8 * tile + 2 * t + (k & 1)] = acc[0][tile][k];
+    __threadfence();  // this warp's partials are visible device-wide before its arrival is counted
+    __syncwarp();
+    u32 arrived = 0;
+    if (lane == 0) arrived = atomicAdd(counters + group, 1u);
+    arrived = __shfl_sync(0xFFFFFFFFu, arrived, 0);
+    if (arrived != WARPS - 1) return;
+    __threadfence();
+    if (lane == 0) counters[group] = 0;  // every warp has arrived: reset for the next launch
+    const float* all = partials + static_cast<i64>(group) * WARPS * 16 * COLUMNS;
+    for (int i = lane; i < 16 * NB; i += 32) {
+        const int r = i / 16, local = i % 16, row = 16 * group + local;
+        if (r >= batch || row >= rows) continue;
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w)
+#pragma unroll
+            for (int split = 0; split < SPLITS; ++split)
+                total += __ldcg(all + (w * 16 + local) * COLUMNS + r * SPLITS + split);  // L2: other SMs wrote them
+        y[static_cast<i64>(r) * rows + row] = from_float<X>(total);
+    }
 }
 
 #define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                   \
@@ -155,6 +191,25 @@ __device__ __forceinline__ void matvec_tiled_rows(const u8* __restrict__ tiles, 
         matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB(                  \
             const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
             int batch) {                                                                                       \
-        matvec_tiled_rows<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER>(tiles, x, y, rows, cols,      \
-                                                                                batch, blockIdx.x * 16 * ROW_TILES); \
+        float acc[ROW_TILES][MmaColumns<ACT, NB>::TILES][4];                                                   \
+        const int row0 = blockIdx.x * 16 * ROW_TILES;                                                          \
+        tiled_accumulate<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER>(tiles, x, rows, cols, batch,   \
+                                                                               row0, threadIdx.x >> 5, acc);   \
+        mma_store<ACT, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);                                       \
+    }
+
+// Warp units: one warp a thread block, block u being warp u % WARPS of row group u / WARPS (launch with 32 threads
+// and ceil(rows / 16) * WARPS blocks; extra arguments `partials`, float [ceil(rows / 16) * WARPS * 16 * 8 * TILES],
+// no init, and `counters`, u32 [ceil(rows / 16)], zero before the first launch). The GPU then balances warps, not
+// blocks of four: a shape with few row groups (the 27B's down product: 320) fills every SM evenly.
+#define LUCEBOX_MATVEC_TILED_UNITS(FORMAT, ACT, NB, WARPS, AHEAD, ORDER)                                        \
+    extern "C" __global__ void __launch_bounds__(32)                                                           \
+        matvec_tiled_units_w##WARPS##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB(                           \
+            const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
+            int batch, float* __restrict__ partials, u32* __restrict__ counters) {                             \
+        float acc[1][MmaColumns<ACT, NB>::TILES][4];                                                           \
+        const int group = blockIdx.x / WARPS, warp = blockIdx.x % WARPS;                                       \
+        tiled_accumulate<Mma_##FORMAT, ACT, NB, WARPS, 1, AHEAD, ORDER>(tiles, x, rows, cols, batch,           \
+                                                                        16 * group, warp, acc);                \
+        unit_store<ACT, NB, WARPS>(acc, y, rows, batch, group, warp, partials, counters);                      \
     }
