@@ -46,9 +46,11 @@ import torch
 from lucebox_core import quants
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend
-from lucebox_cuda import catalogue, nvrtc
+from lucebox_cuda import catalogue, nvrtc, tiled_weights
 from lucebox_cuda.backend import CudaBackend
 from lucebox_cuda.timing import event_times_ms
+
+os.environ.setdefault(tiled_weights.ENV_SWITCH, "0")  # the explicit variants here read GGUF's rows: none tiled
 
 # Relative Frobenius error bounds against the float64 reference, by activation (= output) dtype: the
 # kernels accumulate in fp32, so what remains is accumulation order plus one rounding of the output.

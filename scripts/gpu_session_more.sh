@@ -56,6 +56,9 @@
 #   bash scripts/gpu_session.sh s26-probe   # ~1.5 min: persistent_probe.py alone (incl. the MLP's 32-row tiles). carry: .whl
 #   bash scripts/gpu_session.sh s27-tiled   # ~3 min: tiled_probe.py (the tiled-layout matvec against the row-major
 #                                           #   kernels on the 27B / 0.8B shapes), then persistent_probe.py. carry: .whl
+#   bash scripts/gpu_session.sh s27-check   # ~8 min: Q6_K weights held tiled: GPU tests (tiled + model paths), verify ==
+#                                           #   decode on the 0.8B, 0.8B and 27B tg128 tiled / LUCEBOX_TILED_WEIGHTS=0, a
+#                                           #   27B step profile, llama-bench beside.            carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -432,6 +435,26 @@ s27_tiled() {  # ~3 min: scripts/tiled_probe.py (the tiled layout's kernel again
   [ -n "${NO_PERSISTENT:-}" ] || step persistent-probe 120 sh -c "python3 scripts/persistent_probe.py \
     --json $RES/persistent_probe.json > $RES/persistent_probe.txt; grep -o '\"shape[^}]*' $RES/persistent_probe.txt \
     | cut -c1-300"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s27_check() {  # ~8 min: session 27's tiled Q6_K weights: the GPU tests of the tiled kernel and of the model paths that
+  #              read them (decode graph, fused decode, embedding, speculative), verify == decode on the 0.8B, tg128
+  #              of the 0.8B and the 27B tiled (default) and row-major, a 27B step profile, llama-bench beside. carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$!
+  step tiled-tests 240 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf --durations=5 \
+    tests/test_tiled_gpu.py tests/test_decode_graph.py tests/test_fused_decode_gpu.py tests/test_cuda_embedding.py \
+    tests/test_speculative.py
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  step determinism-08b 120 python3 scripts/verify_determinism.py "$(model 0.8b)" --json "$RES/determinism_08b.json"
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default rowmajor:LUCEBOX_TILED_WEIGHTS=0
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default rowmajor:LUCEBOX_TILED_WEIGHTS=0
+  llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  mkdir -p "$RES/p27b" && step profile-27b 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile \
+    "$(model 27b)" --out "$RES/p27b"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

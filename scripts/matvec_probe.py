@@ -13,14 +13,17 @@ batch-1 decode step gives it: without it, `--force-accept` stops holding at the 
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import torch
-from lucebox_cuda import catalogue
+from lucebox_cuda import catalogue, tiled_weights
 from lucebox_cuda.backend import CudaBackend
+
+os.environ.setdefault(tiled_weights.ENV_SWITCH, "0")  # the explicit variants here read GGUF's rows: none tiled
 
 
 def _load_cuda_check():

@@ -32,11 +32,13 @@ import traceback
 from pathlib import Path
 
 import torch
-from lucebox_cuda import catalogue, nvrtc
+from lucebox_cuda import catalogue, nvrtc, tiled_weights
 from lucebox_cuda.backend import CudaBackend
 
 from lucebox_core import quants
 from lucebox_core.quants import QuantTensor
+
+os.environ.setdefault(tiled_weights.ENV_SWITCH, "0")  # the explicit variants here read GGUF's rows: none tiled
 
 
 def _load_cuda_check():

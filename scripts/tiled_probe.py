@@ -14,6 +14,7 @@ measured here. The tiled outputs must equal `mma`'s to the bit (`equal`): same c
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 
@@ -23,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 
 from lucebox_core.kquants import random_blocks
 from lucebox_core.quants import QuantTensor
-from lucebox_cuda import catalogue
+from lucebox_cuda import catalogue, tiled_weights
 from lucebox_cuda.backend import CudaBackend
 from lucebox_cuda.nvrtc import Int, KernelProgram, Pointer
 from lucebox_cuda.tiled_weights import tile_rows
@@ -41,6 +42,7 @@ SHAPES = [("q4_k", 34816, 5120, "27b gate|up"), ("q6_k", 5120, 17408, "27b down 
           ("q4_k", 6144, 1024, "0.8b qkv")]
 BATCHES = (1, 16)
 L2_BYTES = 50 << 20
+os.environ.setdefault(tiled_weights.ENV_SWITCH, "0")  # the row-major baselines: the tiled kernels are launched here
 REPEAT, REPLAYS = 40, 15
 
 
@@ -118,7 +120,8 @@ def main() -> None:
             variants = {"default": None, "mma": "mma", **({"mma8": "mma8"} if batch == 1 else {})}
             for name, variant in variants.items():
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in weights]
-                calls = [lambda w=w, y=y, v=variant: backend.matvec(x, w, out=y, variant=v) for w, y in zip(weights, ys)]
+                calls = [lambda w=w, y=y, v=variant: backend.matvec(x, w, out=y, variant=v)
+                         for w, y in zip(weights, ys)]
                 us = time_calls(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
                 outs[name] = ys[0]

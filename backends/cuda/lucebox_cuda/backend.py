@@ -27,7 +27,7 @@ from lucebox_core.errors import LuceboxError
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, Weight
 
-from . import catalogue, pdl
+from . import catalogue, pdl, tiled_weights
 from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgram, Pointer, compile_program, ensure_context,
                     launch)
 
@@ -102,6 +102,8 @@ class CudaBackend(TorchBackend):
     compile_options: tuple[str, ...] = DEFAULT_OPTIONS
     # The expert products on tensor cores (moe_matvec_mma.cu) for the K-quants; HIP's sources have no mma.sync.
     tensor_core_moe = True
+    # Weights `tiled_weights.tiles_weight` picks are held in the tiled layout of matvec_tiled.cu (tensor cores too).
+    tiles_weights = True
 
     def __init__(
         self,
@@ -118,7 +120,8 @@ class CudaBackend(TorchBackend):
         self.arch = self.device_arch()
         self._modules: dict[KernelProgram, CudaModule] = {}
         self._functions: dict[str, Any] = {}
-        self._device_weights: dict[int, tuple[QuantTensor, QuantTensor]] = {}  # id -> (host, device copy)
+        # id -> (host, device copy: a QuantTensor of GGUF's rows, or the tiled bytes of a weight held tiled)
+        self._device_weights: dict[int, tuple[QuantTensor, QuantTensor | torch.Tensor]] = {}
 
     def device_arch(self) -> str:
         """The target the kernels are compiled for (`sm_90`; the HIP backend's: `gfx1100`)."""
@@ -166,8 +169,30 @@ class CudaBackend(TorchBackend):
 
     # -- weights ---------------------------------------------------------------------------------------
 
+    def holds_tiled(self, weight: Any) -> bool:
+        """Whether this backend holds `weight` tiled (`device_tiles`), not as GGUF's rows (`device_weight`): decided
+        once a weight (LUCEBOX_TILED_WEIGHTS is read then), as every product asks."""
+        choices = self.__dict__.setdefault("_tiled_choices", {})
+        entry = choices.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = choices[id(weight)] = (weight, self.tiles_weights and tiled_weights.tiles_weight(weight))
+        return entry[1]
+
+    def device_tiles(self, weight: QuantTensor) -> torch.Tensor:
+        """`weight`'s tiled copy on this GPU (`tiled_weights`), made on first use and kept: the only copy held."""
+        entry = self._device_weights.get(id(weight))
+        if entry is not None and entry[0] is weight:
+            return entry[1]
+        tiles = tiled_weights.upload(weight, self.device)
+        self._device_weights[id(weight)] = (weight, tiles)  # beside the row-major copies (`device_weight_bytes`)
+        return tiles
+
     def device_weight(self, weight: QuantTensor) -> QuantTensor:
         """`weight`'s raw bytes on this GPU, 16-byte aligned, uploaded on first use and kept."""
+        if self.holds_tiled(weight):
+            raise LuceboxError(f"weight {weight.name!r} is held tiled on the GPU (for its products); its GGUF rows "
+                               f"are read through dequantize_rows / lookup_rows (LUCEBOX_TILED_WEIGHTS=0 keeps every "
+                               f"weight row-major)")
         entry = self._device_weights.get(id(weight))
         if entry is not None and entry[0] is weight:
             return entry[1]
@@ -218,6 +243,8 @@ class CudaBackend(TorchBackend):
         held, the launch runs unsplit instead (same kernel, one K-slice).
         """
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
+        if self.holds_tiled(weight):
+            return self._tiled_matvec(x, weight, weight_format, out, variant)
         if variant is None and _FORCED_MATVEC_VARIANT:
             # Decided by the shape, never the batch, as the default is (decode and verify stay alike): a
             # tensor-core variant where one serves every batch, two row groups in their one-group form.
@@ -293,6 +320,33 @@ class CudaBackend(TorchBackend):
                 partials, counters = scratch.data_ptr(), arrivals.data_ptr()
         launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
+        return out
+
+    def _tiled_matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str, out: torch.Tensor | None,
+                      variant: str | None) -> torch.Tensor:
+        """`matvec` of a weight held tiled: matvec_tiled.cu at every batch (one arithmetic class, so a verify row
+        gets the decode step's bits), fp32 activations 8 rows a launch (the tensor-core tile's limit)."""
+        if variant is not None:
+            raise ValueError(f"weight {weight.name!r} is held tiled: matvec variant {variant!r} reads GGUF's rows "
+                             f"(LUCEBOX_TILED_WEIGHTS=0 keeps every weight row-major)")
+        x = x.contiguous()
+        if not _aligned(x):
+            x = x.clone()
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        if out is None:
+            out = torch.empty(rows, out_features, dtype=x.dtype, device=self.device)
+        elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
+        tiles = self.device_tiles(weight)
+        activation = catalogue.ACTIVATIONS[x.dtype]
+        step = catalogue.MMA_MAX_BATCH[activation]
+        for first in range(0, rows, step):
+            count = min(step, rows - first)
+            program, name, rows_per_block = catalogue.matvec_tiled(weight_format, activation, count)
+            self._launch((program, name), -(-out_features // rows_per_block), 128, Pointer(tiles.data_ptr()),
+                         Pointer(x[first].data_ptr()), Pointer(out[first].data_ptr()), Int(out_features),
+                         Int(in_features), Int(count))
         return out
 
     def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int, *,
@@ -450,8 +504,6 @@ class CudaBackend(TorchBackend):
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
         dtype = dtype or self.dtype
         out_features, in_features = weight.shape
-        data = self.device_weight(weight).data
-        row_bytes = data.numel() // out_features
         count = max(stop - start, 0)
         tile = torch.empty(count, in_features, dtype=dtype, device=self.device) if out is None else out
         if tile.shape != (count, in_features) or tile.dtype != dtype or not tile.is_contiguous():
@@ -460,7 +512,14 @@ class CudaBackend(TorchBackend):
             return tile
         pieces = count * in_features // 8  # a piece is 8 or more values; the kernel loops over the rest
         grid = min(-(-pieces // 256), 65535)
-        rows_data = data[start * row_bytes : stop * row_bytes]
+        if self.holds_tiled(weight):  # the rows' bytes gathered from the tiles (a prefill's extra pass over them)
+            ids = torch.arange(start, stop, device=self.device)
+            rows_data = tiled_weights.row_bytes_of(self.device_tiles(weight), weight_format, out_features, in_features,
+                                                   ids)
+        else:
+            data = self.device_weight(weight).data
+            row_bytes = data.numel() // out_features
+            rows_data = data[start * row_bytes : stop * row_bytes]
         self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[dtype]), grid, 256,
                      Pointer(rows_data.data_ptr()), Pointer(tile.data_ptr()), Int(count), Int(in_features))
         return tile
@@ -476,6 +535,12 @@ class CudaBackend(TorchBackend):
         if count:
             pieces = count * cols // 8
             grid = min(-(-pieces // 256), 65535)
+            if self.holds_tiled(weight):  # the rows' bytes gathered from the tiles, then decoded in order
+                rows_data = tiled_weights.row_bytes_of(self.device_tiles(weight), weight_format, weight.shape[0], cols,
+                                                       flat)
+                self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[self.dtype]), grid, 256,
+                             Pointer(rows_data.data_ptr()), Pointer(out.data_ptr()), Int(count), Int(cols))
+                return out.reshape(*ids.shape, cols)
             data = self.device_weight(weight).data
             self._launch(catalogue.dequant_rows(weight_format, catalogue.ACTIVATIONS[self.dtype]), grid, 256,
                          Pointer(data.data_ptr()), Pointer(flat.data_ptr()), Pointer(out.data_ptr()), Int(count),

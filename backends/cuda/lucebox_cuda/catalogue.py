@@ -407,6 +407,16 @@ def matvec_mma(weight_format: str, activation: str, batch: int, variant: str = "
     return KernelProgram("matvec_mma.cu", [f"{macro}({weight_format}, {activation}, {batch})"]), name
 
 
+# The tiled-layout kernel (matvec_tiled.cu, weights `tiled_weights` holds tiled): the `mma` class (4 warps, one
+# K-slice), one GGUF block in flight ahead; one row tile a block at batch 1, two beyond (measured fastest, H100).
+def matvec_tiled(weight_format: str, activation: str, batch: int) -> tuple[KernelProgram, str, int]:
+    """(program, kernel name, rows a thread block) of the tiled kernel for `batch` activation rows (<= its tile)."""
+    tile, row_tiles = batch_tile(batch), 1 if batch == 1 else 2
+    line = f"LUCEBOX_MATVEC_TILED({weight_format}, {activation}, {tile}, 4, {row_tiles}, 1, 0)"
+    name = f"matvec_tiled_w4_r{row_tiles}_a1_o0_{weight_format}_{activation}_{tile}"
+    return KernelProgram("matvec_tiled.cu", [line]), name, 16 * row_tiles
+
+
 def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVariant) -> tuple[KernelProgram, str]:
     line = (f"LUCEBOX_MATVEC_PIPE({weight_format}, {activation}, {batch}, {pipe.warps}, {pipe.depth}, "
             f"{pipe.row_groups})")
@@ -675,10 +685,12 @@ def compile_check_programs() -> dict[str, KernelProgram]:
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
         "matvec_tiled.cu": KernelProgram("matvec_tiled.cu", [
             f"LUCEBOX_MATVEC_TILED({f}, {a}, {b}, {w}, {r}, {ahead}, {order})" for f in MMA_FORMATS
-            for a, b, w, r, ahead, order in (("bf16", 1, 4, 1, 1, 0), ("bf16", 1, 4, 1, 3, 1), ("f16", 1, 8, 1, 2, 1),
-                                             ("f32", MMA_MAX_BATCH["f32"], 4, 1, 1, 1), ("bf16", MAX_BATCH, 4, 2, 1, 1))]
+            for a, b, w, r, ahead, order in (("bf16", 1, 4, 1, 1, 0), ("bf16", 1, 4, 1, 3, 1),
+                                             ("f16", 1, 8, 1, 2, 1), ("f32", MMA_MAX_BATCH["f32"], 4, 1, 1, 1),
+                                             ("bf16", MAX_BATCH, 4, 2, 1, 1))]
             + [f"LUCEBOX_MATVEC_TILED_UNITS({f}, {a}, {b}, {w}, {ahead}, 0)" for f in MMA_FORMATS
-               for a, b, w, ahead in (("bf16", 1, 4, 3), ("f32", MMA_MAX_BATCH["f32"], 8, 1), ("bf16", MAX_BATCH, 4, 2))]),
+               for a, b, w, ahead in (("bf16", 1, 4, 3), ("f32", MMA_MAX_BATCH["f32"], 8, 1),
+                                      ("bf16", MAX_BATCH, 4, 2))]),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")
                                                    for f in formats for a in acts]),
         "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"

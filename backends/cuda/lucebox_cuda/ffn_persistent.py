@@ -31,7 +31,7 @@ import torch
 from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import decode_only_kernels
 
-from . import catalogue
+from . import catalogue, tiled_weights
 from .nvrtc import Float, Int, Pointer, ensure_context
 
 ENV_SWITCH = "LUCEBOX_PERSISTENT_FFN"
@@ -52,8 +52,11 @@ def enabled() -> bool:
 
 def mma_format(weight: Any, cols: int, rows: int | None = None) -> str | None:
     """The tensor-core format name of a 2-D GGUF weight with `cols` columns (and `rows` rows, where given), or None:
-    what every persistent kernel's products read."""
+    what every persistent kernel's products read. Weights the backend holds tiled are refused: these kernels read
+    GGUF's rows."""
     if not isinstance(weight, QuantTensor) or len(weight.shape) != 2 or weight.shape[1] != cols:
+        return None
+    if tiled_weights.tiles_weight(weight):
         return None
     if rows is not None and weight.shape[0] != rows:
         return None

@@ -27,7 +27,7 @@ from lucebox_core.moe_routing import SIGMOID, MoERouting
 from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import decode_only_kernels
 
-from . import catalogue, ffn_persistent
+from . import catalogue, ffn_persistent, tiled_weights
 from .nvrtc import Float, Int, Int64, Pointer
 
 ENV_SWITCH = "LUCEBOX_PERSISTENT_MOE"
@@ -51,7 +51,8 @@ def _float_rows(weight: Any, rows: int, cols: int) -> bool:
 
 
 def _format(weight: Any, shape: tuple[int, ...]) -> str | None:
-    if not isinstance(weight, QuantTensor) or tuple(weight.shape) != shape:
+    # A shared expert the backend holds tiled is refused: the kernel reads GGUF's rows.
+    if not isinstance(weight, QuantTensor) or tuple(weight.shape) != shape or tiled_weights.tiles_weight(weight):
         return None
     name = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
     return name if name in catalogue.MMA_FORMATS else None

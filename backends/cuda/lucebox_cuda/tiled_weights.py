@@ -10,14 +10,26 @@ Pure torch (no GPU needed): `tile_rows` on the device tensor at upload, `untile_
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
+from lucebox_core.quants import QuantTensor
+
+from . import catalogue
 
 ROWS = 16  # a tile's rows: the mma's M
 BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
 TILED_FORMATS = tuple(BLOCK_BYTES)
+
+
+def block_bytes(fmt: str) -> int:
+    """A GGUF block's bytes in a tiled format; a clear error for the others."""
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"no tiled layout for {fmt!r}; tiled formats: {', '.join(TILED_FORMATS)}")
+    return BLOCK_BYTES[fmt]
 
 
 def _lane_pieces(fmt: str) -> list[tuple[int, int, int]]:
@@ -35,7 +47,7 @@ def _lane_pieces(fmt: str) -> list[tuple[int, int, int]]:
         pieces += [(quants + 512 * c + 16 * lane + 8 * half + 4 * w, lane // 4 + 8 * half,
                     first + 32 * c + 8 * (lane % 4) + 4 * w)
                    for c in range(4) for lane in range(32) for half in range(2) for w in range(2)]
-    elif fmt == "q6_k":
+    else:  # q6_k
         pieces += [(32 + 16 * row + 4 * w, row, 192 + 4 * w) for row in range(ROWS) for w in range(4)]  # scales
         for k in range(6):
             kind = k % 3  # ql_a, ql_b, qh: word [2h + i] at 64h + 16i + 4t (+32), 128 + 32h + 16i + 4t
@@ -45,15 +57,13 @@ def _lane_pieces(fmt: str) -> list[tuple[int, int, int]]:
                     for i in range(2):
                         source = (128 + 32 * h if kind == 2 else 64 * h + 32 * kind) + 16 * i + 4 * t
                         pieces.append((288 + 512 * k + 16 * lane + 4 * (2 * h + i), row, source))
-    else:
-        raise ValueError(f"no tiled layout for {fmt!r}; tiled formats: {', '.join(TILED_FORMATS)}")
     return pieces
 
 
 @lru_cache(maxsize=None)
 def tile_order(fmt: str) -> np.ndarray:
     """For each byte of a tile, the byte of the 16 rows' blocks ([16, BLOCK_BYTES] flattened) it copies."""
-    block = BLOCK_BYTES[fmt]
+    block = block_bytes(fmt)
     order = np.full(ROWS * block, -1, dtype=np.int64)
     for offset, row, source in _lane_pieces(fmt):
         order[offset: offset + 4] = row * block + source + np.arange(4)
@@ -69,14 +79,14 @@ def tiled_shape(fmt: str, rows: int, cols: int, block_major: bool = False) -> tu
     """The shape of the tiled copy of a [rows, cols] weight: (row groups, their bytes) or (blocks, their bytes)."""
     if cols % 256:
         raise ValueError(f"{fmt}: {cols} columns is not a multiple of 256")
-    groups, blocks, tile = -(-rows // ROWS), cols // 256, ROWS * BLOCK_BYTES[fmt]
+    groups, blocks, tile = -(-rows // ROWS), cols // 256, ROWS * block_bytes(fmt)
     return (blocks, groups * tile) if block_major else (groups, blocks * tile)
 
 
 def tile_rows(raw: torch.Tensor, fmt: str, rows: int, cols: int, block_major: bool = False) -> torch.Tensor:
     """The tiled copy (`tiled_shape`, uint8, on raw's device) of a weight's GGUF bytes `raw` (its rows' blocks one
     after another, any shape of rows * cols / 256 * BLOCK_BYTES bytes)."""
-    block = BLOCK_BYTES[fmt]
+    block = block_bytes(fmt)
     groups, blocks = -(-rows // ROWS), cols // 256
     tiled_shape(fmt, rows, cols)
     flat = raw.reshape(-1)
@@ -96,7 +106,7 @@ def tile_rows(raw: torch.Tensor, fmt: str, rows: int, cols: int, block_major: bo
 
 def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int, block_major: bool = False) -> torch.Tensor:
     """The GGUF bytes ([rows, cols / 256 * BLOCK_BYTES]) of a tiled copy: `tile_rows`' inverse."""
-    block = BLOCK_BYTES[fmt]
+    block = block_bytes(fmt)
     groups, blocks = -(-rows // ROWS), cols // 256
     shape = tiled_shape(fmt, rows, cols, block_major)
     if tuple(tiles.shape) != shape:
@@ -107,3 +117,58 @@ def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int, block_major
     slabs = tiles.reshape(groups, blocks, ROWS * block).index_select(2, inverse)
     rows_bytes = slabs.view(groups, blocks, ROWS, block).permute(0, 2, 1, 3).reshape(groups * ROWS, blocks * block)
     return rows_bytes[:rows]
+
+
+# -- which weights the CUDA backend holds tiled, and reading them back ----------------------------------------------
+
+ENV_SWITCH = "LUCEBOX_TILED_WEIGHTS"  # "0": every weight stays in GGUF's row-major layout (bisecting, sweeps)
+# Formats held tiled by default. Measured (scripts/tiled_probe.py, H100, session 27): Q6_K products 1.16-1.30x faster
+# at batch 1 (the 27B's head at the copy bandwidth) and up to 1.28x at 16 rows; Q4_K's large products are 5-25% faster
+# row-major at batch 1, so Q4_K stays row-major. Q5_K is untimed.
+DEFAULT_FORMATS = ("q6_k",)
+CHUNK_BYTES = 32 << 20  # the upload tiles this many source bytes at a time: no whole-weight temporary
+
+
+def tiles_weight(weight: Any) -> bool:
+    """Whether the CUDA backend holds `weight` (a QuantTensor) tiled: a 2-D weight of a DEFAULT_FORMATS format whose
+    products are of the 4-warp one-slice class (`catalogue.arithmetic_class`; shapes of few rows and long ones take
+    8 warps and 4 K-slices and stay row-major), unless LUCEBOX_TILED_WEIGHTS=0."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
+        return False
+    fmt = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
+    rows, cols = weight.shape
+    if fmt not in DEFAULT_FORMATS or cols % 256:
+        return False
+    return catalogue.arithmetic_class(catalogue.default_variant(fmt, "bf16", 1, rows, cols)) == ("mma", 4, 1)
+
+
+def upload(weight: Any, device: torch.device) -> torch.Tensor:
+    """The tiled copy of `weight` (a QuantTensor) on `device`, row-group-major, made a chunk of row groups at a time."""
+    fmt = catalogue.WEIGHT_FORMATS[weight.ggml_type]
+    rows, cols = weight.shape
+    flat = weight.data.reshape(-1)
+    row_bytes = flat.numel() // rows
+    out = torch.empty(tiled_shape(fmt, rows, cols), dtype=torch.uint8, device=device)
+    step = max(ROWS, CHUNK_BYTES // row_bytes // ROWS * ROWS)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        chunk = flat[start * row_bytes: stop * row_bytes].to(device)
+        out[start // ROWS: -(-stop // ROWS)] = tile_rows(chunk, fmt, stop - start, cols)
+    return out
+
+
+def row_bytes_of(tiles: torch.Tensor, fmt: str, rows: int, cols: int, ids: torch.Tensor) -> torch.Tensor:
+    """The GGUF bytes ([len(ids), row bytes]) of rows `ids` (long, on tiles' device) of a row-group-major tiled copy:
+    a gather, no host value depends on the ids (an embedding lookup inside a recorded step)."""
+    block, blocks = BLOCK_BYTES[fmt], cols // 256
+    where = _positions(fmt, tiles.device)  # [16, block]: a row's block byte -> its offset in the tile
+    tile_bytes = ROWS * block
+    first = (ids // ROWS) * (blocks * tile_bytes)  # the row's group's first tile
+    index = (first[:, None, None] + torch.arange(blocks, device=tiles.device)[None, :, None] * tile_bytes
+             + where[ids % ROWS][:, None, :])
+    return tiles.reshape(-1)[index.reshape(-1)].view(ids.numel(), blocks * block)
+
+
+@lru_cache(maxsize=None)  # made once a device (before any recorded step: the first lookup runs eagerly)
+def _positions(fmt: str, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.argsort(tile_order(fmt))).view(ROWS, BLOCK_BYTES[fmt]).to(device)

@@ -1,0 +1,145 @@
+"""The tiled-layout matrix-vector kernel (matvec_tiled.cu) and the weights the CUDA backend holds tiled, on a GPU.
+
+The tiled kernel is the `mma` kernel's arithmetic (4 warps a row group, warp w takes GGUF blocks w, w+4, ...) over
+the same bytes in another order, so its outputs must equal the row-major `mma` kernel's to the bit at every batch, for
+one row tile a block, two, and warp units. A weight held tiled must give a verify row the decode step's bits, and its
+rows read back (prefill, embedding lookup) must be the row-major path's exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from lucebox_core.errors import LuceboxError
+from lucebox_core.kquants import random_blocks
+from lucebox_core.quants import QuantTensor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TYPES = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+ROWS, COLS = 1000, 1536  # 62.5 row groups: the last one padded
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from lucebox_cuda.backend import CudaBackend
+
+    return CudaBackend(dtype=torch.bfloat16)
+
+
+def weight_rows(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """[rows, row bytes] of valid random blocks (Q5_K: random bytes with small positive d and dmin)."""
+    if fmt == "q5_k":
+        raw = np.random.default_rng(seed).integers(0, 256, (rows * cols // 256, 176), dtype=np.uint8)
+        raw[:, 0:4] = np.frombuffer(np.array([0.01, 0.002], dtype=np.float16).tobytes(), dtype=np.uint8)
+    else:
+        raw = random_blocks(TYPES[fmt], rows * cols, 0.05, np.random.default_rng(seed))
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1).copy())
+
+
+def row_major(fmt: str, raw: torch.Tensor, monkeypatch) -> QuantTensor:
+    """A QuantTensor the backend keeps in GGUF's rows (decided with the switch off, once for the weight)."""
+    from lucebox_cuda import tiled_weights
+
+    weight = QuantTensor("row_major", TYPES[fmt], (raw.shape[0], COLS), raw.reshape(-1).clone())
+    monkeypatch.setenv(tiled_weights.ENV_SWITCH, "0")
+    return weight
+
+
+def launch_tiled(backend, tiles, x, out, fmt: str, kind: str, row_tiles: int = 1):
+    """One of the tiled kernels (3 blocks ahead: the backend's 1 is the GPU test of the model paths) into `out`."""
+    from lucebox_cuda import catalogue
+    from lucebox_cuda.nvrtc import Int, KernelProgram, Pointer
+
+    act, batch = catalogue.ACTIVATIONS[x.dtype], x.shape[0]
+    tile = catalogue.batch_tile(batch)
+    args = [Pointer(tiles.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(ROWS), Int(COLS), Int(batch)]
+    groups = -(-ROWS // 16)
+    if kind == "units":
+        line, name = (f"LUCEBOX_MATVEC_TILED_UNITS({fmt}, {act}, {tile}, 4, 2, 0)",
+                      f"matvec_tiled_units_w4_a2_o0_{fmt}_{act}_{tile}")
+        columns = 8 * -(-tile * (3 if act == "f32" else 1) // 8)
+        partials = torch.empty(groups * 4 * 16 * columns, device="cuda")
+        counters = torch.zeros(groups, dtype=torch.int32, device="cuda")
+        backend._launch((KernelProgram("matvec_tiled.cu", [line]), name), groups * 4, 32, *args,
+                        Pointer(partials.data_ptr()), Pointer(counters.data_ptr()))
+        assert int(counters.sum()) == 0  # the last warp of each group reset its counter
+        return
+    line = f"LUCEBOX_MATVEC_TILED({fmt}, {act}, {tile}, 4, {row_tiles}, 3, 0)"
+    name = f"matvec_tiled_w4_r{row_tiles}_a3_o0_{fmt}_{act}_{tile}"
+    backend._launch((KernelProgram("matvec_tiled.cu", [line]), name), -(-groups // row_tiles), 128, *args)
+
+
+@pytest.mark.parametrize("dtype,batches", [(torch.bfloat16, (1, 2, 5, 16, 23, 64)), (torch.float32, (1, 3, 8))])
+@pytest.mark.parametrize("fmt", sorted(TYPES))
+def test_the_tiled_kernel_gives_the_mma_kernels_bits(backend, monkeypatch, fmt, dtype, batches):
+    from lucebox_cuda.tiled_weights import tile_rows
+
+    raw = weight_rows(fmt, ROWS, COLS, seed=1)
+    weight = row_major(fmt, raw, monkeypatch)
+    tiles = tile_rows(raw.cuda(), fmt, ROWS, COLS)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for batch in batches:
+        x = torch.randn(batch, COLS, device="cuda", generator=gen).to(dtype)
+        expected = backend.matvec(x, weight, variant="mma")
+        assert torch.isfinite(expected.float()).all() and expected.abs().max() > 0
+        for kind, row_tiles in (("block", 1), ("block", 2), ("units", 1)):
+            out = torch.full_like(expected, float("nan"))
+            launch_tiled(backend, tiles, x, out, fmt, kind, row_tiles)
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), (fmt, dtype, batch, kind, row_tiles)
+
+
+def test_a_weight_held_tiled_gives_every_batch_the_decode_steps_bits(backend, monkeypatch):
+    from lucebox_cuda import ffn_persistent
+
+    raw = weight_rows("q6_k", 4096, COLS, seed=3)
+    monkeypatch.delenv("LUCEBOX_TILED_WEIGHTS", raising=False)
+    tiled = QuantTensor("blk.0.ffn_down.weight", T.Q6_K, (4096, COLS), raw.reshape(-1).clone())
+    assert backend.holds_tiled(tiled)
+    plain = QuantTensor("plain", T.Q6_K, (4096, COLS), raw.reshape(-1).clone())
+    monkeypatch.setenv("LUCEBOX_TILED_WEIGHTS", "0")
+    assert not backend.holds_tiled(plain) and backend.holds_tiled(tiled)  # decided once a weight
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(23, COLS, device="cuda", generator=gen).to(torch.bfloat16)
+    verify = backend.matvec(x, tiled)
+    assert torch.equal(verify, backend.matvec(x, plain, variant="mma"))  # the row-major kernel of the same class
+    for row in (0, 7, 22):
+        assert torch.equal(backend.matvec(x[row: row + 1], tiled)[0], verify[row])
+    # fp32 activations: 8 rows a launch, the same class, so row 20 of 23 is its own batch-1 product.
+    x32 = x.float()
+    assert torch.equal(backend.matvec(x32, tiled)[20], backend.matvec(x32[20:21], tiled)[0])
+    with pytest.raises(ValueError, match="held tiled: matvec variant 'mma'"):
+        backend.matvec(x, tiled, variant="mma")
+    with pytest.raises(LuceboxError, match="'blk.0.ffn_down.weight' is held tiled"):
+        backend.device_weight(tiled)
+    assert ffn_persistent.mma_format(tiled, COLS) is None  # the persistent kernels read GGUF's rows
+
+
+def test_rows_of_a_weight_held_tiled_read_back_exactly(backend, monkeypatch):
+    raw = weight_rows("q6_k", 4100, COLS, seed=5)  # a padded last group
+    monkeypatch.delenv("LUCEBOX_TILED_WEIGHTS", raising=False)
+    tiled = QuantTensor("tiled", T.Q6_K, (4100, COLS), raw.reshape(-1).clone())
+    assert backend.holds_tiled(tiled)
+    plain = row_major("q6_k", raw, monkeypatch)
+    for start, stop in ((0, 4100), (37, 1000), (4090, 4100)):
+        assert torch.equal(backend.dequantize_rows(tiled, start, stop), backend.dequantize_rows(plain, start, stop))
+    ids = torch.tensor([[4099, 0, 17], [17, 2048, 5]], device="cuda")
+    expected = backend.lookup_rows(plain, ids)
+    assert torch.equal(backend.lookup_rows(tiled, ids), expected)
+    # Inside a recorded step: the ids are read on the device at replay.
+    ids_static = ids.clone()
+    out = backend.lookup_rows(tiled, ids_static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.lookup_rows(tiled, ids_static)
+    ids_static.copy_(torch.tensor([[1, 2, 3], [4095, 4096, 4097]], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, backend.lookup_rows(plain, ids_static))
+    # A prefill product through the tiles equals the row-major one (dequantized rows, then one GEMM).
+    x = torch.randn(100, COLS, device="cuda").to(torch.bfloat16)
+    assert torch.equal(backend.tiled_linear(x, tiled, "q6_k"), backend.tiled_linear(x, plain, "q6_k"))
