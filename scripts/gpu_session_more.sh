@@ -59,6 +59,8 @@
 #   bash scripts/gpu_session.sh s27-check   # ~8 min: Q6_K weights held tiled: GPU tests (tiled + model paths), verify ==
 #                                           #   decode on the 0.8B, 0.8B and 27B tg128 tiled / LUCEBOX_TILED_WEIGHTS=0, a
 #                                           #   27B step profile, llama-bench beside.            carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s27-tests   # ~7 min: the tiled kernel's GPU tests, then the model paths' (decode graph,
+#                                           #   fused decode, embedding, speculative) with Q6_K weights tiled. carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -456,6 +458,15 @@ s27_check() {  # ~8 min: session 27's tiled Q6_K weights: the GPU tests of the t
   mkdir -p "$RES/p27b" && step profile-27b 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile \
     "$(model 27b)" --out "$RES/p27b"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s27_tests() {  # ~7 min: the GPU tests of session 27's tiled weights, then of the model paths that read them. carry: .whl
+  step tiled-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf --durations=5 \
+    tests/test_tiled_gpu.py
+  step model-tests "${MODEL_TESTS_S:-300}" env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    --durations=8 tests/test_cuda_embedding.py tests/test_decode_graph.py tests/test_fused_decode_gpu.py \
+    tests/test_speculative.py
   return 0
 }
 

@@ -49,48 +49,58 @@ def row_major(fmt: str, raw: torch.Tensor, monkeypatch) -> QuantTensor:
     return weight
 
 
-def launch_tiled(backend, tiles, x, out, fmt: str, kind: str, row_tiles: int = 1):
-    """One of the tiled kernels (3 blocks ahead: the backend's 1 is the GPU test of the model paths) into `out`."""
+# (activation, batch tile, kernel kind, row tiles); one program a format holds them all (a compile is seconds).
+CASES = [("bf16", 1, "block", 1), ("bf16", 1, "units", 1), ("bf16", 24, "block", 1), ("bf16", 24, "block", 2),
+         ("bf16", 24, "units", 1), ("bf16", 64, "block", 2), ("f32", 3, "block", 2), ("f32", 8, "units", 1)]
+
+
+def program(fmt: str):
+    from lucebox_cuda.nvrtc import KernelProgram
+
+    lines = [f"LUCEBOX_MATVEC_TILED_UNITS({fmt}, {act}, {tile}, 4, 2, 0)" if kind == "units" else
+             f"LUCEBOX_MATVEC_TILED({fmt}, {act}, {tile}, 4, {row_tiles}, 3, 0)" for act, tile, kind, row_tiles in CASES]
+    return KernelProgram("matvec_tiled.cu", lines)
+
+
+def launch_tiled(backend, tiles, x, out, fmt: str, tile: int, kind: str, row_tiles: int):
+    """A tiled kernel (3 blocks ahead, or 2 for warp units: the backend's 1 is in the model paths' tests) into `out`."""
     from lucebox_cuda import catalogue
-    from lucebox_cuda.nvrtc import Int, KernelProgram, Pointer
+    from lucebox_cuda.nvrtc import Int, Pointer
 
     act, batch = catalogue.ACTIVATIONS[x.dtype], x.shape[0]
-    tile = catalogue.batch_tile(batch)
     args = [Pointer(tiles.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(ROWS), Int(COLS), Int(batch)]
     groups = -(-ROWS // 16)
     if kind == "units":
-        line, name = (f"LUCEBOX_MATVEC_TILED_UNITS({fmt}, {act}, {tile}, 4, 2, 0)",
-                      f"matvec_tiled_units_w4_a2_o0_{fmt}_{act}_{tile}")
         columns = 8 * -(-tile * (3 if act == "f32" else 1) // 8)
         partials = torch.empty(groups * 4 * 16 * columns, device="cuda")
         counters = torch.zeros(groups, dtype=torch.int32, device="cuda")
-        backend._launch((KernelProgram("matvec_tiled.cu", [line]), name), groups * 4, 32, *args,
+        backend._launch((program(fmt), f"matvec_tiled_units_w4_a2_o0_{fmt}_{act}_{tile}"), groups * 4, 32, *args,
                         Pointer(partials.data_ptr()), Pointer(counters.data_ptr()))
+        torch.cuda.synchronize()
         assert int(counters.sum()) == 0  # the last warp of each group reset its counter
         return
-    line = f"LUCEBOX_MATVEC_TILED({fmt}, {act}, {tile}, 4, {row_tiles}, 3, 0)"
-    name = f"matvec_tiled_w4_r{row_tiles}_a3_o0_{fmt}_{act}_{tile}"
-    backend._launch((KernelProgram("matvec_tiled.cu", [line]), name), -(-groups // row_tiles), 128, *args)
+    backend._launch((program(fmt), f"matvec_tiled_w4_r{row_tiles}_a3_o0_{fmt}_{act}_{tile}"), -(-groups // row_tiles),
+                    128, *args)
 
 
-@pytest.mark.parametrize("dtype,batches", [(torch.bfloat16, (1, 2, 5, 16, 23, 64)), (torch.float32, (1, 3, 8))])
 @pytest.mark.parametrize("fmt", sorted(TYPES))
-def test_the_tiled_kernel_gives_the_mma_kernels_bits(backend, monkeypatch, fmt, dtype, batches):
+def test_the_tiled_kernel_gives_the_mma_kernels_bits(backend, monkeypatch, fmt):
     from lucebox_cuda.tiled_weights import tile_rows
 
     raw = weight_rows(fmt, ROWS, COLS, seed=1)
     weight = row_major(fmt, raw, monkeypatch)
     tiles = tile_rows(raw.cuda(), fmt, ROWS, COLS)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for batch in batches:
-        x = torch.randn(batch, COLS, device="cuda", generator=gen).to(dtype)
-        expected = backend.matvec(x, weight, variant="mma")
-        assert torch.isfinite(expected.float()).all() and expected.abs().max() > 0
-        for kind, row_tiles in (("block", 1), ("block", 2), ("units", 1)):
+    dtypes = {"bf16": torch.bfloat16, "f32": torch.float32}
+    for act, tile, kind, row_tiles in CASES:
+        for batch in sorted({tile, max(1, tile - 1)}):  # a full batch tile and one short of it
+            x = torch.randn(batch, COLS, device="cuda", generator=gen).to(dtypes[act])
+            expected = backend.matvec(x, weight, variant="mma")
+            assert torch.isfinite(expected.float()).all() and expected.abs().max() > 0
             out = torch.full_like(expected, float("nan"))
-            launch_tiled(backend, tiles, x, out, fmt, kind, row_tiles)
+            launch_tiled(backend, tiles, x, out, fmt, tile, kind, row_tiles)
             torch.cuda.synchronize()
-            assert torch.equal(out, expected), (fmt, dtype, batch, kind, row_tiles)
+            assert torch.equal(out, expected), (fmt, act, batch, kind, row_tiles)
 
 
 def test_a_weight_held_tiled_gives_every_batch_the_decode_steps_bits(backend, monkeypatch):
