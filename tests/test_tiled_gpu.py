@@ -110,6 +110,7 @@ def test_a_weight_held_tiled_gives_every_batch_the_decode_steps_bits(backend, mo
     monkeypatch.delenv("LUCEBOX_TILED_WEIGHTS", raising=False)
     tiled = QuantTensor("blk.0.ffn_down.weight", T.Q6_K, (4096, COLS), raw.reshape(-1).clone())
     assert backend.holds_tiled(tiled)
+    assert ffn_persistent.mma_format(tiled, COLS) is None  # the persistent kernels read GGUF's rows
     plain = QuantTensor("plain", T.Q6_K, (4096, COLS), raw.reshape(-1).clone())
     monkeypatch.setenv("LUCEBOX_TILED_WEIGHTS", "0")
     assert not backend.holds_tiled(plain) and backend.holds_tiled(tiled)  # decided once a weight
@@ -126,7 +127,6 @@ def test_a_weight_held_tiled_gives_every_batch_the_decode_steps_bits(backend, mo
         backend.matvec(x, tiled, variant="mma")
     with pytest.raises(LuceboxError, match="'blk.0.ffn_down.weight' is held tiled"):
         backend.device_weight(tiled)
-    assert ffn_persistent.mma_format(tiled, COLS) is None  # the persistent kernels read GGUF's rows
 
 
 def test_rows_of_a_weight_held_tiled_read_back_exactly(backend, monkeypatch):
