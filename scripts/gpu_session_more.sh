@@ -465,8 +465,8 @@ s27_tests() {  # ~7 min: the GPU tests of session 27's tiled weights, then of th
   step tiled-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf --durations=5 \
     tests/test_tiled_gpu.py
   step model-tests "${MODEL_TESTS_S:-300}" env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-    --durations=8 tests/test_cuda_embedding.py tests/test_decode_graph.py tests/test_fused_decode_gpu.py \
-    tests/test_speculative.py
+    --durations=8 ${MODEL_TESTS:-tests/test_cuda_embedding.py tests/test_decode_graph.py tests/test_fused_decode_gpu.py \
+    tests/test_speculative.py}
   return 0
 }
 
