@@ -39,6 +39,8 @@ from lucebox_cuda import ffn_persistent
 from lucebox_cuda.backend import CudaBackend
 from router_probe import replay_us  # scripts/ is the path's first entry when run as a script
 
+# The persistent kernels read GGUF's rows (each switch A/B on the same weights): every weight stays row-major.
+os.environ.setdefault("LUCEBOX_TILED_WEIGHTS", "0")
 SHAPES = {"0.8b": (1024, 3584), "laguna-dense": (2048, 8192), "27b": (5120, 17408)}
 REPEAT, REPLAYS = 50, 20
 

@@ -179,3 +179,12 @@ class CountingDict(dict):
     def items(self):
         self.visited += len(self)
         return super().items()
+
+
+@pytest.fixture(scope="module")
+def row_major_weights():
+    """GGUF's row-major weights for a whole module (LUCEBOX_TILED_WEIGHTS=0; test_tiled_weights.py covers the tiled
+    ones): the persistent kernels read GGUF's rows, and a weight's layout is decided at its first use."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LUCEBOX_TILED_WEIGHTS", "0")
+        yield

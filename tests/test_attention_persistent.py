@@ -22,6 +22,8 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import running_static_step
 from lucebox_core.torch_backend import TorchBackend, concat_rows
 
+pytestmark = pytest.mark.usefixtures("row_major_weights")  # these kernels read GGUF's rows
+
 LAYER = 3  # an attention layer's index (a hybrid model's are sparse)
 
 

@@ -20,6 +20,8 @@ from lucebox_core.quants import QuantTensor
 from lucebox_core.static_step import running_static_step
 from lucebox_core.torch_backend import TorchBackend, concat_rows
 
+pytestmark = pytest.mark.usefixtures("row_major_weights")  # these kernels read GGUF's rows
+
 
 def _quant(name: str, ggml_type: T, rows: int, cols: int, seed: int) -> QuantTensor:
     raw = random_blocks(ggml_type, rows * cols, 0.05, np.random.default_rng(seed))

@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 pytestmark = [
+    pytest.mark.usefixtures("row_major_weights"),  # these kernels read GGUF's rows
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="Triton runs interpreted in this process"),
 ]

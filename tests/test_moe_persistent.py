@@ -18,6 +18,8 @@ from lucebox_core.moe_routing import SIGMOID, SOFTMAX, MoERouting
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, concat_rows
 
+pytestmark = pytest.mark.usefixtures("row_major_weights")  # these kernels read GGUF's rows
+
 
 def _quant(ggml_type, shape, seed):
     raw = random_blocks(ggml_type, int(np.prod(shape)), 0.05, np.random.default_rng(seed))

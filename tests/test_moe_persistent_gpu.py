@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from test_ffn_persistent_gpu import compare_switched_decode  # tests/ is on the path (pytest's rootdir import)
 
 pytestmark = [
+    pytest.mark.usefixtures("row_major_weights"),  # these kernels read GGUF's rows
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="Triton runs interpreted in this process"),
 ]

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from lucebox_core.quants import QuantTensor
-from lucebox_cuda import tiled_weights
+from lucebox_cuda import ffn_persistent, tiled_weights
 from lucebox_cuda.tiled_weights import BLOCK_BYTES, row_bytes_of, tile_rows, tiles_weight, untile_rows
 
 FORMATS = tuple(BLOCK_BYTES)
@@ -141,8 +141,30 @@ def test_which_weights_are_held_tiled(monkeypatch):
     assert not tiles_weight(quant(T.Q4_K, (17408, 5120)))  # Q4_K: row-major measured faster at batch 1
     assert not tiles_weight(quant(T.Q6_K, (4, 1024, 256)))  # an expert stack
     assert not tiles_weight(torch.zeros(16, 256))
+    # The persistent kernels read GGUF's rows: they refuse what the backend holds tiled.
+    assert ffn_persistent.mma_format(quant(T.Q6_K, (5120, 17408)), 17408) is None
     monkeypatch.setenv(tiled_weights.ENV_SWITCH, "0")
     assert not tiles_weight(quant(T.Q6_K, (5120, 17408)))
+    assert ffn_persistent.mma_format(quant(T.Q6_K, (5120, 17408)), 17408) == "q6_k"
+
+
+@pytest.mark.parametrize("module", ["ffn_persistent", "gdn_persistent", "attention_persistent", "moe_persistent"])
+def test_a_persistent_kernel_switched_on_keeps_the_weights_row_major(monkeypatch, module):
+    import importlib
+
+    switch = importlib.import_module(f"lucebox_cuda.{module}").ENV_SWITCH
+    assert switch in tiled_weights.PERSISTENT_SWITCHES
+    monkeypatch.delenv(tiled_weights.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(switch, "1")
+    assert not tiles_weight(quant(T.Q6_K, (5120, 17408)))
+    assert ffn_persistent.mma_format(quant(T.Q6_K, (5120, 17408)), 17408) == "q6_k"
+
+
+def test_only_the_cuda_backend_holds_weights_tiled():
+    from lucebox_cuda.backend import CudaBackend
+    from lucebox_hip.backend import HipBackend
+
+    assert CudaBackend.tiles_weights and not HipBackend.tiles_weights  # HIP has no tensor-core kernel
 
 
 def test_the_upload_tiles_in_chunks_the_same_bytes(monkeypatch):

@@ -122,6 +122,10 @@ def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int, block_major
 # -- which weights the CUDA backend holds tiled, and reading them back ----------------------------------------------
 
 ENV_SWITCH = "LUCEBOX_TILED_WEIGHTS"  # "0": every weight stays in GGUF's row-major layout (bisecting, sweeps)
+# The persistent kernels' switches (their modules' ENV_SWITCH): those kernels read GGUF's rows, so with one of them on
+# every weight stays row-major, for the kernel asked for to run.
+PERSISTENT_SWITCHES = ("LUCEBOX_PERSISTENT_FFN", "LUCEBOX_PERSISTENT_GDN", "LUCEBOX_PERSISTENT_ATTENTION",
+                       "LUCEBOX_PERSISTENT_MOE")
 # Formats held tiled by default. Measured (scripts/tiled_probe.py, H100, session 27): Q6_K products 1.16-1.30x faster
 # at batch 1 (the 27B's head at the copy bandwidth) and up to 1.28x at 16 rows; Q4_K's large products are 5-25% faster
 # row-major at batch 1, so Q4_K stays row-major. Q5_K is untimed.
@@ -132,8 +136,11 @@ CHUNK_BYTES = 32 << 20  # the upload tiles this many source bytes at a time: no 
 def tiles_weight(weight: Any) -> bool:
     """Whether the CUDA backend holds `weight` (a QuantTensor) tiled: a 2-D weight of a DEFAULT_FORMATS format whose
     products are of the 4-warp one-slice class (`catalogue.arithmetic_class`; shapes of few rows and long ones take
-    8 warps and 4 K-slices and stay row-major), unless LUCEBOX_TILED_WEIGHTS=0."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
+    8 warps and 4 K-slices and stay row-major), unless LUCEBOX_TILED_WEIGHTS=0 or a persistent kernel is switched on
+    (PERSISTENT_SWITCHES). The backend asks once a weight, at its first use."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or any(os.environ.get(name) == "1" for name in PERSISTENT_SWITCHES):
+        return False
+    if not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
         return False
     fmt = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
     rows, cols = weight.shape

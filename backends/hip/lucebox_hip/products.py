@@ -23,6 +23,7 @@ class SharedSourceProducts:
     """`matvec` on `matvec.cu` for a backend with `device`, `device_weight` and `_launch` (a `CudaBackend`)."""
 
     tensor_core_moe = False  # the expert products on moe_matvec.cu, the shared source (no mma.sync under HIP)
+    tiles_weights = False  # the tiled layout's kernel (matvec_tiled.cu) is tensor-core CUDA: every weight row-major
 
     def matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str | None = None, *,
                out: torch.Tensor | None = None, variant: str | None = None) -> torch.Tensor:
