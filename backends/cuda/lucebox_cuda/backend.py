@@ -64,6 +64,21 @@ def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % ALIGNMENT == 0
 
 
+def matvec_operands(x: torch.Tensor, out: torch.Tensor | None, out_features: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's activations contiguous and 16-byte aligned (copied where not), and its output: `out` checked
+    (contiguous, [rows, out_features], x's dtype) or a new one."""
+    x = x.contiguous()
+    if not _aligned(x):
+        x = x.clone()
+    shape = (x.shape[0], out_features)
+    if out is None:
+        return x, torch.empty(shape, dtype=x.dtype, device=device)
+    if out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}")
+    return x, out
+
+
 # The shared memory a paged tensor-core expert kernel stages a missed expert's 16 rows in (moe_matvec_mma.cu's
 # `staged_expert`), at most: the 48 KiB a block may have without an opt-in, less 4 KiB for the kernel's own
 # static shared memory (the body's partial sums: up to 2.3 KiB), which counts against the same limit (a Q4_K row
@@ -254,15 +269,9 @@ class CudaBackend(TorchBackend):
                 pipe = catalogue.PipeVariant.parse(_FORCED_MATVEC_VARIANT)
                 variant = (attrs.evolve(pipe, row_groups=1).name if pipe is not None and pipe.row_groups > 1
                            else _FORCED_MATVEC_VARIANT)
-        x = x.contiguous()
-        if not _aligned(x):
-            x = x.clone()
-        rows, in_features = x.shape
         out_features = weight.shape[0]
-        if out is None:
-            out = torch.empty(rows, out_features, dtype=x.dtype, device=self.device)
-        elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
+        x, out = matvec_operands(x, out, out_features, self.device)
+        rows, in_features = x.shape
         data = self.device_weight(weight).data
         state = self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None, "shared_ready": set()})
         if "max_shared" not in state:
@@ -329,15 +338,9 @@ class CudaBackend(TorchBackend):
         if variant is not None:
             raise ValueError(f"weight {weight.name!r} is held tiled: matvec variant {variant!r} reads GGUF's rows "
                              f"(LUCEBOX_TILED_WEIGHTS=0 keeps every weight row-major)")
-        x = x.contiguous()
-        if not _aligned(x):
-            x = x.clone()
-        rows, in_features = x.shape
         out_features = weight.shape[0]
-        if out is None:
-            out = torch.empty(rows, out_features, dtype=x.dtype, device=self.device)
-        elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
+        x, out = matvec_operands(x, out, out_features, self.device)
+        rows, in_features = x.shape
         tiles = self.device_tiles(weight)
         activation = catalogue.ACTIVATIONS[x.dtype]
         step = catalogue.MMA_MAX_BATCH[activation]

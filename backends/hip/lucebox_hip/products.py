@@ -14,9 +14,8 @@ import torch
 from lucebox_core.errors import LuceboxError
 from lucebox_core.quants import QuantTensor
 from lucebox_cuda import catalogue
+from lucebox_cuda.backend import matvec_operands
 from lucebox_cuda.nvrtc import Int, Pointer
-
-ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
 
 
 class SharedSourceProducts:
@@ -33,15 +32,9 @@ class SharedSourceProducts:
         if variant not in (None, "simt"):
             raise LuceboxError(f"the {self.name} backend has only the CUDA-core matvec ('simt'), not {variant!r}")
         weight_format = weight_format or catalogue.WEIGHT_FORMATS[weight.ggml_type]
-        x = x.contiguous()
-        if x.data_ptr() % ALIGNMENT:
-            x = x.clone()
-        rows, in_features = x.shape
         out_features = weight.shape[0]
-        if out is None:
-            out = torch.empty(rows, out_features, dtype=x.dtype, device=self.device)
-        elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(rows, out_features)}")
+        x, out = matvec_operands(x, out, out_features, self.device)
+        rows, in_features = x.shape
         data = self.device_weight(weight).data
         kernel = catalogue.matvec_kernel(weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features, "simt",
                                          in_features=in_features)

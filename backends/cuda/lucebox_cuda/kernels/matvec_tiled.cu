@@ -35,36 +35,34 @@ __device__ __forceinline__ uint4 load_16(const u8* p) { return *reinterpret_cast
 
 template <class W> struct TileLayout;
 
-template <> struct TileLayout<MmaQ4K> {
-    static constexpr int BYTES = 16 * MmaQ4K::BLOCK_BYTES, QUANTS = 256;
-    static __device__ __forceinline__ void load(const u8* tile, int lane, MmaQ4K::Raw& a, MmaQ4K::Raw& b) {
-        const int g = lane >> 2;
-        a.head = load_16(tile + 16 * g);
-        b.head = load_16(tile + 16 * (g + 8));
+// Q4_K's and Q5_K's common part: the 16 rows' heads at 16 r, the 4 quant chunks from QUANTS.
+template <class Raw, int QUANTS>
+__device__ __forceinline__ void load_heads_and_quants(const u8* tile, int lane, Raw& a, Raw& b) {
+    const int g = lane >> 2;
+    a.head = load_16(tile + 16 * g);
+    b.head = load_16(tile + 16 * (g + 8));
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const uint4 v = load_16(tile + QUANTS + 512 * c + 16 * lane);
-            a.qs[c] = make_uint2(v.x, v.y);
-            b.qs[c] = make_uint2(v.z, v.w);
-        }
+    for (int c = 0; c < 4; ++c) {
+        const uint4 v = load_16(tile + QUANTS + 512 * c + 16 * lane);
+        a.qs[c] = make_uint2(v.x, v.y);
+        b.qs[c] = make_uint2(v.z, v.w);
+    }
+}
+
+template <> struct TileLayout<MmaQ4K> {
+    static constexpr int BYTES = 16 * MmaQ4K::BLOCK_BYTES;
+    static __device__ __forceinline__ void load(const u8* tile, int lane, MmaQ4K::Raw& a, MmaQ4K::Raw& b) {
+        load_heads_and_quants<MmaQ4K::Raw, 256>(tile, lane, a, b);
     }
 };
 
 template <> struct TileLayout<MmaQ5K> {
-    static constexpr int BYTES = 16 * MmaQ5K::BLOCK_BYTES, HIGH = 256, QUANTS = 768;
+    static constexpr int BYTES = 16 * MmaQ5K::BLOCK_BYTES, HIGH = 256;
     static __device__ __forceinline__ void load(const u8* tile, int lane, MmaQ5K::Raw& a, MmaQ5K::Raw& b) {
-        const int g = lane >> 2;
-        a.head = load_16(tile + 16 * g);
-        b.head = load_16(tile + 16 * (g + 8));
+        load_heads_and_quants<MmaQ5K::Raw, 768>(tile, lane, a, b);
         const uint4 high = load_16(tile + HIGH + 16 * lane);
         a.qh = make_uint2(high.x, high.y);
         b.qh = make_uint2(high.z, high.w);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const uint4 v = load_16(tile + QUANTS + 512 * c + 16 * lane);
-            a.qs[c] = make_uint2(v.x, v.y);
-            b.qs[c] = make_uint2(v.z, v.w);
-        }
     }
 };
 
