@@ -113,6 +113,8 @@ def test_rows_gathered_from_the_tiles_are_the_rows(fmt):
     tiles = tile_rows(raw, fmt, rows, cols)
     ids = torch.tensor([0, 52, 17, 17, 31, 16, 5])
     assert torch.equal(row_bytes_of(tiles, fmt, rows, cols, ids), raw[ids])
+    for start, stop in ((0, 53), (0, 16), (5, 6), (17, 48), (31, 53), (52, 53)):
+        assert torch.equal(tiled_weights.row_range_bytes(tiles, fmt, rows, cols, start, stop), raw[start:stop])
 
 
 def test_bad_shapes_are_refused_by_name():

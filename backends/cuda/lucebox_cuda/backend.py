@@ -515,10 +515,9 @@ class CudaBackend(TorchBackend):
             return tile
         pieces = count * in_features // 8  # a piece is 8 or more values; the kernel loops over the rest
         grid = min(-(-pieces // 256), 65535)
-        if self.holds_tiled(weight):  # the rows' bytes gathered from the tiles (a prefill's extra pass over them)
-            ids = torch.arange(start, stop, device=self.device)
-            rows_data = tiled_weights.row_bytes_of(self.device_tiles(weight), weight_format, out_features, in_features,
-                                                   ids)
+        if self.holds_tiled(weight):  # the rows' groups untiled first (a prefill's extra pass over their bytes)
+            rows_data = tiled_weights.row_range_bytes(self.device_tiles(weight), weight_format, out_features,
+                                                      in_features, start, stop).contiguous()
         else:
             data = self.device_weight(weight).data
             row_bytes = data.numel() // out_features

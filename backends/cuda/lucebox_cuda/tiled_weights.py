@@ -111,7 +111,7 @@ def untile_rows(tiles: torch.Tensor, fmt: str, rows: int, cols: int, block_major
     shape = tiled_shape(fmt, rows, cols, block_major)
     if tuple(tiles.shape) != shape:
         raise ValueError(f"{fmt} [{rows}, {cols}]: a tiled copy is {list(shape)}, got {list(tiles.shape)}")
-    inverse = torch.from_numpy(np.argsort(tile_order(fmt))).to(tiles.device)
+    inverse = _positions(fmt, tiles.device).reshape(-1)
     if block_major:
         tiles = tiles.reshape(blocks, groups, ROWS * block).transpose(0, 1)
     slabs = tiles.reshape(groups, blocks, ROWS * block).index_select(2, inverse)
@@ -164,9 +164,19 @@ def upload(weight: Any, device: torch.device) -> torch.Tensor:
     return out
 
 
+def row_range_bytes(tiles: torch.Tensor, fmt: str, rows: int, cols: int, start: int, stop: int) -> torch.Tensor:
+    """The GGUF bytes ([stop - start, row bytes]) of rows start..stop-1 of a row-group-major tiled copy: the row
+    groups that hold them untiled (a reorder inside each tile, no index a byte: a prefill reads whole weights)."""
+    groups = -(-rows // ROWS)
+    first, last = start // ROWS, -(-stop // ROWS)
+    part = tiles.reshape(groups, -1)[first:last]
+    return untile_rows(part, fmt, (last - first) * ROWS, cols)[start - first * ROWS: stop - first * ROWS]
+
+
 def row_bytes_of(tiles: torch.Tensor, fmt: str, rows: int, cols: int, ids: torch.Tensor) -> torch.Tensor:
     """The GGUF bytes ([len(ids), row bytes]) of rows `ids` (long, on tiles' device) of a row-group-major tiled copy:
-    a gather, no host value depends on the ids (an embedding lookup inside a recorded step)."""
+    a gather, no host value depends on the ids (an embedding lookup inside a recorded step). An index a byte: for a
+    few rows, not whole weights (`row_range_bytes`)."""
     block, blocks = BLOCK_BYTES[fmt], cols // 256
     where = _positions(fmt, tiles.device)  # [16, block]: a row's block byte -> its offset in the tile
     tile_bytes = ROWS * block

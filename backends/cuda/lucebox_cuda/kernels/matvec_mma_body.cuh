@@ -3,7 +3,7 @@
 #pragma once
 #include "mma_formats.cuh"
 
-// -- pieces shared by the row-major kernel below and the tiled one (matvec_tiled.cuh) -------------------
+// -- pieces shared by the row-major kernel below and the tiled one (matvec_tiled.cu) -------------------
 
 // The B columns of an activation batch: column n of a tile is activation row n / SPLITS, fp32 part n % SPLITS.
 template <class X, int NB> struct MmaColumns {

@@ -8,6 +8,9 @@
 // Tiled, the 16 rows x 1 GGUF block a warp consumes at once (a "tile") are one contiguous run of bytes in the
 // order the lanes read them: every load is 16 bytes a lane, a warp's load is 128-512 contiguous bytes, and a
 // row group's tiles follow each other along K, so a block of 4 warps streams one contiguous range.
+// Measured (session 27, H100, scripts/tiled_probe.py): Q6_K products 1.16-1.30x the row-major kernels at batch 1
+// (the 27B's head at the copy bandwidth); the 27B's Q4_K products 4-22% slower. So only Q6_K weights are held tiled
+// (`tiled_weights.DEFAULT_FORMATS`); the other options below are the probe's.
 //
 // A tile holds the same bytes as the 16 rows' blocks (no padding; rows are padded to a multiple of 16 with
 // zero rows, whose results are never stored). Offsets inside a tile, lane L = 4g + t holding rows g and g+8:
