@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
 from lucebox_core.errors import LuceboxError
 from lucebox_core.kquants import random_blocks
@@ -127,6 +128,20 @@ def test_a_weight_held_tiled_gives_every_batch_the_decode_steps_bits(backend, mo
         backend.matvec(x, tiled, variant="mma")
     with pytest.raises(LuceboxError, match="'blk.0.ffn_down.weight' is held tiled"):
         backend.device_weight(tiled)
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 6e-3), (torch.float32, 2e-5)])
+def test_a_weight_held_tiled_multiplies_as_gguf_decodes_it(backend, monkeypatch, dtype, bound):
+    """Against an independent reference: gguf's numpy decoder of the file's bytes, the product in float64."""
+    raw = weight_rows("q6_k", 4096, COLS, seed=6)
+    monkeypatch.delenv("LUCEBOX_TILED_WEIGHTS", raising=False)
+    tiled = QuantTensor("tiled", T.Q6_K, (4096, COLS), raw.reshape(-1).clone())
+    assert backend.holds_tiled(tiled)
+    dense = torch.from_numpy(gguf_quants.dequantize(raw.numpy(), T.Q6_K)).double().reshape(4096, COLS)
+    x = torch.randn(11, COLS, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    expected = x.to(dtype).double() @ dense.T
+    got = backend.matvec(x.to(dtype).cuda(), tiled).double().cpu()
+    assert float((got - expected).norm() / expected.norm()) < bound
 
 
 def test_rows_of_a_weight_held_tiled_read_back_exactly(backend, monkeypatch):
