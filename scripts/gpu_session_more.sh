@@ -62,9 +62,11 @@
 #   bash scripts/gpu_session.sh s27-tests   # ~7 min: the tiled kernel's GPU tests, then the model paths' (decode graph,
 #                                           #   fused decode, embedding, speculative) with Q6_K weights tiled. carry: .whl
 #   bash scripts/gpu_session.sh s28-ab      # ~9 min: the kernels of this tree against older ones (AB_OLD, default ab_old/:
-#                                           #   headers copied over the installed package's): GPU tests, cuda_check's
-#                                           #   kernels, the tiled probe, 0.8B / 27B tg128 with each; the 27B pp4096 tiled
+#                                           #   headers copied over the installed package's): tiled GPU tests, the
+#                                           #   tiled probe, 27B / 0.8B tg128 with each; the 27B pp4096 tiled
 #                                           #   and row-major.                                    carry: .whl (+ ab_old)
+#   bash scripts/gpu_session.sh s28-ncu     # ~4 min: Nsight Compute, 27B Q4_K gate|up / down and head, `mma` against the
+#                                           #   tiled kernel at batch 1.                          carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -475,28 +477,41 @@ s27_tests() {  # ~7 min: the GPU tests of session 27's tiled weights, then of th
 }
 
 s28_ab() {  # ~9 min: this tree's kernels (new) against the files in ${AB_OLD:-ab_old} (old) copied over the installed
-  #          package's kernels: GPU tests and cuda_check's kernel checks (new), the tiled probe and tg128 of the 0.8B and
-  #          the 27B with each, the 27B pp4096 tiled and row-major (new).                      carry: .whl
+  #          package's kernels: the tiled GPU tests (new), the tiled probe and tg128 of the 27B and the 0.8B with each,
+  #          the 27B pp4096 tiled and row-major (new).                                        carry: .whl
   local kernels=/tmp/site/lucebox_cuda/kernels old=${AB_OLD:-ab_old} f
   ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local dense_writer=$!
-  step gpu-tests "${TESTS_S:-200}" env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-    --durations=5 ${AB_TESTS:-tests/test_tiled_gpu.py tests/test_ffn_persistent_gpu.py}
-  step kernel-check 240 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" --skip-timing \
-    --skip-model
-  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
-  mkdir -p /tmp/newk && cp "$kernels"/* /tmp/newk/
-  for side in new old; do
-    if [ "$side" = old ]; then for f in "$old"/*; do cp "$f" "$kernels/"; done; fi
+  step gpu-tests "${TESTS_S:-150}" env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    --durations=5 ${AB_TESTS:-tests/test_tiled_gpu.py}
+  mkdir -p /tmp/newk && cp "$kernels"/*.cu* /tmp/newk/
+  local side
+  for side in new old; do  # the kernels alone first (no model file needed), then the models
+    [ "$side" = old ] && for f in "$old"/*; do cp "$f" "$kernels/"; done
     step "tiled-probe-$side" 150 sh -c "python3 scripts/tiled_probe.py --json $RES/tiled_probe_$side.json \
       --batches $([ $side = new ] && echo 1,16,32 || echo 1,16) > $RES/tiled_probe_$side.txt; \
       tail -n 40 $RES/tiled_probe_$side.txt"
-    variants "08b-$side" "$(model 0.8b)" "-p 512 -n 128 -r 3" default
-    variants "27b-$side" "$(model 27b)" "-p 0 -n 128 -r 3" default
   done
-  cp /tmp/newk/* "$kernels/"
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  for side in old new; do  # the old kernels are in place from the probe
+    [ "$side" = new ] && cp /tmp/newk/* "$kernels/"
+    variants "27b-$side" "$(model 27b)" "-p 0 -n 128 -r 3" default
+    variants "08b-$side" "$(model 0.8b)" "-p 512 -n 128 -r 3" default
+  done
   variants 27b-pp "$(model 27b)" "-p 4096 -n 0 -r 2" default rowmajor:LUCEBOX_TILED_WEIGHTS=0
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s28_ncu() {  # ~4 min: Nsight Compute on the 27B's Q4_K products at batch 1 (gate|up, down) and the head: the row-major
+  #           `mma` kernel against the tiled one (tiled_probe.py --ncu: each kernel once). carry: .whl
+  command -v ncu >/dev/null || { echo "ncu not on the PATH"; return 1; }
+  step ncu-tiled 300 sh -c "ncu --clock-control none --kernel-name regex:matvec \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+    --section Occupancy --section LaunchStats --section InstructionStats \
+    python3 scripts/tiled_probe.py --ncu --batches 1 --shapes '${NCU_SHAPES:-27b gate,27b down q4_k,27b head}' \
+    > $RES/ncu_tiled.txt 2>&1; grep -E 'matvec_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|L2 Hit|L1/TEX Hit|Executed Ipc A|Executed Instructions  |Stall|Mem Busy|Max Bandwidth' \
+    $RES/ncu_tiled.txt | head -150"
   return 0
 }
 

@@ -66,6 +66,13 @@ def time_calls(calls: list) -> float:
     return replay_us(graph, REPEAT, REPLAYS)
 
 
+def launch_once(calls: list) -> float:
+    """One launch, untimed (NaN): Nsight Compute measures it."""
+    calls[0]()
+    torch.cuda.synchronize()
+    return float("nan")
+
+
 # (kind, warps, row tiles, blocks ahead, tile order): batch 1, then larger batches. "block": four warps a thread block
 # (LUCEBOX_MATVEC_TILED); "units": one warp a thread block, partial sums added by the group's last warp.
 # Session 27 also timed warp units at 1-3 blocks ahead, both orders and 8 warps: never faster (results doc); session
@@ -99,15 +106,22 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="batch 1 only")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="activation rows, comma-separated")
+    parser.add_argument("--shapes", default="", help="only the shapes whose label contains one of these (comma-separated)")
+    parser.add_argument("--ncu", action="store_true", help="each kernel launched once on one copy, untimed: for "
+                        "Nsight Compute (ncu --kernel-name regex:matvec ... python3 scripts/tiled_probe.py --ncu)")
     args = parser.parse_args()
+    timer = launch_once if args.ncu else time_calls
     backend = CudaBackend(dtype=torch.bfloat16)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     rows_out = []
+    wanted = [w for w in args.shapes.split(",") if w]
     for fmt, out_features, in_features, label in SHAPES:
+        if wanted and not any(w in label for w in wanted):
+            continue
         raw = weight_bytes(fmt, out_features, in_features)
         nbytes = raw.numel()
-        copies = max(1, -(-2 * L2_BYTES // nbytes))
+        copies = 1 if args.ncu else max(1, -(-2 * L2_BYTES // nbytes))
         row_major = [raw] + [raw.clone() for _ in range(copies - 1)]
         tiled = {order: [tile_rows(r, fmt, out_features, in_features, bool(order)) for r in row_major]
                  for order in (0, 1)}
@@ -124,7 +138,7 @@ def main() -> None:
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in weights]
                 calls = [lambda w=w, y=y, v=variant: backend.matvec(x, w, out=y, variant=v)
                          for w, y in zip(weights, ys)]
-                us = time_calls(calls)
+                us = timer(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
                 outs[name] = ys[0]
             row["default_variant"] = catalogue.matvec_kernel(fmt, "bf16", batch, out_features,
@@ -146,7 +160,7 @@ def main() -> None:
                                                                   Pointer(x.data_ptr()), Pointer(y.data_ptr()),
                                                                   Int(out_features), Int(in_features), Int(batch), *e)
                          for t, y in zip(tiled[order], ys)]
-                us = time_calls(calls)
+                us = timer(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
                 row[f"{name}_equal"] = bool(torch.equal(ys[0], outs["mma8" if warps == 8 else "mma"]))
             best = min((k for k in row if k.endswith("_us")), key=lambda k: row[k])
