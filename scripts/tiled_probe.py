@@ -75,18 +75,30 @@ def launch_once(calls: list) -> float:
 
 # (kind, warps, row tiles, blocks ahead, tile order): batch 1, then larger batches. "block": four warps a thread block
 # (LUCEBOX_MATVEC_TILED); "units": one warp a thread block, partial sums added by the group's last warp.
-# Session 27 also timed warp units at 1-3 blocks ahead, both orders and 8 warps: never faster (results doc); session
-# 28 keeps the candidates for a per-shape choice: one or two blocks ahead at batch 1, one or two row tiles beyond.
-TILED_ONE = [("block", 4, 1, 1, 0), ("block", 4, 1, 2, 0)]
-TILED_MORE = [("block", 4, 1, 1, 0), ("block", 4, 2, 1, 0)]
+# (kind, warps, row tiles, blocks ahead, tile order, thread blocks an SM must hold): batch 1, then larger batches.
+# "block": the tiled kernel, four warps a thread block (LUCEBOX_MATVEC_TILED, _BOUNDED where the last is above 1);
+# "units": one warp a thread block, partial sums added by the group's last warp; "rowmajor": the row-major `mma` kernel
+# with its registers capped (LUCEBOX_MATVEC_MMA_BOUNDED). Session 27 also timed warp units at 1-3 blocks ahead, both
+# orders and 8 warps: never faster (results doc).
+TILED_ONE = [("block", 4, 1, 1, 0, 1), ("block", 4, 1, 2, 0, 1), ("block", 4, 1, 1, 0, 5), ("rowmajor", 4, 1, 1, 0, 5),
+             ("rowmajor", 4, 1, 1, 0, 6)]
+TILED_MORE = [("block", 4, 1, 1, 0, 1), ("block", 4, 2, 1, 0, 1)]
 
 
 def tiled_kernel(fmt: str, batch: int, kind: str, warps: int, row_tiles: int, ahead: int,
-                 order: int) -> tuple[KernelProgram, str]:
+                 order: int, min_blocks: int = 1) -> tuple[KernelProgram, str]:
     tile = catalogue.batch_tile(batch)
+    if kind == "rowmajor":
+        prefix = f"matvec_mma_b{min_blocks}"
+        line = f"LUCEBOX_MATVEC_MMA_BOUNDED({prefix}, {warps}, {row_tiles}, {min_blocks}, {fmt}, bf16, {tile})"
+        return KernelProgram("matvec_mma.cu", [line]), f"{prefix}_{fmt}_bf16_{tile}"
     if kind == "units":
         line = f"LUCEBOX_MATVEC_TILED_UNITS({fmt}, bf16, {tile}, {warps}, {ahead}, {order})"
         name = f"matvec_tiled_units_w{warps}_a{ahead}_o{order}_{fmt}_bf16_{tile}"
+    elif min_blocks > 1:
+        line = (f"LUCEBOX_MATVEC_TILED_BOUNDED({fmt}, bf16, {tile}, {warps}, {row_tiles}, {ahead}, {order}, "
+                f"{min_blocks})")
+        name = f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_b{min_blocks}_{fmt}_bf16_{tile}"
     else:
         line = f"LUCEBOX_MATVEC_TILED({fmt}, bf16, {tile}, {warps}, {row_tiles}, {ahead}, {order})"
         name = f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_bf16_{tile}"
@@ -106,7 +118,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="batch 1 only")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="activation rows, comma-separated")
-    parser.add_argument("--shapes", default="", help="only the shapes whose label contains one of these (comma-separated)")
+    parser.add_argument("--shapes", default="", help="only the shapes whose label contains one of these "
+                        "(comma-separated)")
     parser.add_argument("--ncu", action="store_true", help="each kernel launched once on one copy, untimed: for "
                         "Nsight Compute (ncu --kernel-name regex:matvec ... python3 scripts/tiled_probe.py --ncu)")
     args = parser.parse_args()
@@ -143,10 +156,11 @@ def main() -> None:
                 outs[name] = ys[0]
             row["default_variant"] = catalogue.matvec_kernel(fmt, "bf16", batch, out_features,
                                                               in_features=in_features).variant
-            for kind, warps, row_tiles, ahead, order in (TILED_ONE if batch == 1 else TILED_MORE):
-                name = (f"units_w{warps}_a{ahead}_o{order}" if kind == "units"
-                        else f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}")
-                kernel = tiled_kernel(fmt, batch, kind, warps, row_tiles, ahead, order)
+            for kind, warps, row_tiles, ahead, order, min_blocks in (TILED_ONE if batch == 1 else TILED_MORE):
+                bound = f"_b{min_blocks}" if min_blocks > 1 else ""
+                name = {"units": f"units_w{warps}_a{ahead}_o{order}", "rowmajor": f"mma{bound}"}.get(
+                    kind, f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}{bound}")
+                kernel = tiled_kernel(fmt, batch, kind, warps, row_tiles, ahead, order, min_blocks)
                 groups = -(-out_features // 16)
                 grid, threads = (groups * warps, 32) if kind == "units" else (-(-groups // row_tiles), 32 * warps)
                 extra = []
@@ -155,11 +169,12 @@ def main() -> None:
                     partials = torch.empty(groups * warps * 16 * 8 * tiles_n, dtype=torch.float32, device="cuda")
                     counters = torch.zeros(groups, dtype=torch.int32, device="cuda")
                     extra = [Pointer(partials.data_ptr()), Pointer(counters.data_ptr())]
-                ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in tiled[order]]
+                held = row_major if kind == "rowmajor" else tiled[order]
+                ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in held]
                 calls = [lambda t=t, y=y, e=extra: backend._launch(kernel, grid, threads, Pointer(t.data_ptr()),
                                                                   Pointer(x.data_ptr()), Pointer(y.data_ptr()),
                                                                   Int(out_features), Int(in_features), Int(batch), *e)
-                         for t, y in zip(tiled[order], ys)]
+                         for t, y in zip(held, ys)]
                 us = timer(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
                 row[f"{name}_equal"] = bool(torch.equal(ys[0], outs["mma8" if warps == 8 else "mma"]))

@@ -39,6 +39,15 @@ def test_source_compiles(source, arch):
             fmt, act, batch, warps, row_tiles, ahead, order = parts
             assert f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_{act}_{batch}".encode() in cubin
             continue
+        if macro == "LUCEBOX_MATVEC_TILED_BOUNDED":
+            fmt, act, batch, warps, row_tiles, ahead, order, blocks = parts
+            name = f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_b{blocks}_{fmt}_{act}_{batch}"
+            assert name.encode() in cubin
+            continue
+        if macro == "LUCEBOX_MATVEC_MMA_BOUNDED":  # the name's prefix is the first argument
+            prefix, _, _, _, fmt, act, batch = parts
+            assert f"{prefix}_{fmt}_{act}_{batch}".encode() in cubin
+            continue
         if macro == "LUCEBOX_MATVEC_TILED_UNITS":
             fmt, act, batch, warps, ahead, order = parts
             assert f"matvec_tiled_units_w{warps}_a{ahead}_o{order}_{fmt}_{act}_{batch}".encode() in cubin

@@ -667,30 +667,45 @@ def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
 
 
+def _every_value_in_every_place() -> list[tuple[str, str, str, str]]:
+    """(format, format, activation, norm output) rows for the fused kernels' compile checks: each K-quant format in
+    each weight place and each activation with each output type (f32 or its own), in four rows. The template
+    parameters select independent code (weight decoding, fragment loads, stores), so the full product (36 rows, 72
+    kernels for moe_persistent.cu: ~165 s an architecture on CI's cores) would compile the same code again."""
+    formats = MMA_FORMATS
+    pairs = [(a, n) for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]
+    return [(formats[i % len(formats)], formats[(i + 1) % len(formats)], a, n) for i, (a, n) in enumerate(pairs)]
+
+
 def compile_check_programs() -> dict[str, KernelProgram]:
     """For each `.cu` file, one program instantiating the variants a compile check needs: every weight
     format with every activation type, and every format again at a mid and the largest batch (the
-    register-pressure extreme) for one activation type (the batch is an unrolling count, not a type)."""
+    register-pressure extreme) for one activation type (the batch is an unrolling count, not a type). The fused
+    kernels of several weights take each value in each place once (`_every_value_in_every_place`)."""
     formats, acts = list(WEIGHT_FORMATS.values()), list(ACTIVATIONS.values())
     matvec_lines = [f"LUCEBOX_MATVEC({f}, {a}, 1)" for f in formats for a in acts]
     matvec_lines += [f"LUCEBOX_MATVEC({f}, bf16, {b})" for f in formats for b in (8, MAX_BATCH)]
     mma_lines = [f"LUCEBOX_MATVEC_MMA({f}, {a}, 1)" for f in MMA_FORMATS for a in acts]
     mma_lines += [f"LUCEBOX_MATVEC_MMA({f}, {a}, {MMA_MAX_BATCH[a]})" for f in MMA_FORMATS for a in ("bf16", "f32")]
     mma_lines += [f"LUCEBOX_MATVEC_MMA8({f}, bf16, 1)" for f in MMA_FORMATS]
+    mma_lines += ["LUCEBOX_MATVEC_MMA_BOUNDED(matvec_mma_b5, 4, 1, 5, q4_k, bf16, 1)"]  # the probe's register caps
     mma_lines += [f"LUCEBOX_MATVEC_MMA_R2({f}, {a}, {b})" for f in MMA_FORMATS for a, b in
                   (("bf16", 1), ("bf16", 24), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
+    places = _every_value_in_every_place()
     return {
         "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),
         "matvec.cu": KernelProgram("matvec.cu", matvec_lines),
         "matvec_mma.cu": KernelProgram("matvec_mma.cu", mma_lines),
+        # What the backend launches (`matvec_tiled`: one row tile at batch 1, two beyond, fp32 at its largest
+        # tile) for each format and activation; the probe's other options (warps, blocks ahead, order, warp
+        # units) once each.
         "matvec_tiled.cu": KernelProgram("matvec_tiled.cu", [
-            f"LUCEBOX_MATVEC_TILED({f}, {a}, {b}, {w}, {r}, {ahead}, {order})" for f in MMA_FORMATS
-            for a, b, w, r, ahead, order in (("bf16", 1, 4, 1, 1, 0), ("bf16", 1, 4, 1, 3, 1),
-                                             ("f16", 1, 8, 1, 2, 1), ("f32", MMA_MAX_BATCH["f32"], 4, 1, 1, 1),
-                                             ("bf16", MAX_BATCH, 4, 2, 1, 1))]
-            + [f"LUCEBOX_MATVEC_TILED_UNITS({f}, {a}, {b}, {w}, {ahead}, 0)" for f in MMA_FORMATS
-               for a, b, w, ahead in (("bf16", 1, 4, 3), ("f32", MMA_MAX_BATCH["f32"], 8, 1),
-                                      ("bf16", MAX_BATCH, 4, 2))]),
+            f"LUCEBOX_MATVEC_TILED({f}, {a}, {b}, 4, {r}, 1, 0)" for f in MMA_FORMATS
+            for a, b, r in (("bf16", 1, 1), ("f16", 1, 1), ("bf16", MAX_BATCH, 2), ("f32", MMA_MAX_BATCH["f32"], 2))]
+            + ["LUCEBOX_MATVEC_TILED(q5_k, f16, 1, 8, 1, 2, 1)", "LUCEBOX_MATVEC_TILED(q6_k, bf16, 1, 4, 1, 3, 1)",
+               "LUCEBOX_MATVEC_TILED_BOUNDED(q6_k, bf16, 1, 4, 1, 1, 0, 5)",
+               "LUCEBOX_MATVEC_TILED_UNITS(q4_k, bf16, 1, 4, 3, 0)",
+               f"LUCEBOX_MATVEC_TILED_UNITS(q6_k, bf16, {MAX_BATCH}, 4, 2, 0)"]),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")
                                                    for f in formats for a in acts]),
         "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"
@@ -698,21 +713,18 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                                                          for f in formats for a in acts]),
         "rms_norm.cu": KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({a}, {w})" for a in acts for w in acts]),
         "moe_persistent.cu": KernelProgram("moe_persistent.cu", [
-            f"LUCEBOX_MOE_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
-            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
+            f"LUCEBOX_MOE_PERSISTENT({g}, {d}, {a}, {n})" for g, d, a, n in places]),
         "ffn_persistent.cu": KernelProgram("ffn_persistent.cu", [
-            f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g in MMA_FORMATS for d in MMA_FORMATS
-            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]
-            + [f"LUCEBOX_FFN_PERSISTENT_R2({f}, {f}, {a}, f32)" for f in MMA_FORMATS
-               for a in FFN_PERSISTENT_ACTIVATIONS]),
+            f"LUCEBOX_FFN_PERSISTENT({g}, {d}, {a}, {n})" for g, d, a, n in places]
+            + [f"LUCEBOX_FFN_PERSISTENT_R2({f}, {f}, {a}, f32)" for f, _, a, _ in places[:3]]),
         "gdn_persistent.cu": KernelProgram("gdn_persistent.cu", [
-            f"LUCEBOX_GDN_PERSISTENT({q}, {r}, {a}, {n})" for q in MMA_FORMATS for r in MMA_FORMATS
-            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]),
+            f"LUCEBOX_GDN_PERSISTENT({q}, {r}, {a}, {n})" for q, r, a, n in places]),
         # Each format in each place once, and Qwen3.5's group sizes (the kernel's registers grow with them).
         "attention_persistent.cu": KernelProgram("attention_persistent.cu", [
-            f"LUCEBOX_ATTENTION_PERSISTENT({f}, {f}, {f}, {a}, {n}, 4)" for f in MMA_FORMATS
-            for a in FFN_PERSISTENT_ACTIVATIONS for n in ("f32", a)]
-            + [f"LUCEBOX_ATTENTION_PERSISTENT(q4_k, q6_k, q4_k, bf16, f32, {g})" for g in (1, 6, 8)]),
+            f"LUCEBOX_ATTENTION_PERSISTENT({f}, {o}, {MMA_FORMATS[(MMA_FORMATS.index(o) + 1) % 3]}, {a}, {n}, 4)"
+            for f, o, a, n in places[:3]]
+            + [f"LUCEBOX_ATTENTION_PERSISTENT(q4_k, q6_k, q4_k, {a}, {n}, {g})" for g, (_, _, a, n) in
+               zip((1, 6, 8), places[1:])]),
         "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
             f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
             for f in MMA_FORMATS for a in acts for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]

@@ -187,17 +187,25 @@ __device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, N
     }
 }
 
-#define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                   \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                   \
-        matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB(                  \
-            const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
-            int batch) {                                                                                       \
+// MIN_BLOCKS: thread blocks an SM must hold at once (registers capped to fit them; 1: no cap). The _BOUNDED name
+// carries it as _b<MIN_BLOCKS> after the order.
+#define LUCEBOX_MATVEC_TILED_NAMED(NAME, FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)           \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                                       \
+        NAME(const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols, \
+             int batch) {                                                                                      \
         float acc[ROW_TILES][MmaColumns<ACT, NB>::TILES][4];                                                   \
         const int row0 = blockIdx.x * 16 * ROW_TILES;                                                          \
         tiled_accumulate<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER>(tiles, x, rows, cols, batch,   \
                                                                                row0, threadIdx.x >> 5, acc);   \
         mma_store<ACT, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);                                       \
     }
+#define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                   \
+    LUCEBOX_MATVEC_TILED_NAMED(matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB, \
+                               FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, 1)
+#define LUCEBOX_MATVEC_TILED_BOUNDED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)               \
+    LUCEBOX_MATVEC_TILED_NAMED(                                                                                \
+        matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_b##MIN_BLOCKS##_##FORMAT##_##ACT##_##NB,  \
+        FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)
 
 // Warp units: one warp a thread block, block u being warp u % WARPS of row group u / WARPS (launch with 32 threads
 // and ceil(rows / 16) * WARPS blocks; extra arguments `partials`, float [ceil(rows / 16) * WARPS * 16 * 8 * TILES],
