@@ -67,6 +67,7 @@
 #                                           #   and row-major.                                    carry: .whl (+ ab_old)
 #   bash scripts/gpu_session.sh s28-ncu     # ~4 min: Nsight Compute, 27B Q4_K gate|up / down and head, `mma` against the
 #                                           #   tiled kernel at batch 1.                          carry: .whl
+#   bash scripts/gpu_session.sh s28-all     # s28-ab then s28-ncu.                              carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -514,6 +515,8 @@ s28_ncu() {  # ~4 min: Nsight Compute on the 27B's Q4_K products at batch 1 (gat
     $RES/ncu_tiled.txt | head -150"
   return 0
 }
+
+s28_all() { s28_ab; s28_ncu; }  # ~8 min: both, one machine start
 
 s24_moe() {  # ~8 min: the MoE decode step with session 24's kernels: Laguna-XS.2 and 35B-A3B tg128 default,
   #           LUCEBOX_PERSISTENT_MOE=1, LUCEBOX_MOE_SWIGLU_DOWN=1, both (with the MLP's for Laguna's dense layer),
