@@ -494,11 +494,17 @@ s28_ab() {  # ~9 min: this tree's kernels (new) against the files in ${AB_OLD:-a
       tail -n 40 $RES/tiled_probe_$side.txt"
   done
   wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
-  for side in old new; do  # the old kernels are in place from the probe
-    [ "$side" = new ] && cp /tmp/newk/* "$kernels/"
-    variants "27b-$side" "$(model 27b)" "-p 0 -n 128 -r 3" default
-    variants "08b-$side" "$(model 0.8b)" "-p 512 -n 128 -r 3" default
-  done
+  variants "27b-old" "$(model 27b)" "-p 0 -n 128 -r 3" default  # the old kernels are in place from the probe
+  variants "08b-old" "$(model 0.8b)" "-p 512 -n 128 -r 3" default
+  cp /tmp/newk/* "$kernels/"
+  variants "27b-new" "$(model 27b)" "-p 0 -n 128 -r 3" default
+  [ -n "${AB_REST_LATER:-}" ] || s28_ab_rest
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s28_ab_rest() {  # the 0.8B's tg128 with the new kernels, the 27B's pp4096 tiled and row-major
+  variants "08b-new" "$(model 0.8b)" "-p 512 -n 128 -r 3" default
   variants 27b-pp "$(model 27b)" "-p 4096 -n 0 -r 2" default rowmajor:LUCEBOX_TILED_WEIGHTS=0
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
@@ -516,7 +522,7 @@ s28_ncu() {  # ~4 min: Nsight Compute on the 27B's Q4_K products at batch 1 (gat
   return 0
 }
 
-s28_all() { s28_ab; s28_ncu; }  # ~8 min: both, one machine start
+s28_all() { AB_REST_LATER=1 s28_ab; s28_ncu; s28_ab_rest; }  # ~8 min: both, one machine start (ncu before the rest)
 
 s24_moe() {  # ~8 min: the MoE decode step with session 24's kernels: Laguna-XS.2 and 35B-A3B tg128 default,
   #           LUCEBOX_PERSISTENT_MOE=1, LUCEBOX_MOE_SWIGLU_DOWN=1, both (with the MLP's for Laguna's dense layer),
