@@ -67,6 +67,7 @@
 #                                           #   and row-major.                                    carry: .whl (+ ab_old)
 #   bash scripts/gpu_session.sh s28-ncu     # ~4 min: Nsight Compute, 27B Q4_K gate|up / down and head, `mma` against the
 #                                           #   tiled kernel at batch 1.                          carry: .whl
+#   bash scripts/gpu_session.sh s28-min     # ~3 min: tiled GPU tests, tiled probe new (b1, b16) and old (b1). carry: .whl
 #   bash scripts/gpu_session.sh s28-all     # s28-ab then s28-ncu.                              carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
@@ -519,6 +520,19 @@ s28_ncu() {  # ~4 min: Nsight Compute on the 27B's Q4_K products at batch 1 (gat
     python3 scripts/tiled_probe.py --ncu --batches 1 --shapes '${NCU_SHAPES:-27b gate,27b down q4_k,27b head}' \
     > $RES/ncu_tiled.txt 2>&1; grep -E 'matvec_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|L2 Hit|L1/TEX Hit|Executed Ipc A|Executed Instructions  |Stall|Mem Busy|Max Bandwidth' \
     $RES/ncu_tiled.txt | head -150"
+  return 0
+}
+
+s28_min() {  # ~3 min: the tiled GPU tests, then the tiled probe with this tree's kernels (batches 1 and 16) and with the
+  #            older ones in ${AB_OLD:-ab_old} (batch 1).                                       carry: .whl
+  local kernels=/tmp/site/lucebox_cuda/kernels f
+  step gpu-tests 130 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_tiled_gpu.py
+  step tiled-probe-new 80 sh -c "python3 scripts/tiled_probe.py --json $RES/tiled_probe_new.json --batches 1,16 \
+    > $RES/tiled_probe_new.txt; cat $RES/tiled_probe_new.txt"
+  for f in "${AB_OLD:-ab_old}"/*; do cp "$f" "$kernels/"; done
+  step tiled-probe-old 60 sh -c "python3 scripts/tiled_probe.py --json $RES/tiled_probe_old.json --batches 1 \
+    > $RES/tiled_probe_old.txt; cat $RES/tiled_probe_old.txt"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
 
