@@ -187,12 +187,9 @@ __device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, N
     }
 }
 
-// MIN_BLOCKS: thread blocks an SM must hold at once (registers capped to fit them; 1: no cap). The _BOUNDED name
-// carries it as _b<MIN_BLOCKS> after the order.
-#define LUCEBOX_MATVEC_TILED_NAMED(NAME, FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)           \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                                       \
-        NAME(const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols, \
-             int batch) {                                                                                      \
+#define LUCEBOX_MATVEC_TILED_KERNEL(NAME, BOUNDS, FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)               \
+    extern "C" __global__ void BOUNDS NAME(const u8* __restrict__ tiles, const ACT* __restrict__ x,            \
+                                           ACT* __restrict__ y, int rows, int cols, int batch) {               \
         float acc[ROW_TILES][MmaColumns<ACT, NB>::TILES][4];                                                   \
         const int row0 = blockIdx.x * 16 * ROW_TILES;                                                          \
         tiled_accumulate<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER>(tiles, x, rows, cols, batch,   \
@@ -200,12 +197,14 @@ __device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, N
         mma_store<ACT, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);                                       \
     }
 #define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                   \
-    LUCEBOX_MATVEC_TILED_NAMED(matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB, \
-                               FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, 1)
+    LUCEBOX_MATVEC_TILED_KERNEL(matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB, \
+                                __launch_bounds__(32 * WARPS), FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)
+// The probe's register caps: MIN_BLOCKS thread blocks an SM must hold at once, named _b<MIN_BLOCKS> after the order
+// (an explicit minimum changes ptxas's allocation even at 1: see matvec_mma.cu).
 #define LUCEBOX_MATVEC_TILED_BOUNDED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)               \
-    LUCEBOX_MATVEC_TILED_NAMED(                                                                                \
+    LUCEBOX_MATVEC_TILED_KERNEL(                                                                               \
         matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_b##MIN_BLOCKS##_##FORMAT##_##ACT##_##NB,  \
-        FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)
+        __launch_bounds__(32 * WARPS, MIN_BLOCKS), FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)
 
 // Warp units: one warp a thread block, block u being warp u % WARPS of row group u / WARPS (launch with 32 threads
 // and ceil(rows / 16) * WARPS blocks; extra arguments `partials`, float [ceil(rows / 16) * WARPS * 16 * 8 * TILES],
