@@ -68,7 +68,8 @@
 #   bash scripts/gpu_session.sh s28-ncu     # ~4 min: Nsight Compute, 27B Q4_K gate|up / down and head, `mma` against the
 #                                           #   tiled kernel at batch 1.                          carry: .whl
 #   bash scripts/gpu_session.sh s28-min     # ~3 min: tiled GPU tests, tiled probe new (b1, b16) and old (b1). carry: .whl
-#   bash scripts/gpu_session.sh s28-all     # s28-ab then s28-ncu.                              carry: .whl
+#   bash scripts/gpu_session.sh s28-all     # ~8 min: s28-ab's kernel and 27B rows, s28-ncu, then s28-ab's other rows.
+#                                           #   carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 

@@ -73,8 +73,6 @@ def launch_once(calls: list) -> float:
     return float("nan")
 
 
-# (kind, warps, row tiles, blocks ahead, tile order): batch 1, then larger batches. "block": four warps a thread block
-# (LUCEBOX_MATVEC_TILED); "units": one warp a thread block, partial sums added by the group's last warp.
 # (kind, warps, row tiles, blocks ahead, tile order, thread blocks an SM must hold): batch 1, then larger batches.
 # "block": the tiled kernel, four warps a thread block (LUCEBOX_MATVEC_TILED, _BOUNDED where the last is above 1);
 # "units": one warp a thread block, partial sums added by the group's last warp; "rowmajor": the row-major `mma` kernel
