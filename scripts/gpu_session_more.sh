@@ -70,6 +70,8 @@
 #   bash scripts/gpu_session.sh s28-min     # ~3 min: tiled GPU tests, tiled probe new (b1, b16) and old (b1). carry: .whl
 #   bash scripts/gpu_session.sh s28-all     # ~8 min: s28-ab's kernel and 27B rows, s28-ncu, then s28-ab's other rows.
 #                                           #   carry: .whl
+#   bash scripts/gpu_session.sh s29-prefill # ~5 min: where the 0.8B's pp512 and the 27B's pp4096 go (prefill_profile.py:
+#                                           #   wall against GPU busy, kernels, host ops), 27B tiled and row-major. carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -538,6 +540,21 @@ s28_min() {  # ~3 min: the tiled GPU tests, then the tiled probe with this tree'
 }
 
 s28_all() { AB_REST_LATER=1 s28_ab; s28_ncu; s28_ab_rest; }  # ~8 min: both, one machine start (ncu before the rest)
+
+s29_prefill() {  # ~5 min: prefill profiles (scripts/prefill_profile.py): the 0.8B's pp512 (the issue's "per-chunk
+  #               overheads"), the 27B's pp4096 with Q6_K held tiled (the default) and row-major. carry: .whl
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local big_writer=$!
+  step synth-08b 60 synth 0.8b
+  step prefill-08b 90 python3 scripts/prefill_profile.py "$(model 0.8b)" --tokens 512 --json "$RES/prefill_08b.json"
+  wait "$big_writer"; tail -n1 "$RES/synth_27b.log"
+  step prefill-27b 120 python3 scripts/prefill_profile.py "$(model 27b)" --tokens 4096 --reps 2 \
+    --json "$RES/prefill_27b_tiled.json"
+  step prefill-27b-rowmajor 120 env LUCEBOX_TILED_WEIGHTS=0 python3 scripts/prefill_profile.py "$(model 27b)" \
+    --tokens 4096 --reps 2 --top 8 --json "$RES/prefill_27b_rowmajor.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
 
 s24_moe() {  # ~8 min: the MoE decode step with session 24's kernels: Laguna-XS.2 and 35B-A3B tg128 default,
   #           LUCEBOX_PERSISTENT_MOE=1, LUCEBOX_MOE_SWIGLU_DOWN=1, both (with the MLP's for Laguna's dense layer),

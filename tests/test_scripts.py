@@ -165,6 +165,21 @@ def test_lucebox_tests_rows(tiny_loaded):
     assert depth["weight_GB_per_s"] == pytest.approx(depth["weight_bytes_per_token"] * depth["tokens_per_s"] / 1e9)
 
 
+def test_prefill_profile_separates_host_and_kernels(tiny_files, tmp_path):
+    """scripts/prefill_profile.py on the tiny file on the CPU: two chunks, the host ops that ran them, no GPU time."""
+    prefill_profile = _import("prefill_profile")
+    out = tmp_path / "prefill.json"
+    assert prefill_profile.main([str(tiny_files[1]), "--tokens", "24", "--chunk", "16", "--reps", "2",
+                                 "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["tokens"] == 24 and summary["prefill_chunk"] == 16 and len(summary["walls_ms"]) == 2
+    assert summary["tok_s"] == pytest.approx(24 / (summary["wall_ms"] / 1e3))
+    assert summary["gpu_busy_ms"] == 0 and summary["kernels"] == []  # a CPU run launches no kernels
+    ops = {op["name"]: op for op in summary["host_ops"]}
+    assert "aten::mm" in ops and ops["aten::mm"]["count"] >= 2  # the products of both chunks
+    assert "prefill qwen35-tiny-f32.gguf" in prefill_profile.report(summary)
+
+
 def test_commit_id_prefers_the_environment(monkeypatch):
     monkeypatch.setenv("COMMIT", "feedbee")
     assert bench.commit_id() == "feedbee"
