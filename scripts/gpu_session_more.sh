@@ -72,6 +72,7 @@
 #                                           #   carry: .whl
 #   bash scripts/gpu_session.sh s29-prefill # ~5 min: where the 0.8B's pp512 and the 27B's pp4096 go (prefill_profile.py:
 #                                           #   wall against GPU busy, kernels, host ops), 27B tiled and row-major. carry: .whl
+#   bash scripts/gpu_session.sh s29-a       # ~8 min: s28-min, then s29-prefill (with ab_old's kernels: main's). carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -555,6 +556,8 @@ s29_prefill() {  # ~5 min: prefill profiles (scripts/prefill_profile.py): the 0.
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
+
+s29_a() { s28_min; s29_prefill; }  # ~8 min: one machine start for both
 
 s24_moe() {  # ~8 min: the MoE decode step with session 24's kernels: Laguna-XS.2 and 35B-A3B tg128 default,
   #           LUCEBOX_PERSISTENT_MOE=1, LUCEBOX_MOE_SWIGLU_DOWN=1, both (with the MLP's for Laguna's dense layer),
