@@ -22,8 +22,11 @@
 // between them (warp w takes blocks w, w+4, ...) and add their partial sums through shared memory.
 // In the mma's A fragment, lane (g = lane/4, t = lane%4) holds rows g and g+8, k slots 2t, 2t+1, 2t+8,
 // 2t+9. The k order inside a 16-value mma step is ours to choose as long as A and B agree, so each lane
-// takes 4 *consecutive* columns c..c+3 of one sub-block and places them as (c, c+2) in slots (2t, 2t+1)
-// and (c+1, c+3) in slots (2t+8, 2t+9): one `prmt` per register on either side.
+// takes 4 *consecutive* columns c..c+3 of one sub-block and places them as (c, c+1) in slots (2t, 2t+1)
+// and (c+2, c+3) in slots (2t+8, 2t+9): one `prmt` per A register makes two (magic + q) values, and 16-bit
+// activations are the B registers as loaded (no `prmt`; until session 28 the pairs were (c, c+2), (c+1, c+3),
+// which cost two `prmt` a step on the B side). Q4_K's and Q5_K's two steps of a sub-block read 8 consecutive
+// columns: one 16-byte activation load for both.
 //
 // LUCEBOX_MATVEC_MMA(format, activation, NB) defines `matvec_mma_<format>_<activation>_<NB>` (4 warps:
 // launch with 128 threads per block and ceil(rows / 16) blocks); LUCEBOX_MATVEC_MMA8 the same with 8

@@ -61,26 +61,40 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
 #pragma unroll
                 for (int rt = 0; rt < ROW_TILES; ++rt) p[rt][tile][k] = 0.0f;
             }
+        // The group's A registers, [step within the group][row tile], then each tile's B registers: two steps of 8
+        // consecutive columns come in one load, and B is live for one tile at a time (registers at 16-64 rows).
+        // Every accumulator sees the group's steps in step order, as a step-outer loop would.
+        u32 a[W::STEPS_PER_GROUP][ROW_TILES][4];
 #pragma unroll
-        for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
-            const int step = grp * W::STEPS_PER_GROUP + within;
-            u32 a[ROW_TILES][4];
+        for (int within = 0; within < W::STEPS_PER_GROUP; ++within)
 #pragma unroll
             for (int rt = 0; rt < ROW_TILES; ++rt) {
+                const int step = grp * W::STEPS_PER_GROUP + within;
                 const u32 q_a = W::step_quants(raw_a[rt], step), q_b = W::step_quants(raw_b[rt], step);
-                a[rt][0] = even_pair<E>(q_a);
-                a[rt][1] = even_pair<E>(q_b);
-                a[rt][2] = odd_pair<E>(q_a);
-                a[rt][3] = odd_pair<E>(q_b);
+                a[within][rt][0] = low_pair<E>(q_a);
+                a[within][rt][1] = low_pair<E>(q_b);
+                a[within][rt][2] = high_pair<E>(q_a);
+                a[within][rt][3] = high_pair<E>(q_b);
             }
-            const int column = base + W::step_column(step, t);
 #pragma unroll
-            for (int tile = 0; tile < TILES; ++tile) {
-                u32 b0 = 0, b1 = 0;
-                if (columns.has_col[tile]) Frag::load(columns.x_col[tile] + column, columns.part[tile], b0, b1);
+        for (int tile = 0; tile < TILES; ++tile) {
+            u32 b0[W::STEPS_PER_GROUP] = {}, b1[W::STEPS_PER_GROUP] = {};  // [step]; zeros: no column
+            if (columns.has_col[tile]) {
+                const X* x_col = columns.x_col[tile] + base;
+                if constexpr (W::PAIRED_STEPS && W::STEPS_PER_GROUP == 2) {
+                    Frag::load8(x_col + W::step_column(2 * grp, t), columns.part[tile], b0, b1);
+                } else {
 #pragma unroll
-                for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[rt], b0, b1);
-                E::mma(s[tile], ones, b0, b1);
+                    for (int within = 0; within < W::STEPS_PER_GROUP; ++within)
+                        Frag::load(x_col + W::step_column(grp * W::STEPS_PER_GROUP + within, t), columns.part[tile],
+                                   b0[within], b1[within]);
+                }
+            }
+#pragma unroll
+            for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
+#pragma unroll
+                for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[within][rt], b0[within], b1[within]);
+                E::mma(s[tile], ones, b0[within], b1[within]);
             }
         }
 #pragma unroll

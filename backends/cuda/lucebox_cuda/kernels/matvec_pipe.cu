@@ -240,7 +240,7 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
 #pragma unroll
                 for (int m = 0; m < GM; ++m) {
                     const u32 q_a = W::step_quants(raw[m][0], step), q_b = W::step_quants(raw[m][1], step);
-                    const u32 a[4] = {even_pair<E>(q_a), even_pair<E>(q_b), odd_pair<E>(q_a), odd_pair<E>(q_b)};
+                    const u32 a[4] = {low_pair<E>(q_a), low_pair<E>(q_b), high_pair<E>(q_a), high_pair<E>(q_b)};
 #pragma unroll
                     for (int tile = 0; tile < TILES; ++tile) E::mma(p[m][tile], a, b0[tile], b1[tile]);
                 }

@@ -42,9 +42,10 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
     return out;
 }
 
-// Two 16-bit (magic + q) values from the 4 unsigned quant bytes of `q4`: bytes 0 and 2, or 1 and 3.
-template <class E> __device__ __forceinline__ u32 even_pair(u32 q4) { return byte_perm(q4, E::MAGIC_PAIR, 0x7250u); }
-template <class E> __device__ __forceinline__ u32 odd_pair(u32 q4) { return byte_perm(q4, E::MAGIC_PAIR, 0x7351u); }
+// Two 16-bit (magic + q) values from the 4 unsigned quant bytes of `q4`: bytes 0 and 1 (the A fragment's k slots
+// 2t, 2t+1), or 2 and 3 (slots 2t+8, 2t+9).
+template <class E> __device__ __forceinline__ u32 low_pair(u32 q4) { return byte_perm(q4, E::MAGIC_PAIR, 0x7150u); }
+template <class E> __device__ __forceinline__ u32 high_pair(u32 q4) { return byte_perm(q4, E::MAGIC_PAIR, 0x7352u); }
 
 // Exact fp32 value of byte k of `word`, through the mantissa of 2^23 (no conversion unit).
 __device__ __forceinline__ float byte_to_float(u32 word, int k) {
@@ -54,7 +55,9 @@ __device__ __forceinline__ float byte_to_float(u32 word, int k) {
 // -- activations as B fragments ----------------------------------------------------------------------
 
 // B registers (b0, b1) of one lane for one 16-value step: columns c..c+3 of one activation row placed as
-// b0 = (x[c], x[c+2]), b1 = (x[c+1], x[c+3]); `part` picks the bf16 part of an fp32 activation.
+// b0 = (x[c], x[c+1]) (k slots 2t, 2t+1), b1 = (x[c+2], x[c+3]) (slots 2t+8, 2t+9): 16-bit activations are the
+// registers as loaded. `load8` gives two steps' registers from 8 consecutive columns c..c+7 (one 16-byte load for
+// 16-bit activations). `part` picks the bf16 part of an fp32 activation.
 template <class X> struct ActivationFragment;
 
 template <> struct ActivationFragment<bf16> {
@@ -62,8 +65,15 @@ template <> struct ActivationFragment<bf16> {
     static constexpr int SPLITS = 1;
     static __device__ __forceinline__ void load(const bf16* p, int, u32& b0, u32& b1) {
         const uint2 v = *reinterpret_cast<const uint2*>(p);
-        b0 = byte_perm(v.x, v.y, 0x5410u);
-        b1 = byte_perm(v.x, v.y, 0x7632u);
+        b0 = v.x;
+        b1 = v.y;
+    }
+    static __device__ __forceinline__ void load8(const bf16* p, int, u32 (&b0)[2], u32 (&b1)[2]) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        b0[0] = v.x;
+        b1[0] = v.y;
+        b0[1] = v.z;
+        b1[1] = v.w;
     }
 };
 
@@ -72,8 +82,15 @@ template <> struct ActivationFragment<f16> {
     static constexpr int SPLITS = 1;
     static __device__ __forceinline__ void load(const f16* p, int, u32& b0, u32& b1) {
         const uint2 v = *reinterpret_cast<const uint2*>(p);
-        b0 = byte_perm(v.x, v.y, 0x5410u);
-        b1 = byte_perm(v.x, v.y, 0x7632u);
+        b0 = v.x;
+        b1 = v.y;
+    }
+    static __device__ __forceinline__ void load8(const f16* p, int, u32 (&b0)[2], u32 (&b1)[2]) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        b0[0] = v.x;
+        b1[0] = v.y;
+        b0[1] = v.z;
+        b1[1] = v.w;
     }
 };
 
@@ -105,8 +122,12 @@ template <> struct ActivationFragment<f32> {
         const float4 v = *reinterpret_cast<const float4*>(p);
         const float x0 = bf16_part(v.x, part), x1 = bf16_part(v.y, part);
         const float x2 = bf16_part(v.z, part), x3 = bf16_part(v.w, part);
-        b0 = pack_bf16x2(x0, x2);
-        b1 = pack_bf16x2(x1, x3);
+        b0 = pack_bf16x2(x0, x1);
+        b1 = pack_bf16x2(x2, x3);
+    }
+    static __device__ __forceinline__ void load8(const f32* p, int part, u32 (&b0)[2], u32 (&b1)[2]) {
+        load(p, part, b0[0], b1[0]);
+        load(p + 4, part, b0[1], b1[1]);
     }
 };
 
@@ -115,10 +136,12 @@ template <> struct ActivationFragment<f32> {
 // Each format: STEPS mma steps of 16 values per 256-value block, STEPS_PER_GROUP steps share one
 // sub-block scale (and min). `load` fetches what lane t needs from one row's block; `step_quants` gives
 // the 4 unsigned quants of step s as bytes, `step_column` their first column; `group` the integer scale
-// and min of a sub-block; BIAS is subtracted from the unsigned quants (Q6_K's 32).
+// and min of a sub-block; BIAS is subtracted from the unsigned quants (Q6_K's 32). PAIRED_STEPS: steps 2j and 2j+1
+// read 8 consecutive columns (one activation load for both, `ActivationFragment::load8`).
 
 struct MmaQ4K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, STEPS = 16, STEPS_PER_GROUP = 2;
+    static constexpr bool PAIRED_STEPS = true;
     static constexpr bool HAS_MIN = true;
     static constexpr float BIAS = 0.0f;
     struct Raw { uint4 head; uint2 qs[4]; };
@@ -159,6 +182,7 @@ struct MmaQ4K {
 // nibbles at 48). Lane t needs qh bytes 8t..8t+7, the same positions as its nibbles.
 struct MmaQ5K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 176, STEPS = 16, STEPS_PER_GROUP = 2;
+    static constexpr bool PAIRED_STEPS = true;
     static constexpr bool HAS_MIN = true;
     static constexpr float BIAS = 0.0f;
     struct Raw { uint4 head; uint2 qh; uint2 qs[4]; };
@@ -198,6 +222,7 @@ struct MmaQ5K {
 // qh[32h + b] (bits 2r, 2r+1). Each step is exactly one 16-value sub-block: scale scales[8h + 2r + i].
 struct MmaQ6K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, STEPS = 16, STEPS_PER_GROUP = 1;
+    static constexpr bool PAIRED_STEPS = false;
     static constexpr bool HAS_MIN = false;
     static constexpr float BIAS = 32.0f;
     struct Raw { u32 ql_a[4], ql_b[4], qh[4], sc[4]; u16 d; };  // [2h + i]
