@@ -73,6 +73,9 @@
 #   bash scripts/gpu_session.sh s29-prefill # ~5 min: where the 0.8B's pp512 and the 27B's pp4096 go (prefill_profile.py:
 #                                           #   wall against GPU busy, kernels, host ops), 27B tiled and row-major. carry: .whl
 #   bash scripts/gpu_session.sh s29-a       # ~8 min: s28-min, then s29-prefill (with ab_old's kernels: main's). carry: .whl
+#   bash scripts/gpu_session.sh s29-b       # ~9 min: tiled GPU tests; the tiled probe with this tree's kernels (b1, b16,
+#                                           #   every candidate), then --basic at b1 with ab_patch/'s and ab_old/'s files
+#                                           #   copied over (bits compare through mma_sha1); then s29-prefill. carry: .whl
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -555,6 +558,20 @@ s29_prefill() {  # ~5 min: prefill profiles (scripts/prefill_profile.py): the 0.
     --tokens 4096 --reps 2 --top 8 --json "$RES/prefill_27b_rowmajor.json"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
+}
+
+s29_b() {  # ~9 min: three kernel trees through the probe (this one, then ${AB_SETS:-ab_patch ab_old}), then prefill
+  local kernels=/tmp/site/lucebox_cuda/kernels set f
+  step gpu-tests 130 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_tiled_gpu.py
+  step tiled-probe-new 110 sh -c "python3 scripts/tiled_probe.py --json $RES/tiled_probe_new.json --batches 1,16 \
+    > $RES/tiled_probe_new.txt; cat $RES/tiled_probe_new.txt"
+  for set in ${AB_SETS:-ab_patch ab_old}; do
+    for f in "$set"/*; do cp "$f" "$kernels/"; done
+    step "tiled-probe-$set" 60 sh -c "python3 scripts/tiled_probe.py --basic --json $RES/tiled_probe_$set.json \
+      --batches 1 > $RES/tiled_probe_$set.txt; cat $RES/tiled_probe_$set.txt"
+  done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  s29_prefill
 }
 
 s29_a() { s28_min; s29_prefill; }  # ~8 min: one machine start for both

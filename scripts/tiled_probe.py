@@ -14,6 +14,7 @@ measured here. The tiled outputs must equal `mma`'s to the bit (`equal`): same c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import json
 import statistics
@@ -76,16 +77,23 @@ def launch_once(calls: list) -> float:
 # (kind, warps, row tiles, blocks ahead, tile order, thread blocks an SM must hold): batch 1, then larger batches.
 # "block": the tiled kernel, four warps a thread block (LUCEBOX_MATVEC_TILED, _BOUNDED where the last is above 1);
 # "units": one warp a thread block, partial sums added by the group's last warp; "rowmajor": the row-major `mma` kernel
-# with its registers capped (LUCEBOX_MATVEC_MMA_BOUNDED). Session 27 also timed warp units at 1-3 blocks ahead, both
-# orders and 8 warps: never faster (results doc).
-TILED_ONE = [("block", 4, 1, 1, 0, 1), ("block", 4, 1, 2, 0, 1), ("block", 4, 1, 1, 0, 5), ("rowmajor", 4, 1, 1, 0, 5),
-             ("rowmajor", 4, 1, 1, 0, 6)]
+# with its registers capped (LUCEBOX_MATVEC_MMA_BOUNDED); "pp": `mma` with two register sets in turn
+# (LUCEBOX_MATVEC_MMA_PP, _PP_BOUNDED where the last is above 1). Session 27 also timed warp units at 1-3 blocks
+# ahead, both orders and 8 warps: never faster (results doc); session 28 listed the tiled kernel 2 blocks ahead and
+# `mma` capped at 6 blocks (80 registers).
+TILED_ONE = [("block", 4, 1, 1, 0, 1), ("block", 4, 1, 1, 0, 5), ("rowmajor", 4, 1, 1, 0, 5), ("pp", 4, 1, 1, 0, 1),
+             ("pp", 4, 1, 1, 0, 4), ("pp", 4, 1, 1, 0, 5)]
 TILED_MORE = [("block", 4, 1, 1, 0, 1), ("block", 4, 2, 1, 0, 1)]
 
 
 def tiled_kernel(fmt: str, batch: int, kind: str, warps: int, row_tiles: int, ahead: int,
                  order: int, min_blocks: int = 1) -> tuple[KernelProgram, str]:
     tile = catalogue.batch_tile(batch)
+    if kind == "pp":
+        prefix = "matvec_mma_pp" + (f"_b{min_blocks}" if min_blocks > 1 else "")
+        line = (f"LUCEBOX_MATVEC_MMA_PP_BOUNDED({prefix}, {min_blocks}, {fmt}, bf16, {tile})" if min_blocks > 1
+                else f"LUCEBOX_MATVEC_MMA_PP({fmt}, bf16, {tile})")
+        return KernelProgram("matvec_mma.cu", [line]), f"{prefix}_{fmt}_bf16_{tile}"
     if kind == "rowmajor":
         prefix = f"matvec_mma_b{min_blocks}"
         line = f"LUCEBOX_MATVEC_MMA_BOUNDED({prefix}, {warps}, {row_tiles}, {min_blocks}, {fmt}, bf16, {tile})"
@@ -108,7 +116,7 @@ def summary(r: dict) -> str:
     rates = " ".join(f"{k[:-5].replace('tiled_', '')}={v:.0f}" for k, v in r.items() if k.endswith("_gb_s")
                      and k not in ("copy_gb_s", "default_gb_s"))
     return (f"{r['shape']} b{r['batch']}: default({r['default_variant']})={r['default_gb_s']:.0f} {rates} | best "
-            f"{r['best']} x{r['speedup_vs_default']} | bits {equal}")
+            f"{r['best']} x{r['speedup_vs_default']} | bits {equal} | mma {r['mma_sha1'][:8]}")
 
 
 def main() -> None:
@@ -118,6 +126,8 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="activation rows, comma-separated")
     parser.add_argument("--shapes", default="", help="only the shapes whose label contains one of these "
                         "(comma-separated)")
+    parser.add_argument("--basic", action="store_true", help="the catalogue's variants only (default, mma, mma8): "
+                        "for kernels of another tree copied over the installed ones, which may lack the candidates")
     parser.add_argument("--ncu", action="store_true", help="each kernel launched once on one copy, untimed: for "
                         "Nsight Compute (ncu --kernel-name regex:matvec ... python3 scripts/tiled_probe.py --ncu)")
     args = parser.parse_args()
@@ -152,11 +162,15 @@ def main() -> None:
                 us = timer(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)
                 outs[name] = ys[0]
+            # The same seeded weights and activations in every run: kernels of two trees compare through this.
+            row["mma_sha1"] = hashlib.sha1(outs["mma"].view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
             row["default_variant"] = catalogue.matvec_kernel(fmt, "bf16", batch, out_features,
                                                               in_features=in_features).variant
-            for kind, warps, row_tiles, ahead, order, min_blocks in (TILED_ONE if batch == 1 else TILED_MORE):
+            candidates = [] if args.basic else TILED_ONE if batch == 1 else TILED_MORE
+            for kind, warps, row_tiles, ahead, order, min_blocks in candidates:
                 bound = f"_b{min_blocks}" if min_blocks > 1 else ""
-                name = {"units": f"units_w{warps}_a{ahead}_o{order}", "rowmajor": f"mma{bound}"}.get(
+                name = {"units": f"units_w{warps}_a{ahead}_o{order}", "rowmajor": f"mma{bound}",
+                        "pp": f"mma_pp{bound}"}.get(
                     kind, f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}{bound}")
                 kernel = tiled_kernel(fmt, batch, kind, warps, row_tiles, ahead, order, min_blocks)
                 groups = -(-out_features // 16)
@@ -167,7 +181,7 @@ def main() -> None:
                     partials = torch.empty(groups * warps * 16 * 8 * tiles_n, dtype=torch.float32, device="cuda")
                     counters = torch.zeros(groups, dtype=torch.int32, device="cuda")
                     extra = [Pointer(partials.data_ptr()), Pointer(counters.data_ptr())]
-                held = row_major if kind == "rowmajor" else tiled[order]
+                held = row_major if kind in ("rowmajor", "pp") else tiled[order]
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in held]
                 calls = [lambda t=t, y=y, e=extra: backend._launch(kernel, grid, threads, Pointer(t.data_ptr()),
                                                                   Pointer(x.data_ptr()), Pointer(y.data_ptr()),

@@ -48,6 +48,10 @@ def test_source_compiles(source, arch):
             prefix, _, _, _, fmt, act, batch = parts
             assert f"{prefix}_{fmt}_{act}_{batch}".encode() in cubin
             continue
+        if macro == "LUCEBOX_MATVEC_MMA_PP_BOUNDED":
+            prefix, _, fmt, act, batch = parts
+            assert f"{prefix}_{fmt}_{act}_{batch}".encode() in cubin
+            continue
         if macro == "LUCEBOX_MATVEC_TILED_UNITS":
             fmt, act, batch, warps, ahead, order = parts
             assert f"matvec_tiled_units_w{warps}_a{ahead}_o{order}_{fmt}_{act}_{batch}".encode() in cubin
@@ -66,7 +70,8 @@ def test_source_compiles(source, arch):
             assert f"moe_matvec_mma{warps}{kind}_{fmt}_{act}".encode() in cubin
             continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
-                "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
+                "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_MATVEC_MMA_PP": "matvec_mma_pp",
+                "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
                 "LUCEBOX_RMS_NORM": "rms_norm", "LUCEBOX_MOE_MATVEC": "moe_matvec",
                 "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged", "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair",
                 "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged", "LUCEBOX_FFN_PERSISTENT": "ffn_persistent",

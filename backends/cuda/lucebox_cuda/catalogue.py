@@ -688,7 +688,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
     mma_lines = [f"LUCEBOX_MATVEC_MMA({f}, {a}, 1)" for f in MMA_FORMATS for a in acts]
     mma_lines += [f"LUCEBOX_MATVEC_MMA({f}, {a}, {MMA_MAX_BATCH[a]})" for f in MMA_FORMATS for a in ("bf16", "f32")]
     mma_lines += [f"LUCEBOX_MATVEC_MMA8({f}, bf16, 1)" for f in MMA_FORMATS]
-    mma_lines += ["LUCEBOX_MATVEC_MMA_BOUNDED(matvec_mma_b5, 4, 1, 5, q4_k, bf16, 1)"]  # the probe's register caps
+    mma_lines += ["LUCEBOX_MATVEC_MMA_BOUNDED(matvec_mma_b5, 4, 1, 5, q4_k, bf16, 1)",  # the probe's candidates
+                  "LUCEBOX_MATVEC_MMA_PP(q4_k, bf16, 1)",
+                  "LUCEBOX_MATVEC_MMA_PP_BOUNDED(matvec_mma_pp_b4, 4, q6_k, bf16, 1)"]
     mma_lines += [f"LUCEBOX_MATVEC_MMA_R2({f}, {a}, {b})" for f in MMA_FORMATS for a, b in
                   (("bf16", 1), ("bf16", 24), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
     places = _every_value_in_every_place()

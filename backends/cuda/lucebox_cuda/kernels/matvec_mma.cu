@@ -34,22 +34,31 @@
 // leave the GPU short of loads in flight.
 #include "matvec_mma_body.cuh"
 
-#define LUCEBOX_MATVEC_MMA_KERNEL(NAME, BOUNDS, WARPS, ROW_TILES, FORMAT, ACT, NB)                       \
+#define LUCEBOX_MATVEC_MMA_KERNEL(NAME, BOUNDS, WARPS, ROW_TILES, TWO_SETS, FORMAT, ACT, NB)             \
     extern "C" __global__ void BOUNDS NAME(const u8* __restrict__ weight, const ACT* __restrict__ x,      \
                                            ACT* __restrict__ y, int rows, int cols, int batch) {          \
-        matvec_mma_body<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES>(weight, x, y, rows, cols, batch);      \
+        matvec_mma_body<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, TWO_SETS>(weight, x, y, rows, cols, batch); \
     }
 #define LUCEBOX_MATVEC_MMA_WARPS(PREFIX, WARPS, ROW_TILES, FORMAT, ACT, NB)                              \
     LUCEBOX_MATVEC_MMA_KERNEL(PREFIX##_##FORMAT##_##ACT##_##NB, __launch_bounds__(32 * WARPS), WARPS,     \
-                              ROW_TILES, FORMAT, ACT, NB)
+                              ROW_TILES, false, FORMAT, ACT, NB)
 // The probe's register caps: MIN_BLOCKS thread blocks an SM must hold at once. Only there: an explicit minimum,
 // even 1, changes ptxas's allocation (sm_90, session 28: `mma` Q4_K 114 -> 124 registers, Q6_K 106 -> 161 at 1).
 #define LUCEBOX_MATVEC_MMA_BOUNDED(PREFIX, WARPS, ROW_TILES, MIN_BLOCKS, FORMAT, ACT, NB)                 \
     LUCEBOX_MATVEC_MMA_KERNEL(PREFIX##_##FORMAT##_##ACT##_##NB, __launch_bounds__(32 * WARPS, MIN_BLOCKS), \
-                              WARPS, ROW_TILES, FORMAT, ACT, NB)
+                              WARPS, ROW_TILES, false, FORMAT, ACT, NB)
 #define LUCEBOX_MATVEC_MMA(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma, 4, 1, FORMAT, ACT, NB)
 #define LUCEBOX_MATVEC_MMA8(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma8, 8, 1, FORMAT, ACT, NB)
 // 2 row tiles per block of 4 warps (`mma_r2`): launch with ceil(rows / 32) blocks of 128 threads.
 // Bit-identical to `mma` (same warp count), half the activation reads. (4 row tiles spill at 255
 // registers for sm_90 even at batch 1: ptxas -v.)
 #define LUCEBOX_MATVEC_MMA_R2(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma_r2, 4, 2, FORMAT, ACT, NB)
+// `mma` with two register sets used in turn (`matvec_mma_rows`' TWO_SETS: no moves a block, more registers), for
+// the probe (scripts/tiled_probe.py) until measured: `matvec_mma_pp_...`, and `PREFIX_...` capped to MIN_BLOCKS
+// thread blocks an SM. Bit-identical to `mma`.
+#define LUCEBOX_MATVEC_MMA_PP(FORMAT, ACT, NB)                                                            \
+    LUCEBOX_MATVEC_MMA_KERNEL(matvec_mma_pp_##FORMAT##_##ACT##_##NB, __launch_bounds__(128), 4, 1, true,   \
+                              FORMAT, ACT, NB)
+#define LUCEBOX_MATVEC_MMA_PP_BOUNDED(PREFIX, MIN_BLOCKS, FORMAT, ACT, NB)                                \
+    LUCEBOX_MATVEC_MMA_KERNEL(PREFIX##_##FORMAT##_##ACT##_##NB, __launch_bounds__(128, MIN_BLOCKS), 4, 1,  \
+                              true, FORMAT, ACT, NB)

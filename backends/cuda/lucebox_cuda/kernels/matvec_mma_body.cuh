@@ -99,11 +99,9 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
         }
 #pragma unroll
         for (int rt = 0; rt < ROW_TILES; ++rt) {
-            float scale_a, min_a, scale_b, min_b;
-            W::group(groups_a[rt], grp, scale_a, min_a);
-            W::group(groups_b[rt], grp, scale_b, min_b);
-            const float da = d_a[rt] * scale_a, db = d_b[rt] * scale_b;
-            const float ma = dmin_a[rt] * min_a, mb = dmin_b[rt] * min_b;
+            float da, ma, db, mb;
+            W::group(groups_a[rt], grp, d_a[rt], dmin_a[rt], da, ma);
+            W::group(groups_b[rt], grp, d_b[rt], dmin_b[rt], db, mb);
 #pragma unroll
             for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll
@@ -157,7 +155,7 @@ __device__ __forceinline__ void mma_store(const float (&acc)[ROW_TILES][MmaColum
 // variant of one warp count gives the same bits.
 // The rows from `row0` (16 * ROW_TILES of them): a block's tile, which a grid of one tile a block takes from its
 // index (`matvec_mma_body`) and a persistent kernel from its own loop over tiles (ffn_persistent.cu).
-template <class W, class X, int NB, int WARPS, int ROW_TILES>
+template <class W, class X, int NB, int WARPS, int ROW_TILES, bool TWO_SETS = false>
 __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, const X* __restrict__ x,
                                                 X* __restrict__ y, int rows, int cols, int batch, int row0) {
     typedef MmaColumns<X, NB> C;
@@ -185,41 +183,66 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
             for (int k = 0; k < 4; ++k) acc[rt][tile][k] = 0.0f;
 
     int block = warp;
-    typename W::Raw raw_a[ROW_TILES], raw_b[ROW_TILES];
-    if (block < blocks_per_row) {
+    if constexpr (TWO_SETS) {
+        // Two register sets, used in turn: the next block's bytes load into one while the other's are multiplied.
+        // The one-set loop below copies a "next" set over (~30 moves a block at batch 1, session 29); this one has
+        // none, but ptxas holds more registers for it (Q4_K 115 -> 143). Same blocks in the same order: same bits.
+        typename W::Raw set_a[2][ROW_TILES], set_b[2][ROW_TILES];
+        const auto load = [&](int set, int at) {
 #pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt) {
-            raw_a[rt] = W::load(bytes_a[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
-            raw_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
+            for (int rt = 0; rt < ROW_TILES; ++rt) {
+                set_a[set][rt] = W::load(bytes_a[rt] + static_cast<i64>(at) * W::BLOCK_BYTES, t);
+                set_b[set][rt] = W::load(bytes_b[rt] + static_cast<i64>(at) * W::BLOCK_BYTES, t);
+            }
+        };
+        if (block < blocks_per_row) load(0, block);
+        lucebox_wait_prior_grid();  // the first weight block is in flight: now wait for the activations' writer (PDL)
+        while (block < blocks_per_row) {
+            const int next = block + WARPS;
+            if (next < blocks_per_row) load(1, next);  // in flight during the math
+            mma_block<W, X, NB, ROW_TILES>(set_a[0], set_b[0], block, t, columns, acc);
+            if (next >= blocks_per_row) break;
+            block = next + WARPS;
+            if (block < blocks_per_row) load(0, block);
+            mma_block<W, X, NB, ROW_TILES>(set_a[1], set_b[1], next, t, columns, acc);
         }
-    }
-    // The first weight block is in flight: only now wait for the kernel that wrote the activations (PDL).
-    lucebox_wait_prior_grid();
-    for (; block < blocks_per_row; block += WARPS) {
-        // Fetch the next block's bytes before working on this one (loads in flight during the math).
-        const int next = block + WARPS;
-        typename W::Raw next_a[ROW_TILES], next_b[ROW_TILES];
+    } else {
+        typename W::Raw raw_a[ROW_TILES], raw_b[ROW_TILES];
+        if (block < blocks_per_row) {
 #pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt) {
-            next_a[rt] = raw_a[rt];
-            next_b[rt] = raw_b[rt];
-            if (next < blocks_per_row) {
-                next_a[rt] = W::load(bytes_a[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
-                next_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
+            for (int rt = 0; rt < ROW_TILES; ++rt) {
+                raw_a[rt] = W::load(bytes_a[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
+                raw_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(block) * W::BLOCK_BYTES, t);
             }
         }
-        mma_block<W, X, NB, ROW_TILES>(raw_a, raw_b, block, t, columns, acc);
+        lucebox_wait_prior_grid();  // the first weight block is in flight: now wait for the activations' writer (PDL)
+        for (; block < blocks_per_row; block += WARPS) {
+            // Fetch the next block's bytes before working on this one (loads in flight during the math).
+            const int next = block + WARPS;
+            typename W::Raw next_a[ROW_TILES], next_b[ROW_TILES];
 #pragma unroll
-        for (int rt = 0; rt < ROW_TILES; ++rt) {
-            raw_a[rt] = next_a[rt];
-            raw_b[rt] = next_b[rt];
+            for (int rt = 0; rt < ROW_TILES; ++rt) {
+                next_a[rt] = raw_a[rt];
+                next_b[rt] = raw_b[rt];
+                if (next < blocks_per_row) {
+                    next_a[rt] = W::load(bytes_a[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
+                    next_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
+                }
+            }
+            mma_block<W, X, NB, ROW_TILES>(raw_a, raw_b, block, t, columns, acc);
+#pragma unroll
+            for (int rt = 0; rt < ROW_TILES; ++rt) {
+                raw_a[rt] = next_a[rt];
+                raw_b[rt] = next_b[rt];
+            }
         }
     }
     mma_store<X, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);
 }
 
-template <class W, class X, int NB, int WARPS, int ROW_TILES>
+template <class W, class X, int NB, int WARPS, int ROW_TILES, bool TWO_SETS = false>
 __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, const X* __restrict__ x,
                                                 X* __restrict__ y, int rows, int cols, int batch) {
-    matvec_mma_rows<W, X, NB, WARPS, ROW_TILES>(weight, x, y, rows, cols, batch, blockIdx.x * 16 * ROW_TILES);
+    matvec_mma_rows<W, X, NB, WARPS, ROW_TILES, TWO_SETS>(weight, x, y, rows, cols, batch,
+                                                          blockIdx.x * 16 * ROW_TILES);
 }

@@ -247,11 +247,9 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
             }
 #pragma unroll
             for (int m = 0; m < GM; ++m) {
-                float scale_a, min_a, scale_b, min_b;
-                W::group(groups[m][0], grp, scale_a, min_a);
-                W::group(groups[m][1], grp, scale_b, min_b);
-                const float da = d[m][0] * scale_a, db = d[m][1] * scale_b;
-                const float ma = dmin[m][0] * min_a, mb = dmin[m][1] * min_b;
+                float da, ma, db, mb;
+                W::group(groups[m][0], grp, d[m][0], dmin[m][0], da, ma);
+                W::group(groups[m][1], grp, d[m][1], dmin[m][1], db, mb);
 #pragma unroll
                 for (int tile = 0; tile < TILES; ++tile)
 #pragma unroll

@@ -47,10 +47,20 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
 template <class E> __device__ __forceinline__ u32 low_pair(u32 q4) { return byte_perm(q4, E::MAGIC_PAIR, 0x7150u); }
 template <class E> __device__ __forceinline__ u32 high_pair(u32 q4) { return byte_perm(q4, E::MAGIC_PAIR, 0x7352u); }
 
-// Exact fp32 value of byte k of `word`, through the mantissa of 2^23 (no conversion unit).
-__device__ __forceinline__ float byte_to_float(u32 word, int k) {
-    return __uint_as_float(byte_perm(word, 0x4B000000u, 0x7650u + k)) - 8388608.0f;
+// 2^23 + byte k of `word` as an fp32 (the byte in the low mantissa bits). The constant is prmt's first operand so
+// that the selector can be the immediate: with the constant second, ptxas made it the immediate and spent an
+// instruction a call moving the selector into a register.
+__device__ __forceinline__ float magic_byte(u32 word, int k) {
+    return __uint_as_float(byte_perm(0x4B000000u, word, 0x3104u + k));
 }
+
+// Exact fp32 value of byte k of `word`, through the mantissa of 2^23 (no conversion unit).
+__device__ __forceinline__ float byte_to_float(u32 word, int k) { return magic_byte(word, k) - 8388608.0f; }
+
+// Byte k of `word` times v: exact for v of at most 16 significant bits (an fp16 GGUF block scale). (One FMA,
+// (2^23 + byte) * v - 2^23 * v, would give the same bits in one instruction less, but ptxas then held more
+// registers and recomputed the activation addresses in the loop: more instructions in all, session 29.)
+__device__ __forceinline__ float byte_times(u32 word, int k, float v) { return byte_to_float(word, k) * v; }
 
 // -- activations as B fragments ----------------------------------------------------------------------
 
@@ -136,7 +146,7 @@ template <> struct ActivationFragment<f32> {
 // Each format: STEPS mma steps of 16 values per 256-value block, STEPS_PER_GROUP steps share one
 // sub-block scale (and min). `load` fetches what lane t needs from one row's block; `step_quants` gives
 // the 4 unsigned quants of step s as bytes, `step_column` their first column; `group` the integer scale
-// and min of a sub-block; BIAS is subtracted from the unsigned quants (Q6_K's 32). PAIRED_STEPS: steps 2j and 2j+1
+// and min of a sub-block times the block's d and dmin; BIAS is subtracted from the unsigned quants (Q6_K's 32). PAIRED_STEPS: steps 2j and 2j+1
 // read 8 consecutive columns (one activation load for both, `ActivationFragment::load8`).
 
 struct MmaQ4K {
@@ -172,9 +182,11 @@ struct MmaQ4K {
         return {w0 & 0x3F3F3F3Fu, (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u),
                 w1 & 0x3F3F3F3Fu, ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u)};
     }
-    static __device__ __forceinline__ void group(const Groups& g, int j, float& scale, float& min) {
-        scale = byte_to_float(j < 4 ? g.sc_low : g.sc_high, j & 3);
-        min = byte_to_float(j < 4 ? g.m_low : g.m_high, j & 3);
+    // Sub-block j's d * scale and dmin * min (exact: byte_times).
+    static __device__ __forceinline__ void group(const Groups& g, int j, float d, float dmin, float& d_scale,
+                                                 float& dmin_min) {
+        d_scale = byte_times(j < 4 ? g.sc_low : g.sc_high, j & 3, d);
+        dmin_min = byte_times(j < 4 ? g.m_low : g.m_high, j & 3, dmin);
     }
 };
 
@@ -211,8 +223,9 @@ struct MmaQ5K {
         head.head = raw.head;
         return MmaQ4K::groups(head);
     }
-    static __device__ __forceinline__ void group(const Groups& g, int j, float& scale, float& min) {
-        MmaQ4K::group(g, j, scale, min);
+    static __device__ __forceinline__ void group(const Groups& g, int j, float d, float dmin, float& d_scale,
+                                                 float& dmin_min) {
+        MmaQ4K::group(g, j, d, dmin, d_scale, dmin_min);
     }
 };
 
@@ -265,10 +278,12 @@ struct MmaQ6K {
         for (int k = 0; k < 4; ++k) g.sc[k] = raw.sc[k] ^ 0x80808080u;
         return g;
     }
-    // Group of step s: scales[8h + 2r + i] = index s (the step order is the scale order).
-    static __device__ __forceinline__ void group(const Groups& g, int s, float& scale, float& min) {
-        scale = byte_to_float(g.sc[s >> 2], s & 3) - 128.0f;
-        min = 0.0f;
+    // Group of step s: scales[8h + 2r + i] = index s (the step order is the scale order). d * scale, exactly: the
+    // unsigned byte's product less 128 d (both exact, and so is their difference).
+    static __device__ __forceinline__ void group(const Groups& g, int s, float d, float, float& d_scale,
+                                                 float& dmin_min) {
+        d_scale = byte_times(g.sc[s >> 2], s & 3, d) - 128.0f * d;
+        dmin_min = 0.0f;
     }
 };
 
