@@ -81,7 +81,9 @@ def launch_once(calls: list) -> float:
 # (LUCEBOX_MATVEC_MMA_PP, _PP_BOUNDED where the last is above 1). Session 27 also timed warp units at 1-3 blocks
 # ahead, both orders and 8 warps: never faster (results doc); session 28 listed the tiled kernel 2 blocks ahead and
 # `mma` capped at 6 blocks (80 registers).
-TILED_ONE = [("block", 4, 1, 1, 0, 1), ("block", 4, 1, 1, 0, 5), ("rowmajor", 4, 1, 1, 0, 5), ("pp", 4, 1, 1, 0, 1),
+# Session 29 (ptxas 13, sm_90, Q4_K batch 1; SASS instructions a block a warp, registers): mma 432/115, mma_b4 413/122,
+# mma_b5 580/96 (spills, addresses recomputed: dropped), mma_pp 378/143, mma_pp_b4 376/128, mma_pp_b5 391/96.
+TILED_ONE = [("block", 4, 1, 1, 0, 1), ("block", 4, 1, 1, 0, 5), ("rowmajor", 4, 1, 1, 0, 4), ("pp", 4, 1, 1, 0, 1),
              ("pp", 4, 1, 1, 0, 4), ("pp", 4, 1, 1, 0, 5)]
 TILED_MORE = [("block", 4, 1, 1, 0, 1), ("block", 4, 2, 1, 0, 1)]
 
