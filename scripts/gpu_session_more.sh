@@ -560,6 +560,22 @@ s29_prefill() {  # ~5 min: prefill profiles (scripts/prefill_profile.py): the 0.
   return 0
 }
 
+s29_min() {  # ~5 min: the branch's kernels against references (cuda_check's kernel cases: float64), the tiled tests,
+  #            the probe at batch 1 (this tree, then ab_old/'s files with --basic).                  carry: .whl ab_old
+  local kernels=/tmp/site/lucebox_cuda/kernels f
+  step kernel-check 120 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" --skip-model \
+    --skip-timing --skip-triton
+  cp "$RES/cuda_check.json" "$OUT/" 2>/dev/null
+  step gpu-tests 110 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_tiled_gpu.py
+  step tiled-probe-new 60 sh -c "python3 scripts/tiled_probe.py --json $RES/tiled_probe_new.json --batches 1 \
+    > $RES/tiled_probe_new.txt; cat $RES/tiled_probe_new.txt"
+  for f in ab_old/*; do cp "$f" "$kernels/"; done
+  step tiled-probe-ab_old 40 sh -c "python3 scripts/tiled_probe.py --basic --json $RES/tiled_probe_ab_old.json \
+    --batches 1 > $RES/tiled_probe_ab_old.txt; cat $RES/tiled_probe_ab_old.txt"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
 s29_b() {  # ~9 min: three kernel trees through the probe (this one, then ${AB_SETS:-ab_patch ab_old}), then prefill
   local kernels=/tmp/site/lucebox_cuda/kernels set f
   step gpu-tests 130 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_tiled_gpu.py
