@@ -173,8 +173,9 @@ def test_batch_tile_rejects_more_than_the_maximum():
         # ... tiny shapes on the fastest tensor-core class (a CUDA-core winner would slow every verify) ...
         ("q4_k", "bf16", 1, (1024, 5120), "pipe_w8_d3_m1_k4", "matvec_pipe_w8_d3_m1_q4_k_bf16_1", 64, 256, 4),
         ("q4_k", "bf16", 23, (1024, 5120), "pipe_w8_d3_m1_k4", "matvec_pipe_w8_d3_m1_q4_k_bf16_24", 64, 256, 4),
+        # ... the 27B's gate | up at batch 1 on the two-register-set kernel (session 29's probe) ...
+        ("q4_k", "bf16", 1, (34816, 5120), "mma_pp", "matvec_mma_pp_q4_k_bf16_1", 2176, 128, 1),
         # ... and for unmeasured shapes the rule: 4 warps, one slice, the variant by batch range ...
-        ("q4_k", "bf16", 1, (34816, 5120), "mma", "matvec_mma_q4_k_bf16_1", 2176, 128, 1),
         ("q4_k", "bf16", 8, (34816, 5120), "mma_r2", "matvec_mma_r2_q4_k_bf16_8", 1088, 128, 1),
         ("q4_k", "bf16", 12, (34816, 5120), "pipe_w4_d4_m2_k1", "matvec_pipe_w4_d4_m2_q4_k_bf16_12", 1088, 128, 1),
         ("q6_k", "f16", 13, (17000, 5120), "pipe_w4_d4_m1_k1", "matvec_pipe_w4_d4_m1_q6_k_f16_16", 1063, 128, 1),
@@ -212,7 +213,7 @@ def test_matvec_default_stays_in_one_arithmetic_class(fmt, act):
 
 def test_arithmetic_classes():
     assert catalogue.arithmetic_class("mma") == catalogue.arithmetic_class("mma_r2") == \
-        catalogue.arithmetic_class("pipe_w4_d3_m2_k1") == ("mma", 4, 1)
+        catalogue.arithmetic_class("mma_pp") == catalogue.arithmetic_class("pipe_w4_d3_m2_k1") == ("mma", 4, 1)
     assert catalogue.arithmetic_class("mma8") == catalogue.arithmetic_class("pipe_w8_d4_m1_k1") == ("mma", 8, 1)
     assert catalogue.arithmetic_class("pipe_w4_d4_m1_k2") != catalogue.arithmetic_class("mma")
     assert catalogue.arithmetic_class("simt") == ("simt",)

@@ -59,8 +59,10 @@ MMA_MAX_BATCH: dict[str, int] = {"bf16": 64, "f16": 64, "f32": 8}
 # "mma8" splits each row over 8 warps instead of 4; "mma_r2" gives a block of 4 warps two row tiles, so each
 # activation fragment it loads serves twice the weights (the small-batch verify products are bound by
 # re-reading the activations once per block). Same warps, same bits: "mma_r2" and "mma" agree exactly.
+# "mma_pp" is "mma" with two register sets used in turn (no register moves a block, more registers): same bits.
 MMA_VARIANTS: dict[str, tuple[str, int, int]] = {
     "mma": ("matvec_mma", 4, 1), "mma8": ("matvec_mma8", 8, 1), "mma_r2": ("matvec_mma_r2", 4, 2),
+    "mma_pp": ("matvec_mma_pp", 4, 1),
 }
 # Shapes the sweep has not timed (H200 sweeps of the 27B shapes, 2026-11-30 session 4): the 4-warp,
 # one-slice class (`arithmetic_class`), which was fastest or within ~5% at batch 1 and fastest at the
@@ -147,21 +149,25 @@ PIPE_MAX_BATCH_TWO_GROUPS = 16
 # shapes from docs/results/raw/2026-11-30-s4-matvec_sweep_fused.json, the unfused ones from
 # 2026-11-30-s4-matvec_sweep_stream.json); the Gemma-4 31B / 26B-A4B shapes (marked) from
 # docs/results/raw/2026-12-02-s7-matvec_sweep_gemma4.json (session 7); the Laguna-XS.2 shapes (marked) from
-# docs/results/raw/2026-12-03-s15/call3_matvec_sweep.json (session 15, batch 1).
+# docs/results/raw/2026-12-03-s15/call3_matvec_sweep.json (session 15, batch 1). The 27B's Q4_K batch-1 entries on
+# `mma_pp` from scripts/tiled_probe.py on an H100 (session 29, docs/results/raw/2026-12-06-s29/): gate | up 2,170
+# against `mma`'s 2,148 GB/s, down 1,785 / 1,577, attention q | gate 1,784 / 1,644, GDN qkv 1,585 / 1,541 (the
+# streamed kernel it replaces); same class, same bits. (The 0.8B's down, 355 / 289, and qkv, 852 / 809, wait for a
+# sweep of their verify batches: a batch-1 entry alone would also take their 2-5-row products.)
 MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q4_k', 1, 48, 5120): 'pipe_w8_d3_m1_k4',
     ('q4_k', 1, 96, 5120): 'pipe_w8_d3_m1_k4',
     ('q4_k', 1, 1024, 5120): 'pipe_w8_d3_m1_k4',
     ('q4_k', 1, 5120, 6144): 'mma',
-    ('q4_k', 1, 5120, 17408): 'mma',
+    ('q4_k', 1, 5120, 17408): 'mma_pp',
     ('q4_k', 1, 6144, 5120): 'mma',
-    ('q4_k', 1, 10240, 5120): 'pipe_w4_d3_m1_k1',
-    ('q4_k', 1, 12288, 5120): 'mma',
+    ('q4_k', 1, 10240, 5120): 'mma_pp',
+    ('q4_k', 1, 12288, 5120): 'mma_pp',
     ('q4_k', 1, 13312, 5120): 'mma',
     ('q4_k', 1, 14336, 5120): 'mma',
     ('q4_k', 1, 16384, 5120): 'mma',
     ('q4_k', 1, 17408, 5120): 'mma',
-    ('q4_k', 1, 34816, 5120): 'mma',
+    ('q4_k', 1, 34816, 5120): 'mma_pp',
     ('q4_k', 1, 248320, 5120): 'pipe_w4_d4_m2_k1',
     ('q4_k', 2, 5120, 6144): 'pipe_w4_d3_m1_k1',
     ('q4_k', 2, 5120, 17408): 'mma_r2',
