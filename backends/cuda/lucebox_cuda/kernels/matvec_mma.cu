@@ -54,7 +54,7 @@
 // registers for sm_90 even at batch 1: ptxas -v.)
 #define LUCEBOX_MATVEC_MMA_R2(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_WARPS(matvec_mma_r2, 4, 2, FORMAT, ACT, NB)
 // `mma` with two register sets used in turn (`matvec_mma_rows`' TWO_SETS: no moves a block, more registers):
-// `matvec_mma_pp_...` (the catalogue's "mma_pp", the 27B's Q4_K batch-1 products: up to 1.13x `mma` on an H100,
+// `matvec_mma_pp_...` (the catalogue's "mma_pp", the 27B's Q4_K batch-1 products: 1.03-1.15x `mma` on an H100,
 // session 29), and for the probe `PREFIX_...` capped to MIN_BLOCKS thread blocks an SM. Bit-identical to `mma`.
 #define LUCEBOX_MATVEC_MMA_PP(FORMAT, ACT, NB)                                                            \
     LUCEBOX_MATVEC_MMA_KERNEL(matvec_mma_pp_##FORMAT##_##ACT##_##NB, __launch_bounds__(128), 4, 1, true,   \

@@ -145,9 +145,9 @@ template <> struct ActivationFragment<f32> {
 //
 // Each format: STEPS mma steps of 16 values per 256-value block, STEPS_PER_GROUP steps share one
 // sub-block scale (and min). `load` fetches what lane t needs from one row's block; `step_quants` gives
-// the 4 unsigned quants of step s as bytes, `step_column` their first column; `group` the integer scale
-// and min of a sub-block times the block's d and dmin; BIAS is subtracted from the unsigned quants (Q6_K's 32). PAIRED_STEPS: steps 2j and 2j+1
-// read 8 consecutive columns (one activation load for both, `ActivationFragment::load8`).
+// the 4 unsigned quants of step s as bytes, `step_column` their first column; `group` a sub-block's scale
+// and min times the block's d and dmin; BIAS is subtracted from the unsigned quants (Q6_K's 32).
+// PAIRED_STEPS: steps 2j and 2j+1 read 8 consecutive columns (one activation load for both, `load8`).
 
 struct MmaQ4K {
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, STEPS = 16, STEPS_PER_GROUP = 2;
