@@ -76,6 +76,8 @@
 #   bash scripts/gpu_session.sh s29-b       # ~9 min: tiled GPU tests; the tiled probe with this tree's kernels (b1, b16,
 #                                           #   every candidate), then --basic at b1 with ab_patch/'s and ab_old/'s files
 #                                           #   copied over (bits compare through mma_sha1); then s29-prefill. carry: .whl
+#   bash scripts/gpu_session.sh s30-table   # ~8.5 min: Nsight on the 27B's Q4_K products, the prefill profiles, 27B /
+#                                           #   0.8B tg128 with llama-bench beside, step profiles. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -521,7 +523,7 @@ s28_ab_rest() {  # the 0.8B's tg128 with the new kernels, the 27B's pp4096 tiled
 s28_ncu() {  # ~4 min: Nsight Compute on the 27B's Q4_K products at batch 1 (gate|up, down) and the head: the row-major
   #           `mma` kernel against the tiled one (tiled_probe.py --ncu: each kernel once). carry: .whl
   command -v ncu >/dev/null || { echo "ncu not on the PATH"; return 1; }
-  step ncu-tiled 300 sh -c "ncu --clock-control none --kernel-name regex:matvec \
+  step ncu-tiled "${NCU_TIMEOUT:-300}" sh -c "ncu --clock-control none --kernel-name regex:matvec \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
     --section Occupancy --section LaunchStats --section InstructionStats \
     python3 scripts/tiled_probe.py --ncu --batches 1 --shapes '${NCU_SHAPES:-27b gate,27b down q4_k,27b head}' \
@@ -591,6 +593,27 @@ s29_b() {  # ~9 min: three kernel trees through the probe (this one, then ${AB_S
 }
 
 s29_a() { s28_min; s29_prefill; }  # ~8 min: one machine start for both
+
+s30_table() {  # ~8.5 min: #17's table with mma_pp in the catalogue: Nsight on the 27B's Q4_K products while llama.cpp
+  #             builds, the prefill profiles, 27B / 0.8B tg128 and pp, llama-bench beside, 27B and 0.8B step
+  #             profiles.                                                              carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$!
+  NCU_TIMEOUT=200 s28_ncu
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  s29_prefill
+  variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 3" default
+  llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 3 && llama_rows 27b -m "$(model 27b)" -p 0 -n 128 -r 3
+  local size
+  for size in 27b 0.8b; do
+    mkdir -p "$RES/p$size" && step "profile-$size" 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile \
+      "$(model $size)" --out "$RES/p$size"
+  done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
 
 s24_moe() {  # ~8 min: the MoE decode step with session 24's kernels: Laguna-XS.2 and 35B-A3B tg128 default,
   #           LUCEBOX_PERSISTENT_MOE=1, LUCEBOX_MOE_SWIGLU_DOWN=1, both (with the MLP's for Laguna's dense layer),
