@@ -78,6 +78,8 @@
 #                                           #   copied over (bits compare through mma_sha1); then s29-prefill. carry: .whl
 #   bash scripts/gpu_session.sh s30-table   # ~8.5 min: Nsight on the 27B's Q4_K products, the prefill profiles, 27B /
 #                                           #   0.8B tg128 with llama-bench beside, step profiles. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s30-host    # ~3 min: prefill_profile.py --python --stacks on the 0.8B's pp512 and the
+#                                           #   27B's pp4096: the host's functions, the call sites of device-heavy ops.
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -611,6 +613,20 @@ s30_table() {  # ~8.5 min: #17's table with mma_pp in the catalogue: Nsight on t
     mkdir -p "$RES/p$size" && step "profile-$size" 60 env LUCEBOX_PDL=0 python3 scripts/bench_vs_llamacpp.py profile \
       "$(model $size)" --out "$RES/p$size"
   done
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s30_host() {  # ~3 min: where the host time of a prefill goes: the 0.8B's pp512 and the 27B's pp4096 with cProfile and
+  #            the call sites of the torch ops with device time (prefill_profile.py --python --stacks). carry: .whl
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local big_writer=$!
+  step synth-08b 60 synth 0.8b
+  step prefill-08b 90 python3 scripts/prefill_profile.py "$(model 0.8b)" --tokens 512 --python --stacks --top 40 \
+    --json "$RES/prefill_08b_host.json"
+  wait "$big_writer"; tail -n1 "$RES/synth_27b.log"
+  step prefill-27b 150 python3 scripts/prefill_profile.py "$(model 27b)" --tokens 4096 --reps 1 --python --stacks \
+    --top 40 --json "$RES/prefill_27b_host.json"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

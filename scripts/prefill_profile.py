@@ -1,12 +1,17 @@
 """Where a prefill's time goes: wall time against the GPU's busy time, kernels by time, host ops by time.
 
     python3 scripts/prefill_profile.py MODEL.gguf [--tokens 512] [--chunk N] [--reps 3] [--json OUT.json]
+        [--python] [--stacks]
 
 A prefill that is slower than its kernels add up to is bound by the host (launches, Python, syncs between
 chunks); one whose kernels fill the wall time is bound by what those kernels do. The report separates the
 two: `wall_ms` (median over `--reps`, each after a warm-up at the same size), `gpu_busy_ms` (the kernels'
 time in one profiled prefill) and the host ops that launched them, by self CPU time. Issue #17 reads the
 0.8B's pp512 as "per-chunk overheads"; this is the measurement behind that reading.
+
+`--python` adds one more prefill under cProfile: the Python functions that hold the host (what a host-bound
+prefill spends its time on). `--stacks` records the profiled prefill's call stacks and names the project's
+lines that launched the torch ops with the most device time (which copies and elementwise ops to fuse).
 """
 
 from __future__ import annotations
@@ -45,7 +50,37 @@ def _merged_busy_us(prof: Any) -> float:
     return busy
 
 
-def profile_prefill(path: str, tokens: int, chunk: int | None, reps: int, top: int) -> dict[str, Any]:
+def _python_profile(run: Any, top: int) -> list[dict[str, Any]]:
+    """The functions of one call of `run` by their own time (cProfile), with their cumulative time and calls."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
+    by_own = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    # The project's own functions by cumulative time: which layer of the model's code the host time sits under.
+    ours = [item for item in stats.items() if "lucebox" in item[0][0] or "plugins/" in item[0][0]]
+    by_cum = [item for item in sorted(ours, key=lambda item: -item[1][3]) if item not in by_own][:top]
+    return [{"function": f"{Path(file).name}:{line}:{name}", "self_ms": tottime * 1e3, "cum_ms": cumtime * 1e3,
+             "calls": calls} for (file, line, name), (_, calls, tottime, cumtime, _) in by_own + by_cum]
+
+
+def _op_stacks(events: Any, top: int) -> list[dict[str, Any]]:
+    """Torch ops (not kernels) with device time, by the project's call site: the lines to fuse away first."""
+    rows = []
+    for event in events:
+        device_us = _device_us(event)
+        if not event.key.startswith("aten::") or device_us <= 0 or event.key in {"aten::mm", "aten::linear",
+                                                                                   "aten::matmul"}:
+            continue
+        frames = [f for f in (event.stack or []) if "lucebox" in f or "plugins/" in f][:3]
+        rows.append({"op": event.key, "device_ms": device_us / 1e3, "count": event.count, "where": frames})
+    return sorted(rows, key=lambda r: -r["device_ms"])[:top]
+
+
+def profile_prefill(path: str, tokens: int, chunk: int | None, reps: int, top: int, python: bool = False,
+                    stacks: bool = False) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -63,7 +98,7 @@ def profile_prefill(path: str, tokens: int, chunk: int | None, reps: int, top: i
     activities = [ProfilerActivity.CPU]
     if model.ops.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, with_stack=stacks) as prof:
         profiled_wall = time_prefill(engine, random_ids(tokens, vocab, 1234))
     events = prof.key_averages()
     kernels = sorted(((e.key, _self_device_us(e), e.count) for e in events if _self_device_us(e) > 0),
@@ -84,6 +119,10 @@ def profile_prefill(path: str, tokens: int, chunk: int | None, reps: int, top: i
         "kernels": [{"name": n[:100], "ms": us / 1e3, "count": c} for n, us, c in kernels[:top]],
         "host_ops": [{"name": n[:100], "self_cpu_ms": us / 1e3, "count": c} for n, us, c in host_ops[:top]],
     }
+    if stacks:
+        summary["op_stacks"] = _op_stacks(prof.key_averages(group_by_stack_n=8), top)
+    if python:
+        summary["python"] = _python_profile(lambda: time_prefill(engine, random_ids(tokens, vocab, 4321)), top)
     return summary
 
 
@@ -99,6 +138,15 @@ def report(summary: dict[str, Any]) -> str:
               for k in summary["kernels"]]
     lines.append("  host ops (self CPU time):")
     lines += [f"    {h['self_cpu_ms']:8.3f} ms x{h['count']:6d}  {h['name'][:90]}" for h in summary["host_ops"]]
+    if "op_stacks" in summary:
+        lines.append("  torch ops by call site (device time):")
+        for row in summary["op_stacks"]:
+            lines.append(f"    {row['device_ms']:8.3f} ms x{row['count']:5d}  {row['op']}")
+            lines += [f"        {frame[:110]}" for frame in row["where"]]
+    if "python" in summary:
+        lines.append("  Python functions of one more prefill (cProfile): by own time, then the project's by cumulative:")
+        lines += [f"    {f['self_ms']:8.3f} ms (cum {f['cum_ms']:8.3f}) x{f['calls']:6d}  {f['function'][:90]}"
+                  for f in summary["python"]]
     return "\n".join(lines)
 
 
@@ -110,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25, help="rows of each table")
     parser.add_argument("--json", help="write the summary here too")
+    parser.add_argument("--python", action="store_true", help="one more prefill under cProfile: the host's functions")
+    parser.add_argument("--stacks", action="store_true", help="the project's call sites of the device-heavy ops")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.reps < 1:
         parser.error("--tokens and --reps must be positive")
     start = time.perf_counter()
-    summary = profile_prefill(args.model, args.tokens, args.chunk, args.reps, args.top)
+    summary = profile_prefill(args.model, args.tokens, args.chunk, args.reps, args.top, args.python, args.stacks)
     summary["script_s"] = time.perf_counter() - start
     print(report(summary))
     if args.json:
