@@ -80,6 +80,8 @@
 #                                           #   0.8B tg128 with llama-bench beside, step profiles. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s30-host    # ~3 min: prefill_profile.py --python --stacks on the 0.8B's pp512 and the
 #                                           #   27B's pp4096: the host's functions, the call sites of device-heavy ops.
+#   bash scripts/gpu_session.sh s30-prefill # ~6 min: tiled GPU tests, prefill profiles with call sites, 0.8B pp512 and
+#                                           #   27B pp4096 (tiled / row-major), llama-bench beside. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -627,6 +629,25 @@ s30_host() {  # ~3 min: where the host time of a prefill goes: the 0.8B's pp512 
   wait "$big_writer"; tail -n1 "$RES/synth_27b.log"
   step prefill-27b 150 python3 scripts/prefill_profile.py "$(model 27b)" --tokens 4096 --reps 1 --python --stacks \
     --top 40 --json "$RES/prefill_27b_host.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s30_prefill() {  # ~6 min: session 30's prefill changes (cuBLAS writes each tile's product in place, one untile kernel
+  #               for tiled rows): the tiled GPU tests, prefill profiles with call sites, 0.8B pp512 and 27B
+  #               pp4096 tiled / row-major, llama-bench beside.                         carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local dense_writer=$!
+  step gpu-tests 130 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_tiled_gpu.py
+  wait "$dense_writer"; tail -qn1 "$RES"/synth_*.log
+  step prefill-08b 90 python3 scripts/prefill_profile.py "$(model 0.8b)" --tokens 512 --stacks --top 30 \
+    --json "$RES/prefill_08b.json"
+  step prefill-27b 120 python3 scripts/prefill_profile.py "$(model 27b)" --tokens 4096 --reps 2 --stacks --top 30 \
+    --json "$RES/prefill_27b.json"
+  variants 08b "$(model 0.8b)" "-p 512 -n 0 -r 5" default
+  variants 27b "$(model 27b)" "-p 4096 -n 0 -r 3" default rowmajor:LUCEBOX_TILED_WEIGHTS=0
+  llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 0 -r 5 && llama_rows 27b -m "$(model 27b)" -p 4096 -n 0 -r 3
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

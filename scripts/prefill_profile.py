@@ -67,16 +67,18 @@ def _python_profile(run: Any, top: int) -> list[dict[str, Any]]:
 
 
 def _op_stacks(events: Any, top: int) -> list[dict[str, Any]]:
-    """Torch ops (not kernels) with device time, by the project's call site: the lines to fuse away first."""
+    """Torch ops (not kernels) by the project's call site and their device time (CPU time on a CPU run, which
+    has none): the lines to fuse away first. Products (`mm`) are left out: their call sites are known."""
     rows = []
     for event in events:
-        device_us = _device_us(event)
-        if not event.key.startswith("aten::") or device_us <= 0 or event.key in {"aten::mm", "aten::linear",
-                                                                                   "aten::matmul"}:
+        spent_us = _device_us(event) or event.cpu_time_total
+        if not event.key.startswith("aten::") or spent_us <= 0 or event.key in {"aten::mm", "aten::linear",
+                                                                                  "aten::matmul"}:
             continue
-        frames = [f for f in (event.stack or []) if "lucebox" in f or "plugins/" in f][:3]
-        rows.append({"op": event.key, "device_ms": device_us / 1e3, "count": event.count, "where": frames})
-    return sorted(rows, key=lambda r: -r["device_ms"])[:top]
+        frames = [f for f in (event.stack or []) if "lucebox" in f][:3]
+        if frames:
+            rows.append({"op": event.key, "ms": spent_us / 1e3, "count": event.count, "where": frames})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def profile_prefill(path: str, tokens: int, chunk: int | None, reps: int, top: int, python: bool = False,
@@ -98,7 +100,9 @@ def profile_prefill(path: str, tokens: int, chunk: int | None, reps: int, top: i
     activities = [ProfilerActivity.CPU]
     if model.ops.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities, with_stack=stacks) as prof:
+    # Kineto keeps the Python stacks of ops only with the verbose config (an empty `stack` otherwise).
+    verbose = {"experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} if stacks else {}
+    with torch_profile(activities=activities, with_stack=stacks, **verbose) as prof:
         profiled_wall = time_prefill(engine, random_ids(tokens, vocab, 1234))
     events = prof.key_averages()
     kernels = sorted(((e.key, _self_device_us(e), e.count) for e in events if _self_device_us(e) > 0),
@@ -139,9 +143,9 @@ def report(summary: dict[str, Any]) -> str:
     lines.append("  host ops (self CPU time):")
     lines += [f"    {h['self_cpu_ms']:8.3f} ms x{h['count']:6d}  {h['name'][:90]}" for h in summary["host_ops"]]
     if "op_stacks" in summary:
-        lines.append("  torch ops by call site (device time):")
+        lines.append("  torch ops by call site (device time; CPU time where no GPU ran):")
         for row in summary["op_stacks"]:
-            lines.append(f"    {row['device_ms']:8.3f} ms x{row['count']:5d}  {row['op']}")
+            lines.append(f"    {row['ms']:8.3f} ms x{row['count']:5d}  {row['op']}")
             lines += [f"        {frame[:110]}" for frame in row["where"]]
     if "python" in summary:
         lines.append("  Python functions of one more prefill (cProfile): by own time, then the project's by cumulative:")

@@ -48,11 +48,13 @@ def _instantiated_names(program: nvrtc.KernelProgram) -> list[str]:
     prefixes = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
                 "LUCEBOX_RMS_NORM": "rms_norm",
                 "LUCEBOX_MOE_MATVEC": "moe_matvec", "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged",
-                "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair", "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged"}
+                "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair", "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged",
+                "LUCEBOX_UNTILE_ROWS": "untile_rows"}
     names = []
     for line in program.instantiations:
         macro, args = line.split("(", 1)
-        names.append("_".join([prefixes[macro], *(part.strip() for part in args.rstrip(")").split(","))]))
+        parts = [part.strip() for part in args.rstrip(")").split(",") if part.strip()]
+        names.append("_".join([prefixes[macro], *parts]))
     return names
 
 

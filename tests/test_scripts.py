@@ -180,6 +180,24 @@ def test_prefill_profile_separates_host_and_kernels(tiny_files, tmp_path):
     assert "prefill qwen35-tiny-f32.gguf" in prefill_profile.report(summary)
 
 
+def test_prefill_profile_names_the_host_functions_and_call_sites(tiny_files, tmp_path):
+    """--python: one more prefill under cProfile, the engine's prefill among the project's functions; --stacks: torch
+    ops by the project's lines that called them (the GDN scan's products in the family's ops on the CPU)."""
+    prefill_profile = _import("prefill_profile")
+    out = tmp_path / "prefill.json"
+    assert prefill_profile.main([str(tiny_files[1]), "--tokens", "24", "--chunk", "16", "--reps", "1", "--python",
+                                 "--stacks", "--top", "30", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    functions = [f["function"] for f in summary["python"]]
+    assert any(f.startswith("engine.py:") and f.endswith(":prefill") for f in functions)
+    assert all(f["cum_ms"] >= f["self_ms"] >= 0 for f in summary["python"])
+    sites = summary["op_stacks"]
+    assert sites and all(row["where"] and "lucebox" in row["where"][0] for row in sites)
+    assert any(row["op"] == "aten::bmm" and any("gated_delta_rule" in f for f in row["where"]) for row in sites)
+    report = prefill_profile.report(summary)
+    assert "torch ops by call site" in report and "cProfile" in report
+
+
 def test_commit_id_prefers_the_environment(monkeypatch):
     monkeypatch.setenv("COMMIT", "feedbee")
     assert bench.commit_id() == "feedbee"

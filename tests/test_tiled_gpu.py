@@ -168,3 +168,24 @@ def test_rows_of_a_weight_held_tiled_read_back_exactly(backend, monkeypatch):
     # A prefill product through the tiles equals the row-major one (dequantized rows, then one GEMM).
     x = torch.randn(100, COLS, device="cuda").to(torch.bfloat16)
     assert torch.equal(backend.tiled_linear(x, tiled, "q6_k"), backend.tiled_linear(x, plain, "q6_k"))
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_a_prefill_product_in_several_tiles_writes_each_into_its_columns(backend, monkeypatch, fmt):
+    """`tiled_linear` with tiles smaller than the weight: cuBLAS writes each tile's product into its column block of
+    the output (no copy). Every column block must be that tile's own product, and the whole the float64 product."""
+    from lucebox_cuda import backend as backend_module
+
+    rows = 1000
+    weight = row_major(fmt, weight_rows(fmt, rows, COLS, 11), monkeypatch)
+    x = torch.randn(300, COLS, device="cuda").to(torch.bfloat16)
+    tile_rows = 160  # rows of 1536 bf16 values: 6 full tiles and a short one
+    monkeypatch.setattr(backend_module, "PREFILL_TILE_BYTES", tile_rows * COLS * 2)
+    out = backend.tiled_linear(x, weight, fmt)
+    assert out.shape == (300, rows) and out.is_contiguous()
+    dense = backend.dequantize_rows(weight, 0, rows, torch.bfloat16)
+    for start in range(0, rows, tile_rows):
+        stop = min(start + tile_rows, rows)
+        assert torch.equal(out[:, start:stop], torch.mm(x, dense[start:stop].t()))
+    reference = x.double() @ dense.double().t()
+    assert torch.allclose(out.double(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())

@@ -117,6 +117,39 @@ def test_rows_gathered_from_the_tiles_are_the_rows(fmt):
         assert torch.equal(tiled_weights.row_range_bytes(tiles, fmt, rows, cols, start, stop), raw[start:stop])
 
 
+def _untile_rows_kernel(tiles: torch.Tensor, offsets: torch.Tensor, first_row: int, rows: int, blocks: int,
+                        half_block: int) -> torch.Tensor:
+    """dequant.cu's `untile_rows`, thread by thread in torch: output unit u of row r from the tile's unit through
+    the offsets table, the indices computed as the kernel computes them."""
+    units = tiles.reshape(-1).view(torch.int16)
+    row_units = blocks * half_block
+    out = torch.empty(rows, row_units, dtype=torch.int16)
+    for r in range(rows):
+        row = first_row + r
+        group_start = (row >> 4) * blocks * 16 * half_block
+        u = torch.arange(row_units)
+        b = u // half_block
+        out[r] = units[group_start + b * 16 * half_block + offsets[row & 15][u - b * half_block].long()]
+    return out.view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_untile_kernels_unit_offsets_give_the_rows_back(fmt):
+    """A prefill reads a tiled weight's rows through `untile_rows` (2-byte units through `unit_offsets`): every row
+    range, padded last group included, must come back as the file's bytes."""
+    rows, cols = 53, 768
+    raw = random_rows(fmt, rows, cols, seed=5)
+    tiles = tile_rows(raw, fmt, rows, cols)
+    offsets = tiled_weights.unit_offsets(fmt, torch.device("cpu"))
+    half_block = BLOCK_BYTES[fmt] // 2
+    assert offsets.shape == (16, half_block) and offsets.dtype == torch.int32
+    # A permutation of a tile's units: each row's units are its own, none read twice.
+    assert torch.equal(offsets.reshape(-1).sort().values, torch.arange(16 * half_block, dtype=torch.int32))
+    for start, stop in ((0, 53), (5, 6), (17, 48), (31, 53)):
+        got = _untile_rows_kernel(tiles, offsets, start, stop - start, cols // 256, half_block)
+        assert torch.equal(got, raw[start:stop])
+
+
 def test_bad_shapes_are_refused_by_name():
     raw = random_rows("q6_k", 16, 512)
     with pytest.raises(ValueError, match="not a multiple of 256"):

@@ -532,6 +532,11 @@ def dequant_rows(weight_format: str, activation: str) -> tuple[KernelProgram, st
     return KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT_ROWS({weight_format}, {activation})"]), name
 
 
+def untile_rows() -> tuple[KernelProgram, str]:
+    """Rows of a weight held tiled back in GGUF's bytes (a prefill's dequant reads them; see dequant.cu)."""
+    return KernelProgram("dequant.cu", ["LUCEBOX_UNTILE_ROWS()"]), "untile_rows"
+
+
 def moe_matvec(weight_format: str, activation: str) -> tuple[KernelProgram, str]:
     name = f"moe_matvec_{weight_format}_{activation}"
     return KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC({weight_format}, {activation})"]), name
@@ -715,7 +720,7 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                "LUCEBOX_MATVEC_TILED_UNITS(q4_k, bf16, 1, 4, 3, 0)",
                f"LUCEBOX_MATVEC_TILED_UNITS(q6_k, bf16, {MAX_BATCH}, 4, 2, 0)"]),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")
-                                                   for f in formats for a in acts]),
+                                                   for f in formats for a in acts] + ["LUCEBOX_UNTILE_ROWS()"]),
         "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"
                                                          for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
                                                          for f in formats for a in acts]),

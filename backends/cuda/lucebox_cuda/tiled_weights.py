@@ -186,6 +186,18 @@ def row_bytes_of(tiles: torch.Tensor, fmt: str, rows: int, cols: int, ids: torch
     return tiles.reshape(-1)[index.reshape(-1)].view(ids.numel(), blocks * block)
 
 
+@lru_cache(maxsize=None)
+def unit_offsets(fmt: str, device: torch.device) -> torch.Tensor:
+    """[16, block / 2] int32: where, in 2-byte units inside a tile, unit j of row r's block lies (dequant.cu's
+    `untile_rows` reads a tiled weight's rows back through it). Every piece a tile holds is 2 or 4 bytes at an even
+    offset, so a unit's two bytes stay together: checked here, once a format."""
+    where = torch.from_numpy(np.argsort(tile_order(fmt))).view(ROWS, BLOCK_BYTES[fmt])
+    low, high = where[:, 0::2], where[:, 1::2]
+    if bool((low % 2).any()) or not torch.equal(high, low + 1):
+        raise AssertionError(f"{fmt}'s tile layout splits a 2-byte unit of a block")
+    return (low // 2).to(torch.int32).contiguous().to(device)
+
+
 @lru_cache(maxsize=None)  # made once a device (before any recorded step: the first lookup runs eagerly)
 def _positions(fmt: str, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.argsort(tile_order(fmt))).view(ROWS, BLOCK_BYTES[fmt]).to(device)
