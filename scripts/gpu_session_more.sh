@@ -82,6 +82,8 @@
 #                                           #   27B's pp4096: the host's functions, the call sites of device-heavy ops.
 #   bash scripts/gpu_session.sh s30-prefill # ~6 min: tiled GPU tests, prefill profiles with call sites, 0.8B pp512 and
 #                                           #   27B pp4096 (tiled / row-major), llama-bench beside. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s30-final   # ~6.5 min: llama.cpp built first, then 0.8B pp512/tg128 and 27B pp4096/
+#                                           #   tg128 on both engines, a 0.8B prefill cProfile. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -648,6 +650,21 @@ s30_prefill() {  # ~6 min: session 30's prefill changes (cuBLAS writes each tile
   variants 08b "$(model 0.8b)" "-p 512 -n 0 -r 5" default
   variants 27b "$(model 27b)" "-p 4096 -n 0 -r 3" default rowmajor:LUCEBOX_TILED_WEIGHTS=0
   llama_wait && llama_rows 08b -m "$(model 0.8b)" -p 512 -n 0 -r 5 && llama_rows 27b -m "$(model 27b)" -p 4096 -n 0 -r 3
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s30_final() {  # ~6.5 min: #17's rows with nothing beside them: llama.cpp built first (a build running beside the
+  #             host-bound 0.8B prefill halves it), then 0.8B pp512 / tg128 and 27B pp4096 / tg128 on both engines, a
+  #             0.8B prefill profile with cProfile.                                       carry: .whl .llamacpp
+  llama_build_bg
+  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  llama_wait; tail -qn1 "$RES"/synth_*.log
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
+  variants 27b "$(model 27b)" "-p 4096 -n 128 -r 3" default
+  llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 5 && llama_rows 27b -m "$(model 27b)" -p 4096 -n 128 -r 3
+  step prefill-08b 60 python3 scripts/prefill_profile.py "$(model 0.8b)" --tokens 512 --python --top 30 \
+    --json "$RES/prefill_08b.json"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
