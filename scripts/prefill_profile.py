@@ -148,7 +148,7 @@ def report(summary: dict[str, Any]) -> str:
             lines.append(f"    {row['ms']:8.3f} ms x{row['count']:5d}  {row['op']}")
             lines += [f"        {frame[:110]}" for frame in row["where"]]
     if "python" in summary:
-        lines.append("  Python functions of one more prefill (cProfile): by own time, then the project's by cumulative:")
+        lines.append("  one more prefill under cProfile: functions by own time, then the project's by cumulative:")
         lines += [f"    {f['self_ms']:8.3f} ms (cum {f['cum_ms']:8.3f}) x{f['calls']:6d}  {f['function'][:90]}"
                   for f in summary["python"]]
     return "\n".join(lines)
