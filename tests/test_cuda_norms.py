@@ -146,3 +146,26 @@ def test_l2norm_matches_the_generic_reference(dtype, head_dim):
     assert_close(result, expected, dtype)
     norms = result.float().norm(dim=-1)
     assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["conv split", "heads apart", "unmergeable", "one row"])
+def test_l2norm_reads_head_splits_at_their_strides(layout):
+    """The model's q and k: head splits of the convolution's output [B, T, C] reshaped to [B, T, H, D] (read in
+    place); also heads apart, leading dims that do not merge (copied first) and one row. Each row must equal the
+    reference's, the result contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    heads, dim = 4, 32
+    conv = torch.randn(2, 5, 3 * heads * dim + 16, generator=gen).to(torch.bfloat16)
+    if layout == "conv split":
+        x = conv[..., heads * dim: 2 * heads * dim].reshape(2, 5, heads, dim)
+        assert x.stride(-2) == dim and not x.is_contiguous()  # the view the kernel reads in place
+    elif layout == "heads apart":
+        x = conv[..., : 2 * heads * dim].reshape(2, 5, heads, 2 * dim)[..., :dim]
+    elif layout == "unmergeable":
+        x = conv[..., : heads * dim].reshape(2, 5, heads, dim).transpose(0, 1)
+    else:
+        x = conv[0, 0, :dim]
+    result = triton_norms.l2norm(x, EPS)
+    assert result.shape == x.shape and result.is_contiguous()
+    expected = TorchBackend("cpu", torch.bfloat16, kernel_table_for={}).l2norm(x, EPS)
+    assert_close(result, expected, torch.bfloat16)
