@@ -82,8 +82,9 @@
 #                                           #   27B's pp4096: the host's functions, the call sites of device-heavy ops.
 #   bash scripts/gpu_session.sh s30-prefill # ~6 min: tiled GPU tests, prefill profiles with call sites, 0.8B pp512 and
 #                                           #   27B pp4096 (tiled / row-major), llama-bench beside. carry: .whl .llamacpp
-#   bash scripts/gpu_session.sh s30-final   # ~6.5 min: llama.cpp built first, then 0.8B pp512/tg128 and 27B pp4096/
-#                                           #   tg128 on both engines, a 0.8B prefill cProfile. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s30-final   # ~6.5 min: the whole-model check while llama.cpp builds, then 0.8B pp512/
+#                                           #   tg128 and 27B pp4096/tg128 on both engines, a 0.8B prefill cProfile.
+#                                           #                                           carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -659,6 +660,10 @@ s30_final() {  # ~6.5 min: #17's rows with nothing beside them: llama.cpp built 
   #             0.8B prefill profile with cProfile.                                       carry: .whl .llamacpp
   llama_build_bg
   ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  # While it builds (correctness only): the whole-model check (tiny F32 and 0.8B Q4_K_M prefill and greedy steps
+  # through the CUDA backend against torch f32).
+  step model-check 200 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" \
+    --skip-timing --skip-correctness --skip-triton
   llama_wait; tail -qn1 "$RES"/synth_*.log
   variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
   variants 27b "$(model 27b)" "-p 4096 -n 128 -r 3" default
