@@ -668,6 +668,16 @@ s30_final() {  # ~6.5 min: #17's rows with nothing beside them: llama.cpp built 
   variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
   variants 27b "$(model 27b)" "-p 4096 -n 128 -r 3" default
   llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 5 && llama_rows 27b -m "$(model 27b)" -p 4096 -n 128 -r 3
+  # The speculative rows: forced 8.3 with `--tree-budget auto` and 22, a drafter that accepts nothing with auto.
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m"
+  step auto-forced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
+    --force-accept 8.3 --json | spec_rows auto-forced"
+  step b22-forced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
+    --force-accept 8.3 --json | spec_rows b22-forced"
+  step auto-unforced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
+    --json | spec_rows auto-unforced"
   step prefill-08b 60 python3 scripts/prefill_profile.py "$(model 0.8b)" --tokens 512 --python --top 30 \
     --json "$RES/prefill_08b.json"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
