@@ -82,9 +82,9 @@
 #                                           #   27B's pp4096: the host's functions, the call sites of device-heavy ops.
 #   bash scripts/gpu_session.sh s30-prefill # ~6 min: tiled GPU tests, prefill profiles with call sites, 0.8B pp512 and
 #                                           #   27B pp4096 (tiled / row-major), llama-bench beside. carry: .whl .llamacpp
-#   bash scripts/gpu_session.sh s30-final   # ~6.5 min: the whole-model check while llama.cpp builds, then 0.8B pp512/
-#                                           #   tg128 and 27B pp4096/tg128 on both engines, a 0.8B prefill cProfile.
-#                                           #                                           carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s30-final   # ~6.5 min: the whole-model check, 27B pp4096/tg128 and forced / unforced
+#                                           #   DDTree while llama.cpp builds, then 0.8B pp512/tg128, llama-bench on
+#                                           #   both, a 0.8B prefill cProfile.               carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s24-moe     # ~8 min: Laguna-XS.2 and 35B-A3B tg128 default / persistent MoE / SwiGLU-down
 #                                           #   / all, a Laguna profile with all, llama-bench beside. carry: .whl .llamacpp
 
@@ -655,21 +655,18 @@ s30_prefill() {  # ~6 min: session 30's prefill changes (cuBLAS writes each tile
   return 0
 }
 
-s30_final() {  # ~6.5 min: #17's rows with nothing beside them: llama.cpp built first (a build running beside the
-  #             host-bound 0.8B prefill halves it), then 0.8B pp512 / tg128 and 27B pp4096 / tg128 on both engines, a
-  #             0.8B prefill profile with cProfile.                                       carry: .whl .llamacpp
-  llama_build_bg
-  ( synth 0.8b > "$RES/synth_08b.log" 2>&1; synth 27b > "$RES/synth_27b.log" 2>&1 ) &
-  # While it builds (correctness only): the whole-model check (tiny F32 and 0.8B Q4_K_M prefill and greedy steps
-  # through the CUDA backend against torch f32).
-  step model-check 200 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" \
+s30_final() {  # ~6.5 min: the whole-model check and the 27B's rows (GPU-bound) while llama.cpp builds at low priority,
+  #             then the host-bound 0.8B's rows with nothing beside them (a build beside the 0.8B prefill halves it),
+  #             llama-bench on both, a 0.8B prefill cProfile.                            carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step synth-08b 60 synth 0.8b
+  step synth-27b 90 synth 27b
+  # The whole-model check (tiny F32 and 0.8B Q4_K_M prefill and greedy steps, CUDA backend against torch f32).
+  step model-check 100 python3 scripts/cuda_check.py --out "$RES" --workdir "$WORK" --commit "$COMMIT" \
     --skip-timing --skip-correctness --skip-triton
-  llama_wait; tail -qn1 "$RES"/synth_*.log
-  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
-  variants 27b "$(model 27b)" "-p 4096 -n 128 -r 3" default
-  llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 5 && llama_rows 27b -m "$(model 27b)" -p 4096 -n 128 -r 3
-  # The speculative rows: forced 8.3 with `--tree-budget auto` and 22, a drafter that accepts nothing with auto.
   local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  variants 27b "$m" "-p 4096 -n 128 -r 3" default
+  # The speculative rows: forced 8.3 with `--tree-budget auto` and 22, a drafter that accepts nothing with auto.
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
 draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m"
   step auto-forced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
@@ -678,6 +675,9 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
     --force-accept 8.3 --json | spec_rows b22-forced"
   step auto-unforced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
     --json | spec_rows auto-unforced"
+  llama_wait
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
+  llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 5 && llama_rows 27b -m "$m" -p 4096 -n 128 -r 3
   step prefill-08b 60 python3 scripts/prefill_profile.py "$(model 0.8b)" --tokens 512 --python --top 30 \
     --json "$RES/prefill_08b.json"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
