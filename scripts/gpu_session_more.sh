@@ -669,7 +669,7 @@ s30_final() {  # ~6.5 min: the whole-model check and the 27B's rows (GPU-bound) 
   # The speculative rows: forced 8.3 with `--tree-budget auto` and 22, a drafter that accepts nothing with auto.
   step synth-draft 60 python3 -c "from lucebox_qwen35 import draft_synth; import sys
 draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m"
-  step auto-forced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
+  step auto-forced 120 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
     --force-accept 8.3 --json | spec_rows auto-forced"
   step b22-forced 60 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
     --force-accept 8.3 --json | spec_rows b22-forced"
