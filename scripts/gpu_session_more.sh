@@ -536,6 +536,7 @@ s28_ncu() {  # ~4 min: Nsight Compute on the 27B's Q4_K products at batch 1 (gat
     python3 scripts/tiled_probe.py --ncu --batches 1 --shapes '${NCU_SHAPES:-27b gate,27b down q4_k,27b head}' \
     > $RES/ncu_tiled.txt 2>&1; grep -E 'matvec_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|L2 Hit|L1/TEX Hit|Executed Ipc A|Executed Instructions  |Stall|Mem Busy|Max Bandwidth' \
     $RES/ncu_tiled.txt | head -150"
+  cp "$RES/ncu_tiled.txt" "$OUT/" 2>/dev/null  # every shape's sections (the log shows the first 150 lines)
   return 0
 }
 
