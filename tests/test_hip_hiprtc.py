@@ -55,8 +55,9 @@ def _name(line):
     prefix = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
               "LUCEBOX_RMS_NORM": "rms_norm",
               "LUCEBOX_MOE_MATVEC": "moe_matvec", "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged",
-              "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair", "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged"}[macro]
-    return "_".join([prefix, *(part.strip() for part in args.rstrip(")").split(","))])
+              "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair", "LUCEBOX_MOE_MATVEC_PAIR_PAGED": "moe_matvec_pair_paged",
+              "LUCEBOX_UNTILE_ROWS": "untile_rows"}[macro]
+    return "_".join([prefix, *(part.strip() for part in args.rstrip(")").split(",") if part.strip())])
 """
 
 
