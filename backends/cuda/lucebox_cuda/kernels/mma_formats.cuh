@@ -70,15 +70,16 @@ __device__ __forceinline__ float byte_times(u32 word, int k, float v) { return b
 // 16-bit activations). `part` picks the bf16 part of an fp32 activation.
 template <class X> struct ActivationFragment;
 
-template <> struct ActivationFragment<bf16> {
-    typedef MmaBf16 E;
+// 16-bit activations go to the mma as loaded (the B fragment's column pairs are in load order): one body for both.
+template <class T, class Elem> struct SixteenBitFragment {
+    typedef Elem E;
     static constexpr int SPLITS = 1;
-    static __device__ __forceinline__ void load(const bf16* p, int, u32& b0, u32& b1) {
+    static __device__ __forceinline__ void load(const T* p, int, u32& b0, u32& b1) {
         const uint2 v = *reinterpret_cast<const uint2*>(p);
         b0 = v.x;
         b1 = v.y;
     }
-    static __device__ __forceinline__ void load8(const bf16* p, int, u32 (&b0)[2], u32 (&b1)[2]) {
+    static __device__ __forceinline__ void load8(const T* p, int, u32 (&b0)[2], u32 (&b1)[2]) {
         const uint4 v = *reinterpret_cast<const uint4*>(p);
         b0[0] = v.x;
         b1[0] = v.y;
@@ -87,22 +88,8 @@ template <> struct ActivationFragment<bf16> {
     }
 };
 
-template <> struct ActivationFragment<f16> {
-    typedef MmaF16 E;
-    static constexpr int SPLITS = 1;
-    static __device__ __forceinline__ void load(const f16* p, int, u32& b0, u32& b1) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        b0 = v.x;
-        b1 = v.y;
-    }
-    static __device__ __forceinline__ void load8(const f16* p, int, u32 (&b0)[2], u32 (&b1)[2]) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        b0[0] = v.x;
-        b1[0] = v.y;
-        b0[1] = v.z;
-        b1[1] = v.w;
-    }
-};
+template <> struct ActivationFragment<bf16> : SixteenBitFragment<bf16, MmaBf16> {};
+template <> struct ActivationFragment<f16> : SixteenBitFragment<f16, MmaF16> {};
 
 __device__ __forceinline__ float bf16_round(float v) {
     u16 bits;
