@@ -270,5 +270,73 @@ def run_decode_step(model: Any, state: Any, token: Any, step: Callable[[Any, Sta
     return result
 
 
+# -- recorded prefill pieces ------------------------------------------------------------------------------
+
+PREFILL_SWITCH = "LUCEBOX_RECORDED_PREFILL"  # "0": prefill pieces always run as eager forward calls
+MIN_RECORDED_PIECE = 8  # shorter pieces go through the decode step token by token (the engine's choice)
+MIN_PREFILL_BUCKET = 16
+# Longer pieces are GPU-bound (the 27B's 4096-token piece: ~400 ms of kernels for a few ms of launches), so a
+# recording would save little and its padding would cost; shorter ones are host-bound on a small model (the
+# 0.8B's 512-token piece: ~5 ms of kernels behind ~25 ms of Python launching ~600 ops).
+MAX_RECORDED_PIECE = 1024
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The length a recorded prefill piece of `tokens` runs at: `kv_window`'s rounding (a power of two up to
+    `MIN_PREFILL_BUCKET`, then four sizes an octave, so at most a quarter of it is padding), which bounds the
+    recordings a sequence makes whatever the lengths of its prompts."""
+    return kv_window(tokens, 1 << 62, MIN_PREFILL_BUCKET)
+
+
+def recorded_prefill_fits(model: Any, state: Any, tokens: int) -> bool:
+    """Whether a prefill piece of `tokens` after what `state` holds may run as a recorded piece: the model offers
+    one (`model.recorded_prefill`, a family's choice), the switch is on, the piece is of a recorded length, its
+    padded length fits the cache, and no earlier recording of the piece failed."""
+    if not getattr(model, "recorded_prefill", False) or os.environ.get(PREFILL_SWITCH, "1") == "0":
+        return False
+    bucket = prefill_bucket(tokens)
+    if not MIN_RECORDED_PIECE <= tokens or bucket > MAX_RECORDED_PIECE:
+        return False
+    if state.length + bucket > window_limit(state.kv) or state.kv.length != state.length:
+        return False
+    runner = getattr(state, "prefill", None)
+    return runner is None or runner.failure is None
+
+
+def run_prefill_piece(model: Any, state: Any, token_ids: torch.Tensor,
+                      step: Callable[[Any, StaticInputs, int], torch.Tensor], *, graphs: bool | None = None
+                      ) -> torch.Tensor:
+    """A prefill piece `token_ids` `[T]` after what `state` holds, as a recorded step of a fixed length: the last
+    token's logits `[1, vocab]`, the state advanced by T positions, as `forward(..., last_only=True)` does.
+
+    The piece is padded to `prefill_bucket(T)` tokens (id 0). The family's `step(state, inputs, window)` reads
+    the ids' embeddings (`inputs.embedded` `[1, bucket, hidden]`), the start position (`inputs.start` `[1]`) and
+    the real token count (`inputs.count` `[1]`) from fixed device buffers, so one recording per (bucket, KV
+    window) serves every piece of that bucket: it must leave the state as the real tokens alone would (the
+    padding's K/V rows sit past the committed length, where the next piece writes over them) and return the
+    logits of token `count - 1`. The state's `prefill` holds the recordings (made on first use), apart from the
+    decode step's, so that a piece that cannot be recorded leaves decoding graphed."""
+    ops = model.ops
+    tokens = int(token_ids.shape[0])
+    bucket = prefill_bucket(tokens)
+    start = state.length
+    state.kv.ensure_room(tokens)
+    if state.prefill is None:
+        state.prefill = StaticStep(ops, "prefill piece", graphs=model.decode_graphs)
+    ids = token_ids.to(ops.device, non_blocking=True)
+    if bucket > tokens:
+        ids = torch.nn.functional.pad(ids, (0, bucket - tokens))
+    inputs = state.prefill.inputs(ids=ids, start=start, count=tokens)
+    inputs.set("embedded", model.embed(inputs.ids).reshape(1, bucket, -1))
+    window = kv_window(start + bucket, window_limit(state.kv), model.decode_min_window)
+    with step_scope(model):
+        logits = state.prefill.run((bucket, window), lambda step_inputs: step(state, step_inputs, window), inputs,
+                                   clone=True, graphs=graphs)
+    state.kv.commit(start + tokens)
+    state.length = start + tokens
+    state.captured = {}
+    return logits
+
+
 def _then_draw(logits: torch.Tensor, sampler: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, sampler(logits[-1])

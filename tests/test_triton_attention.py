@@ -121,6 +121,30 @@ def test_attention_never_reads_key_blocks_above_the_diagonal():
     assert relative_error(result[:, :32], expected[:, :32]) < BOUNDS[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0, 21, 40])
+def test_attention_reads_its_causal_offset_from_the_device(offset, dtype):
+    """A recorded prefill piece's attention: the offset a `[1]` tensor read by the kernel, the keys a window longer
+    than offset + tokens whose later rows hold garbage (another piece's padding, never seen). The bits are those
+    of the offset passed by value over exactly the keys the piece sees."""
+    torch.manual_seed(14 + offset)
+    tokens, window = 27, 96
+    q = torch.randn(1, tokens, 6, 32).to(dtype)
+    k, v = (torch.randn(1, window, 2, 32) * 2).to(dtype), torch.randn(1, window, 2, 32).to(dtype)
+    k[:, offset + tokens:], v[:, offset + tokens:] = float("nan"), float("nan")
+    seen = offset + tokens
+    by_value = triton_attention.attention(q, k[:, :seen], v[:, :seen], scale=0.2, causal_offset=offset,
+                                          config=SMALL_TILES)
+    on_device = triton_attention.attention(q, k, v, scale=0.2, causal_offset=torch.tensor([offset]),
+                                           config=SMALL_TILES)
+    assert torch.equal(on_device, by_value)
+    expected = REFERENCE.attention(q.float(), k[:, :seen].float(), v[:, :seen].float(), scale=0.2,
+                                   causal_offset=offset)
+    assert relative_error(on_device, expected) < BOUNDS[dtype]
+    with pytest.raises(ValueError, match="one integer"):
+        triton_attention.attention(q, k, v, scale=0.2, causal_offset=torch.tensor([1.0]))
+
+
 def test_attention_rejects_what_it_does_not_take():
     q, k = torch.randn(1, 4, 6, 16), torch.randn(1, 8, 4, 16)  # 6 query heads over 4 KV heads
     with pytest.raises(ValueError):

@@ -216,19 +216,24 @@ def block_sparse_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def accepts_attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                      causal_offset: int | None = None, mask: torch.Tensor | None = None) -> bool:
-    tensors = (q, k, v) + (() if mask is None else (mask,))
+                      causal_offset: int | torch.Tensor | None = None, mask: torch.Tensor | None = None) -> bool:
+    on_device = isinstance(causal_offset, torch.Tensor)  # read by the kernel; never compared on the host
+    tensors = (q, k, v) + (() if mask is None else (mask,)) + ((causal_offset,) if on_device else ())
     return (triton_attention() is not None and _triton_takes(ops, *tensors) and q.dim() == k.dim() == v.dim() == 4
-            and q.shape[2] % k.shape[2] == 0 and k.shape[1] > 0 and (causal_offset is None or causal_offset >= 0))
+            and q.shape[2] % k.shape[2] == 0 and k.shape[1] > 0
+            and (causal_offset is None or on_device or causal_offset >= 0))
 
 
 def attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-              causal_offset: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+              causal_offset: int | torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """A FlashAttention-2 forward in Triton (GQA, causal offset, bool mask): the reference materialises
     every score (14 GB for a 4096-token chunk at depth 32K). A short chunk over a long cache, whose plain
-    grid would leave most SMs idle, has its keys cut into spans (`triton_attention_split`)."""
+    grid would leave most SMs idle, has its keys cut into spans (`triton_attention_split`); not with an offset
+    on the device (a recorded prefill's), whose span kernel takes it by value."""
     split = triton_attention_split()
-    splits = split.key_splits(q, k, has_mask=mask is not None) if split is not None else 1
+    splits = 1
+    if split is not None and not isinstance(causal_offset, torch.Tensor):
+        splits = split.key_splits(q, k, has_mask=mask is not None)
     if splits > 1:
         return split.attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, splits=splits)
     return triton_attention().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)

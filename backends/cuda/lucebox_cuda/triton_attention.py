@@ -169,20 +169,27 @@ def _prefill_key_block(
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "causal_offset"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, offset_ptr,
     q_len, k_len, causal_offset, qk_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_mb, stride_mq, stride_mk,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    STATIC_TRIPS: tl.constexpr,
+    STATIC_TRIPS: tl.constexpr, OFFSET_ON_DEVICE: tl.constexpr,
 ):
     """BLOCK_M (token, head) rows of one KV head's query group against all the keys they may see.
 
     Row r of the packed order is token r // GROUP, query head kv_head * GROUP + r % GROUP. STATIC_TRIPS:
     0 on the GPU; under the interpreter the key blocks of the longest loop, its fixed trip count.
+    OFFSET_ON_DEVICE: the causal offset is read from `offset_ptr` (a recorded prefill's start position, which
+    a graph replays with new values), not passed by value.
     """
+    if OFFSET_ON_DEVICE:
+        causal_offset = tl.load(offset_ptr).to(tl.int32)
+        # The window's rows past the piece may hold anything (NaN would survive a masked score as 0 * NaN): the
+        # keys end where the by-value call's would.
+        k_len = tl.minimum(k_len, causal_offset + q_len)
     # The GPU starts programs in order of id: the last query blocks, which see the most keys under the
     # causal rule, go first so that the short ones fill the tail.
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -254,13 +261,15 @@ def _attention_kernel(
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None = None,
-    mask: torch.Tensor | None = None, out: torch.Tensor | None = None, config: BlockConfig | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+    causal_offset: int | torch.Tensor | None = None, mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, config: BlockConfig | None = None,
 ) -> torch.Tensor:
     """`TorchBackend.attention`: q `[B, Tq, Hq, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` (any strides
     but a contiguous last dim; Hq a multiple of Hkv) -> `[B, Tq, Hq, Dv]` in q's dtype.
 
-    `causal_offset=p >= 0`: query i sees keys j <= p + i. `mask`: bool `[Tq, Tk]` or `[B, Tq, Tk]` on q's
+    `causal_offset=p >= 0`: query i sees keys j <= p + i; p may be a `[1]` integer tensor on q's device,
+    read by the kernel (never by the host: a graph records it). `mask`: bool `[Tq, Tk]` or `[B, Tq, Tk]` on q's
     device, True where a query may see a key; combined with the causal rule when both are given. Products
     in q's dtype with fp32 accumulation (the reference computes in fp32: expect bf16-sized differences).
     `out`: a `[B, Tq, Hq, Dv]` tensor of q's dtype with a contiguous last dim to write into. `config`:
@@ -272,7 +281,11 @@ def attention(
     if (k.shape != (batch, k_len, kv_heads, head_dim) or v.shape[:3] != (batch, k_len, kv_heads)
             or q_heads % kv_heads or k_len == 0):
         raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if causal_offset is not None and causal_offset < 0:
+    on_device = isinstance(causal_offset, torch.Tensor)
+    if on_device and (causal_offset.numel() != 1 or causal_offset.device != q.device
+                      or causal_offset.is_floating_point()):
+        raise ValueError(f"a device causal_offset must be one integer on {q.device}, not {causal_offset!r}")
+    if not on_device and causal_offset is not None and causal_offset < 0:
         raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
     if out is None:
         out = torch.empty(batch, q_len, q_heads, value_dim, device=q.device, dtype=q.dtype)
@@ -294,8 +307,8 @@ def attention(
     grid = (triton.cdiv(q_len * group, config.block_m), batch * kv_heads)
     with _device_scope(q):
         _attention_kernel[grid](
-            q, k, v, mask_arg, out,
-            q_len, k_len, causal_offset or 0, scale * LOG2_E,
+            q, k, v, mask_arg, out, causal_offset if on_device else out,
+            q_len, k_len, 0 if on_device else causal_offset or 0, scale * LOG2_E,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *mask_strides,
             KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, VALUE_DIM=value_dim,
@@ -303,7 +316,7 @@ def attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
             CAUSAL=causal_offset is not None, HAS_MASK=mask is not None, DOT_PRECISION=_dot_precision(q.dtype),
             UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            STATIC_TRIPS=triton.cdiv(k_len, config.block_n) if interpreted else 0,
+            STATIC_TRIPS=triton.cdiv(k_len, config.block_n) if interpreted else 0, OFFSET_ON_DEVICE=on_device,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out

@@ -39,6 +39,7 @@ from lucebox_core.split_step import run_split_decode_step
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
 from .layout import Qwen35Config
+from . import prefill
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
 from .verify import SpeculativeTarget
 
@@ -393,6 +394,7 @@ class Qwen35State:
     # decoding graphed.
     decode: StaticStep | None = None
     verify: StaticStep | None = None
+    prefill: StaticStep | None = None  # the recorded prefill pieces (`prefill.py`), one per (bucket, KV window)
 
 
 # -- the model -------------------------------------------------------------------------------------------
@@ -422,6 +424,9 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
             # Static steps wherever a part records graphs (a CPU part among GPU ones runs its part eagerly).
             self.decode_graphs = any(part.graphs_enabled() for part in self.part_ops)
         self.failed_parts: set[int] = set()  # parts whose recording failed (they run eagerly): for /props
+        # Prefill pieces of up to `static_step.MAX_RECORDED_PIECE` tokens as recorded steps (`prefill.py`) wherever
+        # the decode step records graphs on one device.
+        self.recorded_prefill = self.decode_graphs and self.device_map is None
 
     @property
     def split_steps(self) -> bool:
@@ -547,6 +552,8 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         token_ids = token_ids.reshape(-1)
         if self.decode_graphs and token_ids.shape[0] == 1 and positions is None and not capture:
             return self.decode_step(state, token_ids)
+        if last_only and positions is None and not capture and prefill.takes(self, state, token_ids.shape[0]):
+            return prefill.prefill_piece(self, state, token_ids)
         token_ids = token_ids.to(ops.device)
         tokens = token_ids.shape[0]
         if positions is None:

@@ -1,0 +1,112 @@
+"""Qwen3.5/3.6's recorded prefill piece: a piece of a prompt as a step of fixed shapes, replayed as a graph.
+
+An eager prefill piece of the 0.8B launches ~600 ops, 25-30 ms of host time around ~5 ms of kernels (H100,
+session 30), so the host, not the GPU, sets its speed. `static_step.run_prefill_piece` pads the piece to a bucket
+length and records the step below once per (bucket, KV window); it reads the start position and the real token
+count from device buffers, so every later piece of that bucket replays the recording.
+
+What the padding (tokens `count .. bucket-1`, after the real ones) must not touch:
+
+- the Gated DeltaNet's recurrent state: a padding token gets beta = 0 (it writes nothing) and g = 0 (it decays
+  nothing), so the chunked scan ends in the state the real tokens leave;
+- its convolution state: the scan's kernel keeps the piece's last K-1 inputs, padding included, so the state is
+  then set to the last K-1 real inputs (a piece has at least `MIN_RECORDED_PIECE` >= K-1 tokens);
+- the attention layers: the padding's K/V rows are written past the committed length, where no real query looks
+  (the causal rule) and the next piece writes over them;
+- the logits: those of token `count - 1`, gathered on the device.
+
+Every real token's arithmetic is row-wise or causal, so it sees only real tokens; the products run over `bucket`
+rows (cuBLAS may then round differently than over `count`): what a piece runs on depends on its length alone, so a
+prompt prefilled cold and one restored from the prefix cache still give the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lucebox_core.kv import write_rows
+from lucebox_core.static_step import StaticInputs, recorded_prefill_fits, run_prefill_piece
+
+
+def takes(model: Any, state: Any, tokens: int) -> bool:
+    """Whether `model` may run a piece of `tokens` after `state` as a recorded piece: besides the core's
+    conditions (`recorded_prefill_fits`), a dense model on one device (a MoE block's routing and Spark's paging
+    decide on the host), no drafter's feature ring to fill, and a KV cache of plain rows at slot = position (the
+    attention reads the window it writes; a quantized, ring or KVFlash cache keeps the eager forward)."""
+    if model.device_map is not None or state.features is not None or state.capture_layers:
+        return False
+    if not all(getattr(type(layer.mlp), "swiglu", False) for layer in model.layers):
+        return False
+    kv = state.kv
+    if getattr(kv, "attention_position", None) is not None or getattr(kv, "observe_query", None) is not None:
+        return False
+    lend = getattr(kv, "plain_rows", None)
+    for layer in model.layers:
+        if layer.self_attn is not None:
+            rows = None if lend is None else lend(layer.index)
+            if rows is None or rows[2] != 0:
+                return False
+    return recorded_prefill_fits(model, state, tokens)
+
+
+def prefill_piece(model: Any, state: Any, token_ids: torch.Tensor) -> torch.Tensor:
+    """A piece `[T]` through the recorded step: the last token's logits `[1, vocab]`, the state advanced."""
+    return run_prefill_piece(model, state, token_ids, lambda s, inputs, window: _step(model, s, inputs, window))
+
+
+def _step(model: Any, state: Any, inputs: StaticInputs, window: int) -> torch.Tensor:
+    """The piece as a function of its fixed inputs and `window` alone (what a graph records)."""
+    ops = model.ops
+    bucket = inputs.embedded.shape[1]
+    offsets = torch.arange(bucket, device=inputs.start.device)
+    positions = inputs.start + offsets
+    real = (offsets < inputs.count)[None, :, None]  # [1, bucket, 1]: the tokens that are not padding
+
+    def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if layer.linear_attn is not None:
+            return _gated_delta_net(layer.linear_attn, x, state.linear[layer.index], real, inputs.count)
+        return _gated_attention(layer.self_attn, x, positions, inputs.start, state.kv, window)
+
+    hidden, pending = model._run_part_layers(model.layers, inputs.embedded, None, mix, None, ())
+    last = inputs.count - 1
+    hidden = model._final_norm(hidden.index_select(1, last), pending.index_select(1, last))
+    return ops.linear(hidden, model.lm_head)[0]
+
+
+def _gated_delta_net(mixer: Any, x: torch.Tensor, state: Any, real: torch.Tensor,
+                     count: torch.Tensor) -> torch.Tensor:
+    """`GatedDeltaNet.__call__` over a padded piece (see the module's text)."""
+    ops = mixer.ops
+    batch, tokens, _ = x.shape
+    key_dim = mixer.num_k_heads * mixer.head_k_dim
+    mixed_qkv, z, b, a = mixer._project(x)
+    z = z.reshape(batch, tokens, mixer.num_v_heads, mixer.head_v_dim)
+    conv_out = ops.causal_conv1d_silu_(mixed_qkv, mixer.conv1d, state.conv)
+    kept = state.conv.shape[1]  # K - 1 inputs: the last real ones, not the padding's
+    last_inputs = count - kept + torch.arange(kept, device=count.device)
+    state.conv.copy_(mixed_qkv.index_select(1, last_inputs))
+    query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
+    query = ops.l2norm(query.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim))
+    key = ops.l2norm(key.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim))
+    value = value.reshape(batch, tokens, mixer.num_v_heads, mixer.head_v_dim)
+    g, beta = ops.gdn_gates(a, b, mixer.ssm_a, mixer.dt_bias)
+    # A padding token neither decays the state (g = 0) nor writes to it (beta = 0).
+    g, beta = g * real, beta * real
+    core = ops.gated_delta_rule_chunked_(query, key, value, g, beta, state.recurrent, chunk_size=mixer.chunk_size)
+    core = ops.gated_rms_norm(core, z, mixer.norm, mixer.eps)
+    return ops.linear(core.reshape(batch, tokens, -1), mixer.out_proj)
+
+
+def _gated_attention(attention: Any, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, kv: Any,
+                     window: int) -> torch.Tensor:
+    """`GatedAttention.__call__` at device positions: the piece's K/V written at `positions`, then causal
+    attention over the cache's first `window` rows from the device offset `start`."""
+    ops = attention.ops
+    query, gate, key, value = attention._project(x, positions)
+    write_rows(kv, ops, attention.layer_index, positions, key[0], value[0])
+    keys, values = kv.gather(attention.layer_index, window)
+    out = ops.attention(query, keys[None].to(query.dtype), values[None].to(query.dtype),
+                        scale=attention.head_dim**-0.5, causal_offset=start)
+    return attention._output(out, gate)
