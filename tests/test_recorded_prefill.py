@@ -108,7 +108,8 @@ def test_pieces_that_keep_the_eager_forward(tiny_target_and_draft, monkeypatch):
     target, _ = tiny_target_and_draft
     _, recorded = _models(target)
     state = recorded.new_state(CONTEXT)
-    assert prefill.takes(recorded, state, MIN_RECORDED_PIECE) and prefill.takes(recorded, state, MAX_RECORDED_PIECE // 4)
+    assert prefill.takes(recorded, state, MIN_RECORDED_PIECE)
+    assert prefill.takes(recorded, state, MAX_RECORDED_PIECE // 4)
     assert not prefill.takes(recorded, state, MIN_RECORDED_PIECE - 1)
     assert not prefill.takes(recorded, recorded.new_state(4096), MAX_RECORDED_PIECE + 1)
     state.length = CONTEXT - 22
