@@ -304,8 +304,8 @@ def recorded_prefill_fits(model: Any, state: Any, tokens: int) -> bool:
 
 
 def run_prefill_piece(model: Any, state: Any, token_ids: torch.Tensor,
-                      step: Callable[[Any, StaticInputs, int], torch.Tensor], *, graphs: bool | None = None
-                      ) -> torch.Tensor:
+                      step: Callable[[Any, StaticInputs, int], torch.Tensor], *, graphs: bool | None = None,
+                      key: Hashable = None) -> torch.Tensor:
     """A prefill piece `token_ids` `[T]` after what `state` holds, as a recorded step of a fixed length: the last
     token's logits `[1, vocab]`, the state advanced by T positions, as `forward(..., last_only=True)` does.
 
@@ -315,7 +315,8 @@ def run_prefill_piece(model: Any, state: Any, token_ids: torch.Tensor,
     window) serves every piece of that bucket: it must leave the state as the real tokens alone would (the
     padding's K/V rows sit past the committed length, where the next piece writes over them) and return the
     logits of token `count - 1`. The state's `prefill` holds the recordings (made on first use), apart from the
-    decode step's, so that a piece that cannot be recorded leaves decoding graphed."""
+    decode step's, so that a piece that cannot be recorded leaves decoding graphed. `key`: what else the step's
+    recordings depend on (the buffer of a drafter's feature ring that it writes)."""
     ops = model.ops
     tokens = int(token_ids.shape[0])
     bucket = prefill_bucket(tokens)
@@ -330,8 +331,8 @@ def run_prefill_piece(model: Any, state: Any, token_ids: torch.Tensor,
     inputs.set("embedded", model.embed(inputs.ids).reshape(1, bucket, -1))
     window = kv_window(start + bucket, window_limit(state.kv), model.decode_min_window)
     with step_scope(model):
-        logits = state.prefill.run((bucket, window), lambda step_inputs: step(state, step_inputs, window), inputs,
-                                   clone=True, graphs=graphs)
+        logits = state.prefill.run((bucket, window, key), lambda step_inputs: step(state, step_inputs, window),
+                                   inputs, clone=True, graphs=graphs)
     state.kv.commit(start + tokens)
     state.length = start + tokens
     state.captured = {}

@@ -13,6 +13,7 @@ What the padding (tokens `count .. bucket-1`, after the real ones) must not touc
   then set to the last K-1 real inputs (a piece has at least `MIN_RECORDED_PIECE` >= K-1 tokens);
 - the attention layers: the padding's K/V rows are written past the committed length, where no real query looks
   (the causal rule) and the next piece writes over them;
+- the drafter's feature ring: a padding token's slot keeps what it holds;
 - the logits: those of token `count - 1`, gathered on the device.
 
 Every real token's arithmetic is row-wise or causal, so it sees only real tokens; the products run over `bucket`
@@ -27,15 +28,18 @@ from typing import Any
 import torch
 
 from lucebox_core.kv import write_rows
-from lucebox_core.static_step import StaticInputs, recorded_prefill_fits, run_prefill_piece
+from lucebox_core.static_step import StaticInputs, prefill_bucket, recorded_prefill_fits, run_prefill_piece
 
 
 def takes(model: Any, state: Any, tokens: int) -> bool:
     """Whether `model` may run a piece of `tokens` after `state` as a recorded piece: besides the core's
     conditions (`recorded_prefill_fits`), a dense model on one device (a MoE block's routing and Spark's paging
-    decide on the host), no drafter's feature ring to fill, and a KV cache of plain rows at slot = position (the
-    attention reads the window it writes; a quantized, ring or KVFlash cache keeps the eager forward)."""
-    if model.device_map is not None or state.features is not None or state.capture_layers:
+    decide on the host), a drafter's feature ring (if any) of at least the padded piece's rows (its slots then
+    differ within a piece), and a KV cache of plain rows at slot = position (the attention reads the window it
+    writes; a quantized, ring or KVFlash cache keeps the eager forward)."""
+    if model.device_map is not None:
+        return False
+    if state.features is not None and state.features.shape[0] < prefill_bucket(tokens):
         return False
     if not all(getattr(type(layer.mlp), "swiglu", False) for layer in model.layers):
         return False
@@ -52,8 +56,12 @@ def takes(model: Any, state: Any, tokens: int) -> bool:
 
 
 def prefill_piece(model: Any, state: Any, token_ids: torch.Tensor) -> torch.Tensor:
-    """A piece `[T]` through the recorded step: the last token's logits `[1, vocab]`, the state advanced."""
-    return run_prefill_piece(model, state, token_ids, lambda s, inputs, window: _step(model, s, inputs, window))
+    """A piece `[T]` through the recorded step: the last token's logits `[1, vocab]`, the state advanced (and the
+    drafter's features of its positions in the ring)."""
+    # A recording writes into the feature ring it was made with: a new ring needs recordings of its own.
+    ring = None if state.features is None else state.features.data_ptr()
+    return run_prefill_piece(model, state, token_ids, lambda s, inputs, window: _step(model, s, inputs, window),
+                             key=ring)
 
 
 def _step(model: Any, state: Any, inputs: StaticInputs, window: int) -> torch.Tensor:
@@ -69,10 +77,25 @@ def _step(model: Any, state: Any, inputs: StaticInputs, window: int) -> torch.Te
             return _gated_delta_net(layer.linear_attn, x, state.linear[layer.index], real, inputs.count)
         return _gated_attention(layer.self_attn, x, positions, inputs.start, state.kv, window)
 
-    hidden, pending = model._run_part_layers(model.layers, inputs.embedded, None, mix, None, ())
+    taps: list[torch.Tensor] = []
+    tapped = state.capture_layers if state.features is not None else ()
+    hidden, pending = model._run_part_layers(model.layers, inputs.embedded, None, mix,
+                                             lambda layer, output: taps.append(output[0]), tapped)
+    if state.features is not None:
+        _ring_features(model, state, taps, positions, real[0])
     last = inputs.count - 1
     hidden = model._final_norm(hidden.index_select(1, last), pending.index_select(1, last))
     return ops.linear(hidden, model.lm_head)[0]
+
+
+def _ring_features(model: Any, state: Any, taps: list[torch.Tensor], positions: torch.Tensor,
+                   real: torch.Tensor) -> None:
+    """The drafter's features of the real tokens into the ring at slot position % capacity; a padding token's
+    slot (that of a position a ring's length earlier, which the drafter may still read) keeps what it holds."""
+    ring = state.features
+    slots = positions % ring.shape[0]
+    rows = model._concat_taps(state, taps).to(ring.dtype)
+    ring.index_copy_(0, slots, torch.where(real, rows, ring.index_select(0, slots)))
 
 
 def _gated_delta_net(mixer: Any, x: torch.Tensor, state: Any, real: torch.Tensor,
