@@ -303,6 +303,14 @@ def recorded_prefill_fits(model: Any, state: Any, tokens: int) -> bool:
     return runner is None or runner.failure is None
 
 
+def prefill_mode(model: Any) -> str:
+    """How `model`'s prefill pieces run, for /props: "recorded pieces of 8-1024 tokens (padded to buckets)", or
+    "eager" (the family offers no recorded piece, graphs are off, or the switch is)."""
+    if not getattr(model, "recorded_prefill", False) or os.environ.get(PREFILL_SWITCH, "1") == "0":
+        return "eager"
+    return f"recorded pieces of {MIN_RECORDED_PIECE}-{MAX_RECORDED_PIECE} tokens (padded to buckets)"
+
+
 def run_prefill_piece(model: Any, state: Any, token_ids: torch.Tensor,
                       step: Callable[[Any, StaticInputs, int], torch.Tensor], *, graphs: bool | None = None,
                       key: Hashable = None) -> torch.Tensor:

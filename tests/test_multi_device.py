@@ -194,6 +194,7 @@ def test_props_reports_the_device_map_and_the_split_server_answers(url):
     assert device_map["parts"] == [{"device": "cpu", "layers": "0-2"}, {"device": "cpu", "layers": "3-7"}]
     assert device_map["draft_device"] == "cpu" and device_map["head_device"] == "cpu"
     assert device_map["step"] == "eager per part"  # the CPU records no graphs: each part's layers run eagerly
+    assert device_map["prefill"] == "eager"  # nor prefill pieces (a split model never does)
     body = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] is not None

@@ -151,8 +151,10 @@ def test_pieces_that_keep_the_eager_forward(tiny_target_and_draft, monkeypatch):
     fresh = recorded.new_state(CONTEXT)
     fresh.features = torch.zeros(4, 8)
     assert not prefill.takes(recorded, fresh, 32)
+    assert static_step.prefill_mode(recorded).startswith("recorded pieces of 8-1024 tokens")
     monkeypatch.setenv(static_step.PREFILL_SWITCH, "0")
     assert not prefill.takes(recorded, recorded.new_state(CONTEXT), 32)
+    assert static_step.prefill_mode(recorded) == "eager"
     monkeypatch.delenv(static_step.PREFILL_SWITCH)
     _, quantized = _models(target, cache_type_k="q8_0", cache_type_v="q8_0")
     assert not prefill.takes(quantized, quantized.new_state(CONTEXT), 32)

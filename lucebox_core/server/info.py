@@ -118,17 +118,18 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
 def _device_map_info(loaded: Any, config: Any) -> dict[str, Any]:
     """Where the target's layers, its head and the drafter run (--target-devices, --draft-device), and how a
     decode step runs (`step`: "graph", "graph per part" for a split recorded a graph per part, "eager per
-    part", "eager")."""
+    part", "eager") and its prefill pieces (`prefill`: recorded or eager, `static_step.prefill_mode`)."""
     from ..split_step import step_mode
+    from ..static_step import prefill_mode
 
     device_map = getattr(loaded.model, "device_map", None)
     if device_map is not None:
-        return {**device_map.describe(), "step": step_mode(loaded.model)}
+        return {**device_map.describe(), "step": step_mode(loaded.model), "prefill": prefill_mode(loaded.model)}
     device = str(getattr(loaded.backend, "device", "cpu"))
     layers = len(getattr(loaded.model, "layers", ()))
     return {"parts": [{"device": device, "layers": f"0-{layers - 1}" if layers else ""}], "embed_device": device,
             "head_device": device, "draft_device": config.draft_device or (device if config.model_draft else None),
-            "step": step_mode(loaded.model)}
+            "step": step_mode(loaded.model), "prefill": prefill_mode(loaded.model)}
 
 
 @get("/metrics", summary="Prometheus metrics", tags=["server"], media_type="text/plain; version=0.0.4")
