@@ -4,6 +4,8 @@
 #                                            #   against recorded pieces: logits, states, timings), then 0.8B pp512 /
 #                                            #   pp300 recorded and eager (LUCEBOX_RECORDED_PREFILL=0) with nothing
 #                                            #   beside them, llama-bench's; the 27B pp512 both ways. carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s31-table    # ~8.5 min: #17's table in one call, both engines, the governor's
+#                                            #   decisions; the recorded prefill's GPU tests.   carry: .whl .llamacpp
 
 s31_prefill() {
   LLAMA_NICE=19 llama_build_bg
@@ -19,6 +21,45 @@ s31_prefill() {
   llama_rows 08b -m "$(model 0.8b)" -p 512,300 -n 0 -r 5
   variants 27b "$(model 27b)" "-p 512 -n 0 -r 3" default eager:LUCEBOX_RECORDED_PREFILL=0
   llama_rows 27b -m "$(model 27b)" -p 512 -n 0 -r 3
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+spec_detail() {  # tag: `lucebox bench --json` rows on stdin, with what the speculation governor decided
+  python3 -c "import json,sys
+for r in json.loads(sys.stdin.read().splitlines()[-1]):
+    print('$1', r['test'], round(r['tokens_per_s'], 1), r.get('mean_accepted_length', ''), r.get('governed_plain_tokens', ''),
+          json.dumps(r['speculation']) if 'speculation' in r else '')"
+}
+export -f spec_detail
+
+s31_table() {  # ~8.5 min: #17's table in one call: the recorded prefill's GPU tests, the 27B's rows (pp512, pp4096,
+  #             tg128; forced DDTree 8.3 with budget 22 and auto; a drafter that accepts nothing with auto, the
+  #             governor's decisions printed) while llama.cpp builds at low priority, then the 0.8B's (pp512, tg128)
+  #             with nothing beside, llama-bench on both, the 27B tg128 at depth 32768 last.  carry: .whl .llamacpp
+  LLAMA_NICE=19 llama_build_bg
+  step synth-08b 60 synth 0.8b
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
+    > "$RES/synth_draft.log" 2>&1 ) &
+  local writer=$!
+  step gpu-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_recorded_prefill.py
+  variants 27b "$m" "-p 512,4096 -n 128 -r 3" default
+  wait "$writer"; tail -n1 "$RES/synth_draft.log"
+  step b22-forced 70 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
+    --force-accept 8.3 --json | spec_detail b22-forced"
+  step auto-unforced 70 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
+    --json | spec_detail auto-unforced"
+  step auto-forced 120 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
+    --force-accept 8.3 --json | spec_detail auto-forced"
+  llama_wait
+  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
+  llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 5 && llama_rows 27b -m "$m" -p 512,4096 -n 128 -r 3
+  variants 27b-d32k "$m" "-p 0 -n 128 -d 32768 -r 2" default
+  llama_rows 27b-d32k -m "$m" -p 0 -n 128 -d 32768 -r 2
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
