@@ -6,6 +6,8 @@
 #                                            #   beside them, llama-bench's; the 27B pp512 both ways. carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s31-table    # ~8.5 min: #17's table in one call, both engines, the governor's
 #                                            #   decisions; the recorded prefill's GPU tests.   carry: .whl .llamacpp
+#   bash scripts/gpu_session.sh s31-spec     # ~7 min: the recorded prefill tests; the 27B speculative rows with the
+#                                            #   governor's repay rule.                            carry: .whl
 
 s31_prefill() {
   LLAMA_NICE=19 llama_build_bg
@@ -61,5 +63,23 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   variants 27b-d32k "$m" "-p 0 -n 128 -d 32768 -r 2" default
   llama_rows 27b-d32k -m "$m" -p 0 -n 128 -d 32768 -r 2
   cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s31_spec() {  # ~7 min: the recorded prefill's tests (nothing beside them), then the 27B's speculative rows with
+  #            the governor's repay rule: a first forced run that compiles the tree kernels (150 s), a drafter
+  #            that accepts nothing with auto (-n 128 and -n 256), the governor's decisions printed. carry: .whl
+  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_recorded_prefill.py
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  step synth-draft 90 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m"
+  step b22-forced 150 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
+    --force-accept 8.3 --json | spec_detail b22-forced"
+  step auto-unforced 75 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
+    --json | spec_detail auto-unforced"
+  step auto-unforced-256 75 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 \
+    --tree-budget auto --json | spec_detail auto-unforced-256"
   return 0
 }

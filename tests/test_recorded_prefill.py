@@ -27,17 +27,21 @@ def _models(target, **options):
     return eager, recorded
 
 
+# The products run over a piece's rows eagerly and over its bucket's recorded: a CPU BLAS may block (and round)
+# them differently by row count and by thread count, so f32 results agree to rounding, not to the bit.
+CLOSE = {"rtol": 1e-3, "atol": 1e-4}
+
+
 def _assert_states_match(model, eager_state, recorded_state):
     assert recorded_state.length == eager_state.length == recorded_state.kv.length
     for index, linear in eager_state.linear.items():
         other = recorded_state.linear[index]
-        # The conv state holds projections, computed over the piece's rows or its bucket's (rounding may differ).
-        torch.testing.assert_close(other.conv, linear.conv, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(other.recurrent, linear.recurrent, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(other.conv, linear.conv, **CLOSE)
+        torch.testing.assert_close(other.recurrent, linear.recurrent, **CLOSE)
     for layer in model.layers:
         if layer.self_attn is not None:
             for mine, theirs in zip(recorded_state.kv.read(layer.index), eager_state.kv.read(layer.index)):
-                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(mine, theirs, **CLOSE)
 
 
 def test_prefill_buckets_pad_at_most_a_quarter():
@@ -63,7 +67,7 @@ def test_recorded_pieces_give_the_eager_forward_logits_and_state(tiny_target_and
         expected = eager.forward(eager_state, chunk, last_only=True)
         got = recorded.forward(recorded_state, chunk, last_only=True)
         assert got.shape == expected.shape == (1, recorded.vocab_size)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, expected, **CLOSE)
         begin += piece
     _assert_states_match(recorded, eager_state, recorded_state)
     runner = recorded_state.prefill
@@ -129,7 +133,7 @@ def test_a_drafters_feature_ring_is_filled_as_by_eager_pieces(tiny_target_and_dr
                                     ignore_eos=True)
         result = engine.generate(request)
         outcomes.append((result.token_ids, result.timings.accepted_lengths))
-    torch.testing.assert_close(rings[1], rings[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rings[1], rings[0], **CLOSE)
     assert outcomes[1] == outcomes[0]
 
 

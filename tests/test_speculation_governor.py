@@ -44,6 +44,29 @@ def test_a_drafter_that_accepts_nothing_costs_under_five_percent_of_plain_speed(
     assert drafted < 20
 
 
+def test_a_losing_probe_is_repaid_within_its_plain_run():
+    """A drafted step 26.4 ms for one token against 8.9 ms plain (the 27B, session 31): the first plain run is
+    already long enough that the probe's extra 17.5 ms is PROBE_OVERHEAD of it (~99 steps, not min_run's 16),
+    and over the first 256 steps fewer probes run than with doubling from 16."""
+    from lucebox_core.speculative import governor as module
+
+    governor = SpeculationGovernor()
+    _simulate(governor, 20, 1, 0.0264, 0.0089)
+    expected = (0.0264 - 0.0089) / (module.PROBE_OVERHEAD * 0.0089)
+    assert governor.fallbacks == 1 and expected - 1 <= governor.run <= expected + 1 and governor.run > governor.min_run
+    tokens, seconds, drafted = _simulate(SpeculationGovernor(), 256, 1, 0.0264, 0.0089)
+    assert drafted <= 4 and tokens / seconds >= 0.9 / 0.0089
+
+
+def test_a_drafter_that_loses_narrowly_keeps_short_plain_runs():
+    """A drafted step that costs little more than the plain tokens it yields: runs of min_run, so a recovery is
+    found soon."""
+    governor = SpeculationGovernor()
+    _simulate(governor, 40, 2, 0.0180, 0.0101)  # 111 tok/s drafting against 99 plain... then slightly behind:
+    _simulate(governor, 60, 2, 0.0205, 0.0101)  # 97.6 against 99
+    assert governor.fallbacks >= 1 and governor.run <= 2 * governor.min_run
+
+
 def test_a_drafter_that_wins_keeps_drafting():
     governor = SpeculationGovernor()
     _simulate(governor, 300, 9, 0.0272, 0.0101)  # 9 tokens a step: 331 tok/s against 99
