@@ -8,6 +8,8 @@
 #                                            #   decisions; the recorded prefill's GPU tests.   carry: .whl .llamacpp
 #   bash scripts/gpu_session.sh s31-spec     # ~7 min: the recorded prefill tests; the 27B speculative rows with the
 #                                            #   governor's repay rule.                            carry: .whl
+#   bash scripts/gpu_session.sh s31-governor # ~4 min: auto forced 8.3 and auto with a drafter that accepts nothing,
+#                                            #   plain runs measured whole.                        carry: .whl
 
 s31_prefill() {
   LLAMA_NICE=19 llama_build_bg
@@ -81,5 +83,18 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
     --json | spec_detail auto-unforced"
   step auto-unforced-256 75 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 \
     --tree-budget auto --json | spec_detail auto-unforced-256"
+  return 0
+}
+
+s31_governor() {  # ~4 min: the 27B's speculative rows with plain runs measured whole: forced DDTree 8.3 with auto
+  #                (the first run compiles the tree kernels), then a drafter that accepts nothing with auto. carry: .whl
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  step synth-draft 90 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m"
+  step auto-forced 150 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
+    --force-accept 8.3 --json | spec_detail auto-forced"
+  step auto-unforced 75 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
+    --json | spec_detail auto-unforced"
   return 0
 }

@@ -88,11 +88,25 @@ def test_drafting_resumes_when_acceptance_recovers():
 def test_a_slow_outlier_step_is_not_a_measurement():
     governor = SpeculationGovernor()
     _simulate(governor, 40, 1, 0.0272, 0.0101)
-    before, discarded = governor.plain.step_seconds, governor.plain.discarded
-    assert discarded == 1  # the first plain step: a warm-up, never a measurement
-    governor.record(False, 1, 0.5)  # e.g. a CUDA graph recorded on a new sequence state
-    assert governor.plain.step_seconds == pytest.approx(before)
-    assert governor.plain.discarded == discarded + 1
+    before, discarded = governor.drafted.step_seconds, governor.drafted.discarded
+    assert governor.plain.discarded == 1  # the first plain step: a warm-up, never a measurement
+    governor.record(True, 1, 0.5)  # e.g. a CUDA graph recorded on a new sequence state
+    assert governor.drafted.step_seconds == pytest.approx(before)
+    assert governor.drafted.discarded == discarded + 1
+
+
+def test_plain_steps_are_measured_as_a_run():
+    """Steps whose tokens were fed ahead split the time unevenly (a short step, then one that waits for the
+    kernels of both): the run's rate is its tokens over its seconds, none of its steps left out."""
+    governor = SpeculationGovernor()
+    _simulate(governor, 8, 1, 0.0272, 0.0101)  # the measured start: plain steps known
+    governor.plain_left = 40
+    for step in range(40):  # nine steps of 1 ms, then one of 80 ms that waits for them: 8.9 ms a step
+        assert not governor.draft_next()
+        governor.record(False, 1, 0.080 if step % 10 == 9 else 0.001)
+    governor.record(True, 1, 0.0272)  # the probe closes the run
+    assert governor.plain.step_seconds == pytest.approx(0.0089, rel=0.15)
+    assert governor.plain.tokens_per_s == pytest.approx(1 / 0.0089, rel=0.15)
 
 
 # -- through the engine -------------------------------------------------------------------------------
