@@ -62,6 +62,25 @@ def test_split_attention_matches_reference(batch, q_heads, kv_heads, dim, tokens
     assert relative_error(result, plain) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize(("tokens", "offset", "splits"), [(3, 147, 4), (20, 40, 5), (9, 0, 3)])
+def test_split_attention_reads_its_causal_offset_from_the_device(tokens, offset, splits):
+    """A recorded prefill piece at depth: the offset a `[1]` tensor, the keys its KV window (longer than offset +
+    tokens, the rows after holding NaN: another piece's leftovers, never seen), spans cut over the window (some
+    wholly past the keys the rows see): the result is the reference's over the keys seen."""
+    torch.manual_seed(tokens + offset)
+    window = 192
+    q = torch.randn(1, tokens, 6, 32)
+    k, v = torch.randn(1, window, 2, 32) * 2, torch.randn(1, window, 2, 32)
+    seen = offset + tokens
+    k[:, seen:], v[:, seen:] = float("nan"), float("nan")
+    expected = REFERENCE.attention(q, k[:, :seen], v[:, :seen], scale=0.2, causal_offset=offset)
+    result = triton_attention_split.attention(q, k, v, scale=0.2, causal_offset=torch.tensor([offset]), splits=splits,
+                                              config=SMALL_TILES)
+    assert relative_error(result, expected) < 1e-5
+    with pytest.raises(ValueError, match="one integer"):
+        triton_attention_split.attention(q, k, v, scale=0.2, causal_offset=torch.tensor([[1, 2]]), splits=2)
+
+
 def test_split_attention_with_a_mask():
     torch.manual_seed(5)
     tokens, keys, offset = 6, 90, 84

@@ -228,12 +228,10 @@ def attention(ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
               causal_offset: int | torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """A FlashAttention-2 forward in Triton (GQA, causal offset, bool mask): the reference materialises
     every score (14 GB for a 4096-token chunk at depth 32K). A short chunk over a long cache, whose plain
-    grid would leave most SMs idle, has its keys cut into spans (`triton_attention_split`); not with an offset
-    on the device (a recorded prefill's), whose span kernel takes it by value."""
+    grid would leave most SMs idle, has its keys cut into spans (`triton_attention_split`), decided by the
+    shapes alone (a recorded prefill's: its KV window's)."""
     split = triton_attention_split()
-    splits = 1
-    if split is not None and not isinstance(causal_offset, torch.Tensor):
-        splits = split.key_splits(q, k, has_mask=mask is not None)
+    splits = split.key_splits(q, k, has_mask=mask is not None) if split is not None else 1
     if splits > 1:
         return split.attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, splits=splits)
     return triton_attention().attention(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)

@@ -260,6 +260,18 @@ def _attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
 
 
+def device_offset(causal_offset: int | torch.Tensor | None, q: torch.Tensor) -> bool:
+    """Whether `causal_offset` is read on the device (a `[1]` integer tensor on q's device; never compared on
+    the host, where a graph's replay would not see it change); a host value must be >= 0."""
+    if isinstance(causal_offset, torch.Tensor):
+        if causal_offset.numel() != 1 or causal_offset.device != q.device or causal_offset.is_floating_point():
+            raise ValueError(f"a device causal_offset must be one integer on {q.device}, not {causal_offset!r}")
+        return True
+    if causal_offset is not None and causal_offset < 0:
+        raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
+    return False
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     causal_offset: int | torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -281,12 +293,7 @@ def attention(
     if (k.shape != (batch, k_len, kv_heads, head_dim) or v.shape[:3] != (batch, k_len, kv_heads)
             or q_heads % kv_heads or k_len == 0):
         raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    on_device = isinstance(causal_offset, torch.Tensor)
-    if on_device and (causal_offset.numel() != 1 or causal_offset.device != q.device
-                      or causal_offset.is_floating_point()):
-        raise ValueError(f"a device causal_offset must be one integer on {q.device}, not {causal_offset!r}")
-    if not on_device and causal_offset is not None and causal_offset < 0:
-        raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
+    on_device = device_offset(causal_offset, q)
     if out is None:
         out = torch.empty(batch, q_len, q_heads, value_dim, device=q.device, dtype=q.dtype)
     elif out.shape != (batch, q_len, q_heads, value_dim) or out.dtype != q.dtype or out.stride(-1) != 1:

@@ -67,19 +67,23 @@ def key_splits(q: torch.Tensor, k: torch.Tensor, *, has_mask: bool = False,
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "causal_offset", "span"])
 def _span_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, offset_ptr,
     q_len, k_len, causal_offset, qk_scale, span,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_mb, stride_mq, stride_mk, stride_as, stride_ag, stride_ms, stride_mg,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    STATIC_TRIPS: tl.constexpr,
+    STATIC_TRIPS: tl.constexpr, OFFSET_ON_DEVICE: tl.constexpr,
 ):
     """BLOCK_M (token, head) rows of one KV head's query group against the keys of span `program_id(2)`
     (keys span * s .. span * (s + 1), `span` a multiple of BLOCK_N) that they may see. Writes the rows'
     accumulator (not divided by the sum), max and sum. STATIC_TRIPS: 0 on the GPU; under the interpreter
-    the span's key blocks (a fixed trip count)."""
+    the span's key blocks (a fixed trip count). OFFSET_ON_DEVICE: as the plain kernel's (spans past the keys
+    the rows see are empty and weigh nothing in the merge)."""
+    if OFFSET_ON_DEVICE:
+        causal_offset = tl.load(offset_ptr).to(tl.int32)
+        k_len = tl.minimum(k_len, causal_offset + q_len)
     block = tl.program_id(0)
     group_index = tl.program_id(1)  # batch * KV_HEADS + kv_head
     split = tl.program_id(2)
@@ -155,12 +159,12 @@ def _span_kernel(
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None = None,
-    mask: torch.Tensor | None = None, splits: int, out: torch.Tensor | None = None,
-    config: BlockConfig | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+    causal_offset: int | torch.Tensor | None = None, mask: torch.Tensor | None = None, splits: int,
+    out: torch.Tensor | None = None, config: BlockConfig | None = None,
 ) -> torch.Tensor:
-    """`triton_attention.attention`'s contract (shapes, causal offset, bool mask, q's dtype out) with the keys
-    cut into `splits` spans of whole key blocks, merged afterwards."""
+    """`triton_attention.attention`'s contract (shapes, causal offset, also a `[1]` tensor read on the device,
+    bool mask, q's dtype out) with the keys cut into `splits` spans of whole key blocks, merged afterwards."""
     batch, q_len, q_heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
     value_dim = v.shape[3]
@@ -168,8 +172,7 @@ def attention(
             or q_heads % kv_heads or k_len == 0 or splits < 1):
         raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"splits {splits}")
-    if causal_offset is not None and causal_offset < 0:
-        raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
+    on_device = triton_attention.device_offset(causal_offset, q)
     if out is None:
         out = torch.empty(batch, q_len, q_heads, value_dim, device=q.device, dtype=q.dtype)
     if q_len == 0:
@@ -194,8 +197,8 @@ def attention(
     mask_strides = mask.stride() if mask is not None else (0, 0, 0)
     with _device_scope(q):
         _span_kernel[(blocks, batch * kv_heads, splits)](
-            q, k, v, mask_arg, acc, running_max, running_sum,
-            q_len, k_len, causal_offset or 0, scale * LOG2_E, span,
+            q, k, v, mask_arg, acc, running_max, running_sum, causal_offset if on_device else acc,
+            q_len, k_len, 0 if on_device else causal_offset or 0, scale * LOG2_E, span,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides,
             acc.stride(0), acc.stride(1), running_max.stride(0), running_max.stride(1),
@@ -204,7 +207,7 @@ def attention(
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=block_dv,
             CAUSAL=causal_offset is not None, HAS_MASK=mask is not None, DOT_PRECISION=_dot_precision(q.dtype),
             UPCAST_DOT=interpreted and q.dtype == torch.bfloat16,
-            STATIC_TRIPS=span // config.block_n if interpreted else 0,
+            STATIC_TRIPS=span // config.block_n if interpreted else 0, OFFSET_ON_DEVICE=on_device,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     merged = _combine(acc, running_max, running_sum)[:, : q_len * group, :value_dim]
