@@ -154,7 +154,9 @@ def _speculative_rows(plain: Engine, engine: Engine, *, n_gen: int, reps: int,
     forced = f" FORCED accept {force_accept:g}" if force_accept is not None else ""
     row = {"test": f"tg{n_gen} spec {label}{forced}", "tokens": n_gen, "tokens_per_s": rate,
            "seconds": n_gen / rate if rate else float("inf"),
-           "mean_accepted_length": sum(lengths) / max(1, len(lengths)), "forced_accept": force_accept}
+           "mean_accepted_length": sum(lengths) / max(1, len(lengths)), "forced_accept": force_accept,
+           # Each timed run's rate: one slow run (a probe, a recording) moves the median of two by half its loss.
+           "runs_tokens_per_s": [r.timings.decode_tokens_per_s for r in results]}
     if speculative.governor is not None:
         # What the governor decided: tokens decoded plainly because drafting measured slower.
         row["governed_plain_tokens"] = sum(r.timings.governed_plain_tokens for r in results)
@@ -167,10 +169,11 @@ def _speculative_rows(plain: Engine, engine: Engine, *, n_gen: int, reps: int,
                                                 max_tokens=n_gen, sampling=greedy, ignore_eos=True))
 
     run_plain(99)
-    plain_rate = statistics.median(run_plain(100 + rep).timings.decode_tokens_per_s for rep in range(reps))
+    plain_rates = [run_plain(100 + rep).timings.decode_tokens_per_s for rep in range(reps)]
+    plain_rate = statistics.median(plain_rates)
     rows.append({"test": f"tg{n_gen} plain engine", "tokens": n_gen, "tokens_per_s": plain_rate,
                  "seconds": n_gen / plain_rate if plain_rate else float("inf"),
-                 "speculative_over_plain": rate / plain_rate if plain_rate else None})
+                 "speculative_over_plain": rate / plain_rate if plain_rate else None, "runs_tokens_per_s": plain_rates})
 
     # Per-step costs on a sequence holding a 32-token prompt, each after a warm-up call at its shape.
     sequence = engine.new_sequence()

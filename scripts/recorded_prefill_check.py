@@ -4,8 +4,9 @@
         [--reps 5] [--json FILE]
 
 Correctness: the pieces run one after another on two states of one model, eagerly (`model.recorded_prefill`
-off) and recorded; each piece's last logits are compared (largest difference relative to the logits' spread, the
-argmax), then the Gated DeltaNet states and the KV rows. Timing: a prefill of each `--timed` length from an empty
+off) and recorded (each piece's first run: the warm-up of its recording), then again on the emptied recorded
+state (replays); each piece's last logits are compared with the eager ones (largest difference relative to the
+logits' spread, the argmax), then the Gated DeltaNet states and the KV rows. Timing: a prefill of each `--timed` length from an empty
 state, synchronised, after a warm-up at its own length (which records), eager against recorded.
 """
 
@@ -29,13 +30,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _timed(model: Any, state: Any, ids: torch.Tensor, recorded: bool, reps: int) -> list[float]:
     model.recorded_prefill = recorded
+    synchronize = model.ops.synchronize
     seconds = []
     for rep in range(reps + 1):  # the first: the warm-up at this length (compiles, records)
         model.reset_state(state)
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         model.forward(state, ids, last_only=True)
-        torch.cuda.synchronize()
+        synchronize()
         if rep:
             seconds.append(time.perf_counter() - start)
     return seconds
@@ -49,11 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--without-graphs", action="store_true",
+                        help="take the recorded path where graphs are off too (the CPU): its step then runs eagerly")
     args = parser.parse_args(argv)
 
     from lucebox_core.loading import load_model
 
     model = load_model(args.model).model
+    if args.without_graphs and hasattr(model, "recorded_prefill"):
+        model.recorded_prefill = True
     if not getattr(model, "recorded_prefill", False):
         print(f"{type(model).__name__} offers no recorded prefill here")
         return 2
@@ -62,18 +68,29 @@ def main(argv: list[str] | None = None) -> int:
     ids = ids.to(model.ops.device)
     report: dict[str, Any] = {"model": Path(args.model).name, "pieces": [], "timing": []}
     eager_state, recorded_state = model.new_state(args.ctx), model.new_state(args.ctx)
-    begin = 0
+    begin, eager_logits = 0, []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for piece in pieces:
+        for piece in pieces:  # each piece's first run at its (bucket, window): the warm-up, then the recording
             chunk = ids[begin:begin + piece]
             model.recorded_prefill = False
             eager = model.forward(eager_state, chunk, last_only=True)
+            eager_logits.append(eager.clone())
             model.recorded_prefill = True
             recorded = model.forward(recorded_state, chunk, last_only=True)
             row = {"piece": piece, "start": begin, "relative_max_diff": _relative(recorded, eager),
                    "argmax_equal": bool(recorded.argmax() == eager.argmax())}
             print("piece", row)
+            report["pieces"].append(row)
+            begin += piece
+        # The same pieces again on the emptied state: every one a replay of its recording.
+        model.reset_state(recorded_state)
+        begin = 0
+        for piece, eager in zip(pieces, eager_logits):
+            replayed = model.forward(recorded_state, ids[begin:begin + piece], last_only=True)
+            row = {"piece": piece, "start": begin, "replay": True, "relative_max_diff": _relative(replayed, eager),
+                   "argmax_equal": bool(replayed.argmax() == eager.argmax())}
+            print("replayed piece", row)
             report["pieces"].append(row)
             begin += piece
     report["warnings"] = [str(w.message) for w in caught]

@@ -101,6 +101,7 @@ def test_speculative_and_forced_rows_warm_up_at_their_shapes(tiny_target_and_dra
     # The same requests through the plain engine, and the ratio speculation must keep above 1.
     assert rows[3]["speculative_over_plain"] == pytest.approx(spec["tokens_per_s"] / rows[3]["tokens_per_s"])
     assert "governed_plain_tokens" not in spec  # a chain has no governor
+    assert len(spec["runs_tokens_per_s"]) == len(rows[3]["runs_tokens_per_s"]) == reps
     assert spec["forced_accept"] == 3 and spec["mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
     assert all(r["tokens_per_s"] > 0 and r["seconds"] > 0 for r in rows)
     # The speculative generations (the untimed one at the row's shapes, then the timed ones), each the same

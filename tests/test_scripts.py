@@ -180,6 +180,22 @@ def test_prefill_profile_separates_host_and_kernels(tiny_files, tmp_path):
     assert "prefill qwen35-tiny-f32.gguf" in prefill_profile.report(summary)
 
 
+def test_recorded_prefill_check_compares_pieces_and_replays(tiny_files, tmp_path):
+    """scripts/recorded_prefill_check.py on the tiny file on the CPU (the recorded path's step run eagerly): each
+    piece, then each again on the emptied state, against eager pieces; the state after; timings both ways."""
+    check = _import("recorded_prefill_check")
+    out = tmp_path / "check.json"
+    assert check.main([str(tiny_files[1]), "--pieces", "20,13,40", "--timed", "16", "--reps", "1", "--ctx", "256",
+                       "--without-graphs", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["piece"], r.get("replay", False)) for r in report["pieces"]] == [
+        (20, False), (13, False), (40, False), (20, True), (13, True), (40, True)]
+    assert all(r["relative_max_diff"] < 1e-4 and r["argmax_equal"] for r in report["pieces"])
+    assert report["failure"] is None and report["recordings"] == 0  # no graphs on a CPU: nothing recorded
+    assert max(report["state_relative_max_diff"].values()) < 1e-3
+    assert [(t["tokens"], t["recorded"]) for t in report["timing"]] == [(16, False), (16, True)]
+
+
 def test_prefill_profile_names_the_host_functions_and_call_sites(tiny_files, tmp_path):
     """--python: one more prefill under cProfile, the engine's prefill among the project's functions; --stacks: torch
     ops by the project's lines that called them (the GDN scan's products in the family's ops on the CPU)."""
@@ -317,7 +333,8 @@ def test_reference_and_engine_greedy_agree_on_the_cpu(tiny_loaded):
 # -- the shell entry points ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script", ["bench_vs_llamacpp.sh", "gpu_session.sh", "gpu_session_more.sh"])
+@pytest.mark.parametrize("script", ["bench_vs_llamacpp.sh", "gpu_session.sh", "gpu_session_more.sh",
+                                    "gpu_session_s31.sh"])
 def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
 

@@ -54,8 +54,12 @@ def test_a_losing_probe_is_repaid_within_its_plain_run():
     _simulate(governor, 20, 1, 0.0264, 0.0089)
     expected = (0.0264 - 0.0089) / (module.PROBE_OVERHEAD * 0.0089)
     assert governor.fallbacks == 1 and expected - 1 <= governor.run <= expected + 1 and governor.run > governor.min_run
-    tokens, seconds, drafted = _simulate(SpeculationGovernor(), 256, 1, 0.0264, 0.0089)
+    governor = SpeculationGovernor()
+    tokens, seconds, drafted = _simulate(governor, 256, 1, 0.0264, 0.0089)
     assert drafted <= 4 and tokens / seconds >= 0.9 / 0.0089
+    described = governor.describe()  # what /props, /metrics and the bench show
+    assert described["drafted_steps"] == drafted and described["probes"] == governor.fallbacks
+    assert described["last_probe_ms"] == pytest.approx(26.4)
 
 
 def test_a_drafter_that_loses_narrowly_keeps_short_plain_runs():

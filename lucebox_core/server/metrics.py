@@ -178,7 +178,9 @@ class ServerMetrics:
             for key, text in (("drafting_tokens_per_s", "measured tokens per second of drafted steps"),
                               ("plain_tokens_per_s", "measured tokens per second of plain steps"),
                               ("fallbacks", "times drafting was judged slower than plain decoding"),
-                              ("plain_tokens", "tokens decoded plainly because drafting was slower"))
+                              ("plain_tokens", "tokens decoded plainly because drafting was slower"),
+                              ("probes", "drafted steps that probed after a plain run"),
+                              ("last_probe_ms", "milliseconds the last probe took"))
         ]
         self.prefix_cache = [
             Gauge(f"prefix_cache_{key}", text, lambda key=key: float(prefix_cache().get(key) or 0))

@@ -98,6 +98,9 @@ class SpeculationGovernor:
     run: int = 0  # the length of the last plain run decided after a losing drafted step (0: none yet)
     fallbacks: int = 0  # times drafting was judged slower and a plain run began
     plain_tokens: int = 0  # tokens decoded plainly on the governor's decision
+    drafted_steps: int = 0  # drafted steps recorded (warm-ups and outliers included)
+    probes: int = 0  # drafted steps right after a plain run
+    last_probe_seconds: float | None = None  # what the last probe cost on the decode clock
     _probing: bool = False  # the last drafted step came right after a plain run
     # The plain steps since the last drafted one, measured together: a step whose token was fed ahead returns
     # before its kernels end and the next step waits for them, so single steps split one step's time unevenly
@@ -133,8 +136,10 @@ class SpeculationGovernor:
             return
         self._close_plain_run()
         probing, self._probing = self._probing, False
+        self.drafted_steps += 1
         if probing:  # what drafting yielded before the plain run is old news: the probe counts most
             self.drafted.fade(PROBE_FADE)
+            self.probes, self.last_probe_seconds = self.probes + 1, seconds
         self.drafted.add(tokens, seconds)
         if self.plain_left:
             return
@@ -185,4 +190,7 @@ class SpeculationGovernor:
                 "drafting_step_ms": rate(None if self.drafted.step_seconds is None
                                          else 1e3 * self.drafted.step_seconds),
                 "plain_step_ms": rate(None if self.plain.step_seconds is None else 1e3 * self.plain.step_seconds),
-                "plain_run": self.run, "fallbacks": self.fallbacks, "plain_tokens": self.plain_tokens}
+                "plain_run": self.run, "fallbacks": self.fallbacks, "plain_tokens": self.plain_tokens,
+                "drafted_steps": self.drafted_steps, "probes": self.probes,
+                "last_probe_ms": rate(None if self.last_probe_seconds is None else 1e3 * self.last_probe_seconds),
+                "outliers_left_out": self.drafted.discarded + self.plain.discarded}
