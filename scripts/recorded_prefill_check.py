@@ -6,8 +6,9 @@
 Correctness: the pieces run one after another on two states of one model, eagerly (`model.recorded_prefill`
 off) and recorded (each piece's first run: the warm-up of its recording), then again on the emptied recorded
 state (replays); each piece's last logits are compared with the eager ones (largest difference relative to the
-logits' spread, the argmax), then the Gated DeltaNet states and the KV rows. Timing: a prefill of each `--timed` length from an empty
-state, synchronised, after a warm-up at its own length (which records), eager against recorded.
+logits' spread, the argmax), then the Gated DeltaNet states and the KV rows. Timing: a prefill of each `--timed`
+length from an empty state, synchronised, after a warm-up at its own length (which records), eager against
+recorded.
 """
 
 from __future__ import annotations
