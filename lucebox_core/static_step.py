@@ -282,9 +282,9 @@ MAX_RECORDED_PIECE = 1024
 
 
 def prefill_bucket(tokens: int) -> int:
-    """The length a recorded prefill piece of `tokens` runs at: `kv_window`'s rounding (a power of two up to
-    `MIN_PREFILL_BUCKET`, then four sizes an octave, so at most a quarter of it is padding), which bounds the
-    recordings a sequence makes whatever the lengths of its prompts."""
+    """The length a recorded prefill piece of `tokens` runs at: `kv_window`'s rounding (`MIN_PREFILL_BUCKET` up to
+    that many tokens, then four sizes an octave, so less than a quarter of a longer piece's bucket is padding),
+    which bounds the recordings a sequence makes whatever the lengths of its prompts."""
     return kv_window(tokens, 1 << 62, MIN_PREFILL_BUCKET)
 
 
