@@ -193,4 +193,4 @@ class SpeculationGovernor:
                 "plain_run": self.run, "fallbacks": self.fallbacks, "plain_tokens": self.plain_tokens,
                 "drafted_steps": self.drafted_steps, "probes": self.probes,
                 "last_probe_ms": rate(None if self.last_probe_seconds is None else 1e3 * self.last_probe_seconds),
-                "outliers_left_out": self.drafted.discarded + self.plain.discarded}
+                "steps_left_out": self.drafted.discarded + self.plain.discarded}  # warm-ups and outliers

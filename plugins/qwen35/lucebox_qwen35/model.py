@@ -38,8 +38,8 @@ from lucebox_core.kv import KVCache, KVLayerShape, attention_position, observe_q
 from lucebox_core.split_step import run_split_decode_step
 from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 
-from .layout import Qwen35Config
 from . import prefill
+from .layout import Qwen35Config
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
 from .verify import SpeculativeTarget
 
