@@ -10,7 +10,7 @@ What the padding (tokens `count .. bucket-1`, after the real ones) must not touc
 - the Gated DeltaNet's recurrent state: a padding token gets beta = 0 (it writes nothing) and g = 0 (it decays
   nothing), so the chunked scan ends in the state the real tokens leave;
 - its convolution state: the scan's kernel keeps the piece's last K-1 inputs, padding included, so the state is
-  then set to the last K-1 real inputs (a piece has at least `MIN_RECORDED_PIECE` >= K-1 tokens);
+  then set to the last K-1 real inputs (a piece shorter than K-1 keeps the eager forward);
 - the attention layers: the padding's K/V rows are written past the committed length, where no real query looks
   (the causal rule) and the next piece writes over them;
 - the drafter's feature ring: a padding token's slot keeps what it holds;
@@ -42,6 +42,9 @@ def takes(model: Any, state: Any, tokens: int) -> bool:
     if state.features is not None and state.features.shape[0] < prefill_bucket(tokens):
         return False
     if not all(getattr(type(layer.mlp), "swiglu", False) for layer in model.layers):
+        return False
+    # The convolution state is taken from the piece's last K-1 real inputs: the piece must hold that many.
+    if any(layer.linear_attn.conv1d.shape[1] - 1 > tokens for layer in model.layers if layer.linear_attn is not None):
         return False
     kv = state.kv
     if getattr(kv, "attention_position", None) is not None or getattr(kv, "observe_query", None) is not None:
