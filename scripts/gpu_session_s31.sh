@@ -10,6 +10,8 @@
 #                                            #   governor's repay rule.                            carry: .whl
 #   bash scripts/gpu_session.sh s31-governor # ~4 min: auto forced 8.3 and auto with a drafter that accepts nothing,
 #                                            #   plain runs measured whole.                        carry: .whl
+#   bash scripts/gpu_session.sh s31-next     # ~5 min: recorded pieces replayed against eager ones on the 0.8B (also
+#                                            #   at depth 4096), the unforced 27B row's JSON whole.  carry: .whl
 
 s31_prefill() {
   LLAMA_NICE=19 llama_build_bg
@@ -96,5 +98,21 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
     --force-accept 8.3 --json | spec_detail auto-forced"
   step auto-unforced 75 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
     --json | spec_detail auto-unforced"
+  return 0
+}
+
+s31_next() {  # ~5 min, for the next session: the recorded prefill's replays against eager pieces on the 0.8B, also
+  #            at depth 4096 (the split attention with a device offset), then the 27B drafter that accepts nothing
+  #            with auto, its JSON kept whole (each run's rate, the probes and the last probe's ms). carry: .whl
+  step synth-08b 60 synth 0.8b
+  step check-08b 150 python3 scripts/recorded_prefill_check.py "$(model 0.8b)" --ctx 8192 \
+    --pieces 512,300,1024,1024,1024,1024,40,300 --timed 512,64 --json "$RES/recorded_check_08b.json"
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  step synth-draft 90 python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m"
+  step auto-unforced 150 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 3 --tree-budget auto \
+    --json > $RES/auto_unforced.json; spec_detail auto-unforced < $RES/auto_unforced.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
