@@ -184,3 +184,17 @@ def test_a_drafter_that_accepts_nothing_falls_back_to_plain_decoding(engines):
     assert governor.fallbacks >= 1
     assert result.timings.governed_plain_tokens > 24
     assert spec.speculative.describe()["speculation"]["fallbacks"] == governor.fallbacks
+
+
+def test_metrics_carry_the_governors_probes():
+    """`/metrics` renders what `describe()` says, the probes and the last probe's milliseconds included."""
+    from lucebox_core.server.metrics import ServerMetrics
+
+    governor = SpeculationGovernor()
+    _simulate(governor, 60, 1, 0.0264, 0.0089)
+    metrics = ServerMetrics(lambda: 0.0, lambda: 0.0, speculation=governor.describe).render()
+    values = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("lucebox_speculation_")}
+    assert values["lucebox_speculation_drafting"] == 0.0 and values["lucebox_speculation_fallbacks"] >= 1
+    assert values["lucebox_speculation_probes"] == governor.probes >= 1
+    assert values["lucebox_speculation_last_probe_ms"] == pytest.approx(26.4)
