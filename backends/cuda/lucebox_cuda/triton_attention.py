@@ -39,6 +39,7 @@ from .triton_ops import (
     _last_dim_contiguous,
     _load_kv_row_ptrs,
     _load_kv_rows,
+    device_offset,
     grid_dependency,
 )
 from . import triton_path_combine
@@ -258,18 +259,6 @@ def _attention_kernel(
     tl.store(out_ptr + batch.to(tl.int64) * stride_ob + token.to(tl.int64)[:, None] * stride_ot
              + head[:, None] * stride_oh + value_dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (value_dims[None, :] < VALUE_DIM))
-
-
-def device_offset(causal_offset: int | torch.Tensor | None, q: torch.Tensor) -> bool:
-    """Whether `causal_offset` is read on the device (a `[1]` integer tensor on q's device; never compared on
-    the host, where a graph's replay would not see it change); a host value must be >= 0."""
-    if isinstance(causal_offset, torch.Tensor):
-        if causal_offset.numel() != 1 or causal_offset.device != q.device or causal_offset.is_floating_point():
-            raise ValueError(f"a device causal_offset must be one integer on {q.device}, not {causal_offset!r}")
-        return True
-    if causal_offset is not None and causal_offset < 0:
-        raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
-    return False
 
 
 def attention(

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import triton_attention
 from .triton_attention import LOG2_E, BlockConfig, _prefill_key_block, prefill_config
-from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous
+from .triton_ops import _device_scope, _dot_precision, _last_dim_contiguous, device_offset
 
 # Below this many keys one loop per program is short enough; a span is at least this many keys too.
 MIN_SPAN_KEYS = 1024
@@ -172,7 +172,7 @@ def attention(
             or q_heads % kv_heads or k_len == 0 or splits < 1):
         raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"splits {splits}")
-    on_device = triton_attention.device_offset(causal_offset, q)
+    on_device = device_offset(causal_offset, q)
     if out is None:
         out = torch.empty(batch, q_len, q_heads, value_dim, device=q.device, dtype=q.dtype)
     if q_len == 0:

@@ -52,6 +52,18 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+def device_offset(causal_offset: int | torch.Tensor | None, q: torch.Tensor) -> bool:
+    """Whether `causal_offset` is read on the device (a `[1]` integer tensor on q's device; never compared on
+    the host, where a graph's replay would not see it change); a host value must be >= 0."""
+    if isinstance(causal_offset, torch.Tensor):
+        if causal_offset.numel() != 1 or causal_offset.device != q.device or causal_offset.is_floating_point():
+            raise ValueError(f"a device causal_offset must be one integer on {q.device}, not {causal_offset!r}")
+        return True
+    if causal_offset is not None and causal_offset < 0:
+        raise ValueError(f"causal_offset must be >= 0, not {causal_offset}")
+    return False
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 products in full precision (Triton's default for fp32 is TF32); half types are exact anyway."""
     return "ieee" if dtype == torch.float32 else "tf32"
