@@ -288,11 +288,17 @@ def prefill_bucket(tokens: int) -> int:
     return kv_window(tokens, 1 << 62, MIN_PREFILL_BUCKET)
 
 
+def _prefill_recorded(model: Any) -> bool:
+    """Whether `model` offers recorded prefill pieces (`model.recorded_prefill`, a family's choice) and the switch
+    is on."""
+    return bool(getattr(model, "recorded_prefill", False)) and os.environ.get(PREFILL_SWITCH, "1") != "0"
+
+
 def recorded_prefill_fits(model: Any, state: Any, tokens: int) -> bool:
     """Whether a prefill piece of `tokens` after what `state` holds may run as a recorded piece: the model offers
     one (`model.recorded_prefill`, a family's choice), the switch is on, the piece is of a recorded length, its
     padded length fits the cache, and no earlier recording of the piece failed."""
-    if not getattr(model, "recorded_prefill", False) or os.environ.get(PREFILL_SWITCH, "1") == "0":
+    if not _prefill_recorded(model):
         return False
     bucket = prefill_bucket(tokens)
     if not MIN_RECORDED_PIECE <= tokens or bucket > MAX_RECORDED_PIECE:
@@ -306,7 +312,7 @@ def recorded_prefill_fits(model: Any, state: Any, tokens: int) -> bool:
 def prefill_mode(model: Any) -> str:
     """How `model`'s prefill pieces run, for /props: "recorded pieces of 8-1024 tokens (padded to buckets)", or
     "eager" (the family offers no recorded piece, graphs are off, or the switch is)."""
-    if not getattr(model, "recorded_prefill", False) or os.environ.get(PREFILL_SWITCH, "1") == "0":
+    if not _prefill_recorded(model):
         return "eager"
     return f"recorded pieces of {MIN_RECORDED_PIECE}-{MAX_RECORDED_PIECE} tokens (padded to buckets)"
 

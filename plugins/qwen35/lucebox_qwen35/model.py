@@ -147,21 +147,29 @@ class GatedDeltaNet:
             b, a = ops.linear(x, self.in_proj_b), ops.linear(x, self.in_proj_a)
         return mixed_qkv, z, b, a
 
-    def __call__(self, x: torch.Tensor, state: GatedDeltaNetState) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, state: GatedDeltaNetState, count: torch.Tensor | None = None) -> torch.Tensor:
+        """`count` (`[1]` on the device; a recorded prefill piece, `prefill.py`): only the first `count` tokens are
+        real, the rest padding that must leave the states as the real tokens do."""
         ops = self.ops
         batch, tokens, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
-        if tokens == 1:  # decode: one op, which a backend may run as one launch
+        if tokens == 1 and count is None:  # decode: one op, which a backend may run as one launch
             return ops.gated_delta_net_decode_(x, self, state)
         mixed_qkv, z, b, a = self._project(x)
         z = z.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
         conv_out = ops.causal_conv1d_silu_(mixed_qkv, self.conv1d, state.conv)  # the conv state in place
+        if count is not None:  # the kernel kept the last K-1 inputs, padding included: the last real ones instead
+            kept = state.conv.shape[1]
+            state.conv.copy_(mixed_qkv.index_select(1, count - kept + torch.arange(kept, device=count.device)))
         query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
         query = ops.l2norm(query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         key = ops.l2norm(key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim))
         value = value.reshape(batch, tokens, self.num_v_heads, self.head_v_dim)
         # g: the log of the per-token decay of the state, <= 0, fp32; beta = sigmoid(b). One launch on CUDA.
         g, beta = ops.gdn_gates(a, b, self.ssm_a, self.dt_bias)
+        if count is not None:  # a padding token neither decays the state (g = 0) nor writes to it (beta = 0)
+            real = (torch.arange(tokens, device=count.device) < count)[None, :, None]
+            g, beta = g * real, beta * real
         core = ops.gated_delta_rule_chunked_(  # the recurrent state in place
             query, key, value, g, beta, state.recurrent, chunk_size=self.chunk_size
         )

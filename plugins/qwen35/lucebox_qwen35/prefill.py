@@ -77,7 +77,7 @@ def _step(model: Any, state: Any, inputs: StaticInputs, window: int) -> torch.Te
 
     def mix(layer: Any, x: torch.Tensor) -> torch.Tensor:
         if layer.linear_attn is not None:
-            return _gated_delta_net(layer.linear_attn, x, state.linear[layer.index], real, inputs.count)
+            return layer.linear_attn(x, state.linear[layer.index], count=inputs.count)
         return _gated_attention(layer.self_attn, x, positions, inputs.start, state.kv, window)
 
     taps: list[torch.Tensor] = []
@@ -99,30 +99,6 @@ def _ring_features(model: Any, state: Any, taps: list[torch.Tensor], positions: 
     slots = positions % ring.shape[0]
     rows = model._concat_taps(state, taps).to(ring.dtype)
     ring.index_copy_(0, slots, torch.where(real, rows, ring.index_select(0, slots)))
-
-
-def _gated_delta_net(mixer: Any, x: torch.Tensor, state: Any, real: torch.Tensor,
-                     count: torch.Tensor) -> torch.Tensor:
-    """`GatedDeltaNet.__call__` over a padded piece (see the module's text)."""
-    ops = mixer.ops
-    batch, tokens, _ = x.shape
-    key_dim = mixer.num_k_heads * mixer.head_k_dim
-    mixed_qkv, z, b, a = mixer._project(x)
-    z = z.reshape(batch, tokens, mixer.num_v_heads, mixer.head_v_dim)
-    conv_out = ops.causal_conv1d_silu_(mixed_qkv, mixer.conv1d, state.conv)
-    kept = state.conv.shape[1]  # K - 1 inputs: the last real ones, not the padding's
-    last_inputs = count - kept + torch.arange(kept, device=count.device)
-    state.conv.copy_(mixed_qkv.index_select(1, last_inputs))
-    query, key, value = conv_out.split([key_dim, key_dim, conv_out.shape[-1] - 2 * key_dim], dim=-1)
-    query = ops.l2norm(query.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim))
-    key = ops.l2norm(key.reshape(batch, tokens, mixer.num_k_heads, mixer.head_k_dim))
-    value = value.reshape(batch, tokens, mixer.num_v_heads, mixer.head_v_dim)
-    g, beta = ops.gdn_gates(a, b, mixer.ssm_a, mixer.dt_bias)
-    # A padding token neither decays the state (g = 0) nor writes to it (beta = 0).
-    g, beta = g * real, beta * real
-    core = ops.gated_delta_rule_chunked_(query, key, value, g, beta, state.recurrent, chunk_size=mixer.chunk_size)
-    core = ops.gated_rms_norm(core, z, mixer.norm, mixer.eps)
-    return ops.linear(core.reshape(batch, tokens, -1), mixer.out_proj)
 
 
 def _gated_attention(attention: Any, x: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, kv: Any,
