@@ -1,0 +1,26 @@
+# Session 32's modes of scripts/gpu_session.sh (sourced by it; its helpers: step, synth, model, spec_detail).
+#
+#   bash scripts/gpu_session.sh s32-verify   # ~9 min: where a verify pass's time goes on the 27B (1, 16, 23 nodes,
+#                                            #   chain and tree: kernels by kind, scripts/verify_profile.py); the
+#                                            #   recorded prefill's replays against eager pieces on the 0.8B (also at
+#                                            #   depth 4096); the 27B drafter that accepts nothing with auto, its JSON
+#                                            #   kept whole.                                       carry: .whl
+
+s32_verify() {
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
+    > "$RES/synth_draft.log" 2>&1 ) &
+  local writer=$!
+  step verify-profile 150 python3 scripts/verify_profile.py "$m" --nodes 1,8,16,23,32 --depth 512 --reps 20 \
+    --json "$RES/verify_profile_27b.json"
+  wait "$writer"; tail -n1 "$RES/synth_draft.log"
+  step auto-unforced 150 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 3 --tree-budget auto \
+    --json > $RES/auto_unforced.json; spec_detail auto-unforced < $RES/auto_unforced.json"
+  step synth-08b 60 synth 0.8b
+  step check-08b 150 python3 scripts/recorded_prefill_check.py "$(model 0.8b)" --ctx 8192 \
+    --pieces 512,300,1024,1024,1024,1024,40,300 --timed 512,64 --json "$RES/recorded_check_08b.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
