@@ -24,3 +24,30 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
+
+s32_diag() {  # ~7 min: the verify profile on the 27B; one speculative step's parts at a forced 8.3
+  #            (spec_step_profile.py: draft, tree, verify, walk, commit, the rest); which part of a recorded prefill
+  #            piece changes its bits against an eager piece at depth (the 0.8B: a 1024-token piece from 0, and
+  #            from 812 recorded and with the padded step run eagerly).                           carry: .whl
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
+    > "$RES/synth_draft.log" 2>&1 ) &
+  local writer=$!
+  step verify-profile 150 python3 scripts/verify_profile.py "$m" --nodes 1,8,16,23,32 --depth 512 --reps 20 \
+    --json "$RES/verify_profile_27b.json"
+  wait "$writer"; tail -n1 "$RES/synth_draft.log"
+  step spec-step-profile 170 python3 scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 \
+    --json "$RES/spec_step_27b.json"
+  step synth-08b 60 synth 0.8b
+  local p; p=$(model 0.8b)
+  step check-1024 60 python3 scripts/recorded_prefill_check.py "$p" --pieces 1024 --timed 16 --reps 1 \
+    --json "$RES/check_1024.json"
+  step check-812-1024 60 python3 scripts/recorded_prefill_check.py "$p" --pieces 812,1024,40 --timed 16 --reps 1 \
+    --json "$RES/check_812_1024.json"
+  step check-812-1024-eager-step 60 python3 scripts/recorded_prefill_check.py "$p" --pieces 812,1024,40 --timed 16 \
+    --reps 1 --eager-step --json "$RES/check_812_1024_eager_step.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}

@@ -54,12 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--without-graphs", action="store_true",
                         help="take the recorded path where graphs are off too (the CPU): its step then runs eagerly")
+    parser.add_argument("--eager-step", action="store_true",
+                        help="run the recorded path's padded step without recording it (graphs off, also on a GPU): "
+                             "tells what the recording changes from what the padded step computes")
     args = parser.parse_args(argv)
 
     from lucebox_core.loading import load_model
 
     model = load_model(args.model).model
-    if args.without_graphs and hasattr(model, "recorded_prefill"):
+    if args.eager_step and hasattr(model, "recorded_prefill"):
+        model.decode_graphs = False  # the states made below run their pieces' steps eagerly
+    if (args.without_graphs or args.eager_step) and hasattr(model, "recorded_prefill"):
         model.recorded_prefill = True
     if not getattr(model, "recorded_prefill", False):
         print(f"{type(model).__name__} offers no recorded prefill here")
