@@ -164,6 +164,11 @@ class StaticStep:
             inputs.set(name, value)
         return inputs
 
+    def holds(self, key: Hashable, inputs: StaticInputs) -> bool:
+        """Whether `key` is recorded for inputs of these shapes: a `run` with graphs on replays it, and its outputs are
+        the same tensors at every replay."""
+        return (key, inputs.signature) in self._recorded
+
     def run(self, key: Hashable, step: Callable[[StaticInputs], Any], inputs: StaticInputs, *,
             clone: bool = False, graphs: bool | None = None, decode_only: bool = False) -> Any:
         """`step(inputs)`, recorded for `key` the first time and replayed after; returns its outputs (any

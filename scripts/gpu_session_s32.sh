@@ -51,3 +51,32 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
+
+s32_commit() {  # ~8 min: the recorded commit: its GPU test; the verify profile with PDL off (each kernel's own
+  #              time); one speculative step's parts at a forced 8.3 with the recorded commit and with
+  #              LUCEBOX_RECORDED_COMMIT=0; the 27B's speculative rows (budget 22 and auto forced, auto with a
+  #              drafter that accepts nothing).                                                    carry: .whl
+  step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_static_verify.py
+  step synth-27b 90 synth 27b
+  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
+  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
+    > "$RES/synth_draft.log" 2>&1 ) &
+  local writer=$!
+  step verify-profile-nopdl 120 env LUCEBOX_PDL=0 python3 scripts/verify_profile.py "$m" --nodes 1,16,23 \
+    --depth 512 --reps 20 --json "$RES/verify_profile_27b_nopdl.json"
+  wait "$writer"; tail -n1 "$RES/synth_draft.log"
+  step spec-step-recorded 150 python3 scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 \
+    --json "$RES/spec_step_27b_recorded.json"
+  step spec-step-eager 90 env LUCEBOX_RECORDED_COMMIT=0 python3 scripts/spec_step_profile.py "$m" "$d" \
+    --force-accept 8.3 -n 256 --json "$RES/spec_step_27b_eager.json"
+  step b22-forced 90 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
+    --force-accept 8.3 --json | spec_detail b22-forced"
+  step auto-forced 90 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
+    --force-accept 8.3 --json | spec_detail auto-forced"
+  step auto-unforced 90 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 3 --tree-budget auto \
+    --json > $RES/auto_unforced.json; spec_detail auto-unforced < $RES/auto_unforced.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}

@@ -213,3 +213,60 @@ def test_released_sequences_are_pooled_by_state_and_never_while_streaming(target
     engine.release(sequence)  # the old wrapper of the same state
     first, second = engine.new_sequence(), engine.new_sequence()
     assert first.state is sequence.state and second.state is not sequence.state
+
+
+
+def _commit_rounds(recorded, plain, tolerance: float) -> None:
+    """Five verify-and-commit rounds on `recorded` (graphs on), each path decoded by `plain` on a state of its
+    own; after each, a probe token's logits and the feature ring (shorter than the sequence) agree. Round 1
+    warms the verify pass up (its commit eager); from round 2 the pass replays and commits are recorded: length
+    3 (round 2), 5, then 3 again from another start (a replay of round 2's), then 1."""
+    parents, _ = TREES["tree"]
+    gen = torch.Generator().manual_seed(23)
+    mine, theirs = recorded.new_state(160), plain.new_state(160)
+    layers = (0, len(recorded.layers) - 1)
+    recorded.enable_capture(mine, layers, 12)
+    plain.enable_capture(theirs, layers, 12)
+    device = recorded.ops.device
+    prompt = torch.randint(0, recorded.vocab_size, (19,), generator=gen)
+    recorded.forward(mine, prompt.to(device))
+    plain.forward(theirs, prompt.to(plain.ops.device))
+    close = {"atol": tolerance, "rtol": tolerance}
+    for path in ([0, 2, 6], [0, 1, 3], [0, 1, 3, 4, 7], [0, 2, 5], [0]):
+        tokens = torch.randint(0, recorded.vocab_size, (len(parents),), generator=gen)
+        verification = recorded.verify(mine, tokens, parents)
+        recorded.commit(mine, verification, path)
+        plain.forward(theirs, tokens[path].to(plain.ops.device))
+        assert mine.length == theirs.length
+        probe = torch.randint(0, recorded.vocab_size, (1,), generator=gen)
+        torch.testing.assert_close(recorded.forward(mine, probe.to(device)).cpu(),
+                                   plain.forward(theirs, probe.to(plain.ops.device)).cpu(), **close)
+        torch.testing.assert_close(recorded.read_features(mine, mine.length - 12, mine.length).cpu(),
+                                   plain.read_features(theirs, theirs.length - 12, theirs.length).cpu(), **close)
+    commits = [(key, graph) for key, (graph, _) in mine.verify._recorded.items() if key[0][0] == "commit"]
+    assert sorted(key[0][2] for key, _ in commits) == [1, 3, 5]
+    if hasattr(commits[0][1], "replays"):  # the stand-in counts its replays
+        assert [graph.replays for key, graph in commits if key[0][2] == 3] == [1]
+
+
+def test_a_replayed_verification_commits_through_a_recording_of_its_own(tiny_target_and_draft):
+    """On emulated graphs (`test_static_step.GraphStandIn`: a replay re-runs the step over the static buffers only),
+    a replayed static verification's commit is recorded per (verify recording, path length) and replayed with other
+    paths and starts: each commit leaves the KV rows, the Gated DeltaNet states and the drafter's feature ring as
+    plain decoding of the path (an eager model) leaves them."""
+    from lucebox_core.torch_backend import TorchBackend
+    from lucebox_qwen35.loader import load
+    from test_static_step import GraphStandIn
+
+    target, _ = tiny_target_and_draft
+    _commit_rounds(load(target, GraphStandIn(kernel_table_for={})), load(target, TorchBackend(kernel_table_for={})),
+                   1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_recorded_commits_on_cuda(tiny_target_and_draft):
+    """The same with CUDA graphs on the CUDA backend; the reference is the same model's plain decoding of each path
+    (prefill and decode kernels, f32: agreeing to rounding)."""
+    target, _ = tiny_target_and_draft
+    model = load_model(target, backend="cuda", device="cuda").model
+    _commit_rounds(model, model, 1e-3)

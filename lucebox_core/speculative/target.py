@@ -36,6 +36,9 @@ class TreeVerification:
     # Static: the path whose rows `commit` has already moved to `committed + 0, 1, ...` (a second commit
     # of the same verification may only extend it: the moved-over rows held other nodes).
     compacted: list[int] = attrs.Factory(list)
+    # Static and replayed: the key of the recording whose buffers its tensors are (the same tensors at every
+    # replay of that key, so a recorded commit may read them); None: one-off tensors (a warm-up's, eager).
+    recording: Any = None
 
 
 class FeatureCapture:
@@ -76,7 +79,7 @@ class FeatureCapture:
     def _store_features(self, state: Any, start: int, rows: torch.Tensor) -> None:
         assert state.features is not None
         capacity = state.features.shape[0]
+        start += max(0, len(rows) - capacity)  # a run longer than the ring keeps its last `capacity` rows
         rows = rows[-capacity:]
-        start += max(0, len(rows) - capacity)
         slots = torch.arange(start, start + len(rows), device=state.features.device) % capacity
         state.features[slots] = rows.to(state.features.dtype)

@@ -12,17 +12,21 @@ per (window, node count); both give each node the logits the one-token decode st
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 
 from lucebox_core.errors import LuceboxError
-from lucebox_core.kv import window_limit
+from lucebox_core.kv import FullKVCache, window_limit
 from lucebox_core.speculative.target import FeatureCapture, TreeVerification
 from lucebox_core.speculative.trees import TreeIndex
 from lucebox_core.split_step import SplitStaticStep
 from lucebox_core.static_step import StaticInputs, StaticStep, kv_window, step_scope
+
+# `LUCEBOX_RECORDED_COMMIT=0` commits every path eagerly (an A/B switch for `_commit_recorded`).
+RECORDED_COMMIT_SWITCH = "LUCEBOX_RECORDED_COMMIT"
 
 
 class SpeculativeTarget(FeatureCapture):
@@ -99,9 +103,11 @@ class SpeculativeTarget(FeatureCapture):
         window = kv_window(committed + nodes, window_limit(state.kv), self.decode_min_window)
         # Keyed on whether features are captured too: a recording without them would return none.
         key = (window, nodes, state.features is not None)
+        replayed = use_graphs and state.verify.holds(key, inputs)
         logits, features, conv, recurrent = state.verify.run(
             key, lambda step_inputs: self._static_verify_pass(state, step_inputs, window), inputs, graphs=use_graphs)
-        return TreeVerification(tree, committed, logits, features, {}, conv, recurrent, static=True)
+        return TreeVerification(tree, committed, logits, features, {}, conv, recurrent, static=True,
+                                recording=key if replayed else None)
 
     def _static_verify_pass(self, state: Any, inputs: StaticInputs, window: int):
         """The verify pass as a function of its static inputs, `window` and N alone (what a graph records)."""
@@ -184,8 +190,11 @@ class SpeculativeTarget(FeatureCapture):
         if verification.static and path[: len(done)] != done[: len(path)]:
             raise ValueError(f"{path} leaves the path {done} already committed from this verification")
         committed = verification.committed  # committing again (a longer path) first undoes the last one
-        index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
         state.kv.rollback(committed)
+        if (verification.recording is not None and not done and isinstance(state.kv, FullKVCache)
+                and os.environ.get(RECORDED_COMMIT_SWITCH, "1") != "0"):
+            return self._commit_recorded(state, verification, path)
+        index = torch.tensor(path, dtype=torch.long, device=self.ops.device)
         if verification.static:  # the nodes' rows are in the cache in insertion order: compact the path
             if len(path) > len(done):
                 # Only the new part moves: positions committed + 0 .. len(done) - 1 already hold the earlier
@@ -204,3 +213,42 @@ class SpeculativeTarget(FeatureCapture):
         if state.features is not None and verification.features is not None:
             self._store_features(state, committed, verification.features[index.to(verification.features.device)])
         state.length = committed + len(path)
+
+    def _commit_recorded(self, state: Any, verification: TreeVerification, path: list[int]) -> None:
+        """`commit` of a replayed static verification's first path, as a recording of its own per (verify
+        recording, path length), replayed from then on.
+
+        Why: the eager commit of the 27B is ~170 small launches (K/V rows moved in 16 layers, 48 layers' conv and
+        recurrent states, the features), 2.3 ms of host time a speculative step while the GPU waits (H100,
+        session 32); a replay launches them at once. The path and the committed length are read on the device;
+        the verification's tensors are that verify recording's buffers, the same at every replay of it, and
+        the recording lives in the verify pass's `StaticStep`, so it goes when they go."""
+        committed, length = verification.committed, len(path)
+        inputs = state.verify.inputs(commit_path=torch.tensor(path, dtype=torch.long), commit_start=committed)
+        state.verify.run(("commit", verification.recording, length),
+                         lambda step_inputs: self._commit_step(state, verification, step_inputs), inputs)
+        verification.compacted[:] = path
+        state.kv.commit(committed + length)
+        state.length = committed + length
+
+    def _commit_step(self, state: Any, verification: TreeVerification, inputs: StaticInputs) -> None:
+        """What `commit` moves, as a function of the path `[L]` and the committed length `[1]` on the device."""
+        index, start = inputs.commit_path, inputs.commit_start
+        length = index.shape[0]
+        steps = torch.arange(length, device=index.device)
+        state.kv.move(start + index, start + steps)  # all reads before any write: path[i] >= i
+        last = index[length - 1:]
+        for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
+            pairs = ((linear.conv, verification.conv[layer]), (linear.recurrent, verification.recurrent[layer]))
+            for live, nodes in pairs:
+                if live.dtype == nodes.dtype and live.is_contiguous():
+                    torch.index_select(nodes, 0, last, out=live)  # no temporary: the 27B's states are 3 MB a layer
+                else:
+                    live.copy_(nodes.index_select(0, last))
+        if state.features is not None and verification.features is not None:
+            capacity = state.features.shape[0]
+            kept = min(length, capacity)  # a path longer than the ring keeps its last `capacity` rows
+            rows = verification.features.index_select(0, index[length - kept:])
+            slots = (start + (length - kept) + steps[:kept]) % capacity
+            state.features.index_copy_(0, slots, rows.to(state.features.dtype))
+
