@@ -80,3 +80,15 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
+
+s32_check() {  # ~3 min: the recorded commit's GPU test (bit-equal to eager commits) with the module's CPU tests on a
+  #             GPU machine, the recorded prefill's and the decode graph's GPU tests; the verify profile with PDL off
+  #             and the weights' bytes (the products' GB/s).                                         carry: .whl
+  step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_static_verify.py tests/test_recorded_prefill.py tests/test_decode_graph.py
+  step synth-27b 90 synth 27b
+  step verify-profile-nopdl 120 env LUCEBOX_PDL=0 python3 scripts/verify_profile.py "$(model 27b)" --nodes 1,23 \
+    --depth 512 --reps 20 --json "$RES/verify_profile_27b_nopdl.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = assembled.engine
     model, backend = engine.model, engine.backend
     synchronize = backend.synchronize
-    weight_bytes = int(getattr(backend, "device_weight_bytes", 0))  # a property of the CUDA backend
+    weight_bytes = int(getattr(assembled.loaded.backend, "device_weight_bytes", 0))  # the CUDA backend's
     state = model.new_state(args.depth + 2 * max(counts) + 64)
     prompt = torch.randint(0, model.vocab_size, (args.depth,), generator=torch.Generator().manual_seed(0))
     model.forward(state, prompt)

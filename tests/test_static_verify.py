@@ -22,7 +22,7 @@ TREES = {
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("static-verify") / f"tiny-{request.param}.gguf"
     synth.write(path, size="tiny", type=request.param, seed=13)
-    return load_model(path).model
+    return load_model(path, backend="torch", device="cpu").model  # the CPU reference, also where a GPU is
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def target_and_draft(tiny_target_and_draft):
     """The session's tiny f32 target, loaded once for the engine tests here (each routes its verify to the
     static pass through `monkeypatch`, for that test only), and the path of its drafter."""
     target, draft = tiny_target_and_draft
-    return load_model(target), draft
+    return load_model(target, backend="torch", device="cpu"), draft
 
 
 def static_verify(model, monkeypatch) -> None:
@@ -264,9 +264,33 @@ def test_a_replayed_verification_commits_through_a_recording_of_its_own(tiny_tar
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_recorded_commits_on_cuda(tiny_target_and_draft):
-    """The same with CUDA graphs on the CUDA backend; the reference is the same model's plain decoding of each path
-    (prefill and decode kernels, f32: agreeing to rounding)."""
+def test_recorded_commits_on_cuda(tiny_target_and_draft, monkeypatch):
+    """With CUDA graphs on the CUDA backend (bf16): two states of one model verify the same trees, one committing
+    through the recordings, the other eagerly (`LUCEBOX_RECORDED_COMMIT=0`); both commits copy the same bits, so
+    the probes' logits and the feature rings are equal to the bit, round after round."""
+    from lucebox_qwen35.verify import RECORDED_COMMIT_SWITCH
+
     target, _ = tiny_target_and_draft
     model = load_model(target, backend="cuda", device="cuda").model
-    _commit_rounds(model, model, 1e-3)
+    parents, _ = TREES["tree"]
+    gen = torch.Generator().manual_seed(29)
+    states = {"1": model.new_state(160), "0": model.new_state(160)}
+    prompt = torch.randint(0, model.vocab_size, (19,), generator=gen).cuda()
+    for state in states.values():
+        model.enable_capture(state, (0, len(model.layers) - 1), 12)
+        model.forward(state, prompt)
+    for path in ([0, 2, 6], [0, 1, 3], [0, 1, 3, 4, 7], [0, 2, 5], [0]):
+        tokens = torch.randint(0, model.vocab_size, (len(parents),), generator=gen)
+        probe = torch.randint(0, model.vocab_size, (1,), generator=gen).cuda()
+        logits = {}
+        for switch, state in states.items():
+            monkeypatch.setenv(RECORDED_COMMIT_SWITCH, switch)
+            model.commit(state, model.verify(state, tokens, parents), path)
+            logits[switch] = model.forward(state, probe).clone()
+        assert states["1"].length == states["0"].length
+        assert torch.equal(logits["1"], logits["0"])
+        length = states["1"].length
+        assert torch.equal(model.read_features(states["1"], length - 12, length),
+                           model.read_features(states["0"], length - 12, length))
+    lengths = [[key[0][2] for key in state.verify._recorded if key[0][0] == "commit"] for state in states.values()]
+    assert sorted(lengths[0]) == [1, 3, 5] and lengths[1] == []
