@@ -6,13 +6,16 @@
 #                                            #   depth 4096); the 27B drafter that accepts nothing with auto, its JSON
 #                                            #   kept whole.                                       carry: .whl
 
+synth_draft_bg() {  # target draft: the 27B's full-size DFlash drafter written in the background ($! is its job)
+  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
+draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$1" "$2" \
+    > "$RES/synth_draft.log" 2>&1 ) &
+}
+
 s32_verify() {
   step synth-27b 90 synth 27b
-  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
-  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
-draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
-    > "$RES/synth_draft.log" 2>&1 ) &
-  local writer=$!
+  local m d writer; m=$(model 27b); d=$WORK/draft-27b.gguf
+  synth_draft_bg "$m" "$d"; writer=$!
   step verify-profile 150 python3 scripts/verify_profile.py "$m" --nodes 1,8,16,23,32 --depth 512 --reps 20 \
     --json "$RES/verify_profile_27b.json"
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
@@ -30,11 +33,8 @@ s32_diag() {  # ~7 min: the verify profile on the 27B; one speculative step's pa
   #            piece changes its bits against an eager piece at depth (the 0.8B: a 1024-token piece from 0, and
   #            from 812 recorded and with the padded step run eagerly).                           carry: .whl
   step synth-27b 90 synth 27b
-  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
-  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
-draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
-    > "$RES/synth_draft.log" 2>&1 ) &
-  local writer=$!
+  local m d writer; m=$(model 27b); d=$WORK/draft-27b.gguf
+  synth_draft_bg "$m" "$d"; writer=$!
   step verify-profile 150 python3 scripts/verify_profile.py "$m" --nodes 1,8,16,23,32 --depth 512 --reps 20 \
     --json "$RES/verify_profile_27b.json"
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
@@ -59,11 +59,8 @@ s32_commit() {  # ~8 min: the recorded commit: its GPU test; the verify profile 
   step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
     tests/test_static_verify.py
   step synth-27b 90 synth 27b
-  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
-  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
-draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
-    > "$RES/synth_draft.log" 2>&1 ) &
-  local writer=$!
+  local m d writer; m=$(model 27b); d=$WORK/draft-27b.gguf
+  synth_draft_bg "$m" "$d"; writer=$!
   step verify-profile-nopdl 120 env LUCEBOX_PDL=0 python3 scripts/verify_profile.py "$m" --nodes 1,16,23 \
     --depth 512 --reps 20 --json "$RES/verify_profile_27b_nopdl.json"
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
