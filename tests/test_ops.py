@@ -106,16 +106,17 @@ def test_installed_families_ops_are_found_by_name():
 
 def test_the_cuda_backend_registers_a_kernel_for_every_op_it_names():
     table = kernel_table("cuda")
-    from lucebox_cuda.plugin import FAMILY_KERNEL_OPS, GENERIC_KERNEL_OPS, NORM_KERNEL_OPS
+    from lucebox_cuda.plugin import COMMIT_KERNEL_OPS, FAMILY_KERNEL_OPS, GENERIC_KERNEL_OPS, NORM_KERNEL_OPS
 
-    assert set(table) == set(GENERIC_KERNEL_OPS) | set(FAMILY_KERNEL_OPS) | set(NORM_KERNEL_OPS)
+    assert set(table) == (set(GENERIC_KERNEL_OPS) | set(FAMILY_KERNEL_OPS) | set(NORM_KERNEL_OPS)
+                          | set(COMMIT_KERNEL_OPS))
     # Each generic op it names is one of the reference backend's, each family op one of an installed family's.
     from lucebox_gemma4.ops import GEMMA4_OPS
     from lucebox_laguna.ops import LAGUNA_OPS
 
     assert all(callable(getattr(TorchBackend, op, None)) for op in GENERIC_KERNEL_OPS)
     family_ops = set(QWEN35_OPS.references) | set(GEMMA4_OPS.references) | set(LAGUNA_OPS.references)
-    assert set(FAMILY_KERNEL_OPS) | set(NORM_KERNEL_OPS) <= family_ops
+    assert set(FAMILY_KERNEL_OPS) | set(NORM_KERNEL_OPS) | set(COMMIT_KERNEL_OPS) <= family_ops
 
 
 def test_family_maths_lives_with_the_family():

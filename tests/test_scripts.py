@@ -334,7 +334,7 @@ def test_reference_and_engine_greedy_agree_on_the_cpu(tiny_loaded):
 
 
 @pytest.mark.parametrize("script", ["bench_vs_llamacpp.sh", "gpu_session.sh", "gpu_session_more.sh",
-                                    "gpu_session_s31.sh", "gpu_session_s32.sh"])
+                                    "gpu_session_s31.sh", "gpu_session_s32.sh", "gpu_session_s33.sh"])
 def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
 

@@ -99,6 +99,20 @@ def test_completions_text_and_token_ids_agree(oai, url):
     assert streamed[-1].choices[0].finish_reason == by_ids.choices[0].finish_reason
 
 
+def test_ignore_eos_runs_past_the_end_of_text(oai, service):
+    # llama.cpp's `ignore_eos`: a bias makes the end-of-generation token the greedy pick at every step.
+    eos = min(service.loaded.tokenizer.eot_ids)
+    bias = {str(eos): 100}
+    ended = oai.completions.create(model="x", prompt="Once upon a time", max_tokens=4, temperature=0, logit_bias=bias)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    kept_on = oai.completions.create(model="x", prompt="Once upon a time", max_tokens=4, temperature=0,
+                                     logit_bias=bias, extra_body={"ignore_eos": True})
+    assert kept_on.choices[0].finish_reason == "length" and kept_on.usage.completion_tokens == 4
+    chat = oai.chat.completions.create(model="x", messages=HELLO, max_tokens=3, temperature=0, logit_bias=bias,
+                                       extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 3
+
+
 def test_forced_tool_call(oai):
     result = oai.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, CLOCK],

@@ -1,7 +1,7 @@
 """The static-step runner: fixed input buffers, one recording per key and input shapes, replay.
 
 On the CPU there are no CUDA graphs, so a stand-in backend emulates their contract: recording runs nothing
-and returns output buffers shaped like the warm-up's; a replay re-runs the recorded function, which may
+and returns output buffers shaped like the warm-up's (tensors in tuples, lists, dicts and attrs records); a replay re-runs the recorded function, which may
 read only the static buffers and the values its key fixed, and writes its results into those output
 buffers. A step that read a host value its key does not cover, or a fresh buffer instead of a static one,
 would replay stale data here as it would on a GPU.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
 import pytest
 import torch
 
@@ -27,7 +28,14 @@ def _zeros_like(outputs):
         return type(outputs)(_zeros_like(o) for o in outputs)
     if isinstance(outputs, dict):
         return {k: _zeros_like(v) for k, v in outputs.items()}
+    if attrs.has(type(outputs)):  # a record of tensors (qwen35's `ReplayedRecurrence`): its tensor fields
+        return attrs.evolve(outputs, **_tensor_fields(outputs, torch.zeros_like))
     return outputs
+
+
+def _tensor_fields(record, transform) -> dict:
+    return {field.name: transform(getattr(record, field.name)) for field in attrs.fields(type(record))
+            if isinstance(getattr(record, field.name), torch.Tensor)}
 
 
 def _copy_into(target, source):
@@ -39,6 +47,9 @@ def _copy_into(target, source):
     elif isinstance(target, dict):
         for key in target:
             _copy_into(target[key], source[key])
+    elif attrs.has(type(target)):
+        for name, tensor in _tensor_fields(target, lambda t: t).items():
+            tensor.copy_(getattr(source, name))
 
 
 class _Graph:

@@ -213,6 +213,10 @@ FUSED_ON_CPU = [
                                                                           new_state=state)[0]),
     OpKernel(op="gated_delta_decode_", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.gated_delta_decode_(*a)),
     OpKernel(op="gated_delta_tree", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.gated_delta_tree(*a)),
+    OpKernel(op="gated_delta_tree_reloaded", backend="fused-cpu",
+             kernel=lambda ops, *a: triton_fused.gated_delta_tree(*a, all_states=False)),
+    OpKernel(op="gated_delta_path_", backend="fused-cpu", kernel=lambda ops, *a: triton_fused.gated_delta_path_(*a)),
+    OpKernel(op="gated_delta_commit_", backend="fused-cpu", kernel="lucebox_cuda.triton_commit:gated_delta_commit_"),
     OpKernel(op="fuse_rows", backend="fused-cpu", kernel=lambda ops, weights: concat_rows(weights)),
 ]
 
@@ -243,12 +247,37 @@ def test_tiny_model_decodes_through_the_kernels(tmp_path):
           reference.verify(a, tokens, parents, static=True, graphs=False).logits, torch.float32)
 
 
+def test_tiny_model_commits_replayed_paths_through_the_kernels(tmp_path, monkeypatch):
+    """`LUCEBOX_GDN_REPLAY=1` through the kernels: the walk that keeps only reloaded states, then the path replay
+    in the commit, leave the live states the full walk's kept states leave, to the bit."""
+    from lucebox_qwen35 import loader as qwen_model
+    from lucebox_qwen35 import synth
+    from lucebox_qwen35.verify import GDN_REPLAY_SWITCH
+
+    path = tmp_path / "tiny.gguf"
+    synth.write(path, size="tiny", type="q8_0", seed=9)
+    model = qwen_model.load(path, fused_kernels_on_cpu())
+    prompt = torch.randint(0, model.vocab_size, (11,), generator=torch.Generator().manual_seed(2))
+    parents, tokens = [-1, 0, 0, 1, 3, 2, 4], torch.randint(0, model.vocab_size, (7,))
+    states = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(GDN_REPLAY_SWITCH, switch)
+        states[switch] = model.new_state(64)
+        model.forward(states[switch], prompt)
+        model.commit(states[switch], model.verify(states[switch], tokens, parents, static=True, graphs=False),
+                     [0, 1, 3, 4, 6])
+    for layer, kept in states["0"].linear.items():
+        assert torch.equal(states["1"].linear[layer].recurrent, kept.recurrent), f"layer {layer}"
+        assert torch.equal(states["1"].linear[layer].conv, kept.conv), f"layer {layer}"
+
+
 COMPILE_SCRIPT = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lucebox_cuda import triton_fused as ops
+from lucebox_cuda import triton_commit, triton_fused as ops
+import triton.language as tl
 
 def signature(kernel, types, constants):
     return {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
@@ -272,7 +301,19 @@ for capability in map(int, sys.argv[1:]):
             (ops._gated_delta_tree_kernel,
              dict(mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
                   parents_ptr="*i64", out_ptr=p, states_ptr="*fp32", scale="fp32"),
-             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
+             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32, ALL_STATES=True, BLOCK_N=16)),
+            (ops._gated_delta_tree_kernel,
+             dict(mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
+                  parents_ptr="*i64", out_ptr=p, states_ptr="*fp32", scale="fp32"),
+             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32, ALL_STATES=False, BLOCK_N=32)),
+            (ops._gated_delta_path_kernel,
+             dict(mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
+                  path_ptr="*i64", scale="fp32"), dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
+            (triton_commit._gated_delta_paths_kernel, dict(table_ptr="*i64", path_ptr="*i64", scale="fp32"),
+             dict(DTYPE=tl.bfloat16 if act == "bf16" else tl.float32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128,
+                  BLOCK_V=32)),
+            (triton_commit._copy_node_rows_kernel, dict(table_ptr="*i64", node_ptr="*i64"),
+             dict(DTYPE=tl.bfloat16 if act == "bf16" else tl.float32, BLOCK=1024)),
         ]
         for kernel, types, constants in kernels:
             if "PDL" in kernel.arg_names:  # a plain launch's build (test_pdl compiles the PDL one)
@@ -294,4 +335,4 @@ def test_fused_kernels_compile_for_gpu_architectures(tmp_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, "86", "90", "120"], env=env,
                             capture_output=True, check=False, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 3 * 2 * 7
+    assert result.stdout.count("compiled") == 3 * 2 * 11

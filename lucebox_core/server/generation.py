@@ -74,6 +74,7 @@ class Options:
     json_schema: dict | None = None  # structured output: this schema
     json_object: bool = False  # structured output: any JSON object
     think_budget: int | None = None  # close the reasoning after this many tokens (may only tighten --think-max-tokens)
+    ignore_eos: bool = False  # llama.cpp's `ignore_eos`: an end-of-generation token does not end it
 
 
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
@@ -283,7 +284,7 @@ def generation_request(service: ModelService, prompt: Prompt, options: Options, 
                                       tags=_reasoning_tags(service))
     return GenerationRequest(
         prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling, stop=options.stop,
-        logprobs=options.logprobs, constraint=constraint,
+        logprobs=options.logprobs, constraint=constraint, ignore_eos=options.ignore_eos,
     )
 
 

@@ -102,7 +102,7 @@ async def props(service: NamedDependency[ModelService]) -> dict[str, Any]:
                     "op_kernels": sorted(getattr(loaded.backend, "op_kernels", {}) or {})},
         "sampling": {"capabilities": {f"supports_{name}": True for name in (
             "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
-            "seed", "stop", "logprobs", "response_format", "tools")}},
+            "seed", "stop", "logprobs", "response_format", "tools", "ignore_eos")}},
         "chat_template": loaded.chat_template.source if loaded.chat_template else None,
         "response_parser": service.parser_spec.name if service.parser_spec else None,
         "prefix_cache": service.prefix_cache_info() or {"enabled": False},

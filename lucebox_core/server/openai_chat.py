@@ -142,7 +142,7 @@ def conversation_and_options(data: ChatCompletionRequest) -> tuple[Conversation,
     if data.logprobs:
         logprobs = data.top_logprobs or 0
     options = Options(max_tokens=max_tokens, max_tokens_param=param, sampling=sampling_overrides(data),
-                      stop=stop_list(data.stop), logprobs=logprobs)
+                      stop=stop_list(data.stop), logprobs=logprobs, ignore_eos=bool(data.ignore_eos))
     response_format_options(options, data.response_format)
     return conversation, options
 

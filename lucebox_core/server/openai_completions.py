@@ -41,7 +41,7 @@ async def completions(data: JSONBody[CompletionRequest], service: NamedDependenc
     if data.suffix:
         raise invalid("`suffix` (fill-in-the-middle) is not supported", param="suffix")
     options = Options(max_tokens=data.max_tokens, sampling=sampling_overrides(data), stop=stop_list(data.stop),
-                      logprobs=data.logprobs)
+                      logprobs=data.logprobs, ignore_eos=bool(data.ignore_eos))
     response_format_options(options, data.response_format)
     prompt, request = await off_loop(_prepare, service, data.prompt, options)
     generation = Generation(service, prompt, request)

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import attrs
 
@@ -76,9 +76,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, parallel: int = 1):
+    def __init__(self, engine: Engine, parallel: int = 1, on_cancelled: Callable[[], None] | None = None):
         self.engine = engine
         self.parallel = max(1, parallel)
+        # Called (on a worker thread) for each job its client left before it ended: counted where the
+        # work stops, so a job that had already ended when its client left is not counted.
+        self._on_cancelled = on_cancelled or (lambda: None)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running = 0
         self.closed = False
@@ -116,6 +119,7 @@ class Scheduler:
             if job is None:
                 return
             if job.cancelled:
+                self._on_cancelled()
                 continue
             with self._lock:
                 self._running += 1
@@ -135,7 +139,8 @@ class Scheduler:
                 if job.first_token_at is None:
                     job.first_token_at = time.perf_counter()
                 job._emit(step)
-                if job.cancelled:
+                if job.cancelled and step.finish_reason is None:
+                    self._on_cancelled()
                     break
             job._emit(Finished(timings))
         except BaseException as exc:  # handed to the request's handler, which turns it into an API error

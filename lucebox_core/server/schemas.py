@@ -39,6 +39,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     seed: Seed | None = None
     stop: Stop | None = None
+    ignore_eos: bool | None = None  # llama.cpp's: run to max_tokens past an end-of-generation token
 
 
 # --------------------------------------------------------------------------------- chat completions

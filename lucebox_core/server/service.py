@@ -99,7 +99,7 @@ class ModelService:
             self.chat_compressor = build_chat_compressor(self.config, loaded)
             self.spark = assembled.spark
             self.loaded, self.engine, self.context = loaded, engine, assembled.context
-            self.scheduler = Scheduler(engine, self.config.parallel)
+            self.scheduler = Scheduler(engine, self.config.parallel, on_cancelled=self.metrics.cancelled.inc)
             self.status = "ok"
             log.info("model %s ready (%s backend): %s", loaded.path, loaded.backend_name, assembled.context.describe())
         except BaseException as exc:

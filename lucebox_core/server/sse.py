@@ -36,20 +36,15 @@ def stream(events: AsyncIterator[bytes]) -> Stream:
 
 async def guarded(chunks: AsyncIterator[bytes], generation: Any, error_event: Callable[[APIError], bytes]) -> AsyncIterator[bytes]:
     """Pass `chunks` through; turn a failure into one error event; cancel the generation when the client
-    leaves (the response is closed or cancelled mid-stream), so its slot frees at once."""
-    finished = False
+    leaves (the response is closed or cancelled mid-stream), so its slot frees at once (the scheduler
+    counts the cancellation where the work stops)."""
     try:
         async for chunk in chunks:
             yield chunk
-        finished = True
     except APIError as exc:
-        finished = True
         yield error_event(exc)
     except Exception as exc:  # the headers are gone: the error can only travel as an event
-        finished = True
         log.exception("stream failed")
         yield error_event(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
     finally:
-        if not finished:
-            generation.service.metrics.cancelled.inc()
         generation.cancel()

@@ -29,7 +29,7 @@ class TreeVerification:
     kv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention layer -> K, V rows of every node
     # A family's per-node recurrent state (a linear-attention layer's); empty for attention-only models.
     conv: dict[int, torch.Tensor] = attrs.Factory(dict)  # layer -> [N, K-1, C], conv state after each node
-    recurrent: dict[int, torch.Tensor] = attrs.Factory(dict)  # layer -> [N, H_v, D_k, D_v], after each node
+    recurrent: dict[int, Any] = attrs.Factory(dict)  # layer -> [N, H_v, D_k, D_v], after each node (or the family's)
     # The static pass wrote every node's K/V into the cache at `committed + i` (insertion order) instead
     # of returning `kv_rows`; its tensors are a recording's buffers, valid until the next verify.
     static: bool = False
@@ -39,6 +39,9 @@ class TreeVerification:
     # Static and replayed: the key of the recording whose buffers its tensors are (the same tensors at every
     # replay of that key, so a recorded commit may read them); None: one-off tensors (a warm-up's, eager).
     recording: Any = None
+    # The path whose recurrent steps `commit` replayed into the live state, where a family keeps its steps'
+    # inputs rather than every node's state (qwen35's `ReplayedRecurrence`): a later commit may only extend it.
+    replayed: list[int] = attrs.Factory(list)
 
 
 class FeatureCapture:

@@ -439,6 +439,23 @@ def gated_delta_tree(ops: Any, mixed, a, b, ssm_a, dt_bias, state, parents, num_
     return triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
 
 
+def accepts_gated_delta_tree_reloaded(ops: Any, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads,
+                                      head_k_dim) -> bool:
+    return accepts_gated_delta_tree(ops, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+
+
+def gated_delta_tree_reloaded(ops: Any, mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim):
+    return triton_fused().gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim,
+                                           all_states=False)
+
+
+accepts_gated_delta_path_ = accepts_gated_delta_tree  # the same arguments (a path in place of the parents)
+
+
+def gated_delta_path_(ops: Any, mixed, a, b, ssm_a, dt_bias, state, path, num_k_heads, head_k_dim):
+    triton_fused().gated_delta_path_(mixed, a, b, ssm_a, dt_bias, state, path, num_k_heads, head_k_dim)
+
+
 def accepts_gdn_gates(ops: Any, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor) -> bool:
     glue = triton_gdn_glue()
     heads = a.shape[-1]

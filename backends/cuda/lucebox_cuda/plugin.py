@@ -26,6 +26,7 @@ GENERIC_KERNEL_OPS = (
 FAMILY_KERNEL_OPS = (
     "gated_delta_rule_recurrent", "gated_delta_rule_chunked", "gated_delta_rule_tree", "gated_delta_decode_",
     "gated_delta_tree", "causal_conv1d", "causal_conv1d_step", "causal_conv1d_tree", "conv_silu_update_",
+    "gated_delta_tree_reloaded", "gated_delta_path_",  # a verify pass's node states for a commit that replays
     "conv_silu_tree", "gdn_gates", "causal_conv1d_silu_", "gated_delta_rule_chunked_",
     "moe_experts",  # Gemma-4's (and any family's of that name and signature) routed experts, GeGLU
     "moe_experts_paged",  # the same over Spark's paged stacks (device slots, pinned host copy, table)
@@ -34,6 +35,8 @@ FAMILY_KERNEL_OPS = (
     "gated_attention_decode_",  # a decode step's gated attention, one persistent launch (LUCEBOX_PERSISTENT_ATTENTION)
     "add_rms_norm_gated_attention_",  # the same with the layer's input add + norm
 )
+# Every linear-attention layer's commit of a verified path in one op (qwen35's name), in `triton_commit`.
+COMMIT_KERNEL_OPS = ("gated_delta_commit_",)
 # A sandwich-norm decoder's norm chains and small ops (Gemma-4's names), in `norm_kernels`.
 NORM_KERNEL_OPS = ("qkv_norm_rope", "post_norm_residual", "norm_sum", "gelu_tanh_mul", "softcap", "moe_route",
                    # a gated-attention, sigmoid-routed MoE decoder's (Laguna's names), in `triton_gates`
@@ -106,4 +109,8 @@ def lucebox_op_kernels():
         OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.norm_kernels:{op}",
                  accepts=f"lucebox_cuda.norm_kernels:accepts_{op}", description="Triton")
         for op in NORM_KERNEL_OPS
+    ] + [
+        OpKernel(op=op, backend="cuda", kernel=f"lucebox_cuda.triton_commit:{op}",
+                 accepts=f"lucebox_cuda.triton_commit:accepts_{op}", description="Triton")
+        for op in COMMIT_KERNEL_OPS
     ]

@@ -422,15 +422,40 @@ def gated_delta_decode_(
 
 
 @triton.jit
+def _delta_node_step(
+    state, mixed_ptr, a_ptr, b_ptr, node, stride_mn, stride_an, stride_bn, head, key_head, key_channels,
+    scale, a_log, dt, key_dims, key_ok, value_dims, value_ok, dtype, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+):
+    """One node's step from `state` (its parent's, fp32 registers): the arithmetic of
+    `_gated_delta_decode_kernel`, shared by the tree walk and the path replay so that both give a node the
+    same bits. Returns (the state after the node, its output)."""
+    row = mixed_ptr + node.to(tl.int64) * stride_mn
+    q = tl.load(row + key_head * KEY_DIM + key_dims, mask=key_ok, other=0.0).to(tl.float32)
+    k = tl.load(row + key_channels + key_head * KEY_DIM + key_dims, mask=key_ok, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * key_channels + head * VALUE_DIM + value_dims, mask=value_ok, other=0.0).to(tl.float32)
+    q = (q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)).to(dtype).to(tl.float32) * scale
+    k = (k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)).to(dtype).to(tl.float32)
+    beta = tl.sigmoid(tl.load(b_ptr + node * stride_bn + head).to(tl.float32)).to(dtype).to(tl.float32)
+    pre = tl.load(a_ptr + node * stride_an + head).to(tl.float32) + dt
+    softplus = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
+    state = state * tl.exp(a_log * softplus)
+    update = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state += k[:, None] * update[None, :]
+    return state, tl.sum(state * q[:, None], axis=0)
+
+
+@triton.jit
 def _gated_delta_tree_kernel(
     mixed_ptr, a_ptr, b_ptr, ssm_a_ptr, dt_bias_ptr, state_ptr, parents_ptr, out_ptr, states_ptr,
     nodes, scale, key_heads, value_heads, key_channels,
     stride_mn, stride_an, stride_bn,
     KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    ALL_STATES: tl.constexpr = True, BLOCK_N: tl.constexpr = 16,
 ):
     """`_gated_delta_decode_kernel` for every node in index order, one program per (value head, slice of
     value dims). A node whose parent is the previous node keeps the state in registers; any other reloads
-    its parent's state from what this program already wrote (or the committed state for a root)."""
+    its parent's state from what this program already wrote (or the committed state for a root).
+    ALL_STATES false: a node's state is written only where a later node reloads it (BLOCK_N >= nodes)."""
     head = tl.program_id(0)
     key_head = head % key_heads
     key_dims = tl.arange(0, BLOCK_K)
@@ -445,60 +470,120 @@ def _gated_delta_tree_kernel(
     dtype = out_ptr.dtype.element_ty
     a_log = tl.load(ssm_a_ptr + head)
     dt = tl.load(dt_bias_ptr + head)
+    children = tl.arange(0, BLOCK_N)
+    parent_of_child = tl.load(parents_ptr + children, mask=children < nodes, other=-2).to(tl.int32)
     i = 0
     while i < nodes:  # a while loop: Triton 3.6's interpreter cannot take an argument as a range() bound
         parent = tl.load(parents_ptr + i).to(tl.int32)
         if parent != i - 1:  # the registers hold node i-1's state: fetch the parent's
             parent_state = states_ptr + (parent.to(tl.int64) * value_heads + head) * head_state + slice_in_head
             state = tl.load(tl.where(parent < 0, initial, parent_state), mask=tile_ok, other=0.0)
-        row = mixed_ptr + i.to(tl.int64) * stride_mn
-        q = tl.load(row + key_head * KEY_DIM + key_dims, mask=key_ok, other=0.0).to(tl.float32)
-        k = tl.load(row + key_channels + key_head * KEY_DIM + key_dims, mask=key_ok, other=0.0).to(tl.float32)
-        v = tl.load(row + 2 * key_channels + head * VALUE_DIM + value_dims, mask=value_ok, other=0.0).to(tl.float32)
-        q = (q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)).to(dtype).to(tl.float32) * scale
-        k = (k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)).to(dtype).to(tl.float32)
-        beta = tl.sigmoid(tl.load(b_ptr + i * stride_bn + head).to(tl.float32)).to(dtype).to(tl.float32)
-        pre = tl.load(a_ptr + i * stride_an + head).to(tl.float32) + dt
-        softplus = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
-        state = state * tl.exp(a_log * softplus)
-        update = (v - tl.sum(state * k[:, None], axis=0)) * beta
-        state += k[:, None] * update[None, :]
-        out = tl.sum(state * q[:, None], axis=0)
+        state, out = _delta_node_step(
+            state, mixed_ptr, a_ptr, b_ptr, i, stride_mn, stride_an, stride_bn, head, key_head, key_channels,
+            scale, a_log, dt, key_dims, key_ok, value_dims, value_ok, dtype, KEY_DIM, VALUE_DIM)
         tl.store(out_ptr + (i * value_heads + head).to(tl.int64) * VALUE_DIM + value_dims, out.to(dtype), mask=value_ok)
-        tl.store(states_ptr + (i * value_heads + head).to(tl.int64) * head_state + slice_in_head, state, mask=tile_ok)
+        keep = tile_ok
+        if not ALL_STATES:  # kept only for a child that is not the next node (the next continues in registers)
+            reloaded = tl.sum(((parent_of_child == i) & (children != i + 1)).to(tl.int32), axis=0) > 0
+            keep = tile_ok & reloaded
+        tl.store(states_ptr + (i * value_heads + head).to(tl.int64) * head_state + slice_in_head, state, mask=keep)
         # A later node may reload this state, which other threads of the program wrote.
         tl.debug_barrier()
         i += 1
 
 
-def gated_delta_tree(
-    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
-    state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """the qwen35 family's `gated_delta_tree` reference (`lucebox_qwen35.ops`): mixed `[1, N, C]`, a, b `[1, N, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
-    state `[1, H_v, D_k, D_v]` fp32 contiguous (not modified), parents `[N]` long on the device ->
-    (o `[1, N, H_v, D_v]` in mixed's dtype, node states `[N, H_v, D_k, D_v]` fp32). One launch."""
+def _check_tree_shapes(op: str, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state: torch.Tensor,
+                       index: torch.Tensor, num_k_heads: int, head_k_dim: int) -> None:
+    """The shapes `gated_delta_tree` and `gated_delta_path_` take (`index`: parents `[N]`, or a path `[L]`)."""
     _, value_heads, key_dim, value_dim = state.shape
     nodes = mixed.shape[1]
     key_channels = num_k_heads * head_k_dim
     if (mixed.shape[0] != 1 or key_dim != head_k_dim or mixed.shape[2] != 2 * key_channels + value_heads * value_dim
-            or a.shape != (1, nodes, value_heads) or b.shape != (1, nodes, value_heads) or parents.shape != (nodes,)
+            or a.shape != (1, nodes, value_heads) or b.shape != (1, nodes, value_heads) or index.dim() != 1
             or value_heads % num_k_heads or state.dtype != torch.float32 or not state.is_contiguous()):
-        raise ValueError(f"gated_delta_tree shapes: mixed {tuple(mixed.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
-                         f"state {tuple(state.shape)} {state.dtype}, parents {tuple(parents.shape)}")
+        raise ValueError(f"{op} shapes: mixed {tuple(mixed.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                         f"state {tuple(state.shape)} {state.dtype}, index {tuple(index.shape)}")
     if mixed.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise ValueError("gated_delta_tree needs the last dims contiguous")
+        raise ValueError(f"{op} needs the last dims contiguous")
+
+
+def gated_delta_tree(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int, *, all_states: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """the qwen35 family's `gated_delta_tree` reference (`lucebox_qwen35.ops`): mixed `[1, N, C]`, a, b `[1, N, H_v]`, ssm_a, dt_bias `[H_v]` fp32,
+    state `[1, H_v, D_k, D_v]` fp32 contiguous (not modified), parents `[N]` long on the device ->
+    (o `[1, N, H_v, D_v]` in mixed's dtype, node states `[N, H_v, D_k, D_v]` fp32). One launch.
+    `all_states` false: `gated_delta_tree_reloaded`, only the states a later node reloads are written."""
+    _check_tree_shapes("gated_delta_tree", mixed, a, b, state, parents, num_k_heads, head_k_dim)
+    _, value_heads, key_dim, value_dim = state.shape
+    nodes = mixed.shape[1]
+    if parents.shape != (nodes,):
+        raise ValueError(f"gated_delta_tree: parents {tuple(parents.shape)} for {nodes} nodes")
     out = torch.empty(1, nodes, value_heads, value_dim, device=mixed.device, dtype=mixed.dtype)
     node_states = torch.empty(nodes, value_heads, key_dim, value_dim, device=mixed.device, dtype=torch.float32)
     block_values = min(DELTA_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     with _device_scope(mixed):
         _gated_delta_tree_kernel[(value_heads, math.ceil(value_dim / block_values))](
             mixed, a, b, ssm_a, dt_bias, state, parents.contiguous(), out, node_states,
-            nodes, key_dim**-0.5, num_k_heads, value_heads, key_channels,
+            nodes, key_dim**-0.5, num_k_heads, value_heads, num_k_heads * head_k_dim,
+            mixed.stride(1), a.stride(1), b.stride(1),
+            KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
+            ALL_STATES=all_states, BLOCK_N=max(16, triton.next_power_of_2(nodes)),
+        )
+    return out, node_states
+
+
+@triton.jit
+def _gated_delta_path_kernel(
+    mixed_ptr, a_ptr, b_ptr, ssm_a_ptr, dt_bias_ptr, state_ptr, path_ptr,
+    steps, scale, key_heads, key_channels,
+    stride_mn, stride_an, stride_bn,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The tree walk's steps along one path of its nodes, from the state in place: the state after the
+    path's last node, as the tree walk computed it, without the walk having written it."""
+    head = tl.program_id(0)
+    key_head = head % key_heads
+    key_dims = tl.arange(0, BLOCK_K)
+    value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_ok = key_dims < KEY_DIM
+    value_ok = value_dims < VALUE_DIM
+    tile_ok = key_ok[:, None] & value_ok[None, :]
+    tile = head.to(tl.int64) * (KEY_DIM * VALUE_DIM) + key_dims[:, None] * VALUE_DIM + value_dims[None, :]
+    state = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
+    a_log = tl.load(ssm_a_ptr + head)
+    dt = tl.load(dt_bias_ptr + head)
+    dtype = mixed_ptr.dtype.element_ty
+    j = 0
+    while j < steps:
+        node = tl.load(path_ptr + j).to(tl.int32)
+        state, _ = _delta_node_step(
+            state, mixed_ptr, a_ptr, b_ptr, node, stride_mn, stride_an, stride_bn, head, key_head, key_channels,
+            scale, a_log, dt, key_dims, key_ok, value_dims, value_ok, dtype, KEY_DIM, VALUE_DIM)
+        j += 1
+    tl.store(state_ptr + tile, state, mask=tile_ok)
+
+
+def gated_delta_path_(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, path: torch.Tensor, num_k_heads: int, head_k_dim: int,
+) -> None:
+    """the qwen35 family's `gated_delta_path_` reference (`lucebox_qwen35.ops`): a tree's inputs as
+    `gated_delta_tree` takes them, `state` `[1, H_v, D_k, D_v]` fp32 advanced in place along `path` `[L]`
+    (node indices on the device, each the parent of the next). One launch; `path` is never read on the host."""
+    _check_tree_shapes("gated_delta_path_", mixed, a, b, state, path, num_k_heads, head_k_dim)
+    _, value_heads, key_dim, value_dim = state.shape
+    if path.shape[0] == 0:
+        return
+    block_values = min(DELTA_BLOCK_VALUES, triton.next_power_of_2(value_dim))
+    with _device_scope(mixed):
+        _gated_delta_path_kernel[(value_heads, math.ceil(value_dim / block_values))](
+            mixed, a, b, ssm_a, dt_bias, state, path.contiguous(),
+            path.shape[0], key_dim**-0.5, num_k_heads, num_k_heads * head_k_dim,
             mixed.stride(1), a.stride(1), b.stride(1),
             KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
         )
-    return out, node_states
 
 
 # -- GPU check and timing: python -m lucebox_cuda.triton_fused -------------------------------------------

@@ -26,6 +26,7 @@ What llama.cpp's converter baked into the GGUF, and what that means here:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from typing import Any, ClassVar
 
@@ -41,7 +42,7 @@ from lucebox_core.static_step import StaticInputs, StaticStep, run_decode_step
 from . import prefill
 from .layout import Qwen35Config
 from .memory import MemoryEstimate, estimate_memory, tensor_bytes, weights_of
-from .verify import SpeculativeTarget
+from .verify import GDN_REPLAY_SWITCH, ReplayedRecurrence, SpeculativeTarget
 
 ARCHITECTURE = "qwen35"
 # `<|MASK|>`-like slot of the Qwen3.5/3.6 vocabulary that z-lab's DFlash drafters were trained with.
@@ -192,11 +193,12 @@ class GatedDeltaNet:
 
     def verify_tree(
         self, x: torch.Tensor, state: GatedDeltaNetState, parents: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | ReplayedRecurrence]:
         """Run the nodes of a candidate tree `x` `[1, N, hidden]`, each from its parent's state, leaving
         `state` untouched (`parents` `[N]`, `TreeIndex.parents` on the device, so the pass can be recorded
         as a CUDA graph). Returns the output `[1, N, hidden]` and, per node, the conv state `[N, K-1, C]`
-        and the recurrent state `[N, H_v, D_k, D_v]` after that node.
+        and the recurrent state `[N, H_v, D_k, D_v]` after that node; with `LUCEBOX_GDN_REPLAY=1`, in place
+        of the recurrent states, the steps' inputs, from which the commit replays its path.
 
         Node `i`'s convolution window is the inputs along its own ancestry (then the committed conv
         state), and its recurrent step starts from its parent's state (the root's from `state`): the
@@ -209,8 +211,13 @@ class GatedDeltaNet:
         # [1, N, C]: the nodes as the tokens of one sequence, convolved along their own ancestry.
         conv_out, node_conv = ops.conv_silu_tree(mixed_qkv, self.conv1d, state.conv, parents)
         # Each node steps from its parent's state (the root from the committed one).
-        core, node_state = ops.gated_delta_tree(conv_out, a, b, self.ssm_a, self.dt_bias, state.recurrent, parents,
-                                                self.num_k_heads, self.head_k_dim)
+        if os.environ.get(GDN_REPLAY_SWITCH) == "1":  # the commit replays its path: keep the steps' inputs
+            core, _ = ops.gated_delta_tree_reloaded(conv_out, a, b, self.ssm_a, self.dt_bias, state.recurrent, parents,
+                                                    self.num_k_heads, self.head_k_dim)
+            node_state = ReplayedRecurrence(self, conv_out, a, b)
+        else:
+            core, node_state = ops.gated_delta_tree(conv_out, a, b, self.ssm_a, self.dt_bias, state.recurrent,
+                                                    parents, self.num_k_heads, self.head_k_dim)
         core = ops.gated_rms_norm(core, z.reshape(1, nodes, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
         return ops.linear(core.reshape(1, nodes, -1), self.out_proj), node_conv, node_state
 

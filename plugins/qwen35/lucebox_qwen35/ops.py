@@ -14,6 +14,7 @@ in a GGUF, so the GGUF tensors are used as they are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -127,6 +128,52 @@ def gated_delta_tree(
     value = value.reshape(1, nodes, value_heads, -1)
     g, beta = ops.gdn_gates(a, b, ssm_a, dt_bias)
     return ops.gated_delta_rule_tree(query, key, value, g, beta, state, parents)
+
+
+@QWEN35_OPS.reference
+def gated_delta_tree_reloaded(
+    ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_tree`, whose node states need hold only the nodes a later node steps from though it is not
+    their next node (a backend may leave the others unwritten: `gated_delta_path_` replays a path instead).
+    Why: a 27B verify of 23 nodes writes 3.5 GB of node states, most never read (H100, session 32)."""
+    return ops.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, parents, num_k_heads, head_k_dim)
+
+
+@QWEN35_OPS.reference
+def gated_delta_path_(
+    ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+    state: torch.Tensor, path: torch.Tensor, num_k_heads: int, head_k_dim: int,
+) -> None:
+    """`state` `[1, H_v, D_k, D_v]` advanced in place along `path` `[L]` (nodes of a tree whose inputs are
+    `gated_delta_tree`'s, each the parent of the next, on the device): the state `gated_delta_tree` gives the
+    path's last node when its first node's parent state is `state`. Here the tree op on the path's rows as a
+    chain, so each step is that op's arithmetic."""
+    steps = path.shape[0]
+    if steps == 0:
+        return
+    rows = [t.index_select(1, path) for t in (mixed, a, b)]
+    chain = torch.arange(-1, steps - 1, device=path.device)
+    _, states = ops.gated_delta_tree(*rows, ssm_a, dt_bias, state, chain, num_k_heads, head_k_dim)
+    state.copy_(states[steps - 1 :])
+
+
+@QWEN35_OPS.reference
+def gated_delta_commit_(
+    ops: Any, conv_live: Sequence[torch.Tensor], conv_nodes: Sequence[torch.Tensor], state_live: Sequence[torch.Tensor],
+    mixed: Sequence[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+    ssm_a: Sequence[torch.Tensor], dt_bias: Sequence[torch.Tensor], path: torch.Tensor, last: torch.Tensor,
+    num_k_heads: int, head_k_dim: int,
+) -> None:
+    """The commit of a replayed verification in every linear-attention layer (lists, a layer an entry): the
+    conv state `conv_live[l]` `[1, K-1, C]` from the node states `conv_nodes[l]` `[N, K-1, C]` at node `last`
+    `[1]`, and the recurrent state `state_live[l]` advanced along `path` (`gated_delta_path_` with the layer's
+    `mixed`, `a`, `b`, `ssm_a`, `dt_bias`). A backend may run all the layers in one launch."""
+    for layer in range(len(mixed)):
+        conv_live[layer].copy_(conv_nodes[layer].index_select(0, last))
+        ops.gated_delta_path_(mixed[layer], a[layer], b[layer], ssm_a[layer], dt_bias[layer], state_live[layer], path,
+                              num_k_heads, head_k_dim)
 
 
 # -- short convolution -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import attrs
 import torch
 
 from lucebox_core.errors import LuceboxError
@@ -27,6 +28,48 @@ from lucebox_core.static_step import StaticInputs, StaticStep, kv_window, step_s
 
 # `LUCEBOX_RECORDED_COMMIT=0` commits every path eagerly (an A/B switch for `_commit_recorded`).
 RECORDED_COMMIT_SWITCH = "LUCEBOX_RECORDED_COMMIT"
+# `LUCEBOX_GDN_REPLAY=1`: a verify pass keeps its recurrent steps' inputs, not every node's state, and the commit
+# replays the accepted path (`ReplayedRecurrence`). Off by default until a GPU has timed it.
+GDN_REPLAY_SWITCH = "LUCEBOX_GDN_REPLAY"
+
+
+@attrs.frozen
+class ReplayedRecurrence:
+    """A linear-attention layer's part of a verification, in place of the recurrent state after every node:
+    the inputs of the nodes' recurrent steps, from which `commit` advances the live state along the accepted
+    path (`gated_delta_path_`, the tree walk's arithmetic: the same bits the walk gave the path's last node).
+
+    Why: the tree walk of a 23-node 27B verify wrote 3.5 GB of fp32 node states, 2.6 ms of a 23.5 ms pass
+    (H100, session 32), to keep one state a layer; the replay reads the path's inputs and one state."""
+
+    mixer: Any  # the layer's `model.GatedDeltaNet`: its ops, gates' parameters and head shape
+    mixed: torch.Tensor  # [1, N, C] the convolved q | k | v channels (after SiLU)
+    a: torch.Tensor  # [1, N, H_v]
+    b: torch.Tensor  # [1, N, H_v]
+
+
+def _replays(state: Any, verification: TreeVerification) -> bool:
+    """Whether `verification` kept its linear layers' steps' inputs (`LUCEBOX_GDN_REPLAY=1`) for `commit` to replay."""
+    return bool(state.linear) and all(isinstance(verification.recurrent.get(layer), ReplayedRecurrence)
+                                      for layer in state.linear)
+
+
+def _commit_replayed(state: Any, verification: TreeVerification, steps: torch.Tensor, last: torch.Tensor) -> None:
+    """Every linear layer's conv state after node `last` `[1]` and its recurrent state advanced along `steps` `[L]`
+    from the live one: one `gated_delta_commit_` per device (a split model's layers sit on theirs)."""
+    by_device: dict[torch.device, list[ReplayedRecurrence]] = {}
+    layers_by_device: dict[torch.device, list[int]] = {}
+    for layer in state.linear:
+        replay = verification.recurrent[layer]
+        by_device.setdefault(replay.mixed.device, []).append(replay)
+        layers_by_device.setdefault(replay.mixed.device, []).append(layer)
+    for device, replays in by_device.items():
+        layers, mixer = layers_by_device[device], replays[0].mixer
+        mixer.ops.gated_delta_commit_(
+            [state.linear[layer].conv for layer in layers], [verification.conv[layer] for layer in layers],
+            [state.linear[layer].recurrent for layer in layers], [r.mixed for r in replays], [r.a for r in replays],
+            [r.b for r in replays], [r.mixer.ssm_a for r in replays], [r.mixer.dt_bias for r in replays],
+            steps.to(device), last.to(device), mixer.num_k_heads, mixer.head_k_dim)
 
 
 class SpeculativeTarget(FeatureCapture):
@@ -189,6 +232,11 @@ class SpeculativeTarget(FeatureCapture):
         done = verification.compacted
         if verification.static and path[: len(done)] != done[: len(path)]:
             raise ValueError(f"{path} leaves the path {done} already committed from this verification")
+        replayed = verification.replayed
+        if replayed and path[: len(replayed)] != replayed:
+            raise ValueError(f"{path} does not extend the path {replayed} whose recurrent steps this verification's "
+                             f"commit replayed (a replayed state cannot go back: {GDN_REPLAY_SWITCH}=0 keeps every "
+                             "node's)")
         committed = verification.committed  # committing again (a longer path) first undoes the last one
         state.kv.rollback(committed)
         if (verification.recording is not None and not done and isinstance(state.kv, FullKVCache)
@@ -207,9 +255,13 @@ class SpeculativeTarget(FeatureCapture):
             rows = index.to(k_rows.device)  # a split model's rows sit on their layer's device
             state.kv.append(layer, k_rows[rows], v_rows[rows])
         last = path[-1]
-        for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
-            linear.conv.copy_(verification.conv[layer][last : last + 1])
-            linear.recurrent.copy_(verification.recurrent[layer][last : last + 1])
+        if _replays(state, verification):  # the live state holds the end of `replayed`: step on from it
+            _commit_replayed(state, verification, index[len(verification.replayed):], index[-1:])
+        else:
+            for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
+                linear.conv.copy_(verification.conv[layer][last : last + 1])
+                linear.recurrent.copy_(verification.recurrent[layer][last : last + 1])
+        verification.replayed[:] = path
         if state.features is not None and verification.features is not None:
             self._store_features(state, committed, verification.features[index.to(verification.features.device)])
         state.length = committed + len(path)
@@ -229,6 +281,7 @@ class SpeculativeTarget(FeatureCapture):
         state.verify.run(("commit", verification.recording, length, ring),
                          lambda step_inputs: self._commit_step(state, verification, step_inputs), inputs)
         verification.compacted[:] = path
+        verification.replayed[:] = path
         state.kv.commit(committed + length)
         state.length = committed + length
 
@@ -239,13 +292,16 @@ class SpeculativeTarget(FeatureCapture):
         steps = torch.arange(length, device=index.device)
         state.kv.move(start + index, start + steps)  # all reads before any write: path[i] >= i
         last = index[length - 1:]
-        for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
-            pairs = ((linear.conv, verification.conv[layer]), (linear.recurrent, verification.recurrent[layer]))
-            for live, nodes in pairs:
-                if live.dtype == nodes.dtype and live.is_contiguous():
-                    torch.index_select(nodes, 0, last, out=live)  # no temporary: the 27B's states are 3 MB a layer
-                else:
-                    live.copy_(nodes.index_select(0, last))
+        if _replays(state, verification):
+            _commit_replayed(state, verification, index, last)
+        else:
+            for layer, linear in state.linear.items():  # in place: a recorded decode step holds these buffers
+                pairs = ((linear.conv, verification.conv[layer]), (linear.recurrent, verification.recurrent[layer]))
+                for live, nodes in pairs:
+                    if live.dtype == nodes.dtype and live.is_contiguous():
+                        torch.index_select(nodes, 0, last, out=live)  # no temporary: the 27B's are 3 MB a layer
+                    else:
+                        live.copy_(nodes.index_select(0, last))
         if state.features is not None and verification.features is not None:
             capacity = state.features.shape[0]
             kept = min(length, capacity)  # a path longer than the ring keeps its last `capacity` rows
