@@ -312,16 +312,21 @@ class FullKVCache:
                     )
         # Rows per layer: every position, or a sliding layer's ring.
         self._rows = {layer: min(max_context, s.window) if s.window else max_context for layer, s in self.shapes.items()}
-        self._keys = {
-            layer: torch.zeros(self._rows[layer], s.kv_heads, *self._k_codec.stored_shape(s.k_head_dim),
-                               dtype=self._k_codec.storage_dtype, device=self.device)
-            for layer, s in self.shapes.items()
-        }
-        self._values = {
-            layer: torch.zeros(self._rows[layer], s.kv_heads, *self._v_codec.stored_shape(s.v_head_dim),
-                               dtype=self._v_codec.storage_dtype, device=self.device)
-            for layer, s in self.shapes.items()
-        }
+        # The K and V buffers of layers alike (rows, shape, storage dtype, ring or not) are the entries of one
+        # stack, so `move` is two launches for all of them (a 27B commit moved 16 layers' K and V in 64).
+        alike: dict[tuple, list[tuple[dict, int]]] = {}
+        self._keys, self._values = {}, {}
+        for layer, s in self.shapes.items():
+            for buffers, codec, dim in ((self._keys, self._k_codec, s.k_head_dim),
+                                        (self._values, self._v_codec, s.v_head_dim)):
+                shape = (self._rows[layer], s.kv_heads, *codec.stored_shape(dim))
+                alike.setdefault((shape, codec.storage_dtype, bool(s.window)), []).append((buffers, layer))
+        self._stacks: list[tuple[torch.Tensor, int]] = []  # (stack, ring rows or 0)
+        for (shape, storage_dtype, ring), members in alike.items():
+            stack = torch.zeros(len(members), *shape, dtype=storage_dtype, device=self.device)
+            self._stacks.append((stack, shape[0] if ring else 0))
+            for index, (buffers, layer) in enumerate(members):
+                buffers[layer] = stack[index]
         # Each layer has its own fill pointer: layers append one after another within a forward pass.
         self._lengths = {layer: 0 for layer in self.shapes}
 
@@ -436,11 +441,9 @@ class FullKVCache:
         """Copy the rows of positions `source` to positions `destination` (device long tensors) in every
         layer, all reads before any write: a verified tree's accepted nodes, from the positions they were
         written at (insertion order) to their places on the accepted path."""
-        for layer in self._keys:
-            rows, ring = self._rows[layer], bool(self.shapes[layer].window)
-            src, dst = (source % rows, destination % rows) if ring else (source, destination)
-            for buffer in (self._keys[layer], self._values[layer]):
-                buffer.index_copy_(0, dst, buffer.index_select(0, src))
+        for stack, ring_rows in self._stacks:
+            src, dst = (source % ring_rows, destination % ring_rows) if ring_rows else (source, destination)
+            stack.index_copy_(1, dst, stack.index_select(1, src))
 
     def _check_window(self, size: int) -> None:
         if not 0 < size <= self.max_context:

@@ -4,7 +4,8 @@
 
 A prompt of `--depth` random tokens is prefilled; then for each node count a verify pass over a chain of that
 many nodes (the shape `VerifyCostCurve` times) and, for the largest count, over a tree of the same size (node i's
-parent (i - 1) // 2: several branches a level, as DDTree's trees have). Each pass runs once untimed (on a GPU:
+parent (i - 1) // 2: several branches a level) and over a tree shaped as a chain-seeded DDTree's (a spine of two
+thirds of the nodes, then siblings of spine nodes: where few nodes are branched from). Each pass runs once untimed (on a GPU:
 records its graph), then `--reps` times timed (the device waited for after each), then `--reps` times under
 `torch.profiler`, whose kernels are summed by kind: the weights' products by GGUF format, attention, the Gated
 DeltaNet's recurrence and convolution, norms, and the rest. The products' rate is the weights' bytes over their
@@ -50,6 +51,9 @@ def kernel_kind(name: str) -> str:
 def tree_parents(nodes: int, shape: str) -> list[int]:
     if shape == "chain":
         return list(range(-1, nodes - 1))
+    if shape == "ddtree":  # a chain-seeded DDTree's shape: a spine of two thirds, then siblings off the spine
+        spine = max(2, 2 * nodes // 3) if nodes > 2 else nodes
+        return list(range(-1, spine - 1)) + [(i - spine) % (spine - 1) for i in range(spine, nodes)]
     return [-1] + [(i - 1) // 2 for i in range(1, nodes)]
 
 
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [profile_pass(model, state, n, "chain", args.reps, synchronize, weight_bytes) for n in counts]
     if max(counts) > 2:
-        rows.append(profile_pass(model, state, max(counts), "tree", args.reps, synchronize, weight_bytes))
+        for shape in ("tree", "ddtree"):
+            rows.append(profile_pass(model, state, max(counts), shape, args.reps, synchronize, weight_bytes))
     one = next((r for r in rows if r["nodes"] == 1), None)
     for row in rows:
         ratio = f" ({row['wall_ms'] / one['wall_ms']:.2f}x one node)" if one else ""

@@ -420,16 +420,17 @@ def test_constrained_decode_bench_reports_both_masks_idle_and_busy(tiny_files, c
 
 
 def test_verify_profile_times_chains_and_a_tree_and_names_kernel_kinds(tiny_files, tmp_path):
-    """scripts/verify_profile.py on the tiny file on the CPU: a chain pass per node count and a tree of the largest,
-    each timed; the kernel names of the GPU's products, attention and recurrence fall into their kinds."""
+    """scripts/verify_profile.py on the tiny file on the CPU: a chain pass per node count and two trees of the
+    largest, each timed; the kernel names of the GPU's products, attention and recurrence fall into their kinds."""
     profile = _import("verify_profile")
     out = tmp_path / "verify.json"
     assert profile.main([str(tiny_files[1]), "--nodes", "1,5", "--depth", "24", "--reps", "2",
                          "--json", str(out)]) == 0
     passes = json.loads(out.read_text())["passes"]
-    assert [(p["nodes"], p["shape"]) for p in passes] == [(1, "chain"), (5, "chain"), (5, "tree")]
+    assert [(p["nodes"], p["shape"]) for p in passes] == [(1, "chain"), (5, "chain"), (5, "tree"), (5, "ddtree")]
     assert all(p["wall_ms"] > 0 for p in passes)
     assert profile.tree_parents(6, "tree") == [-1, 0, 0, 1, 1, 2]
+    assert profile.tree_parents(9, "ddtree") == [-1, 0, 1, 2, 3, 4, 0, 1, 2]
     assert profile.kernel_kind("matvec_tiled_w4_r2_a1_o0_q6_k_bf16_24") == "products q6_k"
     assert profile.kernel_kind("mma_q4_k_bf16_24") == "products q4_k"
     assert profile.kernel_kind("_tree_attention_kernel") == "attention"
