@@ -419,6 +419,21 @@ def test_constrained_decode_bench_reports_both_masks_idle_and_busy(tiny_files, c
     assert all(r["decode_tokens_per_s"] > 0 for r in rows)
 
 
+def test_spec_step_profile_splits_a_step_and_profiles_the_draft(tiny_target_and_draft, tmp_path):
+    """scripts/spec_step_profile.py on the tiny pair on the CPU, forced: each part of a step timed (the drafter's sync
+    inside the draft, not counted twice), and the draft made again under the profiler."""
+    profile = _import("spec_step_profile")
+    target, draft = tiny_target_and_draft
+    out = tmp_path / "step.json"
+    assert profile.main([str(target), str(draft), "--force-accept", "3", "-n", "12", "--draft-kernels", "2",
+                         "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    parts = result["parts_ms_per_step"]
+    assert {"draft", "draft sync", "candidates", "verify", "walk", "commit"} <= set(parts)
+    assert parts["draft sync"] <= parts["draft"]
+    assert result["steps"] >= 1 and result["draft_kernels"]["calls"] == 2 and result["draft_kernels"]["wall_ms"] > 0
+
+
 def test_verify_profile_times_chains_and_a_tree_and_names_kernel_kinds(tiny_files, tmp_path):
     """scripts/verify_profile.py on the tiny file on the CPU: a chain pass per node count and two trees of the
     largest, each timed; the kernel names of the GPU's products, attention and recurrence fall into their kinds."""
