@@ -207,22 +207,10 @@ def test_forced_speculative_decoding_with_replayed_commits(tiny_target_and_draft
 def test_replayed_commits_on_cuda(tiny_target_and_draft, monkeypatch):
     """With CUDA graphs on the CUDA backend (bf16): two states verify the same trees, one keeping every node's
     state, one replaying (recorded commits both); the probes' logits are equal to the bit, round after round."""
+    from test_static_verify import switched_rounds
+
     target, _ = tiny_target_and_draft
     model = load_model(target, backend="cuda", device="cuda").model
-    parents = TREES[0]
-    gen = torch.Generator().manual_seed(41)
-    states = {"1": model.new_state(160), "0": model.new_state(160)}
-    prompt = torch.randint(0, model.vocab_size, (19,), generator=gen).cuda()
-    for state in states.values():
-        model.forward(state, prompt)
-    for path in ([0, 1, 3, 4, 7], [0, 2, 5], [0, 1, 3], [0], [0, 2, 6]):
-        tokens = torch.randint(0, model.vocab_size, (len(parents),), generator=gen)
-        probe = torch.randint(0, model.vocab_size, (1,), generator=gen).cuda()
-        logits = {}
-        for switch, state in states.items():
-            monkeypatch.setenv(GDN_REPLAY_SWITCH, switch)
-            model.commit(state, model.verify(state, tokens, parents), path)
-            logits[switch] = model.forward(state, probe).clone()
-        assert torch.equal(logits["1"], logits["0"])
-        for mine, theirs in zip(_live_states(states["1"]), _live_states(states["0"])):
-            assert torch.equal(mine, theirs)
+    states = switched_rounds(model, monkeypatch, GDN_REPLAY_SWITCH, TREES[0], 41, capture=False)
+    for mine, theirs in zip(_live_states(states["1"]), _live_states(states["0"])):
+        assert torch.equal(mine, theirs)

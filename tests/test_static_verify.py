@@ -263,6 +263,34 @@ def test_a_replayed_verification_commits_through_a_recording_of_its_own(tiny_tar
                    1e-5)
 
 
+def switched_rounds(model, monkeypatch, switch: str, parents: list[int], seed: int, *, capture: bool) -> dict:
+    """Two states of `model` (on CUDA) verify the same trees and commit the same paths, one with the environment
+    switch `switch` at "1", the other at "0"; after each commit a probe's logits (and with `capture`, the feature
+    rings) are equal to the bit. Returns the states by switch value."""
+    gen = torch.Generator().manual_seed(seed)
+    states = {"1": model.new_state(160), "0": model.new_state(160)}
+    prompt = torch.randint(0, model.vocab_size, (19,), generator=gen).cuda()
+    for state in states.values():
+        if capture:
+            model.enable_capture(state, (0, len(model.layers) - 1), 12)
+        model.forward(state, prompt)
+    for path in ([0, 2, 6], [0, 1, 3], [0, 1, 3, 4, 7], [0, 2, 5], [0]):
+        tokens = torch.randint(0, model.vocab_size, (len(parents),), generator=gen)
+        probe = torch.randint(0, model.vocab_size, (1,), generator=gen).cuda()
+        logits = {}
+        for value, state in states.items():
+            monkeypatch.setenv(switch, value)
+            model.commit(state, model.verify(state, tokens, parents), path)
+            logits[value] = model.forward(state, probe).clone()
+        assert states["1"].length == states["0"].length
+        assert torch.equal(logits["1"], logits["0"])
+        length = states["1"].length
+        if capture:
+            assert torch.equal(model.read_features(states["1"], length - 12, length),
+                               model.read_features(states["0"], length - 12, length))
+    return states
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_recorded_commits_on_cuda(tiny_target_and_draft, monkeypatch):
     """With CUDA graphs on the CUDA backend (bf16): two states of one model verify the same trees, one committing
@@ -272,25 +300,6 @@ def test_recorded_commits_on_cuda(tiny_target_and_draft, monkeypatch):
 
     target, _ = tiny_target_and_draft
     model = load_model(target, backend="cuda", device="cuda").model
-    parents, _ = TREES["tree"]
-    gen = torch.Generator().manual_seed(29)
-    states = {"1": model.new_state(160), "0": model.new_state(160)}
-    prompt = torch.randint(0, model.vocab_size, (19,), generator=gen).cuda()
-    for state in states.values():
-        model.enable_capture(state, (0, len(model.layers) - 1), 12)
-        model.forward(state, prompt)
-    for path in ([0, 2, 6], [0, 1, 3], [0, 1, 3, 4, 7], [0, 2, 5], [0]):
-        tokens = torch.randint(0, model.vocab_size, (len(parents),), generator=gen)
-        probe = torch.randint(0, model.vocab_size, (1,), generator=gen).cuda()
-        logits = {}
-        for switch, state in states.items():
-            monkeypatch.setenv(RECORDED_COMMIT_SWITCH, switch)
-            model.commit(state, model.verify(state, tokens, parents), path)
-            logits[switch] = model.forward(state, probe).clone()
-        assert states["1"].length == states["0"].length
-        assert torch.equal(logits["1"], logits["0"])
-        length = states["1"].length
-        assert torch.equal(model.read_features(states["1"], length - 12, length),
-                           model.read_features(states["0"], length - 12, length))
+    states = switched_rounds(model, monkeypatch, RECORDED_COMMIT_SWITCH, TREES["tree"][0], 29, capture=True)
     lengths = [[key[0][2] for key in state.verify._recorded if key[0][0] == "commit"] for state in states.values()]
     assert sorted(lengths[0]) == [1, 3, 5] and lengths[1] == []

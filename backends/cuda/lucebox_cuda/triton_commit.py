@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fused import _delta_node_step
+from .triton_fused import _replay_path
 from .triton_ops import DELTA_BLOCK_VALUES, _device_scope
 
-# A row of the recurrent table: mixed, a, b, ssm_a, dt_bias, live state, then the row strides of mixed, a, b.
-_RECURRENT_COLUMNS = 9
+# A row of the recurrent table (9 int64): mixed, a, b, ssm_a, dt_bias, live state, then the row strides of mixed, a,
+# b. A row of the conv table (3): the node states, the live state, the node states' row stride.
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _TABLES_KEPT = 256  # tables of recent tensor sets (a verify recording per window and node count)
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -48,22 +48,8 @@ def _gated_delta_paths_kernel(
     dt = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)) + head)
     state_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
     stride_mn, stride_an, stride_bn = tl.load(row + 6), tl.load(row + 7), tl.load(row + 8)
-    key_head = head % key_heads
-    key_dims = tl.arange(0, BLOCK_K)
-    value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    key_ok = key_dims < KEY_DIM
-    value_ok = value_dims < VALUE_DIM
-    tile_ok = key_ok[:, None] & value_ok[None, :]
-    tile = head.to(tl.int64) * (KEY_DIM * VALUE_DIM) + key_dims[:, None] * VALUE_DIM + value_dims[None, :]
-    state = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
-    j = 0
-    while j < steps:
-        node = tl.load(path_ptr + j).to(tl.int32)
-        state, _ = _delta_node_step(
-            state, mixed_ptr, a_ptr, b_ptr, node, stride_mn, stride_an, stride_bn, head, key_head, key_channels,
-            scale, a_log, dt, key_dims, key_ok, value_dims, value_ok, DTYPE, KEY_DIM, VALUE_DIM)
-        j += 1
-    tl.store(state_ptr + tile, state, mask=tile_ok)
+    _replay_path(state_ptr, mixed_ptr, a_ptr, b_ptr, path_ptr, steps, stride_mn, stride_an, stride_bn, head,
+                 head % key_heads, key_channels, scale, a_log, dt, DTYPE, KEY_DIM, VALUE_DIM, BLOCK_K, BLOCK_V)
 
 
 @triton.jit

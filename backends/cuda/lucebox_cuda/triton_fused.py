@@ -544,7 +544,19 @@ def _gated_delta_path_kernel(
     """The tree walk's steps along one path of its nodes, from the state in place: the state after the
     path's last node, as the tree walk computed it, without the walk having written it."""
     head = tl.program_id(0)
-    key_head = head % key_heads
+    _replay_path(state_ptr, mixed_ptr, a_ptr, b_ptr, path_ptr, steps, stride_mn, stride_an, stride_bn, head,
+                 head % key_heads, key_channels, scale, tl.load(ssm_a_ptr + head), tl.load(dt_bias_ptr + head),
+                 mixed_ptr.dtype.element_ty, KEY_DIM, VALUE_DIM, BLOCK_K, BLOCK_V)
+
+
+@triton.jit
+def _replay_path(
+    state_ptr, mixed_ptr, a_ptr, b_ptr, path_ptr, steps, stride_mn, stride_an, stride_bn, head, key_head,
+    key_channels, scale, a_log, dt, dtype, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Value head `head`'s slice (program_id(1)) of the state at `state_ptr` advanced in place along the path's
+    `steps` nodes: the path kernel's body, and the all-layer commit's (`triton_commit`)."""
     key_dims = tl.arange(0, BLOCK_K)
     value_dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key_ok = key_dims < KEY_DIM
@@ -552,9 +564,6 @@ def _gated_delta_path_kernel(
     tile_ok = key_ok[:, None] & value_ok[None, :]
     tile = head.to(tl.int64) * (KEY_DIM * VALUE_DIM) + key_dims[:, None] * VALUE_DIM + value_dims[None, :]
     state = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
-    a_log = tl.load(ssm_a_ptr + head)
-    dt = tl.load(dt_bias_ptr + head)
-    dtype = mixed_ptr.dtype.element_ty
     j = 0
     while j < steps:
         node = tl.load(path_ptr + j).to(tl.int32)
