@@ -5,13 +5,16 @@
 #                                            #   inputs, the commit replays the path): its GPU tests (bit-equal to
 #                                            #   kept node states, with recorded commits), then on the 27B the verify
 #                                            #   profile (PDL off, 1 and 23 nodes) and one speculative step's parts
-#                                            #   at a forced 8.3, each with the switch off and on; the forced budget-22
-#                                            #   and auto rows and auto with a drafter that accepts nothing, on.
+#                                            #   at a forced 8.3, each with the switch off and on (and on with
+#                                            #   LUCEBOX_RECORDED_DRAFT_SYNC=1, the drafter's sync recorded); the
+#                                            #   forced budget-22 and auto rows and auto with a drafter that accepts
+#                                            #   nothing, replay on.
 #                                            #   carry: .whl
 
 s33_replay() {
   step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-    tests/test_gdn_replay.py tests/test_static_verify.py
+    tests/test_gdn_replay.py tests/test_static_verify.py \
+    tests/test_speculative.py::test_recorded_context_sync_projects_as_the_eager_one
   step synth-27b 90 synth 27b
   local m d writer switch; m=$(model 27b); d=$WORK/draft-27b.gguf
   synth_draft_bg "$m" "$d"; writer=$!
@@ -24,6 +27,8 @@ s33_replay() {
     step "spec-step-replay$switch" 150 env LUCEBOX_GDN_REPLAY=$switch python3 scripts/spec_step_profile.py "$m" "$d" \
       --force-accept 8.3 -n 256 --json "$RES/spec_step_replay$switch.json"
   done
+  step spec-step-replay-sync 120 env LUCEBOX_GDN_REPLAY=1 LUCEBOX_RECORDED_DRAFT_SYNC=1 python3 \
+    scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 --json "$RES/spec_step_replay_sync.json"
   step b22-forced-replay 90 bash -c "LUCEBOX_GDN_REPLAY=1 python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 \
     -r 2 --tree-budget 22 --force-accept 8.3 --json | spec_detail b22-forced-replay"
   step auto-forced-replay 90 bash -c "LUCEBOX_GDN_REPLAY=1 python3 -m lucebox_core.cli bench -m $m -md $d -p 0 \

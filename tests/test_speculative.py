@@ -398,3 +398,52 @@ def test_zlab_checkpoint_converts_and_drafts_like_a_from_scratch_reference(tmp_p
             @ w[p + "mlp.down_proj.weight"].T
     expected = model.output_logits(rms(x, w["norm.weight"])[1:])
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("graphs", ["stand-in", "cuda"])
+def test_recorded_context_sync_projects_as_the_eager_one(tiny_target_and_draft, monkeypatch, graphs):
+    """`LUCEBOX_RECORDED_DRAFT_SYNC=1`, on emulated graphs (`test_static_step.GraphStandIn`: a replay re-runs the step
+    over its static buffers only) and on CUDA graphs: the drafter's context rows and its draft logits equal the eager
+    sync's to the bit, step after step, as new counts are recorded (20 after the prompt, then 3) and replayed from
+    other starts."""
+    from lucebox_core.loading import load_model
+    from lucebox_core.speculative.dflash import RECORDED_SYNC_SWITCH
+    from lucebox_qwen35.loader import load
+    from test_static_step import GraphStandIn
+
+    if graphs == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    target, draft = tiny_target_and_draft
+    if graphs == "cuda":
+        model = load_model(target, backend="cuda", device="cuda").model
+    else:
+        model = load(target, GraphStandIn(kernel_table_for={}))
+    drafter = dflash.load(draft, model)
+    device = model.ops.device
+    gen = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, model.vocab_size, (20,), generator=gen).to(device)
+    accepted = [torch.randint(0, model.vocab_size, (3,), generator=gen).to(device) for _ in range(4)]
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(RECORDED_SYNC_SWITCH, switch)
+        target_state, state = model.new_state(96), drafter.new_state()
+        drafter.prepare_target(model, target_state, 96)
+        model.forward(target_state, prompt)
+        logits = []
+        for tokens in accepted:
+            logits.append(drafter.draft(model, target_state, state, [int(tokens[0])]).clone())
+            model.forward(target_state, tokens)
+        logits.append(drafter.draft(model, target_state, state, [5]).clone())
+        runs[switch] = (state, logits)
+    (eager, eager_logits), (recorded, recorded_logits) = runs["0"], runs["1"]
+    assert recorded.length == eager.length == len(prompt) + 3 * len(accepted)
+
+    def syncs(state) -> list[int]:
+        return sorted(key[1] for key, _ in state.step._recorded if isinstance(key, tuple) and key[0] == "sync")
+
+    assert syncs(recorded) == [3, 20] and syncs(eager) == []
+    assert torch.equal(recorded.positions, eager.positions)
+    for mine, theirs in zip(recorded.keys + recorded.values, eager.keys + eager.values):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(recorded_logits, eager_logits):
+        assert torch.equal(mine, theirs)

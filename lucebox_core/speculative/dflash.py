@@ -41,6 +41,10 @@ from ..static_step import StaticStep
 ARCHITECTURE_SUFFIX = "dflash-draft"  # every DFlash draft architecture ends so
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CONTEXT_WINDOW = 4096  # committed positions the drafter attends to (Lucebox's draft_ctx_max)
+# `LUCEBOX_RECORDED_DRAFT_SYNC=1`: the context sync of up to RECORDED_SYNC_MAX new positions runs as a recording per
+# count (the eager sync is ~110 small launches a step from Python). Off by default until a GPU has timed it.
+RECORDED_SYNC_SWITCH = "LUCEBOX_RECORDED_DRAFT_SYNC"
+RECORDED_SYNC_MAX = 64
 
 
 def default_target_layers(target_layers: int, taps: int) -> list[int]:
@@ -238,15 +242,36 @@ class DFlashDrafter:
         if start >= committed:
             return
         ops = self.ops
+        ring = target_state.features
+        if (os.environ.get(RECORDED_SYNC_SWITCH) == "1" and committed - start <= RECORDED_SYNC_MAX
+                and ring.device == torch.device(ops.device)):
+            if state.step is None:
+                state.step = StaticStep(ops, "draft block")
+            inputs = state.step.inputs(sync_start=start)
+            state.step.run(("sync", committed - start, ring.data_ptr(), ring.shape[0]),
+                           lambda step_inputs: self._sync_step(ring, state, step_inputs, committed - start), inputs)
+            state.length = committed
+            return
         # The one copy a step makes from the target's device to the drafter's (`--draft-device`).
         features = target.read_features(target_state, start, committed).to(ops.device, ops.dtype, non_blocking=True)
+        self._project_context(features, state, torch.arange(start, committed, device=ops.device))
+        state.length = committed
+
+    def _project_context(self, features: torch.Tensor, state: DraftState, positions: torch.Tensor) -> None:
+        """The context K/V rows of `positions` (device long) from the target's `features` of them, into the ring."""
+        ops = self.ops
         context = ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, self.config.eps)
-        positions = torch.arange(start, committed, device=ops.device)
         slots = positions % state.capacity
         for i, layer in enumerate(self.layers):
             state.keys[i][slots], state.values[i][slots] = self._context_kv(layer, context, positions)
         state.positions[slots] = positions
-        state.length = committed
+
+    def _sync_step(self, ring: torch.Tensor, state: DraftState, inputs: Any, count: int) -> None:
+        """`sync` of `count` positions from `inputs.sync_start` (on the device), read from the target's feature
+        `ring` (on the drafter's device): a function of its static inputs and `count` alone, so it can be recorded."""
+        positions = inputs.sync_start + torch.arange(count, device=ring.device)
+        features = ring.index_select(0, positions % ring.shape[0]).to(self.ops.dtype)
+        self._project_context(features, state, positions)
 
     def draft(self, target: Any, target_state: Any, state: DraftState, tokens: list[int],
               block_size: int | None = None) -> torch.Tensor:

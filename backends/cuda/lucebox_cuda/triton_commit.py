@@ -130,7 +130,8 @@ def gated_delta_commit_(
     layers (`accepts_gated_delta_commit_` first)."""
     tables = commit_tables(conv_live, conv_nodes, state_live, mixed, a, b, ssm_a, dt_bias)
     if tables is None:
-        raise ValueError("gated_delta_commit_: no address table while a capture runs (accepts_gated_delta_commit_ first)")
+        raise ValueError("gated_delta_commit_: no address table while a capture runs "
+                         "(accepts_gated_delta_commit_ first)")
     conv_table, recurrent_table = tables
     layers = len(mixed)
     row_elements = conv_nodes[0][0].numel()
