@@ -102,7 +102,13 @@ def accepts_gated_delta_commit_(ops, conv_live, conv_nodes, state_live, mixed, a
     """Same shapes, dtypes and layouts in every layer (one kernel serves them all), and a table to be had."""
     if not mixed or mixed[0].dtype not in _TRITON_DTYPES or mixed[0].device.type != "cuda" or last.shape != (1,):
         return False
-    if conv_live[0].numel() != conv_nodes[0][0].numel():
+    if conv_live[0].numel() != conv_nodes[0][0].numel() or path.dtype not in (torch.int64, torch.int32):
+        return False
+    _, value_heads, key_dim, value_dim = state_live[0].shape
+    nodes = mixed[0].shape[1]
+    if (mixed[0].dim() != 3 or mixed[0].shape[0] != 1 or key_dim != head_k_dim or value_heads % num_k_heads
+            or mixed[0].shape[2] != 2 * num_k_heads * head_k_dim + value_heads * value_dim
+            or a[0].shape != (1, nodes, value_heads) or b[0].shape != (1, nodes, value_heads)):
         return False
     first = (conv_live[0], conv_nodes[0], state_live[0], mixed[0], a[0], b[0], ssm_a[0], dt_bias[0])
     for tensors in zip(conv_live, conv_nodes, state_live, mixed, a, b, ssm_a, dt_bias):
@@ -110,8 +116,9 @@ def accepts_gated_delta_commit_(ops, conv_live, conv_nodes, state_live, mixed, a
             if (tensor.shape != reference.shape or tensor.dtype != reference.dtype or tensor.device != path.device
                     or tensor.stride()[1:] != reference.stride()[1:]):
                 return False
-    conv, nodes, state = first[:3]
-    if not (conv.is_contiguous() and nodes[0].is_contiguous() and state.is_contiguous() and conv.dtype == nodes.dtype
+    conv, node_rows, state = first[:3]
+    if not (conv.is_contiguous() and node_rows[0].is_contiguous() and state.is_contiguous()
+            and conv.dtype == node_rows.dtype
             and conv.dtype in _TRITON_DTYPES and state.dtype == torch.float32 and ssm_a[0].dtype == torch.float32
             and dt_bias[0].dtype == torch.float32 and a[0].dtype == b[0].dtype == mixed[0].dtype
             and ssm_a[0].is_contiguous() and dt_bias[0].is_contiguous()
