@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lucebox_cuda import norm_kernels, op_kernels
-from lucebox_cuda.plugin import NORM_KERNEL_OPS
+from lucebox_cuda.plugin import COMMIT_KERNEL_OPS, NORM_KERNEL_OPS
 
 TRITON_ENV = "LUCEBOX_HIP_TRITON"
 
@@ -25,7 +25,11 @@ def __getattr__(name: str) -> Callable[..., bool]:
     op = name.removeprefix("accepts_")
     if op == name:
         raise AttributeError(name)
-    check = getattr(norm_kernels if op in NORM_KERNEL_OPS else op_kernels, name)  # AttributeError if no such op
+    if op in COMMIT_KERNEL_OPS:  # imported here: it imports Triton, which listing the plugins must not need
+        from lucebox_cuda import triton_commit as module
+    else:
+        module = norm_kernels if op in NORM_KERNEL_OPS else op_kernels
+    check = getattr(module, name)  # AttributeError if no such op
 
     def accepts(ops: Any, *args: Any, **kwargs: Any) -> bool:
         return triton_enabled() and check(ops, *args, **kwargs)

@@ -7,7 +7,7 @@ import importlib.util
 import os
 
 from lucebox_core import KernelBackend, OpKernel, hookimpl
-from lucebox_cuda.plugin import FAMILY_KERNEL_OPS, GENERIC_KERNEL_OPS, NORM_KERNEL_OPS
+from lucebox_cuda.plugin import COMMIT_KERNEL_OPS, FAMILY_KERNEL_OPS, GENERIC_KERNEL_OPS, NORM_KERNEL_OPS
 
 # The gfx families the shared sources are compile-checked for in CI (RDNA3 gfx110x, RDNA3.5 gfx115x, RDNA4
 # gfx120x; wave32). Another target (CDNA's wave64, RDNA2) may well work, the kernels being written for
@@ -72,8 +72,9 @@ def lucebox_op_kernels():
     """The cuda backend's op kernels, every one: the same functions, on a `HipBackend` (whose launches go through
     HIP). The Triton ones take `lucebox_hip.op_kernels`' accept checks, which LUCEBOX_HIP_TRITON=0 turns off."""
     records = []
-    for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS + NORM_KERNEL_OPS:
-        module = "lucebox_cuda.norm_kernels" if op in NORM_KERNEL_OPS else "lucebox_cuda.op_kernels"
+    for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS + NORM_KERNEL_OPS + COMMIT_KERNEL_OPS:
+        module = ("lucebox_cuda.norm_kernels" if op in NORM_KERNEL_OPS else
+                  "lucebox_cuda.triton_commit" if op in COMMIT_KERNEL_OPS else "lucebox_cuda.op_kernels")
         shared = op in HIPRTC_OPS
         records.append(OpKernel(
             op=op, backend="hip", kernel=f"{module}:{op}",
