@@ -1,0 +1,259 @@
+"""The floor under a one-launch 0.8B decode step: how fast a persistent grid can stream a step's weights through the
+grid-wide barriers that the megakernel's phases need (issue #17, item 4).
+
+The persistent pieces of session 26 lost to the kernels they replace (0.54-0.84x): each block's tiles ran one
+after another with no weights in flight between them. Before a megakernel is written, this measures what the
+schedule itself allows, with no arithmetic at all: one launch reads a whole step's weight bytes, phase by phase,
+each block its even share of each phase, with a grid barrier (`grid_barrier.cuh`, the one the persistent kernels
+use) between phases. Three ways of reading:
+
+- `barriers`: the barriers alone (no bytes): what the schedule's synchronisation costs.
+- `direct`: after each barrier, each block loads its share (16-byte loads, four in flight a thread): the persistent
+  pieces' way, where nothing is in flight while a block waits.
+- `ring`: each block streams its shares through a ring of shared-memory chunks filled by `cp.async`, several
+  chunks ahead, across the barriers: a weight does not depend on the activations, so the next phase's first chunks
+  are already loading while the block waits for the others. The megakernel's schedule, if it pays.
+
+Each also with one phase (no barrier): the bandwidth a persistent grid reaches streaming the same bytes.
+
+The phases are Qwen3.5-0.8B's as a Q4_K_M file has them (hidden 1024, 24 layers of which every fourth is full
+attention, intermediate 3584, vocabulary 248,320, the tied head Q6_K; half the layers' down products Q6_K,
+llama.cpp's `use_more_bits` rule): a DeltaNet layer is 3 mixer phases (products; convolution, gates, delta step
+with the 1 MiB state read and written, gated norm; output product) and 2 MLP phases (add + norm + gate | up; down);
+an attention layer 4 mixer phases (products; norm, RoPE, K/V store and attention spans; merge and gate; output
+product) and the same 2; then the head and the choice of the token. Each launch is one step; the figure is the
+median over `--steps` launches after a warm-up, beside the copy bandwidth measured in the same call.
+
+    python3 scripts/megakernel_floor.py [--blocks-per-sm 1 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import attrs
+import torch
+
+from lucebox_cuda import nvrtc
+from lucebox_cuda.nvrtc import Int, Pointer
+
+Q4_K, Q6_K = 144 / 256, 210 / 256  # bytes a weight
+THREADS, CHUNK, STAGES = 256, 8192, 4  # the ring: 4 chunks of 8 KiB a block, 3 in flight
+
+SOURCE = r"""
+#include "grid_barrier.cuh"
+
+constexpr int CHUNK = %(chunk)d, STAGES = %(stages)d;
+
+__device__ __forceinline__ u32 ring_address(const void* pointer) {
+    u32 address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %%1; cvt.u32.u64 %%0, a; }" : "=r"(address) : "l"(pointer));
+    return address;
+}
+
+// This block's even share of phase `p`'s bytes (16-byte units): [begin, end).
+__device__ __forceinline__ void block_share(const long long* offsets, int p, long long& begin, long long& end) {
+    const long long units = (offsets[p + 1] - offsets[p]) / 16;
+    const long long each = (units + gridDim.x - 1) / gridDim.x;
+    begin = offsets[p] + min(units, each * blockIdx.x) * 16;
+    end = offsets[p] + min(units, each * (blockIdx.x + 1)) * 16;
+}
+
+// The next chunk of this block's shares, phase after phase; false past the last phase.
+struct Cursor { int phase; long long at, end; };
+__device__ __forceinline__ bool next_chunk(Cursor& c, const long long* offsets, int phases, long long& begin,
+                                           int& bytes, int& phase) {
+    while (c.at >= c.end) {
+        if (++c.phase >= phases) return false;
+        block_share(offsets, c.phase, c.at, c.end);
+    }
+    begin = c.at;
+    bytes = static_cast<int>(min(static_cast<long long>(CHUNK), c.end - c.at));
+    phase = c.phase;
+    c.at += bytes;
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(%(threads)d) floor_barriers(unsigned int* arrived, int phases,
+                                                                           u32* sink) {
+    for (int p = 1; p < phases; ++p) grid_barrier(arrived);
+    if (threadIdx.x == 0) sink[blockIdx.x] = phases;
+}
+
+extern "C" __global__ void __launch_bounds__(%(threads)d) floor_direct(const u8* __restrict__ weights,
+        const long long* __restrict__ offsets, int phases, unsigned int* arrived, u32* sink) {
+    u32 folded = 0;
+    for (int p = 0; p < phases; ++p) {
+        if (p > 0) grid_barrier(arrived);
+        long long begin, end;
+        block_share(offsets, p, begin, end);
+        const uint4* words = reinterpret_cast<const uint4*>(weights + begin);
+        const int count = static_cast<int>((end - begin) / 16);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < count; i += blockDim.x) {
+            const uint4 w = words[i];
+            folded ^= w.x ^ w.y ^ w.z ^ w.w;
+        }
+    }
+    sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
+}
+
+extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring(const u8* __restrict__ weights,
+        const long long* __restrict__ offsets, int phases, unsigned int* arrived, u32* sink) {
+    extern __shared__ __align__(16) uint4 ring[];  // STAGES chunks
+    Cursor to_load{-1, 0, 0}, to_use{-1, 0, 0};
+    // Fill a ring slot with the next chunk (or nothing): always one commit group, so the counting stays even.
+    auto load_next = [&](int slot) {
+        long long begin;
+        int bytes, phase;
+        if (next_chunk(to_load, offsets, phases, begin, bytes, phase)) {
+            const u32 base = ring_address(ring + slot * (CHUNK / 16));
+            for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+                asm volatile("cp.async.cg.shared.global [%%0], [%%1], 16;" ::"r"(base + 16 * i),
+                             "l"(weights + begin + 16 * i) : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int s = 0; s < STAGES - 1; ++s) load_next(s);
+    u32 folded = 0;
+    int passed = 0;  // barriers passed: the phase this block may read
+    long long begin;
+    int bytes, phase;
+    for (int slot = 0; next_chunk(to_use, offsets, phases, begin, bytes, phase); slot = (slot + 1) %% STAGES) {
+        asm volatile("cp.async.wait_group %%0;" ::"n"(STAGES - 2) : "memory");
+        __syncthreads();  // every thread's copies of this chunk landed; the slot refilled below was read
+        while (passed < phase) { grid_barrier(arrived); ++passed; }
+        const uint4* words = ring + slot * (CHUNK / 16);
+        for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
+            const uint4 w = words[i];
+            folded ^= w.x ^ w.y ^ w.z ^ w.w;
+        }
+        load_next((slot + STAGES - 1) %% STAGES);
+    }
+    while (passed < phases - 1) { grid_barrier(arrived); ++passed; }
+    sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
+}
+"""
+
+
+@attrs.frozen
+class Program:
+    """A one-off compilation unit for `nvrtc._compile`: this script's source with the kernels' headers."""
+
+    file: str = "megakernel_floor.cu"
+
+    def source(self) -> str:
+        return SOURCE % {"chunk": CHUNK, "stages": STAGES, "threads": THREADS}
+
+    def headers(self) -> dict[str, str]:
+        return {name: text for name, text in nvrtc.kernel_sources().items() if name.endswith(".cuh")}
+
+
+def qwen35_08b_phases(hidden: int = 1024, inter: int = 3584, layers: int = 24, vocab: int = 248_320) -> list[int]:
+    """The weight bytes of each phase of a one-launch Qwen3.5-0.8B Q4_K_M decode step (see the module's text)."""
+    phases: list[int] = []
+    for layer in range(layers):
+        more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+        mlp = [2 * inter * hidden * Q4_K, inter * hidden * (Q6_K if more_bits else Q4_K)]
+        if layer % 4 == 3:  # full attention: 8 query heads of 256 (q | gate), 2 KV heads
+            phases += [hidden * (2 * 8 * 256 + 2 * 2 * 256) * Q4_K, 0, 0, 8 * 256 * hidden * Q4_K, *mlp]
+        else:  # DeltaNet: q, k, v (16 heads of 128 each), z, b, a; the fp32 state 16 x 128 x 128 read and written
+            phases += [hidden * (4 * 2048 + 32) * Q4_K, 2 * 16 * 128 * 128 * 4, 2048 * hidden * Q4_K, *mlp]
+    phases += [vocab * hidden * Q6_K, 0]
+    return [int(b) // 16 * 16 for b in phases]
+
+
+def copy_gb_s(device: torch.device) -> float:
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    stop.record()
+    stop.synchronize()
+    return 2 * 10 * source.numel() / (start.elapsed_time(stop) / 1000) / 1e9
+
+
+def time_launches(launch, steps: int) -> float:
+    """Median microseconds of one launch over `steps` launches, each timed alone after three warm-ups."""
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    properties = torch.cuda.get_device_properties(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    module = nvrtc.CudaModule(nvrtc._compile(Program(), f"sm_{major}{minor}", nvrtc.DEFAULT_OPTIONS), device.index)
+    stream = torch.cuda.current_stream(device).cuda_stream
+
+    phases = qwen35_08b_phases()
+    offsets = torch.tensor([0, *torch.tensor(phases).cumsum(0).tolist()], dtype=torch.int64, device=device)
+    total = int(offsets[-1])
+    weights = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
+    one_phase = torch.tensor([0, total], dtype=torch.int64, device=device)
+    arrived = torch.zeros(1, dtype=torch.int32, device=device)
+    sink = torch.zeros(properties.multi_processor_count * 8 * THREADS, dtype=torch.int32, device=device)
+    copy = copy_gb_s(device)
+    print(f"{properties.name}: {properties.multi_processor_count} SMs, copy {copy:.0f} GB/s; a step: {len(phases)} "
+          f"phases ({len(phases) - 1} barriers), {total / 1e6:.1f} MB of weights (the head {phases[-2] / 1e6:.1f})")
+
+    rows = []
+    for per_sm in args.blocks_per_sm:
+        grid = properties.multi_processor_count * per_sm
+        ring_bytes = STAGES * CHUNK
+
+        def run(name: str, table: torch.Tensor, count: int):
+            shared = ring_bytes if name == "floor_ring" else 0
+            if name == "floor_barriers":
+                values = [Pointer(arrived.data_ptr()), Int(count), Pointer(sink.data_ptr())]
+            else:
+                values = [Pointer(weights.data_ptr()), Pointer(table.data_ptr()), Int(count),
+                          Pointer(arrived.data_ptr()), Pointer(sink.data_ptr())]
+            function = module.function(name)
+            return lambda: nvrtc.launch(function, grid, THREADS, values, stream=stream, shared_bytes=shared)
+
+        cases = [("barriers", "floor_barriers", offsets, len(phases), 0),
+                 ("direct", "floor_direct", offsets, len(phases), total),
+                 ("ring", "floor_ring", offsets, len(phases), total),
+                 ("direct, one phase", "floor_direct", one_phase, 1, total),
+                 ("ring, one phase", "floor_ring", one_phase, 1, total)]
+        for label, name, table, count, read in cases:
+            us = time_launches(run(name, table, count), args.steps)
+            row = {"blocks_per_sm": per_sm, "grid": grid, "read": label, "phases": count, "us": round(us, 2),
+                   "tok_s": round(1e6 / us, 1), "gb_s": round(read / us / 1e3, 1),
+                   "of_copy": round(read / us / 1e3 / copy, 3)}
+            if label == "barriers":
+                row["us_a_barrier"] = round(us / max(count - 1, 1), 3)
+            rows.append(row)
+            print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"device": properties.name, "copy_gb_s": round(copy, 1), "phases": len(phases),
+                       "weight_bytes": total, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
