@@ -16,13 +16,13 @@ use) between phases. Three ways of reading:
 
 Each also with one phase (no barrier): the bandwidth a persistent grid reaches streaming the same bytes.
 
-The phases are Qwen3.5-0.8B's as a Q4_K_M file has them (hidden 1024, 24 layers of which every fourth is full
-attention, intermediate 3584, vocabulary 248,320, the tied head Q6_K; half the layers' down products Q6_K,
-llama.cpp's `use_more_bits` rule): a DeltaNet layer is 3 mixer phases (products; convolution, gates, delta step
-with the 1 MiB state read and written, gated norm; output product) and 2 MLP phases (add + norm + gate | up; down);
-an attention layer 4 mixer phases (products; norm, RoPE, K/V store and attention spans; merge and gate; output
-product) and the same 2; then the head and the choice of the token. Each launch is one step; the figure is the
-median over `--steps` launches after a warm-up, beside the copy bandwidth measured in the same call.
+The phases are Qwen3.5-0.8B's, their bytes those of the project's Q4_K_M writer (`lucebox_qwen35.synth`'s tensor
+plan: the tied head Q6_K, the DeltaNet qkv and half the down products Q6_K, the rest Q4_K). A DeltaNet layer is 3
+mixer phases (products; convolution, gates, delta step with the 1 MiB state read and written, gated norm; output
+product) and 2 MLP phases (add + norm + gate | up; down); an attention layer 4 mixer phases (products; norm, RoPE,
+K/V store and attention spans; merge and gate; output product) and the same 2; then the head and the choice of the
+token. Each launch is one step; the figure is the median over `--steps` launches after a warm-up, beside the copy
+bandwidth measured in the same call.
 
     python3 scripts/megakernel_floor.py [--blocks-per-sm 1 2] [--json out.json]
 """
@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 import attrs
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from lucebox_cuda import nvrtc
 from lucebox_cuda.nvrtc import Int, Pointer
+from lucebox_qwen35 import layout, synth
 
-Q4_K, Q6_K = 144 / 256, 210 / 256  # bytes a weight
 THREADS, CHUNK, STAGES = 256, 8192, 4  # the ring: 4 chunks of 8 KiB a block, 3 in flight
 
 SOURCE = r"""
@@ -151,18 +153,40 @@ class Program:
         return {name: text for name, text in nvrtc.kernel_sources().items() if name.endswith(".cuh")}
 
 
-def qwen35_08b_phases(hidden: int = 1024, inter: int = 3584, layers: int = 24, vocab: int = 248_320) -> list[int]:
-    """The weight bytes of each phase of a one-launch Qwen3.5-0.8B Q4_K_M decode step (see the module's text)."""
+# Which phase of a layer reads each of its weights (by GGUF name); the rest (norms, the convolution) are in the
+# phase of the product beside them and are a few KB.
+MIXER_PRODUCTS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_conv1d", "attn_q.", "attn_k.", "attn_v.")
+OUTPUT_PRODUCTS = ("ssm_out", "attn_output")
+
+
+def tensor_bytes(plan) -> int:
+    block, size = GGML_QUANT_SIZES[plan.ggml_type]
+    return math.prod(plan.shape) // block * size
+
+
+def step_phases(size: str = "0.8b", type: str = "q4_k_m") -> list[int]:
+    """The weight bytes of each phase of a one-launch decode step of the qwen35 `size` in a `type` file as the
+    project's writer lays it out (see the module's text); 16-byte multiples."""
+    cfg = layout.SIZES[size]
+    plans = synth.tensor_plans(cfg, type)
+    per_layer: list[dict[str, int]] = [{} for _ in range(cfg.n_layer)]
+    for plan in plans:
+        if plan.name.startswith("blk."):
+            index, name = plan.name.split(".", 2)[1:]
+            per_layer[int(index)][name] = tensor_bytes(plan)
     phases: list[int] = []
-    for layer in range(layers):
-        more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
-        mlp = [2 * inter * hidden * Q4_K, inter * hidden * (Q6_K if more_bits else Q4_K)]
-        if layer % 4 == 3:  # full attention: 8 query heads of 256 (q | gate), 2 KV heads
-            phases += [hidden * (2 * 8 * 256 + 2 * 2 * 256) * Q4_K, 0, 0, 8 * 256 * hidden * Q4_K, *mlp]
-        else:  # DeltaNet: q, k, v (16 heads of 128 each), z, b, a; the fp32 state 16 x 128 x 128 read and written
-            phases += [hidden * (4 * 2048 + 32) * Q4_K, 2 * 16 * 128 * 128 * 4, 2048 * hidden * Q4_K, *mlp]
-    phases += [vocab * hidden * Q6_K, 0]
-    return [int(b) // 16 * 16 for b in phases]
+    state = 2 * cfg.ssm_dt_rank * cfg.ssm_d_state * (cfg.ssm_d_inner // cfg.ssm_dt_rank) * 4  # fp32, read + written
+    for weights in per_layer:
+        products = sum(b for n, b in weights.items() if n.startswith(MIXER_PRODUCTS))
+        output = sum(b for n, b in weights.items() if n.startswith(OUTPUT_PRODUCTS))
+        mlp = [weights["ffn_gate.weight"] + weights["ffn_up.weight"], weights["ffn_down.weight"]]
+        if "attn_q.weight" in weights:  # products; norm, RoPE, K/V store, spans; merge and gate; output
+            phases += [products, 0, 0, output, *mlp]
+        else:  # products; convolution, gates, delta step, gated norm; output
+            phases += [products, state, output, *mlp]
+    head = next(p for p in plans if p.name == ("token_embd.weight" if cfg.tied_output else "output.weight"))
+    phases += [tensor_bytes(head), 0]
+    return [b // 16 * 16 for b in phases]
 
 
 def copy_gb_s(device: torch.device) -> float:
@@ -200,6 +224,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--size", default="0.8b", help="a qwen35 size of the writer's (lucebox_qwen35.layout.SIZES)")
+    parser.add_argument("--type", default="q4_k_m", help="the file type whose weight bytes a step reads")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
 
@@ -209,7 +235,7 @@ def main() -> None:
     module = nvrtc.CudaModule(nvrtc._compile(Program(), f"sm_{major}{minor}", nvrtc.DEFAULT_OPTIONS), device.index)
     stream = torch.cuda.current_stream(device).cuda_stream
 
-    phases = qwen35_08b_phases()
+    phases = step_phases(args.size, args.type)
     offsets = torch.tensor([0, *torch.tensor(phases).cumsum(0).tolist()], dtype=torch.int64, device=device)
     total = int(offsets[-1])
     weights = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
