@@ -451,3 +451,27 @@ def test_verify_profile_times_chains_and_a_tree_and_names_kernel_kinds(tiny_file
     assert profile.kernel_kind("_tree_attention_kernel") == "attention"
     assert profile.kernel_kind("_gated_delta_tree_kernel") == "gated delta recurrence"
     assert profile.kernel_kind("void at::native::vectorized_elementwise_kernel") == "copies and fills"
+
+
+def test_megakernel_floor_phases_cover_every_matrix_and_its_kernels_compile():
+    """The probe's step reads every matrix of the 0.8B Q4_K_M plan once (and the DeltaNet states), in the
+    megakernel's phase count; its kernels compile for Hopper and Ampere (run on the GPU by gpu_session.sh)."""
+    from lucebox_qwen35 import layout, synth
+
+    floor = _import("megakernel_floor")
+    cfg = layout.SIZES["0.8b"]
+    plans = synth.tensor_plans(cfg, "q4_k_m")
+    phases = floor.step_phases("0.8b", "q4_k_m")
+    attention_layers = sum(p.name.endswith("attn_q.weight") for p in plans)
+    linear_layers = cfg.n_layer - attention_layers
+    assert (attention_layers, linear_layers) == (6, 18)
+    assert len(phases) == 6 * attention_layers + 5 * linear_layers + 2
+    matrices = sum(floor.tensor_bytes(p) for p in plans if len(p.shape) == 2)
+    assert sum(phases) == matrices + linear_layers * 2 * 16 * 128 * 128 * 4
+    assert phases[-2] == floor.tensor_bytes(plans[0]) == 248_320 * 1024 // 256 * 210  # the tied head, Q6_K
+    pytest.importorskip("cuda.bindings.nvrtc", reason="lucebox-cuda's dependencies (cuda-bindings) are not installed")
+    from lucebox_cuda import nvrtc
+
+    for arch in ("sm_86", "sm_90"):
+        cubin = nvrtc._compile(floor.Program(), arch, nvrtc.DEFAULT_OPTIONS)
+        assert all(name in cubin for name in (b"floor_barriers", b"floor_direct", b"floor_ring"))
