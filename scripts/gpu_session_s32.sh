@@ -8,7 +8,7 @@
 
 synth_draft_bg() {  # target draft: the 27B's full-size DFlash drafter written in the background ($! is its job)
   ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
-draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$1" "$2" \
+draft_synth.write(sys.argv[2], size='full', type='q4_k_m', seed=1, target=sys.argv[1])" "$1" "$2" \
     > "$RES/synth_draft.log" 2>&1 ) &
 }
 

@@ -1,10 +1,33 @@
-# Session 34's modes of scripts/gpu_session.sh (sourced by it; its helpers: step, synth, model).
+# Session 34's modes of scripts/gpu_session.sh (sourced by it; its helpers: step, synth, model, and synth_draft_bg
+# from gpu_session_s32.sh).
 #
 #   bash scripts/gpu_session.sh s34-floor    # ~1 min: megakernel_floor.py (the floor under a one-launch 0.8B step:
-#                                            #   barriers alone, direct loads, a cp.async ring across barriers, at 1
-#                                            #   and 2 blocks an SM). carry: .whl
+#                                            #   barriers alone, direct loads, a cp.async ring across barriers, three
+#                                            #   barriers, at 1 and 2 blocks an SM). carry: .whl
+#   bash scripts/gpu_session.sh s34          # ~7 min: s34-floor; test_gdn_replay.py with compiled kernels (the
+#                                            #   kernel-level bit tests on the GPU); on the 27B, one speculative step's
+#                                            #   parts at a forced 8.3 with LUCEBOX_GDN_REPLAY 0 and 1 (and 1 with
+#                                            #   LUCEBOX_RECORDED_DRAFT_SYNC=1). carry: .whl
 
 s34_floor() {
   step megakernel-floor 120 python3 scripts/megakernel_floor.py --blocks-per-sm 1 2 --json "$OUT/megakernel_floor.json"
+  return 0
+}
+
+s34() {
+  s34_floor
+  step gdn-replay-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=line -rf \
+    tests/test_gdn_replay.py
+  step synth-27b 90 synth 27b
+  local m d writer switch; m=$(model 27b); d=$WORK/draft-27b.gguf
+  synth_draft_bg "$m" "$d"; writer=$!
+  wait "$writer"; tail -n1 "$RES/synth_draft.log"
+  for switch in 0 1; do
+    step "spec-step-replay$switch" 150 env LUCEBOX_GDN_REPLAY=$switch python3 scripts/spec_step_profile.py "$m" "$d" \
+      --force-accept 8.3 -n 256 --json "$RES/spec_step_replay$switch.json"
+  done
+  step spec-step-replay-sync 120 env LUCEBOX_GDN_REPLAY=1 LUCEBOX_RECORDED_DRAFT_SYNC=1 python3 \
+    scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 --json "$RES/spec_step_replay_sync.json"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

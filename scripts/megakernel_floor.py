@@ -5,7 +5,8 @@ The persistent pieces of session 26 lost to the kernels they replace (0.54-0.84x
 after another with no weights in flight between them. Before a megakernel is written, this measures what the
 schedule itself allows, with no arithmetic at all: one launch reads a whole step's weight bytes, phase by phase,
 each block its even share of each phase, with a grid barrier (`grid_barrier.cuh`, the one the persistent kernels
-use) between phases. Three ways of reading:
+use, and two others that put the ordering in the atomic and the polls instead of in fences) between phases.
+Three ways of reading:
 
 - `barriers`: the barriers alone (no bytes): what the schedule's synchronisation costs.
 - `direct`: after each barrier, each block loads its share (16-byte loads, four in flight a thread): the persistent
@@ -78,17 +79,41 @@ __device__ __forceinline__ bool next_chunk(Cursor& c, const long long* offsets, 
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(%(threads)d) floor_barriers(unsigned int* arrived, int phases,
-                                                                           u32* sink) {
-    for (int p = 1; p < phases; ++p) grid_barrier(arrived);
+// The barrier under test. 0: grid_barrier.cuh's (a relaxed atomicAdd between two __threadfence, volatile polls).
+// 1: the same flip-bit counter with the ordering in the instructions: a release add, acquire polls, no fences.
+// 2: a release add, relaxed polls, one acquire fence after the flip.
+template <int KIND> __device__ __forceinline__ void barrier(unsigned int* arrived) {
+    if (KIND == 0) {
+        grid_barrier(arrived);
+        return;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+        unsigned int before, now, polls = 0;
+        asm volatile("atom.add.release.gpu.u32 %%0, [%%1], %%2;" : "=r"(before) : "l"(arrived), "r"(add) : "memory");
+        do {
+            if (KIND == 1)
+                asm volatile("ld.acquire.gpu.u32 %%0, [%%1];" : "=r"(now) : "l"(arrived) : "memory");
+            else
+                asm volatile("ld.relaxed.gpu.u32 %%0, [%%1];" : "=r"(now) : "l"(arrived) : "memory");
+            if (++polls == GRID_BARRIER_POLL_LIMIT) __trap();
+        } while (((before ^ now) & 0x80000000u) == 0);
+        if (KIND == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+template <int KIND> __device__ __forceinline__ void barriers_body(unsigned int* arrived, int phases, u32* sink) {
+    for (int p = 1; p < phases; ++p) barrier<KIND>(arrived);
     if (threadIdx.x == 0) sink[blockIdx.x] = phases;
 }
 
-extern "C" __global__ void __launch_bounds__(%(threads)d) floor_direct(const u8* __restrict__ weights,
+template <int KIND> __device__ __forceinline__ void direct_body(const u8* __restrict__ weights,
         const long long* __restrict__ offsets, int phases, unsigned int* arrived, u32* sink) {
     u32 folded = 0;
     for (int p = 0; p < phases; ++p) {
-        if (p > 0) grid_barrier(arrived);
+        if (p > 0) barrier<KIND>(arrived);
         long long begin, end;
         block_share(offsets, p, begin, end);
         const uint4* words = reinterpret_cast<const uint4*>(weights + begin);
@@ -102,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(%(threads)d) floor_direct(const u8*
     sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
 }
 
-extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring(const u8* __restrict__ weights,
+template <int KIND> __device__ __forceinline__ void ring_body(const u8* __restrict__ weights,
         const long long* __restrict__ offsets, int phases, unsigned int* arrived, u32* sink) {
     extern __shared__ __align__(16) uint4 ring[];  // STAGES chunks
     Cursor to_load{-1, 0, 0}, to_use{-1, 0, 0};
@@ -126,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring(const u8* _
     for (int slot = 0; next_chunk(to_use, offsets, phases, begin, bytes, phase); slot = (slot + 1) %% STAGES) {
         asm volatile("cp.async.wait_group %%0;" ::"n"(STAGES - 2) : "memory");
         __syncthreads();  // every thread's copies of this chunk landed; the slot refilled below was read
-        while (passed < phase) { grid_barrier(arrived); ++passed; }
+        while (passed < phase) { barrier<KIND>(arrived); ++passed; }
         const uint4* words = ring + slot * (CHUNK / 16);
         for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
             const uint4 w = words[i];
@@ -134,10 +159,28 @@ extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring(const u8* _
         }
         load_next((slot + STAGES - 1) %% STAGES);
     }
-    while (passed < phases - 1) { grid_barrier(arrived); ++passed; }
+    while (passed < phases - 1) { barrier<KIND>(arrived); ++passed; }
     sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
 }
+
+#define FLOOR_KERNELS(KIND)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(%(threads)d) floor_barriers_##KIND(unsigned int* arrived,      \
+                                                                                 int phases, u32* sink) {       \
+        barriers_body<KIND>(arrived, phases, sink);                                                             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(%(threads)d) floor_direct_##KIND(const u8* weights,            \
+            const long long* offsets, int phases, unsigned int* arrived, u32* sink) {                           \
+        direct_body<KIND>(weights, offsets, phases, arrived, sink);                                             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring_##KIND(const u8* weights,              \
+            const long long* offsets, int phases, unsigned int* arrived, u32* sink) {                           \
+        ring_body<KIND>(weights, offsets, phases, arrived, sink);                                               \
+    }
+FLOOR_KERNELS(0)
+FLOOR_KERNELS(1)
+FLOOR_KERNELS(2)
 """
+BARRIERS = {0: "fences", 1: "release/acquire", 2: "release, relaxed polls"}
 
 
 @attrs.frozen
@@ -251,27 +294,25 @@ def main() -> None:
         grid = properties.multi_processor_count * per_sm
         ring_bytes = STAGES * CHUNK
 
-        def run(name: str, table: torch.Tensor, count: int):
-            shared = ring_bytes if name == "floor_ring" else 0
-            if name == "floor_barriers":
+        def run(kernel: str, kind: int, table: torch.Tensor, count: int):
+            if kernel == "barriers":
                 values = [Pointer(arrived.data_ptr()), Int(count), Pointer(sink.data_ptr())]
             else:
                 values = [Pointer(weights.data_ptr()), Pointer(table.data_ptr()), Int(count),
                           Pointer(arrived.data_ptr()), Pointer(sink.data_ptr())]
-            function = module.function(name)
+            function = module.function(f"floor_{kernel}_{kind}")
+            shared = ring_bytes if kernel == "ring" else 0
             return lambda: nvrtc.launch(function, grid, THREADS, values, stream=stream, shared_bytes=shared)
 
-        cases = [("barriers", "floor_barriers", offsets, len(phases), 0),
-                 ("direct", "floor_direct", offsets, len(phases), total),
-                 ("ring", "floor_ring", offsets, len(phases), total),
-                 ("direct, one phase", "floor_direct", one_phase, 1, total),
-                 ("ring, one phase", "floor_ring", one_phase, 1, total)]
-        for label, name, table, count, read in cases:
-            us = time_launches(run(name, table, count), args.steps)
-            row = {"blocks_per_sm": per_sm, "grid": grid, "read": label, "phases": count, "us": round(us, 2),
-                   "tok_s": round(1e6 / us, 1), "gb_s": round(read / us / 1e3, 1),
-                   "of_copy": round(read / us / 1e3 / copy, 3)}
-            if label == "barriers":
+        cases = [(kernel, kind, offsets, len(phases)) for kind in BARRIERS for kernel in ("barriers", "direct", "ring")]
+        cases += [(kernel, 0, one_phase, 1) for kernel in ("direct", "ring")]  # no barrier: the streaming alone
+        for kernel, kind, table, count in cases:
+            us = time_launches(run(kernel, kind, table, count), args.steps)
+            read = 0 if kernel == "barriers" else total
+            row = {"blocks_per_sm": per_sm, "grid": grid, "read": kernel, "phases": count,
+                   "barrier": BARRIERS[kind] if count > 1 else None, "us": round(us, 2), "tok_s": round(1e6 / us, 1),
+                   "gb_s": round(read / us / 1e3, 1), "of_copy": round(read / us / 1e3 / copy, 3)}
+            if kernel == "barriers":
                 row["us_a_barrier"] = round(us / max(count - 1, 1), 3)
             rows.append(row)
             print(json.dumps(row))

@@ -44,6 +44,16 @@ def delta_inputs(nodes: int, dtype: torch.dtype, seed: int):
     return (mixed, a, b, ssm_a, dt_bias, state), key_heads, dk
 
 
+def kernel_device(kernel, interpreted_type) -> str:
+    """Where a Triton kernel's test runs: the CPU under the interpreter, else the GPU (compiled: the bits a user
+    gets), else nowhere."""
+    if isinstance(kernel, interpreted_type):
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("the kernels were imported compiled (TRITON_INTERPRET=0) and there is no GPU")
+    return "cuda"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parents", TREES)
 def test_the_kernels_replay_each_path_to_the_bit(dtype, parents):
@@ -53,10 +63,10 @@ def test_the_kernels_replay_each_path_to_the_bit(dtype, parents):
     from lucebox_cuda import triton_fused
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(triton_fused._gated_delta_path_kernel, InterpretedFunction):
-        pytest.skip("lucebox_cuda.triton_fused was imported earlier without TRITON_INTERPRET=1")
-    (mixed, a, b, ssm_a, dt_bias, state), key_heads, dk = delta_inputs(len(parents), dtype, len(parents))
-    index = torch.tensor(parents)
+    device = kernel_device(triton_fused._gated_delta_path_kernel, InterpretedFunction)
+    inputs, key_heads, dk = delta_inputs(len(parents), dtype, len(parents))
+    mixed, a, b, ssm_a, dt_bias, state = (t.to(device) for t in inputs)
+    index = torch.tensor(parents, device=device)
     before = state.clone()
     out, all_states = triton_fused.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, index, key_heads, dk)
     lean_out, lean_states = triton_fused.gated_delta_tree(mixed, a, b, ssm_a, dt_bias, state, index, key_heads, dk,
@@ -68,15 +78,15 @@ def test_the_kernels_replay_each_path_to_the_bit(dtype, parents):
         assert torch.equal(lean_states[node], all_states[node]), f"reloaded state of node {node}"
     for node in range(len(parents)):
         replayed = state.clone()
-        triton_fused.gated_delta_path_(mixed, a, b, ssm_a, dt_bias, replayed, torch.tensor(tree_path(parents, node)),
-                                       key_heads, dk)
+        triton_fused.gated_delta_path_(mixed, a, b, ssm_a, dt_bias, replayed,
+                                       torch.tensor(tree_path(parents, node), device=device), key_heads, dk)
         assert torch.equal(replayed[0], all_states[node]), f"replayed state of node {node}"
     # The reference op, on the same inputs: the same states up to the kernels' summation order.
     ops = QWEN35_OPS.bind(TorchBackend("cpu", dtype))
-    reference = state.clone()
+    reference = state.cpu()
     path = torch.tensor(tree_path(parents, len(parents) - 1))
-    ops.gated_delta_path_(mixed, a, b, ssm_a, dt_bias, reference, path, key_heads, dk)
-    error = ((reference - all_states[-1:]).norm() / all_states[-1].norm()).item()
+    ops.gated_delta_path_(*(t.cpu() for t in (mixed, a, b, ssm_a, dt_bias)), reference, path, key_heads, dk)
+    error = ((reference - all_states[-1:].cpu()).norm() / all_states[-1].norm()).item()
     assert error < (1e-5 if dtype == torch.float32 else 2.5e-2), error
 
 
@@ -88,17 +98,17 @@ def test_one_launch_commits_every_layer_as_the_per_layer_kernels(dtype):
     from lucebox_cuda import triton_commit, triton_fused
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(triton_commit._gated_delta_paths_kernel, InterpretedFunction):
-        pytest.skip("lucebox_cuda.triton_commit was imported earlier without TRITON_INTERPRET=1")
+    device = kernel_device(triton_commit._gated_delta_paths_kernel, InterpretedFunction)
     parents = TREES[2]
     layers = [delta_inputs(len(parents), dtype, seed) for seed in (1, 2, 3)]
     key_heads, dk = layers[0][1], layers[0][2]
+    layers = [(tuple(t.to(device) for t in inputs), heads, dims) for inputs, heads, dims in layers]
     gen = torch.Generator().manual_seed(4)
     # As the tree convolution returns them: each node's last 3 rows of a 4-row window (rows apart by 4 * 40).
-    conv_nodes = [torch.randn(len(parents), 4, 40, generator=gen).to(dtype)[:, 1:] for _ in layers]
-    path, last = torch.tensor(tree_path(parents, 7)), torch.tensor([7])
+    conv_nodes = [torch.randn(len(parents), 4, 40, generator=gen).to(dtype)[:, 1:].to(device) for _ in layers]
+    path, last = torch.tensor(tree_path(parents, 7), device=device), torch.tensor([7], device=device)
     for steps in (path, path[:0]):
-        conv_live = [torch.zeros(1, 3, 40, dtype=dtype) for _ in layers]
+        conv_live = [torch.zeros(1, 3, 40, dtype=dtype, device=device) for _ in layers]
         state_live = [inputs[5].clone() for inputs, _, _ in layers]
         triton_commit.gated_delta_commit_(
             None, conv_live, conv_nodes, state_live, *([inputs[i] for inputs, _, _ in layers] for i in range(5)),
