@@ -43,12 +43,15 @@ from lucebox_cuda import nvrtc
 from lucebox_cuda.nvrtc import Int, Pointer
 from lucebox_qwen35 import layout, synth
 
-THREADS, CHUNK, STAGES = 256, 8192, 4  # the ring: 4 chunks of 8 KiB a block, 3 in flight
+THREADS, CHUNK = 256, 8192  # a ring's chunk: 8 KiB, 16 bytes a thread twice
+# Ring depths (chunks a block; all but one in flight): 32 KiB covers a phase's start; 64 and 128 KiB keep loading
+# through a barrier's wait (~1.5 us at ~23 GB/s an SM) and more.
+RING_STAGES = (4, 8, 16)
 
 SOURCE = r"""
 #include "grid_barrier.cuh"
 
-constexpr int CHUNK = %(chunk)d, STAGES = %(stages)d;
+constexpr int CHUNK = %(chunk)d;
 
 __device__ __forceinline__ u32 ring_address(const void* pointer) {
     u32 address;
@@ -127,7 +130,7 @@ template <int KIND> __device__ __forceinline__ void direct_body(const u8* __rest
     sink[blockIdx.x * blockDim.x + threadIdx.x] = folded;
 }
 
-template <int KIND> __device__ __forceinline__ void ring_body(const u8* __restrict__ weights,
+template <int KIND, int STAGES> __device__ __forceinline__ void ring_body(const u8* __restrict__ weights,
         const long long* __restrict__ offsets, int phases, unsigned int* arrived, u32* sink) {
     extern __shared__ __align__(16) uint4 ring[];  // STAGES chunks
     Cursor to_load{-1, 0, 0}, to_use{-1, 0, 0};
@@ -172,9 +175,13 @@ template <int KIND> __device__ __forceinline__ void ring_body(const u8* __restri
             const long long* offsets, int phases, unsigned int* arrived, u32* sink) {                           \
         direct_body<KIND>(weights, offsets, phases, arrived, sink);                                             \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring_##KIND(const u8* weights,              \
+    FLOOR_RING(KIND, 4)                                                                                         \
+    FLOOR_RING(KIND, 8)                                                                                         \
+    FLOOR_RING(KIND, 16)
+#define FLOOR_RING(KIND, STAGES)                                                                                \
+    extern "C" __global__ void __launch_bounds__(%(threads)d) floor_ring_##KIND##_s##STAGES(const u8* weights,  \
             const long long* offsets, int phases, unsigned int* arrived, u32* sink) {                           \
-        ring_body<KIND>(weights, offsets, phases, arrived, sink);                                               \
+        ring_body<KIND, STAGES>(weights, offsets, phases, arrived, sink);                                       \
     }
 FLOOR_KERNELS(0)
 FLOOR_KERNELS(1)
@@ -190,7 +197,7 @@ class Program:
     file: str = "megakernel_floor.cu"
 
     def source(self) -> str:
-        return SOURCE % {"chunk": CHUNK, "stages": STAGES, "threads": THREADS}
+        return SOURCE % {"chunk": CHUNK, "threads": THREADS}
 
     def headers(self) -> dict[str, str]:
         return {name: text for name, text in nvrtc.kernel_sources().items() if name.endswith(".cuh")}
@@ -271,6 +278,7 @@ def main() -> None:
     parser.add_argument("--type", default="q4_k_m", help="the file type whose weight bytes a step reads")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    from cuda.bindings import driver  # here: the test of this script's phases runs without cuda-bindings
 
     device = torch.device("cuda", torch.cuda.current_device())
     properties = torch.cuda.get_device_properties(device)
@@ -292,28 +300,44 @@ def main() -> None:
     rows = []
     for per_sm in args.blocks_per_sm:
         grid = properties.multi_processor_count * per_sm
-        ring_bytes = STAGES * CHUNK
 
-        def run(kernel: str, kind: int, table: torch.Tensor, count: int):
-            if kernel == "barriers":
+        def launcher(name: str, table: torch.Tensor, count: int, shared: int):
+            """A launch of kernel `name`, or None where `per_sm` blocks of it cannot all be resident on an SM (the
+            barrier would wait for a block that never runs)."""
+            function = module.function(name)
+            if shared > 48 * 1024:
+                attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                if int(driver.cuFuncSetAttribute(function, attribute, shared)[0]) != 0:
+                    return None
+            result, resident = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, THREADS, shared)
+            if int(result) != 0 or int(resident) < per_sm:
+                return None
+            if name.startswith("floor_barriers"):
                 values = [Pointer(arrived.data_ptr()), Int(count), Pointer(sink.data_ptr())]
             else:
                 values = [Pointer(weights.data_ptr()), Pointer(table.data_ptr()), Int(count),
                           Pointer(arrived.data_ptr()), Pointer(sink.data_ptr())]
-            function = module.function(f"floor_{kernel}_{kind}")
-            shared = ring_bytes if kernel == "ring" else 0
             return lambda: nvrtc.launch(function, grid, THREADS, values, stream=stream, shared_bytes=shared)
 
-        cases = [(kernel, kind, offsets, len(phases)) for kind in BARRIERS for kernel in ("barriers", "direct", "ring")]
-        cases += [(kernel, 0, one_phase, 1) for kernel in ("direct", "ring")]  # no barrier: the streaming alone
-        for kernel, kind, table, count in cases:
-            us = time_launches(run(kernel, kind, table, count), args.steps)
-            read = 0 if kernel == "barriers" else total
-            row = {"blocks_per_sm": per_sm, "grid": grid, "read": kernel, "phases": count,
-                   "barrier": BARRIERS[kind] if count > 1 else None, "us": round(us, 2), "tok_s": round(1e6 / us, 1),
-                   "gb_s": round(read / us / 1e3, 1), "of_copy": round(read / us / 1e3 / copy, 3)}
-            if kernel == "barriers":
-                row["us_a_barrier"] = round(us / max(count - 1, 1), 3)
+        # (read, barrier kind, ring stages, the phase table, its phase count)
+        cases = [(read, kind, 0, offsets, len(phases)) for kind in BARRIERS for read in ("barriers", "direct")]
+        cases += [("ring", kind, stages, offsets, len(phases)) for kind in BARRIERS for stages in RING_STAGES]
+        cases += [("direct", 0, 0, one_phase, 1)]  # no barrier: the streaming alone
+        cases += [("ring", 0, stages, one_phase, 1) for stages in RING_STAGES]
+        for read, kind, stages, table, count in cases:
+            name = f"floor_{read}_{kind}" + (f"_s{stages}" if stages else "")
+            launch = launcher(name, table, count, stages * CHUNK)
+            row = {"blocks_per_sm": per_sm, "grid": grid, "read": read, "ring_kib": stages * CHUNK // 1024,
+                   "phases": count, "barrier": BARRIERS[kind] if count > 1 else None}
+            if launch is None:
+                row["skipped"] = f"{per_sm} blocks of {stages * CHUNK // 1024} KiB do not fit an SM"
+            else:
+                us = time_launches(launch, args.steps)
+                bytes_read = 0 if read == "barriers" else total
+                row.update(us=round(us, 2), tok_s=round(1e6 / us, 1), gb_s=round(bytes_read / us / 1e3, 1),
+                           of_copy=round(bytes_read / us / 1e3 / copy, 3))
+                if read == "barriers":
+                    row["us_a_barrier"] = round(us / max(count - 1, 1), 3)
             rows.append(row)
             print(json.dumps(row))
     if args.json:

@@ -474,5 +474,6 @@ def test_megakernel_floor_phases_cover_every_matrix_and_its_kernels_compile():
 
     for arch in ("sm_86", "sm_90"):
         cubin = nvrtc._compile(floor.Program(), arch, nvrtc.DEFAULT_OPTIONS)
-        kernels = [f"floor_{kernel}_{kind}" for kernel in ("barriers", "direct", "ring") for kind in floor.BARRIERS]
+        kernels = [f"floor_{read}_{kind}" for read in ("barriers", "direct") for kind in floor.BARRIERS]
+        kernels += [f"floor_ring_{kind}_s{stages}" for kind in floor.BARRIERS for stages in floor.RING_STAGES]
         assert all(name.encode() in cubin for name in kernels)
