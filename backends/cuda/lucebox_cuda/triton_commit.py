@@ -13,6 +13,7 @@ copy from the host).
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -23,8 +24,19 @@ import triton.language as tl
 from .triton_fused import _replay_path
 from .triton_ops import DELTA_BLOCK_VALUES, _device_scope
 
-# A row of the recurrent table (9 int64): mixed, a, b, ssm_a, dt_bias, live state, then the row strides of mixed, a,
-# b. A row of the conv table (3): the node states, the live state, the node states' row stride.
+# A row of the recurrent table (6 int64): where layer l's mixed, a, b, ssm_a, dt_bias and live state are, in elements
+# from layer 0's (which the kernel takes as arguments). A row of the conv table (3): the node states, the live state,
+# the node states' row stride.
+#
+# Why offsets from real arguments, not addresses: Triton lays a kernel's loads out from what it knows of their
+# pointers (an argument's alignment, which it specialises on; nothing for an address loaded from memory), and the
+# layout orders the sums of the delta step (the q and k norms, the state's product with k). The walk and the per-layer
+# path kernel take pointers as arguments; a table of addresses made this kernel differ from them in last bits on the
+# H100 (session 34), where the interpreter, which has no layouts, found them equal. Layer 0's pointers plus offsets
+# that are multiples of 16 elements (`tl.multiple_of`; the table is refused otherwise) give the compiler the
+# per-layer kernel's knowledge of every layer.
+_OFFSET_MULTIPLE = 16
+TABLE_SWITCH = "LUCEBOX_GDN_COMMIT_TABLE"
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _TABLES_KEPT = 256  # tables of recent tensor sets (a verify recording per window and node count)
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -33,23 +45,23 @@ COPY_BLOCK = 1024
 
 @triton.jit
 def _gated_delta_paths_kernel(
-    table_ptr, path_ptr, steps, scale, key_heads, value_heads, key_channels,
-    DTYPE: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    offsets_ptr, mixed_ptr, a_ptr, b_ptr, ssm_a_ptr, dt_bias_ptr, state_ptr, path_ptr, steps, scale, key_heads,
+    value_heads, key_channels, stride_mn, stride_an, stride_bn,
+    KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """`_gated_delta_path_kernel` for one (layer, value head, slice of value dims) of many layers."""
+    """`_gated_delta_path_kernel` for one (layer, value head, slice of value dims) of many layers: the pointer
+    arguments are layer 0's, each layer's tensors `offsets_ptr[layer]` elements from them."""
     layer = tl.program_id(0) // value_heads
     head = tl.program_id(0) % value_heads
-    row = table_ptr + layer * 9
-    mixed_ptr = tl.load(row).to(tl.pointer_type(DTYPE))
-    a_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
-    b_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
-    a_log = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.float32)) + head)
-    dt = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)) + head)
-    state_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    stride_mn, stride_an, stride_bn = tl.load(row + 6), tl.load(row + 7), tl.load(row + 8)
-    _replay_path(state_ptr, mixed_ptr, a_ptr, b_ptr, path_ptr, steps, stride_mn, stride_an, stride_bn, head,
-                 head % key_heads, key_channels, scale, a_log, dt, DTYPE, KEY_DIM, VALUE_DIM, BLOCK_K, BLOCK_V)
+    row = offsets_ptr + layer * 6
+    mixed = mixed_ptr + tl.multiple_of(tl.load(row), 16)
+    a = a_ptr + tl.multiple_of(tl.load(row + 1), 16)
+    b = b_ptr + tl.multiple_of(tl.load(row + 2), 16)
+    a_log = tl.load(ssm_a_ptr + tl.multiple_of(tl.load(row + 3), 16) + head)
+    dt = tl.load(dt_bias_ptr + tl.multiple_of(tl.load(row + 4), 16) + head)
+    state = state_ptr + tl.multiple_of(tl.load(row + 5), 16)
+    _replay_path(state, mixed, a, b, path_ptr, steps, stride_mn, stride_an, stride_bn, head, head % key_heads,
+                 key_channels, scale, a_log, dt, mixed_ptr.dtype.element_ty, KEY_DIM, VALUE_DIM, BLOCK_K, BLOCK_V)
 
 
 @triton.jit
@@ -83,15 +95,25 @@ def _table(columns: Sequence[Sequence[int]], device: torch.device) -> torch.Tens
     return table
 
 
+def _element_offsets(tensors: Sequence[torch.Tensor]) -> list[int] | None:
+    """Each tensor's distance from the first in elements, where every one is a multiple of `_OFFSET_MULTIPLE`."""
+    first, size = tensors[0].data_ptr(), tensors[0].element_size()
+    distances = [t.data_ptr() - first for t in tensors]
+    if any(d % (size * _OFFSET_MULTIPLE) for d in distances):
+        return None
+    return [d // size for d in distances]
+
+
 def commit_tables(conv_live, conv_nodes, state_live, mixed, a, b, ssm_a, dt_bias) -> tuple | None:
-    """The two tables of a `gated_delta_commit_` call (the conv rows', the recurrence's), or None where they
-    cannot be had now (see `_table`)."""
+    """The two tables of a `gated_delta_commit_` call (the conv rows', the recurrence's offsets from layer 0), or
+    None where they cannot be had now (see `_table`) or a layer's tensors are not a multiple of 16 elements from
+    layer 0's."""
     device = mixed[0].device
     rows = [(nodes.data_ptr(), live.data_ptr(), nodes.stride(0)) for nodes, live in zip(conv_nodes, conv_live)]
-    recurrent = [(m.data_ptr(), a_.data_ptr(), b_.data_ptr(), s.data_ptr(), d.data_ptr(), live.data_ptr(),
-                  m.stride(1), a_.stride(1), b_.stride(1))
-                 for m, a_, b_, s, d, live in zip(mixed, a, b, ssm_a, dt_bias, state_live)]
-    conv_table, recurrent_table = _table(rows, device), _table(recurrent, device)
+    columns = [_element_offsets(tensors) for tensors in (mixed, a, b, ssm_a, dt_bias, state_live)]
+    if any(column is None for column in columns):
+        return None
+    conv_table, recurrent_table = _table(rows, device), _table(list(zip(*columns)), device)
     if conv_table is None or recurrent_table is None:
         return None
     return conv_table, recurrent_table
@@ -99,7 +121,10 @@ def commit_tables(conv_live, conv_nodes, state_live, mixed, a, b, ssm_a, dt_bias
 
 def accepts_gated_delta_commit_(ops, conv_live, conv_nodes, state_live, mixed, a, b, ssm_a, dt_bias, path, last,
                                 num_k_heads, head_k_dim) -> bool:
-    """Same shapes, dtypes and layouts in every layer (one kernel serves them all), and a table to be had."""
+    """Same shapes, dtypes and layouts in every layer (one kernel serves them all), and a table to be had.
+    `LUCEBOX_GDN_COMMIT_TABLE=0` refuses every call (the per-layer reference kernels then commit): an A/B."""
+    if os.environ.get(TABLE_SWITCH, "1") == "0":
+        return False
     if not mixed or mixed[0].dtype not in _TRITON_DTYPES or mixed[0].device.type != "cuda" or last.shape != (1,):
         return False
     if conv_live[0].numel() != conv_nodes[0][0].numel() or path.dtype not in (torch.int64, torch.int32):
@@ -137,8 +162,8 @@ def gated_delta_commit_(
     layers (`accepts_gated_delta_commit_` first)."""
     tables = commit_tables(conv_live, conv_nodes, state_live, mixed, a, b, ssm_a, dt_bias)
     if tables is None:
-        raise ValueError("gated_delta_commit_: no address table while a capture runs "
-                         "(accepts_gated_delta_commit_ first)")
+        raise ValueError("gated_delta_commit_: no address table (none is made while a capture runs, nor for layers "
+                         "not 16 elements apart: accepts_gated_delta_commit_ first)")
     conv_table, recurrent_table = tables
     layers = len(mixed)
     row_elements = conv_nodes[0][0].numel()
@@ -150,7 +175,8 @@ def gated_delta_commit_(
             return
         block_values = min(DELTA_BLOCK_VALUES, triton.next_power_of_2(value_dim))
         _gated_delta_paths_kernel[(layers * value_heads, math.ceil(value_dim / block_values))](
-            recurrent_table, path, path.shape[0], key_dim**-0.5, num_k_heads, value_heads, num_k_heads * head_k_dim,
-            DTYPE=_TRITON_DTYPES[mixed[0].dtype], KEY_DIM=key_dim, VALUE_DIM=value_dim,
-            BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
+            recurrent_table, mixed[0], a[0], b[0], ssm_a[0], dt_bias[0], state_live[0], path, path.shape[0],
+            key_dim**-0.5, num_k_heads, value_heads, num_k_heads * head_k_dim,
+            mixed[0].stride(1), a[0].stride(1), b[0].stride(1),
+            KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_values,
         )
