@@ -45,14 +45,21 @@ s34_commit() {
   local m d writer r s; m=$(model 27b); d=$WORK/draft-27b.gguf
   synth_draft_bg "$m" "$d"; writer=$!
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
-  for r in 1 0; do for s in 1 0; do
+  local pair
+  for pair in 11 00; do  # the switches both on, both off; then the bench; then each alone
+    r=${pair:0:1}; s=${pair:1:1}
     step "spec-step-replay$r-sync$s" 90 env LUCEBOX_GDN_REPLAY=$r LUCEBOX_RECORDED_DRAFT_SYNC=$s python3 \
       scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 --json "$RES/spec_step_r${r}_s$s.json"
-  done; done
+  done
   for r in 0 1; do
     step "b22-forced-both$r" 90 bash -c "LUCEBOX_GDN_REPLAY=$r LUCEBOX_RECORDED_DRAFT_SYNC=$r python3 -m \
       lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 --force-accept 8.3 --json \
       | spec_detail b22-forced-both$r"
+  done
+  for pair in 10 01; do
+    r=${pair:0:1}; s=${pair:1:1}
+    step "spec-step-replay$r-sync$s" 90 env LUCEBOX_GDN_REPLAY=$r LUCEBOX_RECORDED_DRAFT_SYNC=$s python3 \
+      scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 --json "$RES/spec_step_r${r}_s$s.json"
   done
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
