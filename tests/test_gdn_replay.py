@@ -161,7 +161,7 @@ def test_a_replayed_commit_leaves_the_states_a_kept_one_leaves(tiny, static, mon
     kept, replayed = model.new_state(96), model.new_state(96)
     model.forward(kept, prompt)
     model.forward(replayed, prompt)
-    monkeypatch.delenv(GDN_REPLAY_SWITCH, raising=False)
+    monkeypatch.setenv(GDN_REPLAY_SWITCH, "0")
     v_kept = model.verify(kept, tokens, parents, static=static, graphs=False)
     monkeypatch.setenv(GDN_REPLAY_SWITCH, "1")
     v_replayed = model.verify(replayed, tokens, parents, static=static, graphs=False)

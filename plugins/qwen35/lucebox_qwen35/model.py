@@ -197,7 +197,7 @@ class GatedDeltaNet:
         """Run the nodes of a candidate tree `x` `[1, N, hidden]`, each from its parent's state, leaving
         `state` untouched (`parents` `[N]`, `TreeIndex.parents` on the device, so the pass can be recorded
         as a CUDA graph). Returns the output `[1, N, hidden]` and, per node, the conv state `[N, K-1, C]`
-        and the recurrent state `[N, H_v, D_k, D_v]` after that node; with `LUCEBOX_GDN_REPLAY=1`, in place
+        and the recurrent state `[N, H_v, D_k, D_v]` after that node; unless `LUCEBOX_GDN_REPLAY=0`, in place
         of the recurrent states, the steps' inputs, from which the commit replays its path.
 
         Node `i`'s convolution window is the inputs along its own ancestry (then the committed conv
@@ -211,7 +211,7 @@ class GatedDeltaNet:
         # [1, N, C]: the nodes as the tokens of one sequence, convolved along their own ancestry.
         conv_out, node_conv = ops.conv_silu_tree(mixed_qkv, self.conv1d, state.conv, parents)
         # Each node steps from its parent's state (the root from the committed one).
-        if os.environ.get(GDN_REPLAY_SWITCH) == "1":  # the commit replays its path: keep the steps' inputs
+        if os.environ.get(GDN_REPLAY_SWITCH, "1") != "0":  # the commit replays its path: keep the steps' inputs
             core, _ = ops.gated_delta_tree_reloaded(conv_out, a, b, self.ssm_a, self.dt_bias, state.recurrent, parents,
                                                     self.num_k_heads, self.head_k_dim)
             node_state = ReplayedRecurrence(self, conv_out, a, b)
