@@ -16,6 +16,8 @@
 
 s34_floor() {
   step megakernel-floor 120 python3 scripts/megakernel_floor.py --blocks-per-sm 1 2 --json "$OUT/megakernel_floor.json"
+  step megakernel-floor-partials 120 python3 scripts/megakernel_floor.py --blocks-per-sm 1 2 --schedule partials \
+    --json "$OUT/megakernel_floor_partials.json"
   return 0
 }
 

@@ -22,10 +22,10 @@ plan: the tied head Q6_K, the DeltaNet qkv and half the down products Q6_K, the 
 mixer phases (products; convolution, gates, delta step with the 1 MiB state read and written, gated norm; output
 product) and 2 MLP phases (add + norm + gate | up; down); an attention layer 4 mixer phases (products; norm, RoPE,
 K/V store and attention spans; merge and gate; output product) and the same 2; then the head and the choice of the
-token. Each launch is one step; the figure is the median over `--steps` launches after a warm-up, beside the copy
-bandwidth measured in the same call.
+token (`--schedule partials`: 3 and 4, see SCHEDULES). Each launch is one step; the figure is the median over
+`--steps` launches after a warm-up, beside the copy bandwidth measured in the same call.
 
-    python3 scripts/megakernel_floor.py [--blocks-per-sm 1 2] [--json out.json]
+    python3 scripts/megakernel_floor.py [--blocks-per-sm 1 2] [--schedule unfused|partials] [--json out.json]
 """
 
 from __future__ import annotations
@@ -214,9 +214,18 @@ def tensor_bytes(plan) -> int:
     return math.prod(plan.shape) // block * size
 
 
-def step_phases(size: str = "0.8b", type: str = "q4_k_m") -> list[int]:
+# The phase schedules: `unfused` keeps a phase wherever the persistent pieces have one (5 a DeltaNet layer, 6 an
+# attention layer); `partials` joins each output product to the phase before it and the down product to the gate | up
+# phase, as a block that made a slice of a product's input would multiply it by that slice's columns and leave
+# partial sums for the next phase to add in a fixed order (3 a DeltaNet layer, 4 an attention layer).
+SCHEDULES = ("unfused", "partials")
+
+
+def step_phases(size: str = "0.8b", type: str = "q4_k_m", schedule: str = "unfused") -> list[int]:
     """The weight bytes of each phase of a one-launch decode step of the qwen35 `size` in a `type` file as the
-    project's writer lays it out (see the module's text); 16-byte multiples."""
+    project's writer lays it out (see the module's text), in `schedule`'s phases; 16-byte multiples."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     cfg = layout.SIZES[size]
     plans = synth.tensor_plans(cfg, type)
     per_layer: list[dict[str, int]] = [{} for _ in range(cfg.n_layer)]
@@ -230,7 +239,10 @@ def step_phases(size: str = "0.8b", type: str = "q4_k_m") -> list[int]:
         products = sum(b for n, b in weights.items() if n.startswith(MIXER_PRODUCTS))
         output = sum(b for n, b in weights.items() if n.startswith(OUTPUT_PRODUCTS))
         mlp = [weights["ffn_gate.weight"] + weights["ffn_up.weight"], weights["ffn_down.weight"]]
-        if "attn_q.weight" in weights:  # products; norm, RoPE, K/V store, spans; merge and gate; output
+        attention = "attn_q.weight" in weights
+        if schedule == "partials":  # the output product and the down product as partial sums of the phase before
+            phases += [products, 0, output, sum(mlp)] if attention else [products, state + output, sum(mlp)]
+        elif attention:  # products; norm, RoPE, K/V store, spans; merge and gate; output
             phases += [products, 0, 0, output, *mlp]
         else:  # products; convolution, gates, delta step, gated norm; output
             phases += [products, state, output, *mlp]
@@ -276,6 +288,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--size", default="0.8b", help="a qwen35 size of the writer's (lucebox_qwen35.layout.SIZES)")
     parser.add_argument("--type", default="q4_k_m", help="the file type whose weight bytes a step reads")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="unfused", help="the step's phases (see SCHEDULES)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     from cuda.bindings import driver  # here: the test of this script's phases runs without cuda-bindings
@@ -286,7 +299,7 @@ def main() -> None:
     module = nvrtc.CudaModule(nvrtc._compile(Program(), f"sm_{major}{minor}", nvrtc.DEFAULT_OPTIONS), device.index)
     stream = torch.cuda.current_stream(device).cuda_stream
 
-    phases = step_phases(args.size, args.type)
+    phases = step_phases(args.size, args.type, args.schedule)
     offsets = torch.tensor([0, *torch.tensor(phases).cumsum(0).tolist()], dtype=torch.int64, device=device)
     total = int(offsets[-1])
     weights = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
@@ -342,7 +355,8 @@ def main() -> None:
             print(json.dumps(row))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"device": properties.name, "copy_gb_s": round(copy, 1), "phases": len(phases),
+            json.dump({"device": properties.name, "copy_gb_s": round(copy, 1), "schedule": args.schedule,
+                       "phases": len(phases),
                        "weight_bytes": total, "rows": rows}, handle, indent=1)
 
 

@@ -469,6 +469,10 @@ def test_megakernel_floor_phases_cover_every_matrix_and_its_kernels_compile():
     matrices = sum(floor.tensor_bytes(p) for p in plans if len(p.shape) == 2)
     assert sum(phases) == matrices + linear_layers * 2 * 16 * 128 * 128 * 4
     assert phases[-2] == floor.tensor_bytes(plans[0]) == 248_320 * 1024 // 256 * 210  # the tied head, Q6_K
+    partials = floor.step_phases("0.8b", "q4_k_m", "partials")  # output and down products joined to the phase before
+    assert len(partials) == 4 * attention_layers + 3 * linear_layers + 2 and sum(partials) == sum(phases)
+    with pytest.raises(ValueError, match="schedule"):
+        floor.step_phases("0.8b", "q4_k_m", "fused")
     pytest.importorskip("cuda.bindings.nvrtc", reason="lucebox-cuda's dependencies (cuda-bindings) are not installed")
     from lucebox_cuda import nvrtc
 
