@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import attrs
 import torch
@@ -41,7 +40,10 @@ from gguf import GGML_QUANT_SIZES
 
 from lucebox_cuda import nvrtc
 from lucebox_cuda.nvrtc import Int, Pointer
+from lucebox_cuda.timing import median_ms
 from lucebox_qwen35 import layout, synth
+
+from bench_vs_llamacpp import copy_bandwidth_gb_s  # scripts/ is the path's first entry when run as a script
 
 THREADS, CHUNK = 256, 8192  # a ring's chunk: 8 KiB, 16 bytes a thread twice
 # Ring depths (chunks a block; all but one in flight): 32 KiB covers a phase's start; 64 and 128 KiB keep loading
@@ -251,37 +253,6 @@ def step_phases(size: str = "0.8b", type: str = "q4_k_m", schedule: str = "unfus
     return [b // 16 * 16 for b in phases]
 
 
-def copy_gb_s(device: torch.device) -> float:
-    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        target.copy_(source)
-    stop.record()
-    stop.synchronize()
-    return 2 * 10 * source.numel() / (start.elapsed_time(stop) / 1000) / 1e9
-
-
-def time_launches(launch, steps: int) -> float:
-    """Median microseconds of one launch over `steps` launches, each timed alone after three warm-ups."""
-    for _ in range(3):
-        launch()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2])
@@ -306,7 +277,7 @@ def main() -> None:
     one_phase = torch.tensor([0, total], dtype=torch.int64, device=device)
     arrived = torch.zeros(1, dtype=torch.int32, device=device)
     sink = torch.zeros(properties.multi_processor_count * 8 * THREADS, dtype=torch.int32, device=device)
-    copy = copy_gb_s(device)
+    copy = copy_bandwidth_gb_s(device)
     print(f"{properties.name}: {properties.multi_processor_count} SMs, copy {copy:.0f} GB/s; a step: {len(phases)} "
           f"phases ({len(phases) - 1} barriers), {total / 1e6:.1f} MB of weights (the head {phases[-2] / 1e6:.1f})")
 
@@ -345,7 +316,7 @@ def main() -> None:
             if launch is None:
                 row["skipped"] = f"{per_sm} blocks of {stages * CHUNK // 1024} KiB do not fit an SM"
             else:
-                us = time_launches(launch, args.steps)
+                us = 1000 * median_ms(launch, args.steps)
                 bytes_read = 0 if read == "barriers" else total
                 row.update(us=round(us, 2), tok_s=round(1e6 / us, 1), gb_s=round(bytes_read / us / 1e3, 1),
                            of_copy=round(bytes_read / us / 1e3 / copy, 3))
