@@ -142,6 +142,10 @@ class StaticStep:
         """Recordings held."""
         return len(self._recorded)
 
+    def keys(self) -> list[Hashable]:
+        """The recordings held, oldest first, each as (the key its run gave, its static inputs' names and shapes)."""
+        return list(self._recorded)
+
     def recordings(self) -> list[Any]:
         """The recorded graphs (each with `replay()`), oldest first: for profiling a bare replay."""
         return [graph for graph, _ in self._recorded.values()]

@@ -191,8 +191,10 @@ def _generate(target, draft, backend, *, force: float | None = None,
         (kept,) = engine._idle
         if speculative is None:
             assert len(kept.state.decode) >= 2  # several KV windows, each recorded once
-        else:  # every token comes out of a verify pass
-            assert len(kept.state.verify) >= 2 and len(kept.draft.step) == 1
+        else:  # every token comes out of a verify pass; one draft block recorded, and the context syncs per count
+            runs = [run for run, _ in kept.draft.step.keys()]
+            blocks = [run for run in runs if not (isinstance(run, tuple) and run[0] == "sync")]
+            assert len(kept.state.verify) >= 2 and len(blocks) == 1 and len(kept.draft.step) > 1
             assert (kept.draft.head_step is not None and len(kept.draft.head_step) == 1) == split_head
     return result.token_ids, result.timings.accepted_lengths
 

@@ -309,9 +309,10 @@ for capability in map(int, sys.argv[1:]):
             (ops._gated_delta_path_kernel,
              dict(mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
                   path_ptr="*i64", scale="fp32"), dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
-            (triton_commit._gated_delta_paths_kernel, dict(table_ptr="*i64", path_ptr="*i64", scale="fp32"),
-             dict(DTYPE=tl.bfloat16 if act == "bf16" else tl.float32, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128,
-                  BLOCK_V=32)),
+            (triton_commit._gated_delta_paths_kernel,
+             dict(offsets_ptr="*i64", mixed_ptr=p, a_ptr=p, b_ptr=p, ssm_a_ptr="*fp32", dt_bias_ptr="*fp32",
+                  state_ptr="*fp32", path_ptr="*i64", scale="fp32"),
+             dict(KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=32)),
             (triton_commit._copy_node_rows_kernel, dict(table_ptr="*i64", node_ptr="*i64"),
              dict(DTYPE=tl.bfloat16 if act == "bf16" else tl.float32, BLOCK=1024)),
         ]

@@ -246,8 +246,7 @@ class DFlashDrafter:
         ring = target_state.features
         if (os.environ.get(RECORDED_SYNC_SWITCH, "1") != "0" and committed - start <= RECORDED_SYNC_MAX
                 and ring.device == torch.device(ops.device)):
-            if state.step is None:
-                state.step = StaticStep(ops, "draft block")
+            self._make_steps(target, state)
             inputs = state.step.inputs(sync_start=start)
             state.step.run(("sync", committed - start, ring.data_ptr(), ring.shape[0]),
                            lambda step_inputs: self._sync_step(ring, state, step_inputs, committed - start), inputs)
@@ -280,8 +279,9 @@ class DFlashDrafter:
         `target_state.length`; the tokens before it are the committed sequence, which DFlash reads through
         the target's captured features instead).
 
-        The context sync runs eagerly (its size varies with what was accepted); the block's forward reads
-        only fixed device buffers, so on a GPU it is recorded once per block size as a graph."""
+        The context sync is recorded once per count of new positions (up to RECORDED_SYNC_MAX; eager past it or
+        across devices); the block's forward reads only fixed device buffers, so on a GPU it is recorded once per
+        block size as a graph."""
         ops = self.ops
         block = block_size or self.block_size
         self.sync(target, target_state, state)
@@ -289,12 +289,7 @@ class DFlashDrafter:
         if ids is None:
             ids = state.block_ids[block] = torch.full((block,), self.mask_token_id, dtype=torch.long, device=ops.device)
         ids[:1].fill_(int(tokens[-1]))
-        if state.step is None:
-            state.step = StaticStep(ops, "draft block")
-            head = torch.device(getattr(target, "feature_device", None) or target.ops.device)
-            if self.split_head or head != torch.device(ops.device):
-                # A graph records one device: the layers here, the borrowed output layer on its own device.
-                state.head_step = StaticStep(getattr(target, "head_ops", target.ops), "draft head")
+        self._make_steps(target, state)
         inputs = state.step.inputs(start=target_state.length)
         # The embedding lookup decodes GGUF rows with small host constants: eagerly, outside the recording.
         inputs.set("embedded", target.embed(ids)[None].to(ops.dtype))
@@ -305,6 +300,17 @@ class DFlashDrafter:
         head_inputs = state.head_step.inputs(hidden=hidden)  # copied into the head's buffer, across devices too
         return state.head_step.run(block, lambda step_inputs: target.output_logits(step_inputs.hidden).float(),
                                    head_inputs, clone=True)
+
+    def _make_steps(self, target: Any, state: DraftState) -> None:
+        """The drafter's static steps, made by the first sync or draft block of a state: the block's (and the
+        context sync's) on this device, and the head's on the target head's device where the two differ."""
+        if state.step is not None:
+            return
+        state.step = StaticStep(self.ops, "draft block")
+        head = torch.device(getattr(target, "feature_device", None) or target.ops.device)
+        if self.split_head or head != torch.device(self.ops.device):
+            # A graph records one device: the layers here, the borrowed output layer on its own device.
+            state.head_step = StaticStep(getattr(target, "head_ops", target.ops), "draft head")
 
     def _draft_block(self, target: Any, state: DraftState, inputs: Any) -> torch.Tensor:
         """The block's forward as a function of its static inputs and the block size alone."""
