@@ -35,7 +35,7 @@ from .triton_ops import DELTA_BLOCK_VALUES, _device_scope
 # H100 (session 34), where the interpreter, which has no layouts, found them equal. Layer 0's pointers plus offsets
 # that are multiples of 16 elements (`tl.multiple_of`; the table is refused otherwise) give the compiler the
 # per-layer kernel's knowledge of every layer.
-_OFFSET_MULTIPLE = 16
+_OFFSET_MULTIPLE = 16  # what `_gated_delta_paths_kernel` tells the compiler (`tl.multiple_of(..., 16)`)
 TABLE_SWITCH = "LUCEBOX_GDN_COMMIT_TABLE"
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _TABLES_KEPT = 256  # tables of recent tensor sets (a verify recording per window and node count)
