@@ -11,6 +11,18 @@
 #                                            #   nothing, replay on.
 #                                            #   carry: .whl
 
+# One speculative step's parts on target $1 with drafter $2 at a forced 8.3: the replay off and on (the recorded
+# sync off, as these modes were written before it became the default), then both on.
+spec_step_replays() {
+  local switch
+  for switch in 0 1; do
+    step "spec-step-replay$switch" 150 env LUCEBOX_GDN_REPLAY=$switch LUCEBOX_RECORDED_DRAFT_SYNC=0 python3 \
+      scripts/spec_step_profile.py "$1" "$2" --force-accept 8.3 -n 256 --json "$RES/spec_step_replay$switch.json"
+  done
+  step spec-step-replay-sync 120 env LUCEBOX_GDN_REPLAY=1 LUCEBOX_RECORDED_DRAFT_SYNC=1 python3 \
+    scripts/spec_step_profile.py "$1" "$2" --force-accept 8.3 -n 256 --json "$RES/spec_step_replay_sync.json"
+}
+
 s33_replay() {
   step gpu-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
     tests/test_gdn_replay.py tests/test_static_verify.py \
@@ -23,12 +35,7 @@ s33_replay() {
       scripts/verify_profile.py "$m" --nodes 1,23 --depth 512 --reps 20 --json "$RES/verify_profile_replay$switch.json"
   done
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
-  for switch in 0 1; do
-    step "spec-step-replay$switch" 150 env LUCEBOX_GDN_REPLAY=$switch python3 scripts/spec_step_profile.py "$m" "$d" \
-      --force-accept 8.3 -n 256 --json "$RES/spec_step_replay$switch.json"
-  done
-  step spec-step-replay-sync 120 env LUCEBOX_GDN_REPLAY=1 LUCEBOX_RECORDED_DRAFT_SYNC=1 python3 \
-    scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 --json "$RES/spec_step_replay_sync.json"
+  spec_step_replays "$m" "$d"
   step b22-forced-replay 90 bash -c "LUCEBOX_GDN_REPLAY=1 python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 \
     -r 2 --tree-budget 22 --force-accept 8.3 --json | spec_detail b22-forced-replay"
   step auto-forced-replay 90 bash -c "LUCEBOX_GDN_REPLAY=1 python3 -m lucebox_core.cli bench -m $m -md $d -p 0 \

@@ -26,15 +26,10 @@ s34() {
   step gdn-replay-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=line -rf \
     tests/test_gdn_replay.py
   step synth-27b 90 synth 27b
-  local m d writer switch; m=$(model 27b); d=$WORK/draft-27b.gguf
+  local m d writer; m=$(model 27b); d=$WORK/draft-27b.gguf
   synth_draft_bg "$m" "$d"; writer=$!
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
-  for switch in 0 1; do
-    step "spec-step-replay$switch" 150 env LUCEBOX_GDN_REPLAY=$switch python3 scripts/spec_step_profile.py "$m" "$d" \
-      --force-accept 8.3 -n 256 --json "$RES/spec_step_replay$switch.json"
-  done
-  step spec-step-replay-sync 120 env LUCEBOX_GDN_REPLAY=1 LUCEBOX_RECORDED_DRAFT_SYNC=1 python3 \
-    scripts/spec_step_profile.py "$m" "$d" --force-accept 8.3 -n 256 --json "$RES/spec_step_replay_sync.json"
+  spec_step_replays "$m" "$d"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }
