@@ -13,11 +13,13 @@ one (`default_variant`: a measured table, else a rule) and says how to launch it
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -673,6 +675,31 @@ def attention_persistent(qk_format: str, v_format: str, o_format: str, activatio
     return KernelProgram("attention_persistent.cu", [line]), name
 
 
+# The Qwen3.5 megakernel (qwen35_megakernel.cu): values it stages (hidden, value / query channels, intermediate).
+MEGAKERNEL_STAGE_VALUES = 8192
+MEGAKERNEL_THREADS = 128
+
+
+def qwen35_megakernel(gdn: Sequence[tuple[str, str]], attention: Sequence[tuple[str, str, str]],
+                      ffn: Sequence[tuple[str, str]], activation: str, norm: str,
+                      group: int) -> tuple[KernelProgram, str]:
+    """The megakernel of one model: the Gated DeltaNet bodies for `gdn`'s (qkv, other products') formats, the
+    attention bodies for `attention`'s (q | k, v, o), the MLP bodies for `ffn`'s (gate | up, down), each list's
+    index a layer's variant; the activation and norm-weight types and the query heads a KV head. The kernel's name
+    is a digest of the lists (a model's formats, not its weights: models of one layout share the program)."""
+    lists = {
+        "MEGA_GDN_CASES": " ".join(f"MEGA_GDN_CASE({i}, {q}, {r})" for i, (q, r) in enumerate(gdn)),
+        "MEGA_ATTENTION_CASES": " ".join(f"MEGA_ATTENTION_CASE({i}, {qk}, {v}, {o})"
+                                         for i, (qk, v, o) in enumerate(attention)),
+        "MEGA_FFN_CASES": " ".join(f"MEGA_FFN_CASE({i}, {g}, {d})" for i, (g, d) in enumerate(ffn)),
+    }
+    digest = hashlib.sha256(repr(sorted(lists.items())).encode()).hexdigest()[:12]
+    name = f"qwen35_megakernel_{activation}_{norm}_g{group}_{digest}"
+    lines = [f"#define {macro} {cases}" for macro, cases in lists.items()]
+    lines += ['#include "qwen35_megakernel_body.cuh"', f"LUCEBOX_QWEN35_MEGAKERNEL({name}, {activation}, {norm}, {group})"]
+    return KernelProgram("qwen35_megakernel.cu", lines), name
+
+
 def rms_norm(activation: str, weight: str) -> tuple[KernelProgram, str]:
     name = f"rms_norm_{activation}_{weight}"
     return KernelProgram("rms_norm.cu", [f"LUCEBOX_RMS_NORM({activation}, {weight})"]), name
@@ -738,6 +765,10 @@ def compile_check_programs() -> dict[str, KernelProgram]:
             for f, o, a, n in places[:3]]
             + [f"LUCEBOX_ATTENTION_PERSISTENT(q4_k, q6_k, q4_k, {a}, {n}, {g})" for g, (_, _, a, n) in
                zip((1, 6, 8), places[1:])]),
+        # A Q4_K_M 0.8B's lists (Q6_K on some layers' qkv, v and down products), with Q5_K in each place once.
+        "qwen35_megakernel.cu": qwen35_megakernel([("q6_k", "q4_k"), ("q4_k", "q5_k")],
+                                                  [("q4_k", "q4_k", "q4_k"), ("q5_k", "q6_k", "q4_k")],
+                                                  [("q4_k", "q4_k"), ("q5_k", "q6_k")], "bf16", "f32", 4)[0],
         "moe_matvec_mma.cu": KernelProgram("moe_matvec_mma.cu", [
             f"LUCEBOX_MOE_MATVEC_MMA{kind}({f}, {a}, {w})" for kind in ("", "_PAGED", "_PAIR", "_PAIR_PAGED")
             for f in MMA_FORMATS for a in acts for w in ((2, 4) if (f, a) == ("q4_k", "bf16") else (4,))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import os
 import tempfile
 import threading
@@ -74,7 +75,11 @@ class KernelProgram:
         return body + "\n" + "\n".join(self.instantiations) + "\n"
 
     def headers(self) -> dict[str, str]:
-        return {name: text for name, text in kernel_sources().items() if name.endswith(".cuh")}
+        """The `.cuh` headers, and the `.cu` files this program's file includes (the megakernel composes the
+        persistent kernels' bodies)."""
+        sources = kernel_sources()
+        included = set(re.findall(r'#include "([^"]+\.cu)"', sources[self.file]))
+        return {name: text for name, text in sources.items() if name.endswith(".cuh") or name in included}
 
 
 # -- compilation -----------------------------------------------------------------------------------------

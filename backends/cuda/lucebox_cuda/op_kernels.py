@@ -24,7 +24,7 @@ import torch
 from lucebox_core.quants import QuantTensor
 from lucebox_core.torch_backend import TorchBackend, add_shared_expert, concat_rows
 
-from . import attention_persistent, catalogue, ffn_persistent, gdn_persistent, moe_persistent
+from . import attention_persistent, catalogue, ffn_persistent, gdn_persistent, megakernel, moe_persistent
 
 # Short Gated DeltaNet prefills (speculative verify chunks, short prompts) take the token-by-token Triton
 # kernel: as fast there, and the chunk-scan kernel faulted on a lone 16-token chunk on the H200 (run 3).
@@ -314,6 +314,10 @@ def add_rms_norm_gated_attention_(ops: Any, x: torch.Tensor, residual: torch.Ten
     (LUCEBOX_PERSISTENT_ATTENTION=1)."""
     return attention_persistent.run(ops, x, attention, kv, position, window, residual=residual, input_norm=weight,
                                     input_eps=eps)
+
+
+# A Qwen3.5 decode step's whole decoder stack in one persistent launch (`megakernel`, LUCEBOX_MEGAKERNEL=1).
+accepts_decode_layers_, decode_layers_ = megakernel.takes, megakernel.run
 
 
 def accepts_silu_mul(ops: Any, gate: torch.Tensor, up: torch.Tensor) -> bool:

@@ -34,6 +34,7 @@ FAMILY_KERNEL_OPS = (
     "add_rms_norm_gated_delta_net_",  # the same with the layer's input add + norm
     "gated_attention_decode_",  # a decode step's gated attention, one persistent launch (LUCEBOX_PERSISTENT_ATTENTION)
     "add_rms_norm_gated_attention_",  # the same with the layer's input add + norm
+    "decode_layers_",  # a Qwen3.5 decode step's whole decoder stack, one persistent launch (LUCEBOX_MEGAKERNEL)
 )
 # Every linear-attention layer's commit of a verified path in one op (qwen35's name), in `triton_commit`.
 COMMIT_KERNEL_OPS = ("gated_delta_commit_",)
@@ -102,7 +103,8 @@ def lucebox_op_kernels():
                                                                                   "gated_delta_net_decode_",
                                                                                   "add_rms_norm_gated_delta_net_",
                                                                                   "gated_attention_decode_",
-                                                                                  "add_rms_norm_gated_attention_")
+                                                                                  "add_rms_norm_gated_attention_",
+                                                                                  "decode_layers_")
                  else "Triton")
         for op in GENERIC_KERNEL_OPS + FAMILY_KERNEL_OPS
     ] + [

@@ -126,6 +126,10 @@ ENV_SWITCH = "LUCEBOX_TILED_WEIGHTS"  # "0": every weight stays in GGUF's row-ma
 # every weight stays row-major, for the kernel asked for to run.
 PERSISTENT_SWITCHES = ("LUCEBOX_PERSISTENT_FFN", "LUCEBOX_PERSISTENT_GDN", "LUCEBOX_PERSISTENT_ATTENTION",
                        "LUCEBOX_PERSISTENT_MOE")
+# The megakernel's (`megakernel.ENV_SWITCH`): it reads every layer's weights as GGUF's rows, not the head's, which
+# its own kernel runs after it (GGUF's names for the head: the tied embedding or the output weight).
+MEGAKERNEL_SWITCH = "LUCEBOX_MEGAKERNEL"
+HEAD_NAMES = ("token_embd.weight", "output.weight")
 # Formats held tiled by default. Measured (scripts/tiled_probe.py, H100, session 27): Q6_K products 1.16-1.30x faster
 # at batch 1 (the 27B's head at the copy bandwidth) and up to 1.28x at 16 rows; Q4_K's large products are 5-25% faster
 # row-major at batch 1, so Q4_K stays row-major. Q5_K is untimed.
@@ -137,10 +141,13 @@ def tiles_weight(weight: Any) -> bool:
     """Whether the CUDA backend holds `weight` (a QuantTensor) tiled: a 2-D weight of a DEFAULT_FORMATS format whose
     products are of the 4-warp one-slice class (`catalogue.arithmetic_class`; shapes of few rows and long ones take
     8 warps and 4 K-slices and stay row-major), unless LUCEBOX_TILED_WEIGHTS=0 or a persistent kernel is switched on
-    (PERSISTENT_SWITCHES). The backend asks once a weight, at its first use."""
+    (PERSISTENT_SWITCHES; with the megakernel's, the head may still be tiled). The backend asks once a weight, at its
+    first use."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or any(os.environ.get(name) == "1" for name in PERSISTENT_SWITCHES):
         return False
     if not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
+        return False
+    if os.environ.get(MEGAKERNEL_SWITCH) == "1" and weight.name not in HEAD_NAMES:
         return False
     fmt = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
     rows, cols = weight.shape

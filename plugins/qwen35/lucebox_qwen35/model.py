@@ -672,19 +672,29 @@ class Qwen35Model(SpeculativeTarget, DecoderModel):
         return run_decode_step(self, state, token, self._static_step, graphs=graphs, sampler=sampler)
 
     def _static_step(self, state: Qwen35State, inputs: StaticInputs, window: int) -> torch.Tensor:
-        """The decode step as a function of its static inputs and `window` alone (what a graph records)."""
+        """The decode step as a function of its static inputs and `window` alone (what a graph records). Without
+        taps for a drafter the layers are one op (`decode_layers_`), which a backend may run as one launch."""
+        taps: list[torch.Tensor] = []
+        if state.features is not None:
+            hidden = self.static_layers(state, inputs.embedded, inputs.position, window,
+                                        lambda layer, output: taps.append(output[0]), state.capture_layers)
+        else:
+            hidden = self.ops.decode_layers_(self, state, inputs.embedded, inputs.position, window)
+        self._ring_features(state, inputs, taps)
+        return self.head_ops.linear(hidden, self.lm_head)[0]
+
+    def static_layers(self, state: Qwen35State, embedded: torch.Tensor, position: torch.Tensor, window: int,
+                      tap: Any = None, tapped: Collection[int] = ()) -> torch.Tensor:
+        """A static decode step's layers, from the embedding to the final-normed hidden state (`tap` and `tapped`
+        as `_run_layers`'); `position` the token's on the first part's device."""
 
         def mix(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             if layer.linear_attn is not None:
                 return layer.linear_attn(x, state.linear[layer.index])
-            return layer.self_attn.decode_static(x, self._local(layer, inputs.position), state.kv, window)
+            return layer.self_attn.decode_static(x, self._local(layer, position), state.kv, window)
 
-        mix.after_residual = self._after_residual(state, window, lambda layer: self._local(layer, inputs.position))
-        taps: list[torch.Tensor] = []
-        tapped = state.capture_layers if state.features is not None else ()
-        hidden = self._run_layers(inputs.embedded, mix, lambda layer, output: taps.append(output[0]), tapped)
-        self._ring_features(state, inputs, taps)
-        return self.head_ops.linear(hidden, self.lm_head)[0]
+        mix.after_residual = self._after_residual(state, window, lambda layer: self._local(layer, position))
+        return self._run_layers(embedded, mix, tap, tapped)
 
     @staticmethod
     def _after_residual(state: Qwen35State, window: int, position_of: Any) -> Any:

@@ -112,6 +112,16 @@ def add_rms_norm_gated_attention_(ops: Any, x: torch.Tensor, residual: torch.Ten
 
 
 @QWEN35_OPS.reference
+def decode_layers_(ops: Any, model: Any, state: Any, embedded: torch.Tensor, position: torch.Tensor,
+                   window: int) -> torch.Tensor:
+    """A static decode step's whole decoder stack (`model.Qwen35Model`), from the token's embedding `[1, 1, hidden]`
+    at the device position `position` `[1]` to the final-normed hidden state, the recurrent states and the KV cache
+    (a `window` of rows read) updated in place: the model's own layer loop (`static_layers`). One op so that a
+    backend may run the whole stack as one launch (lucebox-cuda's megakernel, `LUCEBOX_MEGAKERNEL`)."""
+    return model.static_layers(state, embedded, position, window)
+
+
+@QWEN35_OPS.reference
 def gated_delta_tree(
     ops: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, num_k_heads: int, head_k_dim: int,

@@ -54,11 +54,6 @@ template <int GROUP> struct AttnKeysInFlight { static constexpr int value = GROU
 #define ATTN_MIN_BLOCKS(GROUP) ((GROUP) <= 4 ? 3 : 2)
 constexpr int ATTN_MAX_PARTIALS = 1024;  // spans of keys a query head's merge takes (the launcher's partition)
 
-// A 16-bit value another block of this launch wrote: a volatile load (L2, never a stale line of this SM).
-template <class X> __device__ __forceinline__ float attn_seen(const X* p, i64 i) {
-    return bits_to_float<X>(reinterpret_cast<const volatile u16*>(p)[i]);
-}
-
 // A lane's 8 dims of a cache row (16 bytes loaded by the caller: rows of earlier launches, plain loads) as floats.
 template <class X> __device__ __forceinline__ void attn_unpack8(const uint4& words, float* out) {
     const u32 w[4] = {words.x, words.y, words.z, words.w};
@@ -93,7 +88,7 @@ __device__ __forceinline__ void attn_norm_rope(const X* products, i64 first, con
                                                const float* __restrict__ inv_freq, float position, int rot_dim,
                                                float eps, float* normed, float* rotated) {
     const int t = threadIdx.x;
-    const float x0 = attn_seen(products, first + t), x1 = attn_seen(products, first + t + 128);
+    const float x0 = grid_seen(products, first + t), x1 = grid_seen(products, first + t + 128);
     const float mean_square = triton_div(grid_block_sum(fmaf(x1, x1, __fmul_rn(x0, x0))),
                                          static_cast<float>(ATTN_HEAD_DIM));
     const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
@@ -126,9 +121,9 @@ __device__ __forceinline__ void attention_persistent_body(
     const float* __restrict__ inv_freq, const i64* __restrict__ position_ptr, X* key_cache, X* value_cache,
     X* products, float* partial_max, float* partial_sum, float* partial_acc, X* core, X* __restrict__ out,
     unsigned int* __restrict__ arrived, int hidden, int kv_heads, int rot_dim, int span, int spans, float scale,
-    float eps, float input_eps) {
+    float eps, float input_eps, X* staged) {
+    // `staged`: ATTN_STAGE_VALUES values of shared memory, the caller's (a megakernel's bodies share one)
     static_assert(sizeof(X) == 2, "16-bit activations and cache rows");
-    __shared__ __align__(16) X staged[ATTN_STAGE_VALUES];
     __shared__ __align__(16) float queries[GROUP][ATTN_HEAD_DIM];
     __shared__ float span_weight[ATTN_MAX_PARTIALS];
     __shared__ float new_key[ATTN_HEAD_DIM], new_value[ATTN_HEAD_DIM], normed[ATTN_HEAD_DIM];
@@ -172,7 +167,7 @@ __device__ __forceinline__ void attention_persistent_body(
                                   angle_position, rot_dim, eps, normed, new_key);
             const i64 row = (position * kv_heads + kv_head) * ATTN_HEAD_DIM;
             for (int d = threadIdx.x; d < ATTN_HEAD_DIM; d += blockDim.x) {
-                new_value[d] = attn_seen(v_rows, static_cast<i64>(kv_head) * ATTN_HEAD_DIM + d);
+                new_value[d] = grid_seen(v_rows, static_cast<i64>(kv_head) * ATTN_HEAD_DIM + d);
                 key_cache[row + d] = from_float<X>(new_key[d]);  // exact: floats of X values
                 value_cache[row + d] = from_float<X>(new_value[d]);
             }
@@ -286,7 +281,7 @@ __device__ __forceinline__ void attention_persistent_body(
             const int d = t + 128 * j;
             // The attention's output in X, then o * sigmoid(gate) with the sigmoid rounded to X (sigmoid_mul's).
             const float attended = to_float(from_float<X>(triton_div(o[j], total)));
-            const float gate = attn_seen(products, static_cast<i64>(head) * 2 * ATTN_HEAD_DIM + ATTN_HEAD_DIM + d);
+            const float gate = grid_seen(products, static_cast<i64>(head) * 2 * ATTN_HEAD_DIM + ATTN_HEAD_DIM + d);
             const float gate_sigmoid = to_float(from_float<X>(triton_sigmoid(gate)));
             core[head * ATTN_HEAD_DIM + d] = from_float<X>(__fmul_rn(attended, gate_sigmoid));
         }
@@ -316,8 +311,9 @@ __device__ __forceinline__ void attention_persistent_body(
             float* partial_max, float* partial_sum, float* partial_acc, ACT* core, ACT* __restrict__ out,         \
             unsigned int* __restrict__ arrived, int hidden, int kv_heads, int rot_dim, int span, int spans,        \
             float scale, float eps, float input_eps) {                                                            \
+        __shared__ __align__(16) ACT staged[ATTN_STAGE_VALUES];                                                   \
         attention_persistent_body<Mma_##QK, Mma_##V, Mma_##O, ACT, NORM, GROUP>(                                  \
             x, residual, input_norm, summed_out, q_w, k_w, v_w, o_w, q_norm, k_norm, inv_freq, position,          \
             key_cache, value_cache, products, partial_max, partial_sum, partial_acc, core, out, arrived, hidden,  \
-            kv_heads, rot_dim, span, spans, scale, eps, input_eps);                                               \
+            kv_heads, rot_dim, span, spans, scale, eps, input_eps, staged);                                       \
     }

@@ -9,6 +9,7 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // Activation storage types: a kernel templated on one of these reads and writes that dtype and
 // computes in fp32. The 16-bit ones are kept as raw bits so that no toolkit header is needed.

@@ -46,11 +46,11 @@ __device__ __forceinline__ void ffn_persistent_body(
     const u8* __restrict__ gate_up, const u8* __restrict__ down, const X* __restrict__ x,
     const X* __restrict__ residual, const Nw* __restrict__ norm, X* __restrict__ summed_out,
     X* __restrict__ products, X* __restrict__ act, X* __restrict__ out, unsigned int* __restrict__ arrived,
-    int hidden, int inter, float eps) {
+    int hidden, int inter, float eps, X* staged) {
     static_assert(sizeof(X) == 2, "16-bit activations: the staged vector's room is counted in them");
-    // The vector the products read: the normed input in phase 1, the SwiGLU's output in phase 2. In shared memory,
-    // so that the products' loads (read-only ones, for a kernel parameter) never see a line written in this launch.
-    __shared__ __align__(16) X staged[FFN_STAGE_VALUES];
+    // `staged`, the vector the products read: the normed input in phase 1, the SwiGLU's output in phase 2. In shared
+    // memory (the caller's: FFN_STAGE_VALUES values, or a megakernel's shared buffer), so that the products' loads
+    // (read-only ones, for a kernel parameter) never see a line written in this launch.
     lucebox_wait_prior_grid();
     // Phase 1: the add and the norm, each block its own copy.
     add_rms_norm_staged(x, residual, norm, eps, hidden, staged, summed_out);
@@ -90,8 +90,10 @@ __device__ __forceinline__ void ffn_persistent_body(
             const ACT* __restrict__ residual, const NORM* __restrict__ norm, ACT* __restrict__ summed_out,     \
             ACT* __restrict__ products, ACT* __restrict__ act, ACT* __restrict__ out,                          \
             unsigned int* __restrict__ arrived, int hidden, int inter, float eps) {                          \
+        __shared__ __align__(16) ACT staged[FFN_STAGE_VALUES];                                               \
         ffn_persistent_body<Mma_##GATE_UP, Mma_##DOWN, ACT, NORM, ROW_TILES>(                                 \
-            gate_up, down, x, residual, norm, summed_out, products, act, out, arrived, hidden, inter, eps);    \
+            gate_up, down, x, residual, norm, summed_out, products, act, out, arrived, hidden, inter, eps,     \
+            staged);                                                                                          \
     }
 #define LUCEBOX_FFN_PERSISTENT(GATE_UP, DOWN, ACT, NORM) \
     LUCEBOX_FFN_PERSISTENT_ROWS(ffn_persistent, 1, GATE_UP, DOWN, ACT, NORM)

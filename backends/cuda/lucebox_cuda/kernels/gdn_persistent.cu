@@ -46,11 +46,6 @@ constexpr int GDN_CHUNK = 32;      // value dims a phase-2 unit steps: a lane ea
 constexpr int GDN_TAPS = 4;
 constexpr int GDN_STAGE_VALUES = 8192;
 
-// A 16-bit value another block of this launch wrote: a volatile load (L2, never a stale line of this SM).
-template <class X> __device__ __forceinline__ float gdn_seen(const X* p, int i) {
-    return bits_to_float<X>(reinterpret_cast<const volatile u16*>(p)[i]);
-}
-
 // One channel of the one-token convolution, then SiLU, as conv_silu_update_ rounds it: the taps over the window
 // (the state's 3 inputs, then the new one) in fp32, rounded to X, then y * sigmoid(y) rounded to X.
 template <class X>
@@ -61,7 +56,7 @@ __device__ __forceinline__ float gdn_conv_silu(const X* __restrict__ conv_weight
 #pragma unroll
     for (int tap = 1; tap < GDN_TAPS - 1; ++tap)
         y = fmaf(to_float(conv_state[static_cast<i64>(tap) * channels + c]), to_float(w[tap]), y);
-    y = fmaf(gdn_seen(products, c), to_float(w[GDN_TAPS - 1]), y);
+    y = fmaf(grid_seen(products, c), to_float(w[GDN_TAPS - 1]), y);
     y = to_float(from_float<X>(y));
     return to_float(from_float<X>(__fmul_rn(y, triton_sigmoid(y))));
 }
@@ -73,9 +68,9 @@ __device__ __forceinline__ void gdn_persistent_body(
     const u8* __restrict__ a_w, const u8* __restrict__ out_w, const X* __restrict__ conv_weight,
     const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const Nw* __restrict__ norm, X* conv_state,
     float* recurrent, X* products, X* core, X* __restrict__ out, unsigned int* __restrict__ arrived, int hidden,
-    int key_heads, int value_heads, float eps, float input_eps) {
+    int key_heads, int value_heads, float eps, float input_eps, X* staged) {
+    // `staged`: GDN_STAGE_VALUES values of shared memory, the caller's (a megakernel's bodies share one)
     static_assert(sizeof(X) == 2, "16-bit activations: the staged vector's room is counted in them");
-    __shared__ __align__(16) X staged[GDN_STAGE_VALUES];
     __shared__ float q_s[GDN_HEAD_DIM], k_s[GDN_HEAD_DIM], v_s[GDN_CHUNK];
     __shared__ float partial[GDN_WARPS][GDN_CHUNK];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -124,11 +119,11 @@ __device__ __forceinline__ void gdn_persistent_body(
         const float k_norm = triton_sqrt(__fadd_rn(grid_block_sum(__fmul_rn(k, k)), 1e-6f));
         q_s[t] = __fmul_rn(to_float(from_float<X>(triton_div(q, q_norm))), scale);
         k_s[t] = to_float(from_float<X>(triton_div(k, k_norm)));
-        const float beta = to_float(from_float<X>(triton_sigmoid(gdn_seen(b_rows, head))));
+        const float beta = to_float(from_float<X>(triton_sigmoid(grid_seen(b_rows, head))));
         // g = ssm_a * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's); decay = exp(g). The log
         // is `logf` (libdevice's, as Triton's `tl.log`): `__logf`'s lg2.approx would cost a small softplus its
         // relative accuracy, and every head's decay with it.
-        const float pre = __fadd_rn(gdn_seen(a_rows, head), dt_bias[head]);
+        const float pre = __fadd_rn(grid_seen(a_rows, head), dt_bias[head]);
         const float softplus = pre > 20.0f ? pre : logf(__fadd_rn(1.0f, triton_exp(fminf(pre, 20.0f))));
         const float decay = triton_exp(__fmul_rn(ssm_a[head], softplus));
         __syncthreads();  // q_s, k_s, v_s complete
@@ -172,7 +167,7 @@ __device__ __forceinline__ void gdn_persistent_body(
         for (int tap = 0; tap < GDN_TAPS - 2; ++tap)
             conv_state[static_cast<i64>(tap) * channels + c] = conv_state[static_cast<i64>(tap + 1) * channels + c];
         conv_state[static_cast<i64>(GDN_TAPS - 2) * channels + c] =
-            from_float<X>(gdn_seen(products, c));  // exact: a 16-bit value back to its type
+            from_float<X>(grid_seen(products, c));  // exact: a 16-bit value back to its type
     }
     const int out_tiles = hidden / GDN_TILE;
     if (blockIdx.x >= out_tiles) return;  // the whole block: no barrier follows
@@ -182,7 +177,7 @@ __device__ __forceinline__ void gdn_persistent_body(
         float squares = 0.0f;
 #pragma unroll
         for (int j = 0; j < GDN_HEAD_DIM / 32; ++j) {
-            o[j] = gdn_seen(core, head * GDN_HEAD_DIM + lane + 32 * j);
+            o[j] = grid_seen(core, head * GDN_HEAD_DIM + lane + 32 * j);
             squares = fmaf(o[j], o[j], squares);
         }
         const float mean_square = triton_div(warp_sum(squares), static_cast<float>(GDN_HEAD_DIM));
@@ -191,7 +186,7 @@ __device__ __forceinline__ void gdn_persistent_body(
         for (int j = 0; j < GDN_HEAD_DIM / 32; ++j) {
             const int d = lane + 32 * j, i = head * GDN_HEAD_DIM + d;
             const float normed = to_float(from_float<X>(__fmul_rn(__fmul_rn(o[j], inverse_rms), to_float(norm[d]))));
-            const float z = gdn_seen(z_rows, i);
+            const float z = grid_seen(z_rows, i);
             const float gate = to_float(from_float<X>(__fmul_rn(z, triton_sigmoid(z))));
             staged[i] = from_float<X>(__fmul_rn(normed, gate));
         }
@@ -212,9 +207,10 @@ __device__ __forceinline__ void gdn_persistent_body(
         const NORM* __restrict__ norm, ACT* conv_state, float* recurrent, ACT* products, ACT* core,              \
         ACT* __restrict__ out, unsigned int* __restrict__ arrived, int hidden, int key_heads, int value_heads,   \
         float eps, float input_eps) {                                                                          \
+        __shared__ __align__(16) ACT staged[GDN_STAGE_VALUES];                                                 \
         gdn_persistent_body<Mma_##QKV, Mma_##REST, ACT, NORM>(x, residual, input_norm, summed_out, qkv_w, z_w, b_w,  \
                                                               a_w, out_w, conv_weight, ssm_a,                      \
                                                               dt_bias, norm, conv_state, recurrent, products, core, \
                                                               out, arrived, hidden, key_heads, value_heads, eps,  \
-                                                              input_eps);                                          \
+                                                              input_eps, staged);                                  \
     }

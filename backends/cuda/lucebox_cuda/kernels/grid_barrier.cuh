@@ -34,6 +34,12 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
     __syncthreads();
 }
 
+// A 16-bit value another block of this launch may have written: a volatile load, which goes to L2, never to a line
+// this SM may hold from before (a megakernel's layers read each other's outputs, within one launch, so).
+template <class X> __device__ __forceinline__ float grid_seen(const X* p, i64 i) {
+    return bits_to_float<X>(reinterpret_cast<const volatile u16*>(p)[i]);
+}
+
 // A block-wide sum (any multiple of 32 threads up to 1024); every thread gets it.
 __device__ __forceinline__ float grid_block_sum(float v) {
     __shared__ float partial[32];
@@ -58,6 +64,7 @@ __device__ __forceinline__ void grid_stage(const u16* from, u16* to, int count) 
 
 // The residual add and RMSNorm of a persistent kernel's first phase, each block its own copy: `staged` (shared
 // memory, `hidden` values) gets rms_norm(x + residual) * norm and block 0 stores the rounded sum in `summed_out`.
+// x and the residual are read through L2 (`grid_seen`): in the megakernel another block wrote them in this launch.
 // Rounded as the Triton add + norm rounds (the sum, then (s * inverse_rms) * w); only the sum of squares adds in
 // another order (the block's), so its last bit, and a normed value's rounding with it, may differ. Ends with the
 // block synchronised.
@@ -67,7 +74,7 @@ __device__ __forceinline__ void add_rms_norm_staged(const X* __restrict__ x, con
                                                     X* __restrict__ summed_out) {
     float squares = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const X s = from_float<X>(__fadd_rn(to_float(x[i]), to_float(residual[i])));
+        const X s = from_float<X>(__fadd_rn(grid_seen(x, i), grid_seen(residual, i)));
         staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
         if (blockIdx.x == 0) summed_out[i] = s;
         const float v = to_float(s);
