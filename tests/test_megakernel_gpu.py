@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytestmark = [
+    pytest.mark.usefixtures("row_major_weights"),  # one layout for the runs with the switch on and off
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="Triton runs interpreted in this process"),
 ]
@@ -88,3 +89,13 @@ def test_the_megakernel_refuses_what_its_pieces_refuse(model):
     assert megakernel.refusal(model, state, x, position, 64) is None
     assert "window 100000" in megakernel.refusal(model, state, x, position, 100000)
     assert "layer 0" in megakernel.refusal(model, state, x.float(), position, 64)
+
+
+def test_weights_tiled_before_the_switch_keep_the_recorded_step(model, monkeypatch):
+    """Weights first used with the switch off are held tiled (the Q6_K ones): with it on after, the megakernel refuses
+    the model (no table made) and the step runs its own kernels, no error."""
+    monkeypatch.setenv("LUCEBOX_TILED_WEIGHTS", "1")
+    plain, tokens = _generate(model, monkeypatch, "0", steps=4)
+    switched, _ = _generate(model, monkeypatch, "1", tokens, steps=4)
+    assert not model.ops.backend.__dict__.get("_megakernel_tables")
+    assert all(torch.equal(a, b) for a, b in zip(plain, switched))

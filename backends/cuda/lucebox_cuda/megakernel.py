@@ -113,6 +113,8 @@ def takes(ops: Any, model: Any, state: Any, x: torch.Tensor, position: torch.Ten
         return False
     if refusal(model, state, x, position, window) is not None:
         return False
+    if any(ops.holds_tiled(weight) for layer in model.layers for weight in _layer_weights(layer)):
+        return False  # tiled at their first use, before the switch was on: the recorded step's kernels run them
     make = not torch.cuda.is_current_stream_capturing()
     attention = next((layer.self_attn for layer in model.layers if layer.self_attn is not None), None)
     if attention is not None and attention_persistent._inv_freq(ops, attention.rope_dim, attention.rope_theta,
@@ -120,6 +122,13 @@ def takes(ops: Any, model: Any, state: Any, x: torch.Tensor, position: torch.Ten
         return False
     return (ffn_persistent.counter(ops, make=make) is not None
             and _table(ops, model, state, x, make=make) is not None)
+
+
+def _layer_weights(layer: Any) -> list[Any]:
+    """The GGUF weights a layer's bodies read as rows (the fused ones where the backend fused them)."""
+    rows = (gdn_persistent._rows(layer.linear_attn) if layer.linear_attn is not None
+            else attention_persistent._rows(layer.self_attn))
+    return [_gate_up(layer), layer.mlp.down_proj, *(weight for weight, _ in rows.values())]
 
 
 def _variants(model: Any, hidden: int) -> tuple[list[tuple], list[tuple], list[tuple], list[tuple[int, int, int]]]:
@@ -184,9 +193,11 @@ def _table(ops: Any, model: Any, state: Any, x: torch.Tensor, *, make: bool) -> 
     return tables.get(key)
 
 
-def run(ops: Any, model: Any, state: Any, x: torch.Tensor, position: torch.Tensor, window: int) -> torch.Tensor:
+def run(ops: Any, model: Any, state: Any, x: torch.Tensor, position: torch.Tensor, window: int, *,
+        timeline: torch.Tensor | None = None) -> torch.Tensor:
     """The megakernel for a step `takes` accepted, the states and caches updated in place: the final-normed hidden
-    state `[1, 1, hidden]` of the embedding `x`."""
+    state `[1, 1, hidden]` of the embedding `x`. `timeline` (a probe's: int64, a slot per barrier and two more):
+    block 0's SM clock at the start, after each barrier and at the end, from slot 1 (slot 0: their count)."""
     ops = getattr(ops, "backend", ops)
     hidden = x.shape[-1]
     gdn, attentions, ffn, _ = _variants(model, hidden)
@@ -228,5 +239,5 @@ def run(ops: Any, model: Any, state: Any, x: torch.Tensor, position: torch.Tenso
                 Int(value_heads), Int(kv_heads), Int(attention.rope_dim if attention is not None else 2), Int(span),
                 Int(spans), Float(attention_persistent.HEAD_DIM ** -0.5),
                 Float(mixer.eps if mixer is not None else 0.0), Float(attention.eps if attention is not None else 0.0),
-                Float(model.config.eps))
+                Float(model.config.eps), Pointer(timeline.data_ptr() if timeline is not None else 0))
     return normed

@@ -18,6 +18,16 @@
 // GPU.
 constexpr unsigned int GRID_BARRIER_POLL_LIMIT = 1u << 26;
 
+// Where a megakernel asked for its phases' times (`megakernel.run(..., timeline=)`), else null: block 0's thread 0
+// appends its SM clock after each barrier (slot 0 counts them). A module's own variable: null in every other program.
+__device__ u64* grid_barrier_timeline = nullptr;
+
+__device__ __forceinline__ void grid_barrier_mark() {
+    if (blockIdx.x != 0) return;
+    u64* timeline = grid_barrier_timeline;
+    if (timeline != nullptr) timeline[++timeline[0]] = clock64();
+}
+
 __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -30,6 +40,7 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
             if (++polls == GRID_BARRIER_POLL_LIMIT) __trap();
         }
         __threadfence();
+        grid_barrier_mark();
     }
     __syncthreads();
 }

@@ -100,10 +100,11 @@ template <class T> __device__ __forceinline__ T* mega_ptr(const u64* f, int fiel
         float* partial_sum, float* partial_acc, const float* __restrict__ inv_freq,                              \
         const i64* __restrict__ position, unsigned int* __restrict__ arrived, int hidden, int inter,             \
         int key_heads, int value_heads, int kv_heads, int rot_dim, int span, int spans, float scale,             \
-        float mixer_eps, float attention_eps, float eps) {                                                       \
+        float mixer_eps, float attention_eps, float eps, u64* timeline) {                                        \
         megakernel_body<ACT, NORM, GROUP_SIZE>(table, layers, embedded, zeros, final_norm, normed_out, sums,     \
                                                mixer_out, mlp_out, products, mlp_products, core, act,            \
                                                partial_max, partial_sum, partial_acc, inv_freq, position,        \
                                                arrived, hidden, inter, key_heads, value_heads, kv_heads,         \
-                                               rot_dim, span, spans, scale, mixer_eps, attention_eps, eps);      \
+                                               rot_dim, span, spans, scale, mixer_eps, attention_eps, eps,       \
+                                               timeline);                                                        \
     }

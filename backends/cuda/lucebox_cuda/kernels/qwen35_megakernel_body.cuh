@@ -7,8 +7,13 @@ __device__ __forceinline__ void megakernel_body(
     X* normed_out, X* sums, X* mixer_out, X* mlp_out, X* products, X* mlp_products, X* core, X* act,
     float* partial_max, float* partial_sum, float* partial_acc, const float* inv_freq, const i64* position,
     unsigned int* arrived, int hidden, int inter, int key_heads, int value_heads, int kv_heads, int rot_dim,
-    int span, int spans, float scale, float mixer_eps, float attention_eps, float eps) {
+    int span, int spans, float scale, float mixer_eps, float attention_eps, float eps, u64* timeline) {
     __shared__ __align__(16) X staged[MEGA_STAGE_VALUES];
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // the phases' clocks, where asked for (grid_barrier_mark)
+        grid_barrier_timeline = timeline;
+        if (timeline != nullptr) timeline[0] = 0;
+        grid_barrier_mark();
+    }
     // The residual stream: the embedding plus nothing before the first layer (the reference's plain norm; adding
     // zero is exact). A layer's mixer writes its sum to mixer_sum, its MLP to layer_sum.
     X* mixer_sum = sums;
@@ -32,4 +37,5 @@ __device__ __forceinline__ void megakernel_body(
     // The final add + norm: block 0 alone (its sum goes to mixer_sum, which nobody reads now).
     add_rms_norm_staged(x, residual, final_norm, eps, hidden, staged, mixer_sum);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) normed_out[i] = staged[i];
+    if (threadIdx.x == 0) grid_barrier_mark();
 }
