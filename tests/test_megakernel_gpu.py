@@ -35,7 +35,8 @@ def model(tmp_path, monkeypatch):
 
 
 def _generate(model, monkeypatch, switch, tokens=None, steps=16):
-    """`steps` recorded decode steps after a 5-token prompt: greedy, or feeding `tokens`; (logits, tokens fed)."""
+    """`steps` recorded decode steps after a 5-token prompt: greedy, or feeding `tokens`; (logits, tokens fed, the
+    sequence's state)."""
     from lucebox_cuda import megakernel
 
     monkeypatch.setenv(megakernel.ENV_SWITCH, switch)
@@ -52,18 +53,22 @@ def _generate(model, monkeypatch, switch, tokens=None, steps=16):
             out.append(logits.clone())
     torch.cuda.synchronize()
     assert state.decode is not None and state.decode.failure is None and state.decode._recorded
-    return out, fed
+    return out, fed, state
+
+
+def _has_table(model, state) -> bool:
+    """Whether the megakernel made `state`'s table (its `takes` accepted a step of it); kept while the state lives."""
+    return any(key[0] == id(state) for key in model.ops.backend.__dict__.get("_megakernel_tables", {}))
 
 
 def test_the_megakernel_runs_every_decode_step_and_agrees_with_the_recorded_step(model, monkeypatch):
     """With the switch on, the recorded decode steps take the megakernel (its table made at the warm-up: `takes`
     accepted), and 16 greedy steps give the tokens of the unfused step wherever they are not a near tie, the logits
     within a rounding."""
-    backend = model.ops.backend
-    plain, tokens = _generate(model, monkeypatch, "0")
-    assert not backend.__dict__.get("_megakernel_tables")
-    switched, _ = _generate(model, monkeypatch, "1", tokens)
-    assert backend.__dict__.get("_megakernel_tables")
+    plain, tokens, state = _generate(model, monkeypatch, "0")
+    assert not _has_table(model, state)
+    switched, _, state = _generate(model, monkeypatch, "1", tokens)
+    assert _has_table(model, state)
     for step, (a, b) in enumerate(zip(plain, switched)):
         top = a.float().topk(2, dim=-1).values[0]
         if top[0] - top[1] > 0.05:  # not a near tie: the same token
@@ -74,8 +79,9 @@ def test_the_megakernel_runs_every_decode_step_and_agrees_with_the_recorded_step
 def test_the_megakernel_gives_one_answer_run_after_run(model, monkeypatch):
     """Two sequences fed the same tokens through the megakernel give the same logits to the bit: a barrier that let a
     block read a row before it was stored, or a stale line of another layer's output, would differ now and then."""
-    first, tokens = _generate(model, monkeypatch, "1", steps=24)
-    second, _ = _generate(model, monkeypatch, "1", tokens, steps=24)
+    first, tokens, state = _generate(model, monkeypatch, "1", steps=24)
+    assert _has_table(model, state)
+    second, _, _ = _generate(model, monkeypatch, "1", tokens, steps=24)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -95,7 +101,7 @@ def test_weights_tiled_before_the_switch_keep_the_recorded_step(model, monkeypat
     """Weights first used with the switch off are held tiled (the Q6_K ones): with it on after, the megakernel refuses
     the model (no table made) and the step runs its own kernels, no error."""
     monkeypatch.setenv("LUCEBOX_TILED_WEIGHTS", "1")
-    plain, tokens = _generate(model, monkeypatch, "0", steps=4)
-    switched, _ = _generate(model, monkeypatch, "1", tokens, steps=4)
-    assert not model.ops.backend.__dict__.get("_megakernel_tables")
+    plain, tokens, _ = _generate(model, monkeypatch, "0", steps=4)
+    switched, _, state = _generate(model, monkeypatch, "1", tokens, steps=4)
+    assert not _has_table(model, state)
     assert all(torch.equal(a, b) for a, b in zip(plain, switched))

@@ -37,7 +37,11 @@ DEFAULT_BLOCKS_PER_SM = 2
 # A layer's row of the table, in the kernel's `MegaField` order: a Gated DeltaNet layer's operands, or an attention
 # layer's in the same slots (w0-w3: q, k, v, o; p0, p1: q_norm, k_norm; s0, s1: the key and value caches).
 FIELDS = ("kind", "mixer_variant", "ffn_variant", "input_norm", "post_norm", "gate_up", "down",
-          "w0", "w1", "w2", "w3", "w4", "p0", "p1", "p2", "p3", "s0", "s1")
+          "w0", "w1", "w2", "w3", "w4", "p0", "p1", "p2", "p3", "s0", "s1",
+          # What the L2 prefetch a layer ahead asks for (`mega_prefetch_layer`): (address, bytes) of w0-w4's rows in
+          # use, gate | up, down and the recurrent state.
+          *(f"prefetch{i}_{part}" for i in range(8) for part in ("address", "bytes")))
+PREFETCH_ENV = "LUCEBOX_MEGAKERNEL_PREFETCH"  # layers whose weights ask for L2 ahead of their turn (0: none)
 LINEAR, ATTENTION = 0, 1
 
 
@@ -153,28 +157,55 @@ def _variants(model: Any, hidden: int) -> tuple[list[tuple], list[tuple], list[t
     return lists["gdn"], lists["attention"], lists["ffn"], rows
 
 
+def prefetch_ahead() -> int:
+    asked = os.environ.get(PREFETCH_ENV, "1").strip()
+    if not asked.isdigit():
+        raise ValueError(f"{PREFETCH_ENV} must be a whole number of layers (0: no prefetch), not {asked!r}")
+    return int(asked)
+
+
+def _rows_bytes(ops: Any, weight: Any, first: int, count: int) -> tuple[int, int]:
+    """(address, bytes) of `count` rows of a GGUF weight from row `first`."""
+    data = ops.device_weight(weight).data
+    row_bytes = data.numel() // weight.shape[0]
+    return data.data_ptr() + first * row_bytes, count * row_bytes
+
+
 def _layer_row(ops: Any, layer: Any, state: Any, kind: int, mixer_variant: int, ffn_variant: int) -> list[int]:
-    """A layer's table row (`FIELDS`): addresses and variants."""
+    """A layer's table row (`FIELDS`): addresses, variants and the prefetch's ranges."""
     address = {"kind": kind, "mixer_variant": mixer_variant, "ffn_variant": ffn_variant,
                "input_norm": layer.input_layernorm.data_ptr(), "post_norm": layer.post_attention_layernorm.data_ptr(),
                "gate_up": ops.device_weight(_gate_up(layer)).data.data_ptr(),
                "down": ops.device_weight(layer.mlp.down_proj).data.data_ptr()}
+    gate_up, down = _gate_up(layer), layer.mlp.down_proj
+    ranges = [_rows_bytes(ops, gate_up, 0, gate_up.shape[0]), _rows_bytes(ops, down, 0, down.shape[0])]
     if kind == LINEAR:
         mixer, mixer_state = layer.linear_attn, state.linear[layer.index]
         rows = gdn_persistent._rows(mixer)
+        heads, channels = mixer.num_v_heads, mixer.conv1d.shape[0]
+        wanted = {"qkv": channels, "z": heads * gdn_persistent.HEAD_DIM, "b": heads, "a": heads,
+                  "out": mixer.out_proj.shape[0]}
         for slot, part in zip(("w0", "w1", "w2", "w3", "w4"), ("qkv", "z", "b", "a", "out")):
             address[slot] = ffn_persistent.row_pointer(ops, *rows[part]).value or 0
+            ranges.append(_rows_bytes(ops, *rows[part], wanted[part]))
         for slot, tensor in zip(("p0", "p1", "p2", "p3", "s0", "s1"), (
                 mixer.conv1d, mixer.ssm_a, mixer.dt_bias, mixer.norm, mixer_state.conv, mixer_state.recurrent)):
             address[slot] = tensor.data_ptr()
+        recurrent = mixer_state.recurrent
+        ranges.append((recurrent.data_ptr(), recurrent.numel() * recurrent.element_size()))
     else:
         attention = layer.self_attn
         rows = attention_persistent._rows(attention)
+        q_dim, heads, kv_heads = attention_persistent.HEAD_DIM, attention.num_heads, attention.num_kv_heads
+        wanted = {"q": 2 * heads * q_dim, "k": kv_heads * q_dim, "v": kv_heads * q_dim, "o": attention.o_proj.shape[0]}
         for slot, part in zip(("w0", "w1", "w2", "w3"), ("q", "k", "v", "o")):
             address[slot] = ffn_persistent.row_pointer(ops, *rows[part]).value or 0
+            ranges.append(_rows_bytes(ops, *rows[part], wanted[part]))
         keys, values, _ = state.kv.plain_rows(attention.layer_index)
         for slot, tensor in zip(("p0", "p1", "s0", "s1"), (attention.q_norm, attention.k_norm, keys, values)):
             address[slot] = tensor.data_ptr()
+    for i, (start, size) in enumerate(ranges):
+        address[f"prefetch{i}_address"], address[f"prefetch{i}_bytes"] = start, size
     return [int(address.get(field, 0)) for field in FIELDS]
 
 
@@ -239,5 +270,6 @@ def run(ops: Any, model: Any, state: Any, x: torch.Tensor, position: torch.Tenso
                 Int(value_heads), Int(kv_heads), Int(attention.rope_dim if attention is not None else 2), Int(span),
                 Int(spans), Float(attention_persistent.HEAD_DIM ** -0.5),
                 Float(mixer.eps if mixer is not None else 0.0), Float(attention.eps if attention is not None else 0.0),
-                Float(model.config.eps), Pointer(timeline.data_ptr() if timeline is not None else 0))
+                Float(model.config.eps), Pointer(timeline.data_ptr() if timeline is not None else 0),
+                Int(prefetch_ahead()))
     return normed

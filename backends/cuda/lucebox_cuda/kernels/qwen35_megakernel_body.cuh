@@ -7,7 +7,8 @@ __device__ __forceinline__ void megakernel_body(
     X* normed_out, X* sums, X* mixer_out, X* mlp_out, X* products, X* mlp_products, X* core, X* act,
     float* partial_max, float* partial_sum, float* partial_acc, const float* inv_freq, const i64* position,
     unsigned int* arrived, int hidden, int inter, int key_heads, int value_heads, int kv_heads, int rot_dim,
-    int span, int spans, float scale, float mixer_eps, float attention_eps, float eps, u64* timeline) {
+    int span, int spans, float scale, float mixer_eps, float attention_eps, float eps, u64* timeline,
+    int prefetch_ahead) {
     __shared__ __align__(16) X staged[MEGA_STAGE_VALUES];
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // the phases' clocks, where asked for (grid_barrier_mark)
         grid_barrier_timeline = timeline;
@@ -20,8 +21,14 @@ __device__ __forceinline__ void megakernel_body(
     X* layer_sum = sums + hidden;
     const X* x = embedded;
     const X* residual = zeros;
+    // `prefetch_ahead` layers' weights ask for L2 before their turn (0: none): the first ones now, then each layer's
+    // successor that far ahead as the layer starts.
+    for (int layer = 0; layer < min(prefetch_ahead, layers); ++layer)
+        mega_prefetch_layer(table + static_cast<i64>(layer) * MEGA_FIELDS);
     for (int layer = 0; layer < layers; ++layer) {
         const u64* f = table + static_cast<i64>(layer) * MEGA_FIELDS;
+        if (prefetch_ahead > 0 && layer + prefetch_ahead < layers)
+            mega_prefetch_layer(table + static_cast<i64>(layer + prefetch_ahead) * MEGA_FIELDS);
         if (f[MEGA_KIND] == 0) {
             switch (static_cast<int>(f[MEGA_MIXER_VARIANT])) { MEGA_GDN_CASES default: __trap(); }
         } else {
