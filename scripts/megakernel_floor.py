@@ -84,7 +84,8 @@ __device__ __forceinline__ bool next_chunk(Cursor& c, const long long* offsets, 
     return true;
 }
 
-// The barrier under test. 0: grid_barrier.cuh's (a relaxed atomicAdd between two __threadfence, volatile polls).
+// The barrier under test. 0: grid_barrier.cuh's (until session 35 a relaxed atomicAdd between two __threadfence and
+// volatile polls; since, kind 1).
 // 1: the same flip-bit counter with the ordering in the instructions: a release add, acquire polls, no fences.
 // 2: a release add, relaxed polls, one acquire fence after the flip.
 template <int KIND> __device__ __forceinline__ void barrier(unsigned int* arrived) {
@@ -189,7 +190,7 @@ FLOOR_KERNELS(0)
 FLOOR_KERNELS(1)
 FLOOR_KERNELS(2)
 """
-BARRIERS = {0: "fences", 1: "release/acquire", 2: "release, relaxed polls"}
+BARRIERS = {0: "grid_barrier.cuh", 1: "release/acquire", 2: "release, relaxed polls"}
 
 
 @attrs.frozen

@@ -5,8 +5,8 @@
 // driver's occupancy with a margin (`ffn_persistent.grid_size`). The counter needs no reset: block 0 adds
 // 2^31 - (blocks - 1) and every other block 1, so once all have arrived the top bit has flipped and the low bits
 // are back at zero (where a zeroed counter starts); a block waits for the flip from the value its own add
-// returned. `__threadfence` before the add publishes the block's writes (made visible to thread 0 by
-// `__syncthreads`); after the wait it orders the block's later reads after the other blocks' writes. One counter
+// returned. The add is a release (the block's writes, made visible to thread 0 by `__syncthreads`, go with it) and
+// the polls acquire (the block's later reads come after the other blocks' writes). One counter
 // serves every launch of a device's stream: each launch's barriers end before the next launch's begin (every
 // kernel launched with PDL waits for the one ahead before it lets the next one start).
 #pragma once
@@ -32,14 +32,15 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
     __syncthreads();
     if (threadIdx.x == 0) {
         const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        __threadfence();
-        const unsigned int before = atomicAdd(arrived, add);
-        const volatile unsigned int* watched = arrived;
-        unsigned int polls = 0;
-        while (((before ^ *watched) & 0x80000000u) == 0) {
+        unsigned int before, now, polls = 0;
+        // The ordering is in the instructions (a release add, acquire polls), not in two fences: ~20% cheaper a
+        // barrier (session 34's floor, 1.15 against 1.43 us idle on an H100). The release is cumulative: the
+        // block's writes, ordered before it by __syncthreads, are published with it.
+        asm volatile("atom.add.release.gpu.u32 %0, [%1], %2;" : "=r"(before) : "l"(arrived), "r"(add) : "memory");
+        do {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(arrived) : "memory");
             if (++polls == GRID_BARRIER_POLL_LIMIT) __trap();
-        }
-        __threadfence();
+        } while (((before ^ now) & 0x80000000u) == 0);
         grid_barrier_mark();
     }
     __syncthreads();
