@@ -46,10 +46,11 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrived) {
     __syncthreads();
 }
 
-// A 16-bit value another block of this launch may have written: a volatile load, which goes to L2, never to a line
-// this SM may hold from before (a megakernel's layers read each other's outputs, within one launch, so).
+// A 16-bit value another block of this launch may have written: a load that goes to L2 (`__ldcg`), never to a line
+// this SM may hold from before (a megakernel's layers read each other's outputs, within one launch, so). Not a
+// volatile load: independent ones may be in flight together (volatile ones went one round trip at a time).
 template <class X> __device__ __forceinline__ float grid_seen(const X* p, i64 i) {
-    return bits_to_float<X>(reinterpret_cast<const volatile u16*>(p)[i]);
+    return bits_to_float<X>(__ldcg(reinterpret_cast<const unsigned short*>(p) + i));
 }
 
 // A block-wide sum (any multiple of 32 threads up to 1024); every thread gets it.
@@ -64,13 +65,24 @@ __device__ __forceinline__ float grid_block_sum(float v) {
     return warp_sum(total);
 }
 
-// `count` 16-bit values (count even, both pointers 4-byte aligned) that other blocks of this launch wrote, from
-// global into shared memory: volatile loads, which go to L2, never to a line this SM may hold from before (a
-// kernel parameter's loads may take the read-only cache).
+// `count` 16-bit values (both pointers 16-byte aligned) that other blocks of this launch
+// wrote, from global into shared memory: 16-byte loads through L2 (`__ldcg`: never a line this SM may hold from
+// before), four a thread issued before any is stored, so that their round trips overlap.
 __device__ __forceinline__ void grid_stage(const u16* from, u16* to, int count) {
-    const volatile u32* words = reinterpret_cast<const volatile u32*>(from);
-    u32* into = reinterpret_cast<u32*>(to);
-    for (int i = threadIdx.x; i < count / 2; i += blockDim.x) into[i] = words[i];
+    constexpr int AHEAD = 4;
+    const uint4* words = reinterpret_cast<const uint4*>(from);
+    uint4* into = reinterpret_cast<uint4*>(to);
+    const int n = count / 8;
+    for (int base = threadIdx.x; base < n; base += AHEAD * blockDim.x) {
+        uint4 v[AHEAD];
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k)
+            if (base + k * static_cast<int>(blockDim.x) < n) v[k] = __ldcg(words + base + k * blockDim.x);
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k)
+            if (base + k * static_cast<int>(blockDim.x) < n) into[base + k * blockDim.x] = v[k];
+    }
+    for (int i = 8 * n + threadIdx.x; i < count; i += blockDim.x) to[i] = __ldcg(from + i);  // a tail short of 8
     __syncthreads();
 }
 
@@ -84,13 +96,27 @@ template <class X, class Nw>
 __device__ __forceinline__ void add_rms_norm_staged(const X* __restrict__ x, const X* __restrict__ residual,
                                                     const Nw* __restrict__ norm, float eps, int hidden, X* staged,
                                                     X* __restrict__ summed_out) {
+    // Four values a thread loaded before any is used (their round trips overlap); the squares add in the order of
+    // one value at a time (i = thread, thread + blockDim, ...).
+    constexpr int AHEAD = 4;
     float squares = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const X s = from_float<X>(__fadd_rn(grid_seen(x, i), grid_seen(residual, i)));
-        staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
-        if (blockIdx.x == 0) summed_out[i] = s;
-        const float v = to_float(s);
-        squares = fmaf(v, v, squares);
+    for (int base = threadIdx.x; base < hidden; base += AHEAD * blockDim.x) {
+        float xs[AHEAD], rs[AHEAD];
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int i = base + k * blockDim.x;
+            if (i < hidden) xs[k] = grid_seen(x, i), rs[k] = grid_seen(residual, i);
+        }
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+            const int i = base + k * blockDim.x;
+            if (i >= hidden) break;
+            const X s = from_float<X>(__fadd_rn(xs[k], rs[k]));
+            staged[i] = s;  // the rounded sum for now; normalised below once the sum of squares is known
+            if (blockIdx.x == 0) summed_out[i] = s;
+            const float v = to_float(s);
+            squares = fmaf(v, v, squares);
+        }
     }
     const float mean_square = triton_div(grid_block_sum(squares), static_cast<float>(hidden));
     const float inverse_rms = triton_div(1.0f, triton_sqrt(__fadd_rn(mean_square, eps)));
