@@ -78,7 +78,9 @@ def test_the_megakernel_runs_every_decode_step_and_agrees_with_the_recorded_step
 
 def test_the_megakernel_gives_one_answer_run_after_run(model, monkeypatch):
     """Two sequences fed the same tokens through the megakernel give the same logits to the bit: a barrier that let a
-    block read a row before it was stored, or a stale line of another layer's output, would differ now and then."""
+    block read a row before it was stored, or a stale line of another layer's output, would differ now and then. With
+    the L2 prefetch a layer ahead (off by default): it asks for lines, never changes what is read."""
+    monkeypatch.setenv("LUCEBOX_MEGAKERNEL_PREFETCH", "1")
     first, tokens, state = _generate(model, monkeypatch, "1", steps=24)
     assert _has_table(model, state)
     second, _, _ = _generate(model, monkeypatch, "1", tokens, steps=24)

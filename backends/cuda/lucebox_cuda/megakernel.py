@@ -41,7 +41,10 @@ FIELDS = ("kind", "mixer_variant", "ffn_variant", "input_norm", "post_norm", "ga
           # What the L2 prefetch a layer ahead asks for (`mega_prefetch_layer`): (address, bytes) of w0-w4's rows in
           # use, gate | up, down and the recurrent state.
           *(f"prefetch{i}_{part}" for i in range(8) for part in ("address", "bytes")))
-PREFETCH_ENV = "LUCEBOX_MEGAKERNEL_PREFETCH"  # layers whose weights ask for L2 ahead of their turn (0: none)
+# Layers whose weights ask for L2 ahead of their turn (0, the default: none). Measured in session 35 (0.8B tg128),
+# one layer ahead was slower, 572.6 against 595.1 tok/s on an H100 and 526.7 against 609.1 on an H200: the phases
+# wait on their own chains of loads and reductions, not on DRAM (`docs/results/2026-12-06-session35.md`).
+PREFETCH_ENV = "LUCEBOX_MEGAKERNEL_PREFETCH"
 LINEAR, ATTENTION = 0, 1
 
 
@@ -158,7 +161,7 @@ def _variants(model: Any, hidden: int) -> tuple[list[tuple], list[tuple], list[t
 
 
 def prefetch_ahead() -> int:
-    asked = os.environ.get(PREFETCH_ENV, "1").strip()
+    asked = os.environ.get(PREFETCH_ENV, "0").strip()
     if not asked.isdigit():
         raise ValueError(f"{PREFETCH_ENV} must be a whole number of layers (0: no prefetch), not {asked!r}")
     return int(asked)

@@ -73,6 +73,7 @@ template <class T> __device__ __forceinline__ T* mega_ptr(const u64* f, int fiel
 // its stride of 128-byte lines (`prefetch.global.L2`, nothing waits for it). A phase's products then read L2, and the
 // memory streams across the barriers, where each phase would otherwise start its first loads after one (session
 // 34's floor: a barrier does not overlap loads issued after it). A layer of the 0.8B is ~14 MB of the H100's 50 MB.
+// Measured slower (session 35): `megakernel.PREFETCH_ENV` asks for it, off by default.
 __device__ __forceinline__ void mega_prefetch_layer(const u64* f) {
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     for (int range = 0; range < MEGA_PREFETCH_RANGES; ++range) {
