@@ -63,7 +63,8 @@ def test_the_hip_sources_are_the_cuda_sources_without_tensor_cores():
     assert set(nvrtc.kernel_files()) - set(hiprtc.HIP_SOURCES) == {"matvec_mma.cu", "matvec_pipe.cu", "moe_matvec_mma.cu",
                                                                    "matvec_tiled.cu",
                                                                    "ffn_persistent.cu", "moe_persistent.cu",
-                                                                   "gdn_persistent.cu", "attention_persistent.cu"}
+                                                                   "gdn_persistent.cu", "attention_persistent.cu",
+                                                                   "qwen35_megakernel.cu"}
     assert set(hiprtc.compile_check_programs()) == set(hiprtc.HIP_SOURCES)
 
 

@@ -10,6 +10,7 @@ __device__ __forceinline__ void megakernel_body(
     int span, int spans, float scale, float mixer_eps, float attention_eps, float eps, u64* timeline,
     int prefetch_ahead) {
     __shared__ __align__(16) X staged[MEGA_STAGE_VALUES];
+    lucebox_wait_prior_grid();  // the embedding is the kernel ahead's (PDL); every body waits again, at no cost
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // the phases' clocks, where asked for (grid_barrier_mark)
         grid_barrier_timeline = timeline;
         if (timeline != nullptr) timeline[0] = 0;
