@@ -795,5 +795,6 @@ source scripts/gpu_session_s32.sh
 source scripts/gpu_session_s33.sh
 source scripts/gpu_session_s34.sh
 source scripts/gpu_session_s35.sh
+source scripts/gpu_session_s36.sh
 export -f synth model install g4synth g4model
 session 2>&1 | tee "$OUT/log_$MODE.txt"

@@ -83,14 +83,18 @@ def launch_once(calls: list) -> float:
 # `mma` capped at 6 blocks (80 registers).
 # Session 29 (ptxas 13, sm_90, Q4_K batch 1; SASS instructions a block a warp, registers): mma 432/115, mma_b4 413/122,
 # mma_b5 580/96 (spills, addresses recomputed: dropped), mma_pp 378/143, mma_pp_b4 376/128, mma_pp_b5 391/96.
-TILED_ONE = [("block", 4, 1, 1, 0, 1), ("block", 4, 1, 1, 0, 5), ("rowmajor", 4, 1, 1, 0, 4), ("pp", 4, 1, 1, 0, 1),
-             ("pp", 4, 1, 1, 0, 4), ("pp", 4, 1, 1, 0, 5)]
-TILED_MORE = [("block", 4, 1, 1, 0, 1), ("block", 4, 2, 1, 0, 1)]
+# "bulk": the bulk-copy ring (LUCEBOX_MATVEC_BULK, sm_90), its depth in the blocks-ahead place (session 36).
+TILED_ONE = [("block", 4, 1, 1, 0, 1), ("pp", 4, 1, 1, 0, 1), ("bulk", 4, 1, 3, 0, 1), ("bulk", 4, 1, 4, 0, 1),
+             ("bulk", 4, 1, 6, 0, 1), ("bulk", 4, 1, 8, 0, 1)]
+TILED_MORE = [("block", 4, 1, 1, 0, 1), ("block", 4, 2, 1, 0, 1), ("bulk", 4, 1, 4, 0, 1), ("bulk", 4, 1, 6, 0, 1)]
 
 
 def tiled_kernel(fmt: str, batch: int, kind: str, warps: int, row_tiles: int, ahead: int,
                  order: int, min_blocks: int = 1) -> tuple[KernelProgram, str]:
     tile = catalogue.batch_tile(batch)
+    if kind == "bulk":
+        program, name, _ = catalogue.matvec_bulk(fmt, "bf16", batch, ahead)
+        return program, name
     if kind == "pp":
         prefix = "matvec_mma_pp" + (f"_b{min_blocks}" if min_blocks > 1 else "")
         line = (f"LUCEBOX_MATVEC_MMA_PP_BOUNDED({prefix}, {min_blocks}, {fmt}, bf16, {tile})" if min_blocks > 1
@@ -172,12 +176,15 @@ def main() -> None:
             for kind, warps, row_tiles, ahead, order, min_blocks in candidates:
                 bound = f"_b{min_blocks}" if min_blocks > 1 else ""
                 name = {"units": f"units_w{warps}_a{ahead}_o{order}", "rowmajor": f"mma{bound}",
-                        "pp": f"mma_pp{bound}"}.get(
+                        "pp": f"mma_pp{bound}", "bulk": f"bulk_d{ahead}"}.get(
                     kind, f"tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}{bound}")
                 kernel = tiled_kernel(fmt, batch, kind, warps, row_tiles, ahead, order, min_blocks)
                 groups = -(-out_features // 16)
                 grid, threads = (groups * warps, 32) if kind == "units" else (-(-groups // row_tiles), 32 * warps)
-                extra = []
+                extra, shared = [], 0
+                if kind == "bulk":
+                    shared = catalogue.matvec_bulk(fmt, "bf16", batch, ahead)[2]
+                    backend.ring_kernel(*kernel, shared)
                 if kind == "units":
                     tiles_n = -(-batch // 8)
                     partials = torch.empty(groups * warps * 16 * 8 * tiles_n, dtype=torch.float32, device="cuda")
@@ -187,7 +194,8 @@ def main() -> None:
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in held]
                 calls = [lambda t=t, y=y, e=extra: backend._launch(kernel, grid, threads, Pointer(t.data_ptr()),
                                                                   Pointer(x.data_ptr()), Pointer(y.data_ptr()),
-                                                                  Int(out_features), Int(in_features), Int(batch), *e)
+                                                                  Int(out_features), Int(in_features), Int(batch), *e,
+                                                                  shared_bytes=shared)
                          for t, y in zip(held, ys)]
                 us = timer(calls)
                 row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(nbytes / us / 1e3, 1)

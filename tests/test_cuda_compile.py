@@ -54,6 +54,10 @@ def test_source_compiles(source, arch):
             prefix, _, fmt, act, batch = parts
             assert f"{prefix}_{fmt}_{act}_{batch}".encode() in cubin
             continue
+        if macro == "LUCEBOX_MATVEC_BULK":
+            fmt, act, batch, depth = parts
+            assert f"matvec_bulk_d{depth}_{fmt}_{act}_{batch}".encode() in cubin
+            continue
         if macro == "LUCEBOX_MATVEC_TILED_UNITS":
             fmt, act, batch, warps, ahead, order = parts
             assert f"matvec_tiled_units_w{warps}_a{ahead}_o{order}_{fmt}_{act}_{batch}".encode() in cubin

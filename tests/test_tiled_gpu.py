@@ -189,3 +189,56 @@ def test_a_prefill_product_in_several_tiles_writes_each_into_its_columns(backend
         assert torch.equal(out[:, start:stop], torch.mm(x, dense[start:stop].t()))
     reference = x.double() @ dense.double().t()
     assert torch.allclose(out.double(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
+needs_bulk = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="bulk copies need sm_90 or later")
+
+
+@needs_bulk
+@pytest.mark.parametrize("fmt", sorted(TYPES))
+def test_the_bulk_copy_kernel_gives_the_mma_kernels_bits(backend, monkeypatch, fmt):
+    """Rows of 6 GGUF blocks (warps of 2 and 1 tiles, the whole walk asked for at once) and of 25 (7 a warp: the ring
+    refilled, each stage reused at two parities) at ring depths 2 and 4, full and short batch tiles."""
+    from lucebox_cuda import catalogue
+    from lucebox_cuda.nvrtc import Int, Pointer
+    from lucebox_cuda.tiled_weights import tile_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dtypes = {"bf16": torch.bfloat16, "f32": torch.float32}
+    for cols in (COLS, 25 * 256):
+        raw = weight_rows(fmt, ROWS, cols, seed=cols)
+        weight = QuantTensor("row_major", TYPES[fmt], (ROWS, cols), raw.reshape(-1).clone())
+        monkeypatch.setenv("LUCEBOX_TILED_WEIGHTS", "0")
+        tiles = tile_rows(raw.cuda(), fmt, ROWS, cols)
+        for act, batch, depth in (("bf16", 1, 2), ("bf16", 1, 4), ("bf16", 11, 4), ("bf16", 16, 2), ("f32", 8, 4)):
+            x = torch.randn(batch, cols, device="cuda", generator=gen).to(dtypes[act])
+            expected = backend.matvec(x, weight, variant="mma")
+            assert torch.isfinite(expected.float()).all() and expected.abs().max() > 0
+            program, name, shared = catalogue.matvec_bulk(fmt, act, batch, depth)
+            backend.ring_kernel(program, name, shared)
+            out = torch.full_like(expected, float("nan"))
+            backend._launch((program, name), -(-ROWS // 16), 128, Pointer(tiles.data_ptr()), Pointer(x.data_ptr()),
+                            Pointer(out.data_ptr()), Int(ROWS), Int(cols), Int(batch), shared_bytes=shared)
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), (fmt, cols, act, batch, depth)
+
+
+@needs_bulk
+def test_a_q4_k_weight_held_tiled_for_bulk_copies_gives_decode_and_verify_the_row_major_bits(backend, monkeypatch):
+    """The backend's own path: a Q4_K weight held tiled where bulk copies are on; batch 1 and 16 take the bulk kernel,
+    24 the register ring; every row equals the row-major `mma` kernel's, and the verify row its decode step's."""
+    from lucebox_cuda import tiled_weights
+
+    monkeypatch.delenv("LUCEBOX_TILED_WEIGHTS", raising=False)
+    monkeypatch.delenv(tiled_weights.BULK_SWITCH, raising=False)
+    raw = weight_rows("q4_k", 4096, COLS, seed=9)
+    tiled = QuantTensor("blk.0.ffn_up.weight", T.Q4_K, (4096, COLS), raw.reshape(-1).clone())
+    assert backend.holds_tiled(tiled)
+    plain = QuantTensor("plain", T.Q4_K, (4096, COLS), raw.reshape(-1).clone())
+    monkeypatch.setenv("LUCEBOX_TILED_WEIGHTS", "0")
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    x = torch.randn(24, COLS, device="cuda", generator=gen).to(torch.bfloat16)
+    for batch in (1, 16, 24):
+        assert torch.equal(backend.matvec(x[:batch], tiled), backend.matvec(x[:batch], plain, variant="mma")), batch
+    assert torch.equal(backend.matvec(x[5:6], tiled)[0], backend.matvec(x[:16], tiled)[5])

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from lucebox_core.quants import QuantTensor
-from lucebox_cuda import ffn_persistent, tiled_weights
+from lucebox_cuda import catalogue, ffn_persistent, tiled_weights
 from lucebox_cuda.tiled_weights import BLOCK_BYTES, row_bytes_of, tile_rows, tiles_weight, untile_rows
 
 FORMATS = tuple(BLOCK_BYTES)
@@ -181,6 +181,29 @@ def test_which_weights_are_held_tiled(monkeypatch):
     monkeypatch.setenv(tiled_weights.ENV_SWITCH, "0")
     assert not tiles_weight(quant(T.Q6_K, (5120, 17408)))
     assert ffn_persistent.mma_format(quant(T.Q6_K, (5120, 17408)), 17408) == "q6_k"
+
+
+def test_bulk_copies_hold_every_tiled_format_tiled_on_hopper_and_later(monkeypatch):
+    monkeypatch.delenv(tiled_weights.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(tiled_weights.BULK_SWITCH, raising=False)
+    monkeypatch.delenv(tiled_weights.BULK_DEPTH_SWITCH, raising=False)
+    assert [tiled_weights.bulk_copies(a) for a in ("sm_86", "sm_89", "sm_90", "sm_120", "gfx1100")] == [
+        False, False, True, True, False]
+    assert tiles_weight(quant(T.Q4_K, (17408, 5120)), bulk=True)
+    assert not tiles_weight(quant(T.Q4_K, (1024, 5120)), bulk=True)  # 8 warps, 4 K-slices: another class
+    # The persistent kernels refuse it wherever some device would hold it tiled.
+    assert ffn_persistent.mma_format(quant(T.Q4_K, (17408, 5120)), 5120) is None
+    assert tiled_weights.bulk_depth() == tiled_weights.BULK_DEPTH
+    monkeypatch.setenv(tiled_weights.BULK_DEPTH_SWITCH, "6")
+    assert tiled_weights.bulk_depth() == 6
+    for bad in ("1", "17", "four"):
+        monkeypatch.setenv(tiled_weights.BULK_DEPTH_SWITCH, bad)
+        with pytest.raises(ValueError, match="LUCEBOX_BULK_DEPTH"):
+            tiled_weights.bulk_depth()
+    monkeypatch.setenv(tiled_weights.BULK_SWITCH, "0")
+    assert not tiled_weights.bulk_copies("sm_90")
+    program, name, shared = catalogue.matvec_bulk("q6_k", "bf16", 9, 4)
+    assert name == "matvec_bulk_d4_q6_k_bf16_12" and shared == 4 * 4 * 16 * 210 and program.file == "matvec_tiled.cu"
 
 
 @pytest.mark.parametrize("module", ["ffn_persistent", "gdn_persistent", "attention_persistent", "moe_persistent"])

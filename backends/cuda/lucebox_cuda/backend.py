@@ -159,6 +159,24 @@ class CudaBackend(TorchBackend):
             function = self._functions[name] = module.function(name)
         return function
 
+    def ring_kernel(self, program: KernelProgram, name: str, shared_bytes: int) -> Any:
+        """`kernel(program, name)` allowed `shared_bytes` of dynamic shared memory (a ring of weight stages)."""
+        function = self.kernel(program, name)
+        ready = self.__dict__.setdefault("_ring_shared", {})
+        if ready.get(name, -1) < shared_bytes:
+            from cuda.bindings import driver
+
+            attribute = driver.CUfunction_attribute
+            # Beyond 48 KiB a kernel must opt in; a full shared-memory carve-out lets several blocks' rings
+            # share an SM (the weight bypasses L1 anyway).
+            for key, value in ((attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+                               (attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
+                (result,) = driver.cuFuncSetAttribute(function, key, value)
+                if int(result) != 0:
+                    raise LuceboxError(f"cuFuncSetAttribute({key.name}) on {name} failed: {result}")
+            ready[name] = shared_bytes
+        return function
+
     def _launch(self, kernel: tuple[KernelProgram, str], grid: int | tuple[int, int, int], block: int,
                 *args: Any, shared_bytes: int = 0) -> None:
         """Launch a kernel of `program` on the device's current torch stream, with `shared_bytes` of dynamic
@@ -190,7 +208,8 @@ class CudaBackend(TorchBackend):
         choices = self.__dict__.setdefault("_tiled_choices", {})
         entry = choices.get(id(weight))
         if entry is None or entry[0] is not weight:
-            entry = choices[id(weight)] = (weight, self.tiles_weights and tiled_weights.tiles_weight(weight))
+            entry = choices[id(weight)] = (weight, self.tiles_weights and tiled_weights.tiles_weight(
+                weight, bulk=tiled_weights.bulk_copies(self.arch)))
         return entry[1]
 
     def device_tiles(self, weight: QuantTensor) -> torch.Tensor:
@@ -273,7 +292,7 @@ class CudaBackend(TorchBackend):
         x, out = matvec_operands(x, out, out_features, self.device)
         rows, in_features = x.shape
         data = self.device_weight(weight).data
-        state = self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None, "shared_ready": set()})
+        state = self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None})
         if "max_shared" not in state:
             from cuda.bindings import driver
 
@@ -295,19 +314,7 @@ class CudaBackend(TorchBackend):
             self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, *args)
             return out
         ensure_context(self.device.index)
-        function = self.kernel(kernel.program, kernel.name)
-        if kernel.name not in state["shared_ready"]:
-            from cuda.bindings import driver
-
-            attribute = driver.CUfunction_attribute
-            # Beyond 48 KiB a kernel must opt in; a full shared-memory carve-out lets several blocks' rings
-            # share an SM (the weight bypasses L1 anyway).
-            for name, value in ((attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared_bytes),
-                                (attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
-                (result,) = driver.cuFuncSetAttribute(function, name, value)
-                if int(result) != 0:
-                    raise LuceboxError(f"cuFuncSetAttribute({name.name}) on {kernel.name} failed: {result}")
-            state["shared_ready"].add(kernel.name)
+        function = self.ring_kernel(kernel.program, kernel.name, kernel.shared_bytes)
         slices, partials, counters = kernel.slices, 0, 0
         if slices > 1:
             need_partials, need_counters = slices * rows * out_features, kernel.grid
@@ -344,12 +351,19 @@ class CudaBackend(TorchBackend):
         tiles = self.device_tiles(weight)
         activation = catalogue.ACTIVATIONS[x.dtype]
         step = catalogue.MMA_MAX_BATCH[activation]
+        bulk = tiled_weights.bulk_copies(self.arch)
         for first in range(0, rows, step):
-            count = min(step, rows - first)
-            program, name, rows_per_block = catalogue.matvec_tiled(weight_format, activation, count)
+            count, shared = min(step, rows - first), 0
+            if bulk and count <= tiled_weights.BULK_MAX_BATCH:  # the same class and bits, tiles in flight in shared
+                program, name, shared = catalogue.matvec_bulk(weight_format, activation, count,
+                                                              tiled_weights.bulk_depth())
+                self.ring_kernel(program, name, shared)
+                rows_per_block = 16
+            else:
+                program, name, rows_per_block = catalogue.matvec_tiled(weight_format, activation, count)
             self._launch((program, name), -(-out_features // rows_per_block), 128, Pointer(tiles.data_ptr()),
                          Pointer(x[first].data_ptr()), Pointer(out[first].data_ptr()), Int(out_features),
-                         Int(in_features), Int(count))
+                         Int(in_features), Int(count), shared_bytes=shared)
         return out
 
     def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int, *,
@@ -593,7 +607,7 @@ class CudaBackend(TorchBackend):
         """`x @ weight.T` for many rows (prefill): bounded tiles of weight rows dequantized on the GPU into
         a scratch buffer, each multiplied with cuBLAS."""
         out_features, in_features = weight.shape
-        if weight_format == "q4_k" and _fused_prefill() and in_features % 256 == 0:
+        if weight_format == "q4_k" and _fused_prefill() and in_features % 256 == 0 and not self.holds_tiled(weight):
             # Tensor cores straight from the Q4_K blocks, no dequantized tile (LUCEBOX_FUSED_PREFILL=1: not yet
             # measured on a GPU, so off by default).
             from . import triton_quant_matmul

@@ -425,6 +425,16 @@ def matvec_tiled(weight_format: str, activation: str, batch: int) -> tuple[Kerne
     return KernelProgram("matvec_tiled.cu", [line]), name, 16 * row_tiles
 
 
+# The same class read through a ring of DEPTH tiles a warp filled by bulk copies (matvec_tiled.cu's
+# LUCEBOX_MATVEC_BULK; sm_90 and later). Its dynamic shared memory: 4 warps x DEPTH tiles.
+def matvec_bulk(weight_format: str, activation: str, batch: int, depth: int) -> tuple[KernelProgram, str, int]:
+    """(program, kernel name, dynamic shared bytes) of the bulk-copy tiled kernel for `batch` rows (<= its tile)."""
+    tile = batch_tile(batch)
+    line = f"LUCEBOX_MATVEC_BULK({weight_format}, {activation}, {tile}, {depth})"
+    shared = 4 * depth * 16 * {"q4_k": 144, "q5_k": 176, "q6_k": 210}[weight_format]
+    return KernelProgram("matvec_tiled.cu", [line]), f"matvec_bulk_d{depth}_{weight_format}_{activation}_{tile}", shared
+
+
 def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVariant) -> tuple[KernelProgram, str]:
     line = (f"LUCEBOX_MATVEC_PIPE({weight_format}, {activation}, {batch}, {pipe.warps}, {pipe.depth}, "
             f"{pipe.row_groups})")
@@ -745,7 +755,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
             + ["LUCEBOX_MATVEC_TILED(q5_k, f16, 1, 8, 1, 2, 1)", "LUCEBOX_MATVEC_TILED(q6_k, bf16, 1, 4, 1, 3, 1)",
                "LUCEBOX_MATVEC_TILED_BOUNDED(q6_k, bf16, 1, 4, 1, 1, 0, 5)",
                "LUCEBOX_MATVEC_TILED_UNITS(q4_k, bf16, 1, 4, 3, 0)",
-               f"LUCEBOX_MATVEC_TILED_UNITS(q6_k, bf16, {MAX_BATCH}, 4, 2, 0)"]),
+               f"LUCEBOX_MATVEC_TILED_UNITS(q6_k, bf16, {MAX_BATCH}, 4, 2, 0)"]
+            + [f"LUCEBOX_MATVEC_BULK({f}, bf16, {b}, 4)" for f in MMA_FORMATS for b in (1, MAX_BATCH)]
+            + ["LUCEBOX_MATVEC_BULK(q4_k, f32, 8, 6)"]),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")
                                                    for f in formats for a in acts] + ["LUCEBOX_UNTILE_ROWS()"]),
         "moe_matvec.cu": KernelProgram("moe_matvec.cu", [f"LUCEBOX_MOE_MATVEC{kind}({f}, {a})"

@@ -53,10 +53,10 @@ def enabled() -> bool:
 def mma_format(weight: Any, cols: int, rows: int | None = None) -> str | None:
     """The tensor-core format name of a 2-D GGUF weight with `cols` columns (and `rows` rows, where given), or None:
     what every persistent kernel's products read. Weights the backend holds tiled are refused: these kernels read
-    GGUF's rows."""
+    GGUF's rows (on any device: where bulk copies hold more formats tiled too)."""
     if not isinstance(weight, QuantTensor) or len(weight.shape) != 2 or weight.shape[1] != cols:
         return None
-    if tiled_weights.tiles_weight(weight):
+    if tiled_weights.tiles_weight(weight, bulk=True):
         return None
     if rows is not None and weight.shape[0] != rows:
         return None

@@ -134,15 +134,39 @@ HEAD_NAMES = ("token_embd.weight", "output.weight")
 # at batch 1 (the 27B's head at the copy bandwidth) and up to 1.28x at 16 rows; Q4_K's large products are 5-25% faster
 # row-major at batch 1, so Q4_K stays row-major. Q5_K is untimed.
 DEFAULT_FORMATS = ("q6_k",)
+# Where the products read tiles through bulk copies (matvec_tiled.cu's LUCEBOX_MATVEC_BULK: sm_90 and later), every
+# tiled format is held tiled, and products of up to BULK_MAX_BATCH activation rows take that kernel, DEPTH tiles a
+# warp in flight. LUCEBOX_BULK_COPIES=0 keeps session 27's choice (the register ring, Q6_K alone tiled).
+BULK_SWITCH = "LUCEBOX_BULK_COPIES"
+BULK_DEPTH_SWITCH = "LUCEBOX_BULK_DEPTH"
+BULK_DEPTH = 4
+BULK_MAX_BATCH = 16
 CHUNK_BYTES = 32 << 20  # the upload tiles this many source bytes at a time: no whole-weight temporary
 
 
-def tiles_weight(weight: Any) -> bool:
+def bulk_copies(arch: str) -> bool:
+    """Whether products of tiled weights on a device of `arch` ("sm_90") read their tiles through bulk copies."""
+    return (os.environ.get(BULK_SWITCH, "1") != "0" and arch.startswith("sm_") and arch[3:].isdigit()
+            and int(arch[3:]) >= 90)
+
+
+def bulk_depth() -> int:
+    """Tiles a warp has in flight in the bulk-copy kernel: BULK_DEPTH, or LUCEBOX_BULK_DEPTH (2..16)."""
+    value = os.environ.get(BULK_DEPTH_SWITCH, "")
+    if not value:
+        return BULK_DEPTH
+    if not value.isdigit() or not 2 <= int(value) <= 16:
+        raise ValueError(f"{BULK_DEPTH_SWITCH}={value!r}: expected a whole number of tiles from 2 to 16")
+    return int(value)
+
+
+def tiles_weight(weight: Any, bulk: bool = False) -> bool:
     """Whether the CUDA backend holds `weight` (a QuantTensor) tiled: a 2-D weight of a DEFAULT_FORMATS format whose
     products are of the 4-warp one-slice class (`catalogue.arithmetic_class`; shapes of few rows and long ones take
     8 warps and 4 K-slices and stay row-major), unless LUCEBOX_TILED_WEIGHTS=0 or a persistent kernel is switched on
-    (PERSISTENT_SWITCHES; with the megakernel's, the head may still be tiled). The backend asks once a weight, at its
-    first use."""
+    (PERSISTENT_SWITCHES; with the megakernel's, the head may still be tiled). `bulk`: the device reads tiles through
+    bulk copies (`bulk_copies`), which holds every tiled format tiled. The backend asks once a weight, at its first
+    use."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or any(os.environ.get(name) == "1" for name in PERSISTENT_SWITCHES):
         return False
     if not isinstance(weight, QuantTensor) or len(weight.shape) != 2:
@@ -151,7 +175,7 @@ def tiles_weight(weight: Any) -> bool:
         return False
     fmt = catalogue.WEIGHT_FORMATS.get(weight.ggml_type)
     rows, cols = weight.shape
-    if fmt not in DEFAULT_FORMATS or cols % 256:
+    if fmt not in (TILED_FORMATS if bulk else DEFAULT_FORMATS) or cols % 256:
         return False
     return catalogue.arithmetic_class(catalogue.default_variant(fmt, "bf16", 1, rows, cols)) == ("mma", 4, 1)
 

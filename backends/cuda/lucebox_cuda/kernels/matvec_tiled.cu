@@ -221,3 +221,101 @@ __device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, N
                                                                         16 * group, warp, acc);                \
         unit_store<ACT, NB, WARPS>(acc, y, rows, batch, group, warp, partials, counters);                      \
     }
+
+// -- the bulk-copy ring (Hopper: sm_90 and later) ------------------------------------------------------------------
+//
+// The same warps, blocks and arithmetic as the kernel above (4 warps a row group, warp w takes GGUF blocks w, w+4, ...;
+// mma_block; mma_store: the same bits), but a warp's tiles come through a ring of DEPTH stages in shared memory that
+// one lane fills with one `cp.async.bulk` a tile (the copy engine moves the tile; an mbarrier a stage counts its
+// bytes in). Why: the register ring above holds AHEAD tiles a warp in registers, which caps the warps an SM holds and
+// the bytes in flight; the Nsight profile of session 30 found the Q4_K products latency-bound at 11-18 warps an SM
+// with one block in flight a warp. Here DEPTH tiles a warp are in flight in shared memory, the registers hold only
+// the tile being multiplied, and a stage costs one instruction to ask for instead of a load a lane a piece.
+// A tile is contiguous (TileLayout::BYTES, a multiple of 16: the copy's unit) and 16-byte aligned in a row-group-major
+// copy, so one copy takes it whole.
+//
+// LUCEBOX_MATVEC_BULK(format, activation, NB, DEPTH) defines `matvec_bulk_d<DEPTH>_<format>_<activation>_<NB>`:
+// launch with 128 threads a block, ceil(rows / 16) blocks and 4 * DEPTH tiles of dynamic shared memory
+// (`catalogue.matvec_bulk`); arguments: tiles (row-group-major), x, y, rows, cols, batch. Below sm_90 the kernel traps: the
+// backend picks it only where the device has the copy engine (compute capability 9.0 and later).
+
+__device__ __forceinline__ u32 bulk_shared_address(const void* pointer) {
+    return static_cast<u32>(__cvta_generic_to_shared(pointer));
+}
+
+template <class W, class X, int NB, int DEPTH>
+__device__ __forceinline__ void bulk_accumulate(const u8* __restrict__ tiles, const X* __restrict__ x, int rows,
+                                                int cols, int batch, int row0,
+                                                float (&acc)[1][MmaColumns<X, NB>::TILES][4]) {
+    typedef TileLayout<W> L;
+    typedef MmaColumns<X, NB> C;
+    constexpr int WARPS = 4, TILES = C::TILES;
+    extern __shared__ __align__(128) u8 bulk_ring[];  // [warp][stage][L::BYTES]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int blocks_per_row = cols / W::BLOCK_VALUES;
+    const u8* group_tiles = tiles + static_cast<i64>(row0 >> 4) * blocks_per_row * L::BYTES;
+    u8* ring = bulk_ring + warp * DEPTH * L::BYTES;
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[0][tile][k] = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ __align__(8) u64 bulk_full[WARPS][DEPTH];  // a stage's mbarrier: its tile's bytes have landed
+    const auto ask = [&](int stage, int block) {  // lane 0: tile `block` of the row group into `stage`
+        const u32 bar = bulk_shared_address(&bulk_full[warp][stage]);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(L::BYTES) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(bulk_shared_address(ring + stage * L::BYTES)),
+                     "l"(group_tiles + static_cast<i64>(block) * L::BYTES), "r"(L::BYTES), "r"(bar)
+                     : "memory");
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int stage = 0; stage < DEPTH; ++stage)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bulk_shared_address(&bulk_full[warp][stage]))
+                         : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // the inits, before the copy engine's use
+#pragma unroll
+        for (int stage = 0; stage < DEPTH; ++stage)
+            if (warp + stage * WARPS < blocks_per_row) ask(stage, warp + stage * WARPS);
+    }
+    __syncwarp();
+    const C columns(x, cols, batch, g);
+    // The first tiles are in flight: only now wait for the kernel that wrote the activations (PDL).
+    lucebox_wait_prior_grid();
+    int stage = 0;
+    u32 phase = 0;
+    for (int block = warp; block < blocks_per_row; block += WARPS) {
+        const u32 bar = bulk_shared_address(&bulk_full[warp][stage]);
+        u32 landed = 0;
+        while (!landed)
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(landed)
+                         : "r"(bar), "r"(phase)
+                         : "memory");
+        typename W::Raw a[1], b[1];
+        L::load(ring + stage * L::BYTES, lane, a[0], b[0]);
+        // The warp's barrier orders every lane's reads of the stage before lane 0 asks for the tile DEPTH steps on
+        // into it (a consumer's release of a stage, as an mbarrier arrive would).
+        __syncwarp();
+        const int refill = block + DEPTH * WARPS;
+        if (lane == 0 && refill < blocks_per_row) ask(stage, refill);
+        mma_block<W, X, NB, 1>(a, b, block, t, columns, acc);
+        if (++stage == DEPTH) stage = 0, phase ^= 1;
+    }
+#else
+    (void)x, (void)rows, (void)batch, (void)g, (void)t, (void)group_tiles, (void)ring, (void)lane;
+    lucebox_wait_prior_grid();
+    __trap();  // no bulk copies below sm_90: the backend never launches this kernel there
+#endif
+}
+
+#define LUCEBOX_MATVEC_BULK(FORMAT, ACT, NB, DEPTH)                                                             \
+    extern "C" __global__ void __launch_bounds__(128) matvec_bulk_d##DEPTH##_##FORMAT##_##ACT##_##NB(              \
+        const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,       \
+        int batch) {                                                                                           \
+        float acc[1][MmaColumns<ACT, NB>::TILES][4];                                                           \
+        const int row0 = blockIdx.x * 16;                                                                      \
+        bulk_accumulate<Mma_##FORMAT, ACT, NB, DEPTH>(tiles, x, rows, cols, batch, row0, acc);                 \
+        mma_store<ACT, NB, 4, 1>(acc, y, rows, batch, row0);                                                   \
+    }

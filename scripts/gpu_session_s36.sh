@@ -1,0 +1,27 @@
+# Session 36's modes of scripts/gpu_session.sh (sourced by it; its helpers: step, synth, model, and variants /
+# bench_rows from gpu_session_more.sh).
+#
+#   bash scripts/gpu_session.sh s36          # ~6 min: the bulk-copy tiled products (LUCEBOX_MATVEC_BULK): the GPU tests
+#                                            #   of the tiled layout and the model paths that read it (S36_TESTS: more);
+#                                            #   tiled_probe.py on the 27B's and 0.8B's shapes at batch 1 and 16; 27B
+#                                            #   and 0.8B tg128 with bulk copies (depth 4, 3, 6) and without
+#                                            #   (LUCEBOX_BULK_COPIES=0); the 27B pp512 both ways; S36_PROFILE=1: the
+#                                            #   27B step's kernels (bench_vs_llamacpp.py profile).  carry: .whl
+
+s36() {
+  ( synth 27b > "$RES/synth_27b.log" 2>&1; synth 0.8b > "$RES/synth_08b.log" 2>&1 ) &
+  local writer=$! m
+  step bulk-tests 300 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_tiled_gpu.py tests/test_tiled_weights.py ${S36_TESTS:-}
+  step tiled-probe 200 python3 scripts/tiled_probe.py --batches 1,16 --shapes "${S36_SHAPES:-27b,0.8b}" \
+    --json "$RES/tiled_probe.json"
+  wait "$writer"; tail -qn1 "$RES"/synth_*.log
+  m=$(model 27b)
+  variants 27b "$m" "-p 0 -n 128 -r 3" default ring:LUCEBOX_BULK_COPIES=0 d3:LUCEBOX_BULK_DEPTH=3 \
+    d6:LUCEBOX_BULK_DEPTH=6 ${S36_MORE:-}
+  variants 08b "$(model 0.8b)" "-p 0 -n 128 -r 3" default ring:LUCEBOX_BULK_COPIES=0 rowmajor:LUCEBOX_TILED_WEIGHTS=0
+  variants 27b-pp "$m" "-p 512 -n 0 -r 3" default ring:LUCEBOX_BULK_COPIES=0
+  [ -n "${S36_PROFILE:-}" ] && step profile-27b 120 python3 scripts/bench_vs_llamacpp.py profile "$m" --out "$RES"
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
