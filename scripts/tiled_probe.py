@@ -160,7 +160,7 @@ def main() -> None:
             row = {"shape": label, "format": fmt, "out": out_features, "in": in_features, "batch": batch,
                    "weight_bytes": nbytes, "copies": copies, "copy_gb_s": round(bandwidth)}
             outs = {}
-            variants = {"default": None, "mma": "mma", **({"mma8": "mma8"} if batch == 1 else {})}
+            variants = {"default": None, "mma": "mma", **({"mma8": "mma8"} if batch == 1 else {"mma_r2": "mma_r2"})}
             for name, variant in variants.items():
                 ys = [torch.empty(batch, out_features, dtype=torch.bfloat16, device="cuda") for _ in weights]
                 calls = [lambda w=w, y=y, v=variant: backend.matvec(x, w, out=y, variant=v)

@@ -226,12 +226,12 @@ def test_the_bulk_copy_kernel_gives_the_mma_kernels_bits(backend, monkeypatch, f
 
 @needs_bulk
 def test_a_q4_k_weight_held_tiled_for_bulk_copies_gives_decode_and_verify_the_row_major_bits(backend, monkeypatch):
-    """The backend's own path: a Q4_K weight held tiled where bulk copies are on; batch 1 and 16 take the bulk kernel,
+    """The backend's own path: a Q4_K weight held tiled with bulk copies on; batch 1 and 16 take the bulk kernel,
     24 the register ring; every row equals the row-major `mma` kernel's, and the verify row its decode step's."""
     from lucebox_cuda import tiled_weights
 
     monkeypatch.delenv("LUCEBOX_TILED_WEIGHTS", raising=False)
-    monkeypatch.delenv(tiled_weights.BULK_SWITCH, raising=False)
+    monkeypatch.setenv(tiled_weights.BULK_SWITCH, "1")
     raw = weight_rows("q4_k", 4096, COLS, seed=9)
     tiled = QuantTensor("blk.0.ffn_up.weight", T.Q4_K, (4096, COLS), raw.reshape(-1).clone())
     assert backend.holds_tiled(tiled)

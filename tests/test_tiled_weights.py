@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from lucebox_core.quants import QuantTensor
 from lucebox_cuda import catalogue, ffn_persistent, tiled_weights
-from lucebox_cuda.tiled_weights import BLOCK_BYTES, row_bytes_of, tile_rows, tiles_weight, untile_rows
+from lucebox_cuda.tiled_weights import BLOCK_BYTES, tile_rows, tiles_weight, untile_rows
 
 FORMATS = tuple(BLOCK_BYTES)
 
@@ -107,25 +107,23 @@ def test_tile_orders_put_the_same_tiles_in_different_places():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_rows_gathered_from_the_tiles_are_the_rows(fmt):
+def test_row_ranges_read_from_the_tiles_are_the_rows(fmt):
     rows, cols = 53, 512
     raw = random_rows(fmt, rows, cols, seed=4)
     tiles = tile_rows(raw, fmt, rows, cols)
-    ids = torch.tensor([0, 52, 17, 17, 31, 16, 5])
-    assert torch.equal(row_bytes_of(tiles, fmt, rows, cols, ids), raw[ids])
     for start, stop in ((0, 53), (0, 16), (5, 6), (17, 48), (31, 53), (52, 53)):
         assert torch.equal(tiled_weights.row_range_bytes(tiles, fmt, rows, cols, start, stop), raw[start:stop])
 
 
 def _untile_rows_kernel(tiles: torch.Tensor, offsets: torch.Tensor, first_row: int, rows: int, blocks: int,
-                        half_block: int) -> torch.Tensor:
-    """dequant.cu's `untile_rows`, thread by thread in torch: output unit u of row r from the tile's unit through
-    the offsets table, the indices computed as the kernel computes them."""
+                        half_block: int, ids: list[int] | None = None) -> torch.Tensor:
+    """dequant.cu's `untile_body` (`untile_rows`; with `ids`, `untile_rows_at`), thread by thread in torch: output
+    unit u of row r from the tile's unit through the offsets table, the indices computed as the kernel computes them."""
     units = tiles.reshape(-1).view(torch.int16)
     row_units = blocks * half_block
     out = torch.empty(rows, row_units, dtype=torch.int16)
     for r in range(rows):
-        row = first_row + r
+        row = ids[r] if ids is not None else first_row + r
         group_start = (row >> 4) * blocks * 16 * half_block
         u = torch.arange(row_units)
         b = u // half_block
@@ -148,6 +146,8 @@ def test_the_untile_kernels_unit_offsets_give_the_rows_back(fmt):
     for start, stop in ((0, 53), (5, 6), (17, 48), (31, 53)):
         got = _untile_rows_kernel(tiles, offsets, start, stop - start, cols // 256, half_block)
         assert torch.equal(got, raw[start:stop])
+    ids = [0, 52, 17, 17, 31, 16, 5]  # an embedding lookup's rows (`untile_rows_at`): repeats, the padded group
+    assert torch.equal(_untile_rows_kernel(tiles, offsets, 0, len(ids), cols // 256, half_block, ids), raw[ids])
 
 
 def test_bad_shapes_are_refused_by_name():
@@ -183,10 +183,12 @@ def test_which_weights_are_held_tiled(monkeypatch):
     assert ffn_persistent.mma_format(quant(T.Q6_K, (5120, 17408)), 17408) == "q6_k"
 
 
-def test_bulk_copies_hold_every_tiled_format_tiled_on_hopper_and_later(monkeypatch):
+def test_bulk_copies_when_on_hold_every_tiled_format_tiled_on_hopper_and_later(monkeypatch):
     monkeypatch.delenv(tiled_weights.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(tiled_weights.BULK_SWITCH, raising=False)
     monkeypatch.delenv(tiled_weights.BULK_DEPTH_SWITCH, raising=False)
+    monkeypatch.delenv(tiled_weights.BULK_SWITCH, raising=False)
+    assert not tiled_weights.bulk_copies("sm_90")  # off by default: measured slower (session 36)
+    monkeypatch.setenv(tiled_weights.BULK_SWITCH, "1")
     assert [tiled_weights.bulk_copies(a) for a in ("sm_86", "sm_89", "sm_90", "sm_120", "gfx1100")] == [
         False, False, True, True, False]
     assert tiles_weight(quant(T.Q4_K, (17408, 5120)), bulk=True)

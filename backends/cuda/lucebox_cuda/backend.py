@@ -562,9 +562,14 @@ class CudaBackend(TorchBackend):
         if count:
             pieces = count * cols // 8
             grid = min(-(-pieces // 256), 65535)
-            if self.holds_tiled(weight):  # the rows' bytes gathered from the tiles, then decoded in order
-                rows_data = tiled_weights.row_bytes_of(self.device_tiles(weight), weight_format, weight.shape[0], cols,
-                                                       flat)
+            if self.holds_tiled(weight):  # the rows' bytes gathered from the tiles (one kernel), then decoded
+                blocks, half_block = cols // 256, tiled_weights.block_bytes(weight_format) // 2
+                rows_data = torch.empty(count, blocks * half_block * 2, dtype=torch.uint8, device=self.device)
+                self._launch(catalogue.untile_rows(at_ids=True), (-(-blocks * half_block // 256), min(count, 65535), 1),
+                             256, Pointer(self.device_tiles(weight).data_ptr()),
+                             Pointer(tiled_weights.unit_offsets(weight_format, self.device).data_ptr()),
+                             Pointer(flat.data_ptr()), Pointer(rows_data.data_ptr()), Int(count), Int(blocks),
+                             Int(half_block))
                 self._launch(catalogue.dequant(weight_format, catalogue.ACTIVATIONS[self.dtype]), grid, 256,
                              Pointer(rows_data.data_ptr()), Pointer(out.data_ptr()), Int(count), Int(cols))
                 return out.reshape(*ids.shape, cols)

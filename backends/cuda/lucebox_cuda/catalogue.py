@@ -544,9 +544,10 @@ def dequant_rows(weight_format: str, activation: str) -> tuple[KernelProgram, st
     return KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT_ROWS({weight_format}, {activation})"]), name
 
 
-def untile_rows() -> tuple[KernelProgram, str]:
-    """Rows of a weight held tiled back in GGUF's bytes (a prefill's dequant reads them; see dequant.cu)."""
-    return KernelProgram("dequant.cu", ["LUCEBOX_UNTILE_ROWS()"]), "untile_rows"
+def untile_rows(at_ids: bool = False) -> tuple[KernelProgram, str]:
+    """Rows of a weight held tiled back in GGUF's bytes (a prefill's dequant reads them; see dequant.cu); `at_ids`:
+    the rows a device tensor of ids names (an embedding lookup)."""
+    return KernelProgram("dequant.cu", ["LUCEBOX_UNTILE_ROWS()"]), "untile_rows_at" if at_ids else "untile_rows"
 
 
 def moe_matvec(weight_format: str, activation: str) -> tuple[KernelProgram, str]:

@@ -134,9 +134,11 @@ HEAD_NAMES = ("token_embd.weight", "output.weight")
 # at batch 1 (the 27B's head at the copy bandwidth) and up to 1.28x at 16 rows; Q4_K's large products are 5-25% faster
 # row-major at batch 1, so Q4_K stays row-major. Q5_K is untimed.
 DEFAULT_FORMATS = ("q6_k",)
-# Where the products read tiles through bulk copies (matvec_tiled.cu's LUCEBOX_MATVEC_BULK: sm_90 and later), every
-# tiled format is held tiled, and products of up to BULK_MAX_BATCH activation rows take that kernel, DEPTH tiles a
-# warp in flight. LUCEBOX_BULK_COPIES=0 keeps session 27's choice (the register ring, Q6_K alone tiled).
+# LUCEBOX_BULK_COPIES=1 (sm_90 and later): the products read tiles through bulk copies (matvec_tiled.cu's
+# LUCEBOX_MATVEC_BULK), every tiled format is held tiled, and products of up to BULK_MAX_BATCH activation rows take
+# that kernel, DEPTH tiles a warp in flight. Off by default: slower than the row-major `mma_pp` on every Q4_K decode
+# product of the 27B (H100, session 36: gate | up 1,963 against 2,218 GB/s, down 1,064 against 1,777; the 27B's tg128
+# 95.6 against 108.9 tok/s), and than the register ring on its Q6_K ones but the verify rows' down product.
 BULK_SWITCH = "LUCEBOX_BULK_COPIES"
 BULK_DEPTH_SWITCH = "LUCEBOX_BULK_DEPTH"
 BULK_DEPTH = 4
@@ -146,7 +148,7 @@ CHUNK_BYTES = 32 << 20  # the upload tiles this many source bytes at a time: no 
 
 def bulk_copies(arch: str) -> bool:
     """Whether products of tiled weights on a device of `arch` ("sm_90") read their tiles through bulk copies."""
-    return (os.environ.get(BULK_SWITCH, "1") != "0" and arch.startswith("sm_") and arch[3:].isdigit()
+    return (os.environ.get(BULK_SWITCH, "0") == "1" and arch.startswith("sm_") and arch[3:].isdigit()
             and int(arch[3:]) >= 90)
 
 
@@ -204,19 +206,6 @@ def row_range_bytes(tiles: torch.Tensor, fmt: str, rows: int, cols: int, start: 
     return untile_rows(part, fmt, (last - first) * ROWS, cols)[start - first * ROWS: stop - first * ROWS]
 
 
-def row_bytes_of(tiles: torch.Tensor, fmt: str, rows: int, cols: int, ids: torch.Tensor) -> torch.Tensor:
-    """The GGUF bytes ([len(ids), row bytes]) of rows `ids` (long, on tiles' device) of a row-group-major tiled copy:
-    a gather, no host value depends on the ids (an embedding lookup inside a recorded step). An index a byte: for a
-    few rows, not whole weights (`row_range_bytes`)."""
-    block, blocks = BLOCK_BYTES[fmt], cols // 256
-    where = _positions(fmt, tiles.device)  # [16, block]: a row's block byte -> its offset in the tile
-    tile_bytes = ROWS * block
-    first = (ids // ROWS) * (blocks * tile_bytes)  # the row's group's first tile
-    index = (first[:, None, None] + torch.arange(blocks, device=tiles.device)[None, :, None] * tile_bytes
-             + where[ids % ROWS][:, None, :])
-    return tiles.reshape(-1)[index.reshape(-1)].view(ids.numel(), blocks * block)
-
-
 @lru_cache(maxsize=None)
 def unit_offsets(fmt: str, device: torch.device) -> torch.Tensor:
     """[16, block / 2] int32: where, in 2-byte units inside a tile, unit j of row r's block lies (dequant.cu's
@@ -229,6 +218,6 @@ def unit_offsets(fmt: str, device: torch.device) -> torch.Tensor:
     return (low // 2).to(torch.int32).contiguous().to(device)
 
 
-@lru_cache(maxsize=None)  # made once a device (before any recorded step: the first lookup runs eagerly)
+@lru_cache(maxsize=None)  # made once a device
 def _positions(fmt: str, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.argsort(tile_order(fmt))).view(ROWS, BLOCK_BYTES[fmt]).to(device)

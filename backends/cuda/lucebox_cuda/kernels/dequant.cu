@@ -69,20 +69,33 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ weight, X* _
 // is 2 or 4 bytes at an even offset, so 2-byte units move whole. `unit_offsets` [16, half_block]: the offset, in
 // units, inside a tile of unit j of row r % 16's block; a tile (row group G, block b) starts at unit
 // (G * blocks + b) * 16 * half_block. Grid: x over a row's units, y over rows (each y loops on by gridDim.y).
+// `untile_rows_at`: rows ids[0 .. rows - 1] (long, on the device) instead: an embedding lookup's rows, read after the
+// kernel ahead (which may have written the ids) in one launch, not ~8 of torch's index arithmetic (session 36).
+__device__ __forceinline__ void untile_body(const u16* __restrict__ tiles, const int* __restrict__ unit_offsets,
+                                            u16* __restrict__ out, int first_row, const long long* __restrict__ ids,
+                                            int rows, int blocks, int half_block) {
+    const int row_units = blocks * half_block;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const i64 row = ids ? ids[r] : first_row + r;
+        const i64 group_start = (row >> 4) * blocks * 16 * half_block;
+        const int* offsets = unit_offsets + (row & 15) * half_block;
+        for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < row_units; u += gridDim.x * blockDim.x) {
+            const int b = u / half_block;
+            out[static_cast<i64>(r) * row_units + u] =
+                tiles[group_start + static_cast<i64>(b) * 16 * half_block + offsets[u - b * half_block]];
+        }
+    }
+}
 #define LUCEBOX_UNTILE_ROWS()                                                                                  \
     extern "C" __global__ void untile_rows(const u16* __restrict__ tiles, const int* __restrict__ unit_offsets,  \
                                            u16* __restrict__ out, int first_row, int rows, int blocks,          \
                                            int half_block) {                                                    \
         lucebox_wait_prior_grid(); /* the scratch rows: the previous product may still read them */            \
-        const int row_units = blocks * half_block;                                                             \
-        for (int r = blockIdx.y; r < rows; r += gridDim.y) {                                                   \
-            const int row = first_row + r;                                                                     \
-            const i64 group_start = static_cast<i64>(row >> 4) * blocks * 16 * half_block;                     \
-            const int* offsets = unit_offsets + (row & 15) * half_block;                                       \
-            for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < row_units; u += gridDim.x * blockDim.x) { \
-                const int b = u / half_block;                                                                  \
-                out[static_cast<i64>(r) * row_units + u] =                                                     \
-                    tiles[group_start + static_cast<i64>(b) * 16 * half_block + offsets[u - b * half_block]];   \
-            }                                                                                                  \
-        }                                                                                                      \
+        untile_body(tiles, unit_offsets, out, first_row, nullptr, rows, blocks, half_block);                   \
+    }                                                                                                          \
+    extern "C" __global__ void untile_rows_at(const u16* __restrict__ tiles, const int* __restrict__ unit_offsets, \
+                                              const long long* __restrict__ ids, u16* __restrict__ out, int rows, \
+                                              int blocks, int half_block) {                                    \
+        lucebox_wait_prior_grid(); /* the ids and the scratch rows: the kernels ahead write and read them */  \
+        untile_body(tiles, unit_offsets, out, 0, ids, rows, blocks, half_block);                               \
     }
