@@ -7,6 +7,9 @@
 #                                            #   27B and 0.8B tg128 without and with bulk copies (depth 4, 3, 6); the 27B
 #                                            #   pp512 both ways; S36_PROFILE=1: the 27B step's kernels.  carry: .whl
 #                                            #   (Call 1 ran it with bulk copies the default.)
+#   bash scripts/gpu_session.sh s36-verify   # ~6 min: the bulk kernel's tests; row-major variants at 2-24 rows on
+#                                            #   the 27B's shapes; verify passes with the table and with the probe's
+#                                            #   fastest in each class (tuned_override.py).          carry: .whl
 #   bash scripts/gpu_session.sh s36-lookup   # ~4 min: the one-kernel lookup of rows held tiled: the GPU tests of the
 #                                            #   tiled layout, embeddings, recorded steps; tiled_probe.py at 16 and 24
 #                                            #   rows on the 27B's shapes; 0.8B tg128 default / row-major twice over; 27B
@@ -41,6 +44,25 @@ s36_lookup() {
   variants 08b "$(model 0.8b)" "-p 0 -n 128 -r 3" default rowmajor:LUCEBOX_TILED_WEIGHTS=0 default2 \
     rowmajor2:LUCEBOX_TILED_WEIGHTS=0
   variants 27b "$(model 27b)" "-p 0 -n 128 -r 3" default ${S36_MORE:-}
+  cp "$RES"/*.json "$OUT/" 2>/dev/null
+  return 0
+}
+
+s36_verify() {  # the bulk kernel's GPU tests (its refill after the math); verify passes of 1, 8, 16, 23 nodes
+  #               (verify_profile.py) with the table, with tuned_override.py's choices, with the table again
+  ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
+  local writer=$! m
+  step bulk-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_tiled_gpu.py -k bulk
+  wait "$writer"; tail -qn1 "$RES"/synth_*.log
+  m=$(model 27b)
+  step verify-probe 150 python3 scripts/tiled_probe.py --basic --batches 2,4,8,12,16,24 --shapes 27b \
+    --json "$RES/verify_probe.json"
+  local args="$m --nodes 1,8,16,23 --reps 10 --depth 512"
+  step verify-table 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table.json | grep 'nodes,'"
+  step verify-tuned 150 sh -c "python3 scripts/tuned_override.py $RES/verify_probe.json --print -- \
+    scripts/verify_profile.py $args --json $RES/verify_tuned.json | grep 'nodes,\|override'"
+  step verify-table2 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table2.json | grep 'nodes,'"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0
 }

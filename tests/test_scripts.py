@@ -481,3 +481,13 @@ def test_megakernel_floor_phases_cover_every_matrix_and_its_kernels_compile():
         kernels = [f"floor_{read}_{kind}" for read in ("barriers", "direct") for kind in floor.BARRIERS]
         kernels += [f"floor_ring_{kind}_s{stages}" for kind in floor.BARRIERS for stages in floor.RING_STAGES]
         assert all(name.encode() in cubin for name in kernels)
+
+
+def test_tuned_override_picks_the_fastest_timed_variant_of_the_defaults_class_only():
+    tuned = _import("tuned_override")
+    row = {"format": "q4_k", "out": 34816, "in": 5120, "default_variant": "pipe_w4_d4_m2_k1"}
+    faster_mma = {**row, "batch": 16, "default_us": 10.0, "mma_us": 8.0, "mma_r2_us": 9.0}
+    only_other_class = {**row, "batch": 12, "default_us": 10.0, "mma8_us": 5.0, "mma_us": 11.0}
+    default_best = {**row, "batch": 8, "default_us": 7.0, "mma_us": 8.0}
+    chosen = tuned.overrides([faster_mma, only_other_class, default_best])
+    assert chosen == {("q4_k", 16, 34816, 5120): "mma"}  # mma8 is 8 warps: another class, never chosen

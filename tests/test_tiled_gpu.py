@@ -242,3 +242,33 @@ def test_a_q4_k_weight_held_tiled_for_bulk_copies_gives_decode_and_verify_the_ro
     for batch in (1, 16, 24):
         assert torch.equal(backend.matvec(x[:batch], tiled), backend.matvec(x[:batch], plain, variant="mma")), batch
     assert torch.equal(backend.matvec(x[5:6], tiled)[0], backend.matvec(x[:16], tiled)[5])
+
+
+@needs_bulk
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_the_bulk_copy_kernel_keeps_its_bits_under_a_full_gpu(backend, fmt):
+    """65,536 rows x 20 GGUF blocks (the 27B head's row length: a stage refilled once a warp) at 16 rows, depth 4,
+    every SM busy with several blocks for several waves: where a refill that raced the stage's reads showed."""
+    from lucebox_cuda import catalogue
+    from lucebox_cuda.nvrtc import Int, Pointer
+    from lucebox_cuda.tiled_weights import tile_rows
+
+    rows, cols = 65536, 5120
+    distinct = weight_rows(fmt, 2048, cols, seed=11).cuda()
+    raw = distinct.repeat(rows // 2048, 1)
+    raw[:, 0] ^= (torch.arange(rows, device="cuda") & 1).to(torch.uint8)  # rows not all alike (one low bit)
+    weight = QuantTensor("big", TYPES[fmt], (rows, cols), raw.reshape(-1).cpu())
+    tiles = tile_rows(raw, fmt, rows, cols)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(16, cols, device="cuda", generator=gen).to(torch.bfloat16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LUCEBOX_TILED_WEIGHTS", "0")
+        expected = backend.matvec(x, weight, variant="mma")
+    program, name, shared = catalogue.matvec_bulk(fmt, "bf16", 16, 4)
+    backend.ring_kernel(program, name, shared)
+    for _ in range(5):
+        out = torch.full_like(expected, float("nan"))
+        backend._launch((program, name), rows // 16, 128, Pointer(tiles.data_ptr()), Pointer(x.data_ptr()),
+                        Pointer(out.data_ptr()), Int(rows), Int(cols), Int(16), shared_bytes=shared)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

@@ -295,12 +295,14 @@ __device__ __forceinline__ void bulk_accumulate(const u8* __restrict__ tiles, co
                          : "memory");
         typename W::Raw a[1], b[1];
         L::load(ring + stage * L::BYTES, lane, a[0], b[0]);
-        // The warp's barrier orders every lane's reads of the stage before lane 0 asks for the tile DEPTH steps on
-        // into it (a consumer's release of a stage, as an mbarrier arrive would).
+        mma_block<W, X, NB, 1>(a, b, block, t, columns, acc);
+        // The stage takes the tile DEPTH steps on only once every lane's reads of it have landed: the mma steps
+        // above used them, and the warp's barrier orders every lane before lane 0's request. (Asking right after
+        // the reads were issued, before the math, let a copy overwrite a stage still being read: the 27B head's
+        // 16-row product at depth 4 differed from `mma`'s bits now and then, session 36.)
         __syncwarp();
         const int refill = block + DEPTH * WARPS;
         if (lane == 0 && refill < blocks_per_row) ask(stage, refill);
-        mma_block<W, X, NB, 1>(a, b, block, t, columns, acc);
         if (++stage == DEPTH) stage = 0, phase ^= 1;
     }
 #else
