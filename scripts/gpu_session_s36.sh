@@ -9,7 +9,7 @@
 #                                            #   (Call 1 ran it with bulk copies the default.)
 #   bash scripts/gpu_session.sh s36-verify   # ~6 min: the bulk kernel's tests; row-major variants at 2-24 rows on
 #                                            #   the 27B's shapes; verify passes with the table and with the probe's
-#                                            #   fastest in each class (tuned_override.py).          carry: .whl
+#                                            #   fastest in each class (probe_tuned_table.py).          carry: .whl
 #   bash scripts/gpu_session.sh s36-lookup   # ~4 min: the one-kernel lookup of rows held tiled: the GPU tests of the
 #                                            #   tiled layout, embeddings, recorded steps; tiled_probe.py at 16 and 24
 #                                            #   rows on the 27B's shapes; 0.8B tg128 default / row-major twice over; 27B
@@ -49,7 +49,7 @@ s36_lookup() {
 }
 
 s36_verify() {  # the bulk kernel's GPU tests (its refill after the math); verify passes of 1, 8, 16, 23 nodes
-  #               (verify_profile.py) with the table, with tuned_override.py's choices, with the table again
+  #               (verify_profile.py) with the table, with probe_tuned_table.py's choices, with the table again
   ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local writer=$! m
   step bulk-tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
@@ -59,9 +59,10 @@ s36_verify() {  # the bulk kernel's GPU tests (its refill after the math); verif
   step verify-probe 150 python3 scripts/tiled_probe.py --basic --batches 2,4,8,12,16,24 --shapes 27b \
     --json "$RES/verify_probe.json"
   local args="$m --nodes 1,8,16,23 --reps 10 --depth 512"
-  step verify-table 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table.json | grep 'nodes,'"
-  step verify-tuned 150 sh -c "python3 scripts/tuned_override.py $RES/verify_probe.json --print -- \
-    scripts/verify_profile.py $args --json $RES/verify_tuned.json | grep 'nodes,\|override'"
+  step verify-table 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table1.json | grep 'nodes,'"
+  step verify-tuned 150 sh -c "python3 scripts/probe_tuned_table.py $RES/verify_probe.json $RES/verify_table.json && \
+    LUCEBOX_MATVEC_TUNED=$RES/verify_table.json python3 scripts/verify_profile.py $args \
+    --json $RES/verify_tuned.json | grep 'nodes,'"
   step verify-table2 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table2.json | grep 'nodes,'"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
   return 0

@@ -55,6 +55,8 @@ def _instantiated_names(program: nvrtc.KernelProgram) -> list[str]:
         macro, args = line.split("(", 1)
         parts = [part.strip() for part in args.rstrip(")").split(",") if part.strip()]
         names.append("_".join([prefixes[macro], *parts]))
+        if macro == "LUCEBOX_UNTILE_ROWS":  # the range's kernel and the ids' one
+            names.append("untile_rows_at")
     return names
 
 

@@ -483,11 +483,27 @@ def test_megakernel_floor_phases_cover_every_matrix_and_its_kernels_compile():
         assert all(name.encode() in cubin for name in kernels)
 
 
-def test_tuned_override_picks_the_fastest_timed_variant_of_the_defaults_class_only():
-    tuned = _import("tuned_override")
-    row = {"format": "q4_k", "out": 34816, "in": 5120, "default_variant": "pipe_w4_d4_m2_k1"}
-    faster_mma = {**row, "batch": 16, "default_us": 10.0, "mma_us": 8.0, "mma_r2_us": 9.0}
-    only_other_class = {**row, "batch": 12, "default_us": 10.0, "mma8_us": 5.0, "mma_us": 11.0}
-    default_best = {**row, "batch": 8, "default_us": 7.0, "mma_us": 8.0}
+def test_probe_tuned_table_picks_the_fastest_timed_variant_of_the_defaults_class_only(tmp_path, monkeypatch):
+    tuned = _import("probe_tuned_table")
+    row = {"format": "q4_k", "out": 34816, "in": 5120}
+    faster_mma = {**row, "batch": 8, "default_variant": "mma_r2", "default_us": 10.0, "mma_us": 8.0, "mma_r2_us": 9.0}
+    only_other_class = {**row, "batch": 12, "default_variant": "pipe_w4_d4_m2_k1", "default_us": 10.0, "mma8_us": 5.0,
+                        "mma_us": 11.0}
+    default_best = {**row, "batch": 16, "default_variant": "mma", "default_us": 7.0, "mma_r2_us": 8.0}
     chosen = tuned.overrides([faster_mma, only_other_class, default_best])
-    assert chosen == {("q4_k", 16, 34816, 5120): "mma"}  # mma8 is 8 warps: another class, never chosen
+    assert chosen == {("q4_k", 8, 34816, 5120): "mma"}  # mma8 is 8 warps: another class, never chosen
+    probe, table = tmp_path / "probe.json", tmp_path / "table.json"
+    probe.write_text(json.dumps([faster_mma, only_other_class, default_best]))
+    monkeypatch.setattr(sys, "argv", ["probe_tuned_table.py", str(probe), str(table)])
+    tuned.main()
+    from lucebox_cuda import catalogue
+
+    monkeypatch.setenv(catalogue.TUNED_TABLE_ENV, str(table))
+    saved = dict(catalogue.MATVEC_TUNED)
+    try:
+        assert catalogue.default_variant("q4_k", "bf16", 8, 34816, 5120) == "mma_r2"
+        catalogue._load_tuned_override()  # the file the catalogue lays over its table
+        assert catalogue.default_variant("q4_k", "bf16", 8, 34816, 5120) == "mma"
+    finally:
+        catalogue.MATVEC_TUNED.clear()
+        catalogue.MATVEC_TUNED.update(saved)

@@ -295,6 +295,15 @@ MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
     ('q6_k', 1, 2048, 8192): 'pipe_w8_d4_m1_k1',  # laguna
     ('q6_k', 1, 100352, 2048): 'pipe_w4_d3_m1_k1',  # laguna
 }
+# Session 36 (tiled_probe.py at 2-24 rows, H200, raw/2026-12-06-s36/call3/; an H100 agreed): 16-row Q4_K products 1.03-
+# 1.29x faster on `mma` than streamed (same class); 12 rows stay streamed; q | gate's 2 rows took `mma_pp` at 1,197 GB/s
+# (`mma_r2`: 1,950). The 27B's 16-node verify: 19.0-19.1 -> 17.0 ms (probe_tuned_table.py, the same call).
+MATVEC_TUNED.update({
+    **{('q4_k', 12, out, inn): 'pipe_w4_d4_m2_k1' for out, inn in ((5120, 17408), (10240, 5120), (12288, 5120),
+                                                                    (34816, 5120))},
+    **{('q4_k', 16, out, inn): 'mma' for out, inn in ((5120, 17408), (10240, 5120), (12288, 5120), (34816, 5120))},
+    **{('q4_k', batch, 12288, 5120): 'mma_r2' for batch in (2, 4, 8, 24)},
+})
 
 
 # A sweep's own table (`scripts/matvec_sweep.py` writes `tuned_table` into its matvec_sweep.json) laid over

@@ -1,19 +1,18 @@
-"""Run a script with the matrix-vector choices a tiled_probe.py run measured fastest, within each shape's class.
+"""A matrix-vector table from a tiled_probe.py run: for each shape and batch it timed, the fastest variant of the class.
 
-    python3 scripts/tuned_override.py PROBE.json [--print] -- SCRIPT.py [ARGS...]
+    python3 scripts/probe_tuned_table.py PROBE.json TABLE.json
+    LUCEBOX_MATVEC_TUNED=TABLE.json python3 scripts/verify_profile.py MODEL.gguf ...
 
 For every probe row (a shape and a batch), the fastest of the catalogue's default and the row-major variants the probe
 timed (`mma`, `mma_r2`, `mma8`) that share the default's arithmetic class (so decode and verify keep one class and the
-same bits) replaces the shape's `catalogue.MATVEC_TUNED` entry at that batch, in this process only; then SCRIPT runs as
-`__main__`. What a retune of the table would give, measured in the same call as the table it would replace.
+same bits), where it is not the default, becomes an entry of `tuned_table`: the file `catalogue.TUNED_TABLE_ENV` lays
+over the built-in table. What a retune would give, measured in the same call as the table it would replace.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import runpy
-import sys
 
 
 def overrides(rows: list[dict]) -> dict[tuple[str, int, int, int], str]:
@@ -33,26 +32,16 @@ def overrides(rows: list[dict]) -> dict[tuple[str, int, int, int], str]:
 
 
 def main() -> None:
-    if "--" not in sys.argv:
-        raise SystemExit(__doc__)
-    split = sys.argv.index("--")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probe", help="a tiled_probe.py --json file")
-    parser.add_argument("--print", action="store_true", help="print the replaced entries")
-    args = parser.parse_args(sys.argv[1:split])
-    script = sys.argv[split + 1:]
-    if not script:
-        raise SystemExit("no script to run after --")
+    parser.add_argument("table", help="the table to write (matvec_sweep.py's `tuned_table` form)")
+    args = parser.parse_args()
     with open(args.probe) as f:
         chosen = overrides(json.load(f))
-    from lucebox_cuda import catalogue
-
-    catalogue.MATVEC_TUNED.update(chosen)
-    if args.print:
-        for key, variant in sorted(chosen.items()):
-            print("tuned override", key, variant, flush=True)
-    sys.argv = script
-    runpy.run_path(script[0], run_name="__main__")
+    with open(args.table, "w") as f:
+        json.dump({"tuned_table": [[*key, variant] for key, variant in sorted(chosen.items())]}, f, indent=1)
+    for key, variant in sorted(chosen.items()):
+        print("tuned", *key, variant, flush=True)
 
 
 if __name__ == "__main__":
