@@ -111,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = assembled.engine
     model, backend = engine.model, engine.backend
     synchronize = backend.synchronize
-    weight_bytes = int(getattr(assembled.loaded.backend, "device_weight_bytes", 0))  # the CUDA backend's
     state = model.new_state(args.depth + 2 * max(counts) + 64)
     prompt = torch.randint(0, model.vocab_size, (args.depth,), generator=torch.Generator().manual_seed(0))
     model.forward(state, prompt)
     synchronize()
+    # The CUDA backend's, once the prompt's forward has uploaded every weight (they go up at first use: before it, 0).
+    weight_bytes = int(getattr(assembled.loaded.backend, "device_weight_bytes", 0))
 
     rows = [profile_pass(model, state, n, "chain", args.reps, synchronize, weight_bytes) for n in counts]
     if max(counts) > 2:
