@@ -89,7 +89,7 @@ json.dump({'tuned_table': rows}, open(sys.argv[1], 'w'))" "$old"
   wait "$writer"; tail -qn1 "$RES"/synth_*.log
   m=$(model 27b) d=$WORK/draft-27b.gguf
   local pass
-  for pass in table s35 table2 s352; do
+  for pass in ${S36_PASSES:-table s35 table2 s352}; do
     step "chain-$pass" 90 bash -c "$( [ "${pass%2}" = s35 ] && echo "LUCEBOX_MATVEC_TUNED=$old") python3 -m \
       lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --spec-type chain --force-accept 8.3 --json \
       > $RES/chain_$pass.json; python3 -c \"import json,sys
