@@ -118,7 +118,8 @@ def tiled_kernel(fmt: str, batch: int, kind: str, warps: int, row_tiles: int, ah
 
 
 def summary(r: dict) -> str:
-    equal = all(v for k, v in r.items() if k.endswith("_equal"))
+    checks = [v for k, v in r.items() if k.endswith("_equal")]
+    equal = all(checks) if checks else "n/a (no candidate compared)"  # --basic times the catalogue's variants only
     rates = " ".join(f"{k[:-5].replace('tiled_', '')}={v:.0f}" for k, v in r.items() if k.endswith("_gb_s")
                      and k not in ("copy_gb_s", "default_gb_s"))
     return (f"{r['shape']} b{r['batch']}: default({r['default_variant']})={r['default_gb_s']:.0f} {rates} | best "
