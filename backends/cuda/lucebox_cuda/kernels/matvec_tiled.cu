@@ -229,15 +229,16 @@ __device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, N
 // one lane fills with one `cp.async.bulk` a tile (the copy engine moves the tile; an mbarrier a stage counts its
 // bytes in). Why: the register ring above holds AHEAD tiles a warp in registers, which caps the warps an SM holds and
 // the bytes in flight; the Nsight profile of session 30 found the Q4_K products latency-bound at 11-18 warps an SM
-// with one block in flight a warp. Here DEPTH tiles a warp are in flight in shared memory, the registers hold only
-// the tile being multiplied, and a stage costs one instruction to ask for instead of a load a lane a piece.
+// with one block in flight a warp. Here DEPTH - 1 to DEPTH tiles a warp are in flight in shared memory, the
+// registers hold only the tile being multiplied, and a stage costs one instruction to ask for, not a load a lane.
 // A tile is contiguous (TileLayout::BYTES, a multiple of 16: the copy's unit) and 16-byte aligned in a row-group-major
 // copy, so one copy takes it whole.
 //
 // LUCEBOX_MATVEC_BULK(format, activation, NB, DEPTH) defines `matvec_bulk_d<DEPTH>_<format>_<activation>_<NB>`:
 // launch with 128 threads a block, ceil(rows / 16) blocks and 4 * DEPTH tiles of dynamic shared memory
-// (`catalogue.matvec_bulk`); arguments: tiles (row-group-major), x, y, rows, cols, batch. Below sm_90 the kernel traps: the
-// backend picks it only where the device has the copy engine (compute capability 9.0 and later).
+// (`catalogue.matvec_bulk`); arguments: tiles (row-group-major), x, y, rows, cols, batch. Below sm_90 the kernel
+// traps: the backend picks it only where the device has the copy engine (compute capability 9.0 and later).
+// Measured slower than the row-major kernels on the 27B's Q4_K products (session 36): `LUCEBOX_BULK_COPIES=1` only.
 
 __device__ __forceinline__ u32 bulk_shared_address(const void* pointer) {
     return static_cast<u32>(__cvta_generic_to_shared(pointer));
