@@ -50,7 +50,7 @@ s36_lookup() {
   return 0
 }
 
-s36_verify() {  # the bulk kernel's GPU tests (its refill after the math); verify passes of 1, 8, 16, 23 nodes
+s36_verify() {  # (call 3, before the retune was built in) the bulk tests; verify passes of 1, 8, 16, 23 nodes
   #               (verify_profile.py) with the table, with probe_tuned_table.py's choices, with the table again
   ( synth 27b > "$RES/synth_27b.log" 2>&1 ) &
   local writer=$! m
@@ -61,9 +61,9 @@ s36_verify() {  # the bulk kernel's GPU tests (its refill after the math); verif
   step verify-probe 150 python3 scripts/tiled_probe.py --basic --batches 2,4,8,12,16,24 --shapes 27b \
     --json "$RES/verify_probe.json"
   local args="$m --nodes 1,8,16,23 --reps 10 --depth 512"
-  step verify-table 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table1.json | grep 'nodes,'"
-  step verify-tuned 150 sh -c "python3 scripts/probe_tuned_table.py $RES/verify_probe.json $RES/verify_table.json && \
-    LUCEBOX_MATVEC_TUNED=$RES/verify_table.json python3 scripts/verify_profile.py $args \
+  step verify-table 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table.json | grep 'nodes,'"
+  step verify-tuned 150 sh -c "python3 scripts/probe_tuned_table.py $RES/verify_probe.json $RES/tuned_table.json && \
+    LUCEBOX_MATVEC_TUNED=$RES/tuned_table.json python3 scripts/verify_profile.py $args \
     --json $RES/verify_tuned.json | grep 'nodes,'"
   step verify-table2 150 sh -c "python3 scripts/verify_profile.py $args --json $RES/verify_table2.json | grep 'nodes,'"
   cp "$RES"/*.json "$OUT/" 2>/dev/null
