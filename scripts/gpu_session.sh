@@ -789,12 +789,6 @@ session() {
   echo "[$SECONDS s] gpu_session $MODE done"
 }
 
-source scripts/gpu_session_more.sh
-source scripts/gpu_session_s31.sh
-source scripts/gpu_session_s32.sh
-source scripts/gpu_session_s33.sh
-source scripts/gpu_session_s34.sh
-source scripts/gpu_session_s35.sh
-source scripts/gpu_session_s36.sh
+for modes in scripts/gpu_session_more.sh scripts/gpu_session_s3[1-9].sh; do source "$modes"; done
 export -f synth model install g4synth g4model
 session 2>&1 | tee "$OUT/log_$MODE.txt"

@@ -1,5 +1,5 @@
 """GPU sweep of the matrix-vector kernel variants: correctness of every variant, then timings on the 27B
-decode shapes, and the best variant per shape (ready to paste into `catalogue.MATVEC_TUNED`).
+decode shapes, and the best variant per shape (ready to paste into `matvec_table.MATVEC_TUNED`).
 
     python3 scripts/matvec_sweep.py --out DIR [--budget-s 170] [--skip-correctness] [--model gemma4]
 
@@ -333,7 +333,7 @@ def summary() -> None:
         log(f"{entry['format']:6s} {entry['shape']:16s} {entry['batch']:5d} {entry['best']:22s} {entry['us']:8.2f} "
             f"{entry['pct_copy']:5.1f}% {entry['default']:22s} {cell(entry['default_us'])} {cell(entry['mma_us'])}")
     table = tuned_table(RESULTS["timing"])
-    log("\n# catalogue.py: measured defaults (paste over MATVEC_TUNED)")
+    log("\n# matvec_table.py: measured defaults (paste over MATVEC_TUNED)")
     log("MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {")
     for key in sorted(table):
         log(f"    {key!r}: {table[key]!r},")

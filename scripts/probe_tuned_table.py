@@ -5,7 +5,7 @@
 
 For every probe row (a shape and a batch), the fastest of the catalogue's default and the row-major variants the probe
 timed (`mma`, `mma_r2`, `mma8`) that share the default's arithmetic class (so decode and verify keep one class and the
-same bits), where it is not the default, becomes an entry of `tuned_table`: the file `catalogue.TUNED_TABLE_ENV` lays
+same bits), where it is not the default, becomes an entry of `tuned_table`: the file `matvec_table.TUNED_TABLE_ENV` lays
 over the built-in table. What a retune would give, measured in the same call as the table it would replace.
 """
 

@@ -33,9 +33,10 @@ def test_source_compiles(source, arch):
             continue
         macro, args = line.split("(", 1)
         parts = [part.strip() for part in args.rstrip(")").split(",")]
-        if macro == "LUCEBOX_MATVEC_PIPE":
+        if macro in ("LUCEBOX_MATVEC_PIPE", "LUCEBOX_MATVEC_PIPE_S"):
             fmt, act, batch, warps, depth, groups = parts
-            assert f"matvec_pipe_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
+            kind = "_s" if macro.endswith("_S") else ""
+            assert f"matvec_pipe{kind}_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
         if macro == "LUCEBOX_MATVEC_TILED":
             fmt, act, batch, warps, row_tiles, ahead, order = parts
@@ -83,6 +84,8 @@ def test_source_compiles(source, arch):
             continue
         name = {"LUCEBOX_MATVEC": "matvec", "LUCEBOX_MATVEC_MMA": "matvec_mma", "LUCEBOX_MATVEC_MMA8": "matvec_mma8",
                 "LUCEBOX_MATVEC_MMA_R2": "matvec_mma_r2", "LUCEBOX_MATVEC_MMA_PP": "matvec_mma_pp",
+                "LUCEBOX_MATVEC_MMA_S": "matvec_mma_s", "LUCEBOX_MATVEC_MMA_R2_S": "matvec_mma_r2_s",
+                "LUCEBOX_MATVEC_SUMS": "matvec_sums",
                 "LUCEBOX_DEQUANT": "dequant", "LUCEBOX_DEQUANT_ROWS": "dequant_rows",
                 "LUCEBOX_RMS_NORM": "rms_norm", "LUCEBOX_MOE_MATVEC": "moe_matvec",
                 "LUCEBOX_MOE_MATVEC_PAGED": "moe_matvec_paged", "LUCEBOX_MOE_MATVEC_PAIR": "moe_matvec_pair",
@@ -309,3 +312,21 @@ def test_a_sweep_table_named_by_the_environment_is_laid_over_the_built_in_one(tm
     result = run(broken)
     assert result.stdout.split() == ["None", "mma"]  # the built-in entry of the 27B's shape
     assert "LUCEBOX_MATVEC_TUNED" in result.stderr and "not a matvec sweep result" in result.stderr
+
+
+def test_below_the_tile_and_for_fp32_the_products_compute_their_own_sums():
+    """Given sums (tests/test_given_sums_gpu.py keeps their bits) from GIVEN_SUMS_MIN_TILE rows, where the variant
+    has the form: the sums kernel's grid and scratch for the row length, the product's name with "_s"."""
+    for rows, act in ((8, "bf16"), (1, "bf16"), (8, "f32")):
+        assert catalogue.matvec_kernel("q4_k", act, rows, 1000, "mma_r2", in_features=2560, given=True).sums is None
+    assert catalogue.matvec_kernel("q4_k", "bf16", 16, 1000, "mma8", in_features=2560, given=True).sums is None
+    assert catalogue.matvec_kernel("q4_k", "bf16", 16, 1000, "mma", in_features=2560).sums is None
+    launch = catalogue.matvec_kernel("q6_k", "bf16", 23, 1000, "mma_r2", in_features=2560, given=True)
+    assert launch.name == "matvec_mma_r2_s_q6_k_bf16_24" and launch.sums.name == "matvec_sums_q6_k_bf16_24"
+    assert (launch.sums.grid(2560), launch.sums.floats(2560)) == (40, 10 * 16 * 3 * 8)  # 160 (block, group) warps
+    piped = catalogue.matvec_kernel("q4_k", "bf16", 12, 1000, "pipe_w4_d4_m2_k2", in_features=2560, given=True)
+    assert piped.name.startswith("matvec_pipe_s_w4_d4_m2_") and piped.slices == 2 and piped.shared_bytes > 0
+    for launch in (launch, piped):
+        cubin = nvrtc.compile_program(launch.program, "sm_90")
+        assert launch.name.encode() in cubin
+        assert launch.sums.name.encode() in nvrtc.compile_program(launch.sums.program, "sm_90")

@@ -117,7 +117,7 @@ def test_every_nvrtc_kernel_source_waits_for_the_kernel_ahead():
     waiting_bodies = set()
     bodies = {"matvec_body", "matvec_mma_rows", "matvec_pipe_body", "rms_norm_body", "dequant_body",
               "ffn_persistent_body", "moe_persistent_body", "gdn_persistent_body",
-              "attention_persistent_body", "tiled_accumulate", "megakernel_body", "bulk_accumulate"}
+              "attention_persistent_body", "tiled_accumulate", "megakernel_body", "bulk_accumulate", "given_sums"}
     for body in bodies:
         definition = re.search(rf"void {body}\(", everything)
         assert definition, body

@@ -333,8 +333,7 @@ def test_reference_and_engine_greedy_agree_on_the_cpu(tiny_loaded):
 # -- the shell entry points ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script", ["bench_vs_llamacpp.sh", "gpu_session.sh", "gpu_session_more.sh",
-                                    "gpu_session_s31.sh", "gpu_session_s32.sh", "gpu_session_s33.sh"])
+@pytest.mark.parametrize("script", ["bench_vs_llamacpp.sh", *sorted(p.name for p in SCRIPTS.glob("gpu_session*.sh"))])
 def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
 
@@ -496,13 +495,13 @@ def test_probe_tuned_table_picks_the_fastest_timed_variant_of_the_defaults_class
     probe.write_text(json.dumps([faster_mma, only_other_class, default_best]))
     monkeypatch.setattr(sys, "argv", ["probe_tuned_table.py", str(probe), str(table)])
     tuned.main()
-    from lucebox_cuda import catalogue
+    from lucebox_cuda import catalogue, matvec_table
 
-    monkeypatch.setenv(catalogue.TUNED_TABLE_ENV, str(table))
+    monkeypatch.setenv(matvec_table.TUNED_TABLE_ENV, str(table))
     saved = dict(catalogue.MATVEC_TUNED)
     try:
         assert catalogue.default_variant("q4_k", "bf16", 8, 34816, 5120) == "mma_r2"
-        catalogue._load_tuned_override()  # the file the catalogue lays over its table
+        matvec_table._load_tuned_override()  # the file laid over the built-in table
         assert catalogue.default_variant("q4_k", "bf16", 8, 34816, 5120) == "mma"
     finally:
         catalogue.MATVEC_TUNED.clear()

@@ -34,6 +34,10 @@ from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgra
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
 _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
+# Products of GIVEN_SUMS_MIN_TILE rows or more take their activations' sub-block sums from a kernel run once a
+# product (`catalogue.with_given_sums`: the same bits); "0" computes them in every row group, as below that tile.
+_GIVEN_SUMS = os.environ.get("LUCEBOX_GIVEN_SUMS", "1") != "0"
+GIVEN_SUMS_FLOATS = 1 << 18  # the sums scratch, 1 MiB: a 64-row product of 65,536-column Q6_K rows needs 1 << 18
 # A prefill product's weight rows are dequantized into a scratch tile of at most this many bytes, then
 # multiplied by cuBLAS: 192 MiB holds the 27B's largest matrix (17408 x 5120 in bf16) whole, so each product is
 # one dequant and one GEMM. At 64 MiB a 256-token piece of the 27B took 888 of each for 336 products (the
@@ -302,16 +306,26 @@ class CudaBackend(TorchBackend):
             state["max_shared"] = (int(limit) if int(result) == 0 else catalogue.STATIC_SHARED_LIMIT) - 1024
         # The choice is a function of these values alone; an eager forward asks it for every product (a 3-token
         # forward of the 27B: 337 products, ~30 ms of host time spent choosing on the H200 before this cache).
-        choice = (weight_format, x.dtype, rows, out_features, variant, in_features)
+        choice = (weight_format, x.dtype, rows, out_features, variant, in_features, _GIVEN_SUMS)
         kernel = state.setdefault("chosen", {}).get(choice)
         if kernel is None:
             kernel = state["chosen"][choice] = catalogue.matvec_kernel(
                 weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features, variant,
-                in_features=in_features, max_shared_bytes=state["max_shared"])
+                in_features=in_features, max_shared_bytes=state["max_shared"], given=_GIVEN_SUMS)
         args = [Pointer(data.data_ptr()), Pointer(x.data_ptr()), Pointer(out.data_ptr()), Int(out_features),
                 Int(in_features), Int(rows)]
+        given = []
+        if kernel.sums is not None:
+            sums = self._given_sums_scratch(state, kernel.sums.floats(in_features))
+            if sums is None:  # captured before any eager product made the scratch: the same product without it
+                kernel = catalogue.matvec_launch(weight_format, catalogue.ACTIVATIONS[x.dtype], rows, out_features,
+                                                 variant, in_features=in_features, max_shared_bytes=state["max_shared"])
+            else:
+                self._launch((kernel.sums.program, kernel.sums.name), kernel.sums.grid(in_features), 128,
+                             Pointer(x.data_ptr()), Pointer(sums.data_ptr()), Int(in_features), Int(rows))
+                given = [Pointer(sums.data_ptr())]
         if not kernel.streamed:
-            self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, *args)
+            self._launch((kernel.program, kernel.name), kernel.grid, kernel.block, *args, *given)
             return out
         ensure_context(self.device.index)
         function = self.ring_kernel(kernel.program, kernel.name, kernel.shared_bytes)
@@ -334,9 +348,19 @@ class CudaBackend(TorchBackend):
                     state["scratch"], state["counters"] = scratch, arrivals
             if slices > 1:
                 partials, counters = scratch.data_ptr(), arrivals.data_ptr()
-        launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters)],
+        launch(function, (kernel.grid, slices, 1), kernel.block, [*args, Pointer(partials), Pointer(counters), *given],
                stream=torch.cuda.current_stream(self.device).cuda_stream, shared_bytes=kernel.shared_bytes)
         return out
+
+    def _given_sums_scratch(self, state: dict, floats: int) -> torch.Tensor | None:
+        """The float scratch given sums go through (one, reused by every product: each sums kernel waits for the
+        product ahead to finish before writing), made on first use outside a capture; None inside one."""
+        sums = state.get("sums")
+        if sums is None and not torch.cuda.is_current_stream_capturing():
+            sums = state["sums"] = torch.empty(GIVEN_SUMS_FLOATS, dtype=torch.float32, device=self.device)
+        if sums is None or sums.numel() < floats:
+            return None
+        return sums
 
     def _tiled_matvec(self, x: torch.Tensor, weight: QuantTensor, weight_format: str, out: torch.Tensor | None,
                       variant: str | None) -> torch.Tensor:

@@ -14,18 +14,16 @@ one (`default_variant`: a measured table, else a rule) and says how to launch it
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 import attrs
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from .matvec_table import MATVEC_TUNED
 from .nvrtc import KernelProgram
 
 # GGUF weight formats with a decoder in gguf_blocks.cuh, and the multiple their rows must be of.
@@ -143,190 +141,6 @@ PIPE_SWEEP_CONFIGS: tuple[tuple[int, int, int], ...] = (  # (warps, depth, row g
 )
 # Two row groups per warp double the accumulators: only up to this batch tile (beyond it they spill).
 PIPE_MAX_BATCH_TWO_GROUPS = 16
-
-# Measured defaults (exact shapes) from scripts/matvec_sweep.py: (format, batch tile, out, in) -> variant,
-# every entry of a shape in one arithmetic class (`arithmetic_class`; the sweep's `tuned_table` picks the
-# class by batch-1 plus batch-23 time). `default_variant` uses a rule where a shape has no entry.
-# Measured on an H200 (scripts/matvec_sweep.py, 2026-11-30 session 4; bf16 activations; the fused 27B decode
-# shapes from docs/results/raw/2026-11-30-s4-matvec_sweep_fused.json, the unfused ones from
-# 2026-11-30-s4-matvec_sweep_stream.json); the Gemma-4 31B / 26B-A4B shapes (marked) from
-# docs/results/raw/2026-12-02-s7-matvec_sweep_gemma4.json (session 7); the Laguna-XS.2 shapes (marked) from
-# docs/results/raw/2026-12-03-s15/call3_matvec_sweep.json (session 15, batch 1). The 27B's Q4_K batch-1 entries on
-# `mma_pp` from scripts/tiled_probe.py on an H100 (session 29, docs/results/raw/2026-12-06-s29/): gate | up 2,170
-# against `mma`'s 2,148 GB/s, down 1,785 / 1,577, attention q | gate 1,784 / 1,644, GDN qkv 1,585 / 1,541 (the
-# streamed kernel it replaces); same class, same bits. (The 0.8B's down, 355 / 289, and qkv, 852 / 809, wait for a
-# sweep of their verify batches: a batch-1 entry alone would also take their 2-5-row products.)
-MATVEC_TUNED: dict[tuple[str, int, int, int], str] = {
-    ('q4_k', 1, 48, 5120): 'pipe_w8_d3_m1_k4',
-    ('q4_k', 1, 96, 5120): 'pipe_w8_d3_m1_k4',
-    ('q4_k', 1, 1024, 5120): 'pipe_w8_d3_m1_k4',
-    ('q4_k', 1, 5120, 6144): 'mma',
-    ('q4_k', 1, 5120, 17408): 'mma_pp',
-    ('q4_k', 1, 6144, 5120): 'mma',
-    ('q4_k', 1, 10240, 5120): 'mma_pp',
-    ('q4_k', 1, 12288, 5120): 'mma_pp',
-    ('q4_k', 1, 13312, 5120): 'mma',
-    ('q4_k', 1, 14336, 5120): 'mma',
-    ('q4_k', 1, 16384, 5120): 'mma',
-    ('q4_k', 1, 17408, 5120): 'mma',
-    ('q4_k', 1, 34816, 5120): 'mma_pp',
-    ('q4_k', 1, 248320, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 2, 5120, 6144): 'pipe_w4_d3_m1_k1',
-    ('q4_k', 2, 5120, 17408): 'mma_r2',
-    ('q4_k', 2, 6144, 5120): 'mma',
-    ('q4_k', 2, 10240, 5120): 'mma_r2',
-    ('q4_k', 2, 14336, 5120): 'mma',
-    ('q4_k', 2, 16384, 5120): 'mma_r2',
-    ('q4_k', 2, 17408, 5120): 'mma_r2',
-    ('q4_k', 2, 34816, 5120): 'mma_r2',
-    ('q4_k', 4, 5120, 6144): 'pipe_w4_d3_m1_k1',
-    ('q4_k', 4, 5120, 17408): 'mma_r2',
-    ('q4_k', 4, 6144, 5120): 'mma',
-    ('q4_k', 4, 10240, 5120): 'mma_r2',
-    ('q4_k', 4, 14336, 5120): 'mma_r2',
-    ('q4_k', 4, 16384, 5120): 'mma_r2',
-    ('q4_k', 4, 17408, 5120): 'mma_r2',
-    ('q4_k', 4, 34816, 5120): 'mma_r2',
-    ('q4_k', 8, 5120, 6144): 'pipe_w4_d3_m1_k1',
-    ('q4_k', 8, 5120, 17408): 'mma_r2',
-    ('q4_k', 8, 6144, 5120): 'mma_r2',
-    ('q4_k', 8, 10240, 5120): 'mma_r2',
-    ('q4_k', 8, 14336, 5120): 'pipe_w4_d3_m1_k1',
-    ('q4_k', 8, 16384, 5120): 'mma_r2',
-    ('q4_k', 8, 17408, 5120): 'mma_r2',
-    ('q4_k', 8, 34816, 5120): 'mma_r2',
-    ('q4_k', 16, 5120, 6144): 'mma',
-    ('q4_k', 16, 5120, 17408): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 16, 6144, 5120): 'mma',
-    ('q4_k', 16, 10240, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 16, 14336, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 16, 16384, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 16, 17408, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 16, 34816, 5120): 'pipe_w4_d4_m2_k1',
-    ('q4_k', 24, 5120, 6144): 'mma',
-    ('q4_k', 24, 5120, 17408): 'mma_r2',
-    ('q4_k', 24, 6144, 5120): 'mma',
-    ('q4_k', 24, 10240, 5120): 'mma_r2',
-    ('q4_k', 24, 14336, 5120): 'mma_r2',
-    ('q4_k', 24, 16384, 5120): 'mma_r2',
-    ('q4_k', 24, 17408, 5120): 'mma_r2',
-    ('q4_k', 24, 34816, 5120): 'mma_r2',
-    ('q4_k', 64, 5120, 6144): 'mma_r2',
-    ('q4_k', 64, 5120, 17408): 'mma_r2',
-    ('q4_k', 64, 6144, 5120): 'mma_r2',
-    ('q4_k', 64, 10240, 5120): 'mma_r2',
-    ('q4_k', 64, 14336, 5120): 'mma_r2',
-    ('q4_k', 64, 16384, 5120): 'mma_r2',
-    ('q4_k', 64, 17408, 5120): 'mma_r2',
-    ('q4_k', 64, 34816, 5120): 'mma_r2',
-    ('q6_k', 1, 48, 5120): 'pipe_w8_d4_m1_k4',
-    ('q6_k', 1, 1024, 5120): 'pipe_w8_d4_m1_k4',
-    ('q6_k', 1, 5120, 6144): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 1, 5120, 17408): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 1, 6144, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 1, 10240, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 1, 12288, 5120): 'pipe_w8_d4_m1_k1',
-    ('q6_k', 1, 17408, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 1, 248320, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 2, 5120, 17408): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 2, 10240, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 2, 248320, 5120): 'pipe_w4_d4_m2_k1',
-    ('q6_k', 4, 5120, 17408): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 4, 10240, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 4, 248320, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 8, 5120, 17408): 'pipe_w4_d4_m2_k1',
-    ('q6_k', 8, 10240, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 8, 248320, 5120): 'pipe_w4_d3_m1_k1',
-    ('q6_k', 16, 5120, 17408): 'pipe_w4_d4_m1_k1',
-    ('q6_k', 16, 10240, 5120): 'pipe_w4_d4_m1_k1',
-    ('q6_k', 16, 248320, 5120): 'pipe_w4_d4_m2_k1',
-    ('q6_k', 24, 5120, 17408): 'mma',
-    ('q6_k', 24, 10240, 5120): 'pipe_w4_d4_m1_k1',
-    ('q6_k', 24, 248320, 5120): 'mma_r2',
-    ('q6_k', 64, 5120, 17408): 'mma_r2',
-    ('q6_k', 64, 10240, 5120): 'mma',
-    ('q6_k', 64, 248320, 5120): 'mma_r2',
-    ('q4_k', 1, 2816, 4096): 'pipe_w4_d4_m2_k1',  # gemma4
-    ('q4_k', 1, 2816, 8192): 'pipe_w4_d4_m1_k2',  # gemma4
-    ('q4_k', 1, 4224, 2816): 'mma',  # gemma4
-    ('q4_k', 1, 5376, 8192): 'mma',  # gemma4
-    ('q4_k', 1, 5376, 16384): 'mma',  # gemma4
-    ('q4_k', 1, 5376, 21504): 'mma',  # gemma4
-    ('q4_k', 1, 6144, 2816): 'mma',  # gemma4
-    ('q4_k', 1, 8192, 2816): 'mma',  # gemma4
-    ('q4_k', 1, 9216, 2816): 'mma',  # gemma4
-    ('q4_k', 1, 12288, 5376): 'pipe_w4_d4_m2_k1',  # gemma4
-    ('q4_k', 1, 16384, 5376): 'mma',  # gemma4
-    ('q4_k', 1, 18432, 5376): 'mma',  # gemma4
-    ('q4_k', 1, 43008, 5376): 'mma',  # gemma4
-    ('q4_k', 24, 2816, 4096): 'mma_r2',  # gemma4
-    ('q4_k', 24, 2816, 8192): 'pipe_w4_d3_m1_k2',  # gemma4
-    ('q4_k', 24, 4224, 2816): 'mma_r2',  # gemma4
-    ('q4_k', 24, 5376, 8192): 'mma',  # gemma4
-    ('q4_k', 24, 5376, 16384): 'mma_r2',  # gemma4
-    ('q4_k', 24, 5376, 21504): 'mma_r2',  # gemma4
-    ('q4_k', 24, 6144, 2816): 'mma',  # gemma4
-    ('q4_k', 24, 8192, 2816): 'mma_r2',  # gemma4
-    ('q4_k', 24, 9216, 2816): 'mma_r2',  # gemma4
-    ('q4_k', 24, 12288, 5376): 'mma_r2',  # gemma4
-    ('q4_k', 24, 16384, 5376): 'mma_r2',  # gemma4
-    ('q4_k', 24, 18432, 5376): 'mma_r2',  # gemma4
-    ('q4_k', 24, 43008, 5376): 'mma_r2',  # gemma4
-    ('q6_k', 1, 2048, 2816): 'pipe_w8_d4_m1_k1',  # gemma4
-    ('q6_k', 1, 4096, 5376): 'pipe_w4_d3_m1_k1',  # gemma4
-    ('q6_k', 1, 5376, 21504): 'pipe_w4_d3_m1_k1',  # gemma4
-    ('q6_k', 1, 262144, 2816): 'pipe_w4_d3_m1_k1',  # gemma4
-    ('q6_k', 1, 262144, 5376): 'pipe_w4_d3_m1_k1',  # gemma4
-    ('q6_k', 24, 2048, 2816): 'pipe_w8_d3_m1_k1',  # gemma4
-    ('q6_k', 24, 4096, 5376): 'pipe_w4_d6_m1_k1',  # gemma4
-    ('q6_k', 24, 5376, 21504): 'mma',  # gemma4
-    ('q6_k', 24, 262144, 2816): 'pipe_w4_d3_m1_k1',  # gemma4
-    ('q6_k', 24, 262144, 5376): 'mma_r2',  # gemma4
-    ('q4_k', 1, 1024, 2048): 'mma8',  # laguna (its shared expert's [gate | up]; simt won by 0.4 us)
-    ('q4_k', 1, 2048, 512): 'mma',  # laguna (simt won by 0.3 us)
-    ('q4_k', 1, 2048, 6144): 'mma8',  # laguna
-    ('q4_k', 1, 2048, 8192): 'mma8',  # laguna
-    ('q4_k', 1, 7168, 2048): 'mma',  # laguna
-    ('q4_k', 1, 8240, 2048): 'mma',  # laguna
-    ('q4_k', 1, 9216, 2048): 'mma',  # laguna
-    ('q4_k', 1, 10304, 2048): 'mma',  # laguna
-    ('q4_k', 1, 16384, 2048): 'mma',  # laguna
-    ('q6_k', 1, 1024, 2048): 'pipe_w8_d4_m1_k1',  # laguna
-    ('q6_k', 1, 2048, 8192): 'pipe_w8_d4_m1_k1',  # laguna
-    ('q6_k', 1, 100352, 2048): 'pipe_w4_d3_m1_k1',  # laguna
-}
-# Session 36 (tiled_probe.py at 2-24 rows, H200, raw/2026-12-06-s36/call3/; an H100 agreed): 16-row Q4_K products 1.03-
-# 1.29x faster on `mma` than streamed (same class); 12 rows stay streamed; q | gate's 2 rows took `mma_pp` at 1,197 GB/s
-# (`mma_r2`: 1,950). The 27B's 16-node verify: 19.0-19.1 -> 17.0 ms (probe_tuned_table.py, the same call).
-MATVEC_TUNED.update({
-    **{('q4_k', 12, out, inn): 'pipe_w4_d4_m2_k1' for out, inn in ((5120, 17408), (10240, 5120), (12288, 5120),
-                                                                    (34816, 5120))},
-    **{('q4_k', 16, out, inn): 'mma' for out, inn in ((5120, 17408), (10240, 5120), (12288, 5120), (34816, 5120))},
-    **{('q4_k', batch, 12288, 5120): 'mma_r2' for batch in (2, 4, 8, 24)},
-})
-
-
-# A sweep's own table (`scripts/matvec_sweep.py` writes `tuned_table` into its matvec_sweep.json) laid over
-# the measured defaults when this names that file: for timing a GPU or shapes the table has not measured
-# yet, before the winners are pasted above.
-TUNED_TABLE_ENV = "LUCEBOX_MATVEC_TUNED"
-
-
-def _load_tuned_override() -> None:
-    path = os.environ.get(TUNED_TABLE_ENV)
-    if not path:
-        return
-    try:
-        entries = json.loads(Path(path).read_text())["tuned_table"]
-        table = {(str(fmt), int(batch), int(out), int(inn)): str(variant) for fmt, batch, out, inn, variant in entries}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        warnings.warn(f"{TUNED_TABLE_ENV}={path}: not a matvec sweep result ({exc}); the built-in table stays",
-                      RuntimeWarning, stacklevel=2)
-        return
-    MATVEC_TUNED.update(table)
-
-
-_load_tuned_override()
 
 
 def arithmetic_class(variant: str) -> tuple:
@@ -450,11 +264,43 @@ def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVaria
     return KernelProgram("matvec_pipe.cu", [line]), pipe.kernel_name(weight_format, activation, batch)
 
 
+# Given sums (matvec_mma_body.cuh's `given_sums`): from this batch tile the tensor-core products take the activations'
+# sub-block sums from a small kernel run once a product (`GivenSums`) instead of an all-ones mma in every row group:
+# the same bits, a third to a half fewer tensor-core steps where the activations fill two or more column tiles.
+GIVEN_SUMS_MIN_TILE = 12
+GIVEN_SUMS_VARIANTS = {"mma": "matvec_mma_s", "mma_r2": "matvec_mma_r2_s"}  # and every streamed variant
+SUMS_GROUPS: dict[str, int] = {"q4_k": 8, "q5_k": 8, "q6_k": 16}  # sub-block groups a GGUF block (scale steps)
+
+
+@attrs.frozen
+class GivenSums:
+    """The sums kernel of a product with given sums: launch it on (x, sums, cols, batch) with `grid(cols)` blocks of
+    128 threads into a float scratch of `floats(cols)`, then the product with the scratch as its last argument."""
+
+    program: KernelProgram
+    name: str
+    weight_format: str
+    tiles: int
+
+    def floats(self, cols: int) -> int:
+        return cols // 256 * SUMS_GROUPS[self.weight_format] * self.tiles * 8
+
+    def grid(self, cols: int) -> int:
+        return -(-(cols // 256 * SUMS_GROUPS[self.weight_format]) // 4)
+
+
+def given_sums(weight_format: str, activation: str, tile: int) -> GivenSums:
+    tiles = -(-tile * (3 if activation == "f32" else 1) // 8)
+    program = KernelProgram("matvec_mma.cu", [f"LUCEBOX_MATVEC_SUMS({weight_format}, {activation}, {tile})"])
+    return GivenSums(program, f"matvec_sums_{weight_format}_{activation}_{tile}", weight_format, tiles)
+
+
 @attrs.frozen
 class MatvecLaunch:
     """One matrix-vector kernel and its launch shape: grid (x, and `slices` along y), block, dynamic shared
     memory. `slices > 1` (split-K) needs the extra arguments of matvec_pipe.cu: a float scratch of
-    `slices * rows * out_features` and `grid` zeroed u32 counters (which the kernel leaves zeroed)."""
+    `slices * rows * out_features` and `grid` zeroed u32 counters (which the kernel leaves zeroed). `sums`: the
+    kernel takes given sums (one more argument, last), written by that kernel just before."""
 
     program: KernelProgram
     name: str
@@ -463,6 +309,7 @@ class MatvecLaunch:
     variant: str
     slices: int = 1
     shared_bytes: int = 0
+    sums: GivenSums | None = None
 
     @property
     def streamed(self) -> bool:
@@ -475,6 +322,32 @@ def has_mma_kernel(weight_format: str, activation: str, rows: int) -> bool:
 
 
 def matvec_kernel(weight_format: str, activation: str, rows: int, out_features: int,
+                  variant: str | None = None, *, in_features: int | None = None,
+                  max_shared_bytes: int = PORTABLE_SHARED_LIMIT, given: bool = False) -> MatvecLaunch:
+    """`matvec_launch`, in its given-sums form (`with_given_sums`) where `given` and the batch tile call for it."""
+    launch = matvec_launch(weight_format, activation, rows, out_features, variant, in_features=in_features,
+                           max_shared_bytes=max_shared_bytes)
+    return with_given_sums(launch, weight_format, activation, rows) if given else launch
+
+
+def with_given_sums(launch: MatvecLaunch, weight_format: str, activation: str, rows: int) -> MatvecLaunch:
+    """The same product taking given sums, from GIVEN_SUMS_MIN_TILE rows, for the variants that have the form."""
+    tile = batch_tile(rows)
+    if tile < GIVEN_SUMS_MIN_TILE or (launch.variant not in GIVEN_SUMS_VARIANTS and not launch.streamed):
+        return launch
+    line = launch.program.instantiations[0]
+    if launch.streamed:
+        program = KernelProgram(launch.program.file, [line.replace("LUCEBOX_MATVEC_PIPE(", "LUCEBOX_MATVEC_PIPE_S(")])
+        name = launch.name.replace("matvec_pipe_", "matvec_pipe_s_", 1)
+    else:
+        prefix = GIVEN_SUMS_VARIANTS[launch.variant]
+        line = f"LUCEBOX_{prefix.upper()}({weight_format}, {activation}, {tile})"
+        program = KernelProgram(launch.program.file, [line])
+        name = f"{prefix}_{weight_format}_{activation}_{tile}"
+    return attrs.evolve(launch, program=program, name=name, sums=given_sums(weight_format, activation, tile))
+
+
+def matvec_launch(weight_format: str, activation: str, rows: int, out_features: int,
                   variant: str | None = None, *, in_features: int | None = None,
                   max_shared_bytes: int = PORTABLE_SHARED_LIMIT) -> MatvecLaunch:
     """The kernel for `rows` activation rows times a weight of `out_features` rows (`in_features` columns:
@@ -539,6 +412,8 @@ def pipe_compile_check_lines() -> list[str]:
     lines += [f"LUCEBOX_MATVEC_PIPE({f}, bf16, {MMA_MAX_BATCH['bf16']}, 4, 4, 1)" for f in ("q4_k", "q6_k")]
     lines += [f"LUCEBOX_MATVEC_PIPE(q5_k, f32, {MMA_MAX_BATCH['f32']}, 4, 4, 1)",
               f"LUCEBOX_MATVEC_PIPE(q4_k, bf16, {PIPE_MAX_BATCH_TWO_GROUPS}, 4, 4, 2)"]
+    lines += [f"LUCEBOX_MATVEC_PIPE_S({f}, bf16, {GIVEN_SUMS_MIN_TILE}, 4, 4, 2)" for f in formats]  # given sums
+    lines += [f"LUCEBOX_MATVEC_PIPE_S(q6_k, bf16, {MMA_MAX_BATCH['bf16']}, 8, 3, 1)"]
     return lines
 
 
@@ -751,6 +626,9 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                   "LUCEBOX_MATVEC_MMA_PP_BOUNDED(matvec_mma_pp_b4, 4, q6_k, bf16, 1)"]
     mma_lines += [f"LUCEBOX_MATVEC_MMA_R2({f}, {a}, {b})" for f in MMA_FORMATS for a, b in
                   (("bf16", 1), ("bf16", 24), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
+    # Given sums (`with_given_sums`): each format's sums at the smallest tile that takes them and the largest.
+    mma_lines += [f"LUCEBOX_MATVEC_{k}({f}, {a}, {b})" for k in ("MMA_S", "MMA_R2_S", "SUMS") for f in MMA_FORMATS
+                  for a, b in (("bf16", GIVEN_SUMS_MIN_TILE), ("bf16", MAX_BATCH), ("f32", MMA_MAX_BATCH["f32"]))]
     places = _every_value_in_every_place()
     return {
         "matvec_pipe.cu": KernelProgram("matvec_pipe.cu", pipe_compile_check_lines()),

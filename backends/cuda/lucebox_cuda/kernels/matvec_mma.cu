@@ -62,3 +62,20 @@
 #define LUCEBOX_MATVEC_MMA_PP_BOUNDED(PREFIX, MIN_BLOCKS, FORMAT, ACT, NB)                                \
     LUCEBOX_MATVEC_MMA_KERNEL(PREFIX##_##FORMAT##_##ACT##_##NB, __launch_bounds__(128, MIN_BLOCKS), 4, 1,  \
                               true, FORMAT, ACT, NB)
+// Given sums (`mma_block`'s GIVEN_SUMS): `matvec_mma_s_...` and `matvec_mma_r2_s_...` take a last argument, the
+// sub-block sums that `matvec_sums_<format>_<activation>_<NB>` (x, sums, cols, batch) wrote for the same activations
+// and batch tile just before. Bit-identical to `mma`; the backend uses them from GIVEN_SUMS_MIN_TILE rows.
+#define LUCEBOX_MATVEC_MMA_GIVEN_SUMS(NAME, ROW_TILES, FORMAT, ACT, NB)                                  \
+    extern "C" __global__ void __launch_bounds__(128) NAME##_##FORMAT##_##ACT##_##NB(                     \
+        const u8* __restrict__ weight, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
+        int batch, const float* __restrict__ sums) {                                                      \
+        matvec_mma_body<Mma_##FORMAT, ACT, NB, 4, ROW_TILES, false, true>(weight, x, y, rows, cols, batch,   \
+                                                                         sums);                           \
+    }
+#define LUCEBOX_MATVEC_MMA_S(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_GIVEN_SUMS(matvec_mma_s, 1, FORMAT, ACT, NB)
+#define LUCEBOX_MATVEC_MMA_R2_S(FORMAT, ACT, NB) LUCEBOX_MATVEC_MMA_GIVEN_SUMS(matvec_mma_r2_s, 2, FORMAT, ACT, NB)
+#define LUCEBOX_MATVEC_SUMS(FORMAT, ACT, NB)                                                             \
+    extern "C" __global__ void __launch_bounds__(128) matvec_sums_##FORMAT##_##ACT##_##NB(                \
+        const ACT* __restrict__ x, float* __restrict__ sums, int cols, int batch) {                       \
+        given_sums<Mma_##FORMAT, ACT, NB>(x, sums, cols, batch);                                          \
+    }

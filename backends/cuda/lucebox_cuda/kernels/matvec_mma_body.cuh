@@ -24,13 +24,70 @@ template <class X, int NB> struct MmaColumns {
     }
 };
 
+// This lane's B registers of sub-block group `grp` in column tile `tile` (zeros where it has no column), in the
+// order the group's mma steps take them; two steps of 8 consecutive columns come in one load.
+template <class W, class X, int NB>
+__device__ __forceinline__ void group_columns(const MmaColumns<X, NB>& columns, int tile, int base, int grp, int t,
+                                              u32 (&b0)[W::STEPS_PER_GROUP], u32 (&b1)[W::STEPS_PER_GROUP]) {
+    typedef typename MmaColumns<X, NB>::Frag Frag;
+#pragma unroll
+    for (int within = 0; within < W::STEPS_PER_GROUP; ++within) b0[within] = b1[within] = 0;
+    if (!columns.has_col[tile]) return;
+    const X* x_col = columns.x_col[tile] + base;
+    if constexpr (W::PAIRED_STEPS && W::STEPS_PER_GROUP == 2) {
+        Frag::load8(x_col + W::step_column(2 * grp, t), columns.part[tile], b0, b1);
+    } else {
+#pragma unroll
+        for (int within = 0; within < W::STEPS_PER_GROUP; ++within)
+            Frag::load(x_col + W::step_column(grp * W::STEPS_PER_GROUP + within, t), columns.part[tile], b0[within],
+                       b1[within]);
+    }
+}
+
+// Where group `grp` of GGUF block `block` keeps tile `tile`'s 8 column sums in a given-sums buffer (floats).
+template <class W, int TILES> __device__ __forceinline__ i64 given_sums_at(int block, int grp, int tile) {
+    constexpr int GROUPS = W::STEPS / W::STEPS_PER_GROUP;
+    return ((static_cast<i64>(block) * GROUPS + grp) * TILES + tile) * 8;
+}
+
+// The sums S of every sub-block group of every column tile (the all-ones mma of `mma_block`, fragment for fragment),
+// written once for a whole product: sums[((block * GROUPS + group) * TILES + tile) * 8 + column]. One warp a
+// (GGUF block, group) pair; launch with 128 threads and ceil(cols / BLOCK_VALUES * GROUPS / 4) blocks.
+template <class W, class X, int NB>
+__device__ __forceinline__ void given_sums(const X* __restrict__ x, float* __restrict__ sums, int cols, int batch) {
+    typedef MmaColumns<X, NB> C;
+    typedef typename C::Frag::E E;
+    constexpr int GROUPS = W::STEPS / W::STEPS_PER_GROUP;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int pair = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int block = pair / GROUPS, grp = pair % GROUPS;
+    lucebox_wait_prior_grid();  // before any read of x and any write of `sums` (the product ahead may read them)
+    if (block >= cols / W::BLOCK_VALUES) return;
+    const C columns(x, cols, batch, g);
+    const u32 ones[4] = {E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR, E::ONE_PAIR};
+#pragma unroll
+    for (int tile = 0; tile < C::TILES; ++tile) {
+        u32 b0[W::STEPS_PER_GROUP], b1[W::STEPS_PER_GROUP];
+        group_columns<W>(columns, tile, block * W::BLOCK_VALUES, grp, t, b0, b1);
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int within = 0; within < W::STEPS_PER_GROUP; ++within) E::mma(s, ones, b0[within], b1[within]);
+        if (g == 0) *reinterpret_cast<float2*>(sums + given_sums_at<W, C::TILES>(block, grp, tile) + 2 * t) =
+            make_float2(s[0], s[1]);
+    }
+}
+
 // Add one GGUF block (`block` of the row) of ROW_TILES row tiles to the accumulators: `raw_a` / `raw_b` hold this
 // lane's bytes of rows g and g+8 of each tile. The mma steps, then each sub-block's scale and min on its fp32 sums.
-template <class W, class X, int NB, int ROW_TILES>
+// GIVEN_SUMS: S comes from `sums` (matvec_sums' output for these activations, `given_sums` below) instead of this
+// block's own all-ones mma: the same mma on the same fragments, so the same bits, at a third to a half fewer
+// tensor-core steps where the activations fill two or more tiles (the verify products, bound by those steps).
+template <class W, class X, int NB, int ROW_TILES, bool GIVEN_SUMS = false>
 __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TILES],
                                           const typename W::Raw (&raw_b)[ROW_TILES], int block, int t,
                                           const MmaColumns<X, NB>& columns,
-                                          float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4]) {
+                                          float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4],
+                                          const float* __restrict__ sums = nullptr) {
     typedef MmaColumns<X, NB> C;
     typedef typename C::Frag Frag;
     typedef typename Frag::E E;
@@ -78,23 +135,23 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
             }
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
-            u32 b0[W::STEPS_PER_GROUP] = {}, b1[W::STEPS_PER_GROUP] = {};  // [step]; zeros: no column
-            if (columns.has_col[tile]) {
-                const X* x_col = columns.x_col[tile] + base;
-                if constexpr (W::PAIRED_STEPS && W::STEPS_PER_GROUP == 2) {
-                    Frag::load8(x_col + W::step_column(2 * grp, t), columns.part[tile], b0, b1);
-                } else {
-#pragma unroll
-                    for (int within = 0; within < W::STEPS_PER_GROUP; ++within)
-                        Frag::load(x_col + W::step_column(grp * W::STEPS_PER_GROUP + within, t), columns.part[tile],
-                                   b0[within], b1[within]);
-                }
-            }
+            u32 b0[W::STEPS_PER_GROUP], b1[W::STEPS_PER_GROUP];  // [step]
+            group_columns<W>(columns, tile, base, grp, t, b0, b1);
 #pragma unroll
             for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
 #pragma unroll
                 for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[within][rt], b0[within], b1[within]);
-                E::mma(s[tile], ones, b0[within], b1[within]);
+                if constexpr (!GIVEN_SUMS) E::mma(s[tile], ones, b0[within], b1[within]);
+            }
+        }
+        if constexpr (GIVEN_SUMS) {
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile) {
+                // Every row of the all-ones product is the same sum: columns 2t, 2t + 1 serve rows g and g + 8.
+                const float2 v =
+                    *reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t);
+                s[tile][0] = s[tile][2] = v.x;
+                s[tile][1] = s[tile][3] = v.y;
             }
         }
 #pragma unroll
@@ -155,9 +212,10 @@ __device__ __forceinline__ void mma_store(const float (&acc)[ROW_TILES][MmaColum
 // variant of one warp count gives the same bits.
 // The rows from `row0` (16 * ROW_TILES of them): a block's tile, which a grid of one tile a block takes from its
 // index (`matvec_mma_body`) and a persistent kernel from its own loop over tiles (ffn_persistent.cu).
-template <class W, class X, int NB, int WARPS, int ROW_TILES, bool TWO_SETS = false>
+template <class W, class X, int NB, int WARPS, int ROW_TILES, bool TWO_SETS = false, bool GIVEN_SUMS = false>
 __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, const X* __restrict__ x,
-                                                X* __restrict__ y, int rows, int cols, int batch, int row0) {
+                                                X* __restrict__ y, int rows, int cols, int batch, int row0,
+                                                const float* __restrict__ sums = nullptr) {
     typedef MmaColumns<X, NB> C;
     constexpr int TILES = C::TILES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -200,11 +258,11 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
         while (block < blocks_per_row) {
             const int next = block + WARPS;
             if (next < blocks_per_row) load(1, next);  // in flight during the math
-            mma_block<W, X, NB, ROW_TILES>(set_a[0], set_b[0], block, t, columns, acc);
+            mma_block<W, X, NB, ROW_TILES, GIVEN_SUMS>(set_a[0], set_b[0], block, t, columns, acc, sums);
             if (next >= blocks_per_row) break;
             block = next + WARPS;
             if (block < blocks_per_row) load(0, block);
-            mma_block<W, X, NB, ROW_TILES>(set_a[1], set_b[1], next, t, columns, acc);
+            mma_block<W, X, NB, ROW_TILES, GIVEN_SUMS>(set_a[1], set_b[1], next, t, columns, acc, sums);
         }
     } else {
         typename W::Raw raw_a[ROW_TILES], raw_b[ROW_TILES];
@@ -229,7 +287,7 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
                     next_b[rt] = W::load(bytes_b[rt] + static_cast<i64>(next) * W::BLOCK_BYTES, t);
                 }
             }
-            mma_block<W, X, NB, ROW_TILES>(raw_a, raw_b, block, t, columns, acc);
+            mma_block<W, X, NB, ROW_TILES, GIVEN_SUMS>(raw_a, raw_b, block, t, columns, acc, sums);
 #pragma unroll
             for (int rt = 0; rt < ROW_TILES; ++rt) {
                 raw_a[rt] = next_a[rt];
@@ -240,9 +298,10 @@ __device__ __forceinline__ void matvec_mma_rows(const u8* __restrict__ weight, c
     mma_store<X, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);
 }
 
-template <class W, class X, int NB, int WARPS, int ROW_TILES, bool TWO_SETS = false>
+template <class W, class X, int NB, int WARPS, int ROW_TILES, bool TWO_SETS = false, bool GIVEN_SUMS = false>
 __device__ __forceinline__ void matvec_mma_body(const u8* __restrict__ weight, const X* __restrict__ x,
-                                                X* __restrict__ y, int rows, int cols, int batch) {
-    matvec_mma_rows<W, X, NB, WARPS, ROW_TILES, TWO_SETS>(weight, x, y, rows, cols, batch,
-                                                          blockIdx.x * 16 * ROW_TILES);
+                                                X* __restrict__ y, int rows, int cols, int batch,
+                                                const float* __restrict__ sums = nullptr) {
+    matvec_mma_rows<W, X, NB, WARPS, ROW_TILES, TWO_SETS, GIVEN_SUMS>(weight, x, y, rows, cols, batch,
+                                                                      blockIdx.x * 16 * ROW_TILES, sums);
 }

@@ -32,7 +32,7 @@
 // `matvec_pipe_w<WARPS>_d<DEPTH>_m<GM>_<format>_<activation>_<NB>`; launch with 32 * WARPS threads, grid
 // (ceil(rows / (16 * GM)), slices), and the dynamic shared memory above. Arguments: weight, x, y, rows,
 // cols, batch, partials (float*, may be null with one slice), counters (u32*, likewise).
-#include "mma_formats.cuh"
+#include "matvec_mma_body.cuh"  // the formats, and the given sums' layout (`given_sums_at`)
 
 // -- cp.async (sm_80 and later) ------------------------------------------------------------------------
 
@@ -80,10 +80,11 @@ template <class W, class X, int NB, int WARPS, int DEPTH, int GM> struct PipeSha
 
 // -- the kernel ---------------------------------------------------------------------------------------
 
-template <class W, class X, int NB, int WARPS, int DEPTH, int GM>
+template <class W, class X, int NB, int WARPS, int DEPTH, int GM, bool GIVEN_SUMS = false>
 __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, const X* __restrict__ x,
                                                  X* __restrict__ y, int rows, int cols, int batch,
-                                                 float* __restrict__ partials, u32* __restrict__ counters) {
+                                                 float* __restrict__ partials, u32* __restrict__ counters,
+                                                 const float* __restrict__ sums = nullptr) {
     static_assert(DEPTH >= 2, "a pipeline needs a stage to decode and one to fill");
     static_assert(GM == 1 || GM == 2, "one or two 16-row groups per warp");
     typedef ActivationFragment<X> Frag;
@@ -235,7 +236,7 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
                 for (int tile = 0; tile < TILES; ++tile) {
                     b0[tile] = b1[tile] = 0;
                     if (has_col[tile]) Frag::load(x_col[tile] + column, part[tile], b0[tile], b1[tile]);
-                    E::mma(s[tile], ones, b0[tile], b1[tile]);
+                    if constexpr (!GIVEN_SUMS) E::mma(s[tile], ones, b0[tile], b1[tile]);
                 }
 #pragma unroll
                 for (int m = 0; m < GM; ++m) {
@@ -243,6 +244,15 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
                     const u32 a[4] = {low_pair<E>(q_a), low_pair<E>(q_b), high_pair<E>(q_a), high_pair<E>(q_b)};
 #pragma unroll
                     for (int tile = 0; tile < TILES; ++tile) E::mma(p[m][tile], a, b0[tile], b1[tile]);
+                }
+            }
+            if constexpr (GIVEN_SUMS) {  // as matvec_mma_body.cuh's mma_block: every row's sum is the same
+#pragma unroll
+                for (int tile = 0; tile < TILES; ++tile) {
+                    const float2 v =
+                        *reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t);
+                    s[tile][0] = s[tile][2] = v.x;
+                    s[tile][1] = s[tile][3] = v.y;
                 }
             }
 #pragma unroll
@@ -324,4 +334,14 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
             int cols, int batch, float* __restrict__ partials, u32* __restrict__ counters) {            \
         matvec_pipe_body<Mma_##FORMAT, ACT, NB, WARPS, DEPTH, GM>(weight, x, y, rows, cols, batch,      \
                                                                     partials, counters);                 \
+    }
+// With given sums (see matvec_mma.cu's LUCEBOX_MATVEC_MMA_S): `matvec_pipe_s_w<WARPS>_...`, one more argument.
+#define LUCEBOX_MATVEC_PIPE_S(FORMAT, ACT, NB, WARPS, DEPTH, GM)                                         \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                            \
+        matvec_pipe_s_w##WARPS##_d##DEPTH##_m##GM##_##FORMAT##_##ACT##_##NB(                            \
+            const u8* __restrict__ weight, const ACT* __restrict__ x, ACT* __restrict__ y, int rows,    \
+            int cols, int batch, float* __restrict__ partials, u32* __restrict__ counters,              \
+            const float* __restrict__ sums) {                                                           \
+        matvec_pipe_body<Mma_##FORMAT, ACT, NB, WARPS, DEPTH, GM, true>(weight, x, y, rows, cols, batch, \
+                                                                          partials, counters, sums);     \
     }

@@ -1,0 +1,108 @@
+"""Given sums on a GPU: products of 12 rows or more take their activations' sub-block sums from a kernel run once a
+product (`catalogue.with_given_sums`) instead of an all-ones mma in every row group. The sums are that same mma on the
+same fragments, so each product must keep its bits: equal to the same variant computing them itself, and, a row at a
+time, to the batch-1 decode product (the class rule that makes a verify node reproduce the decode step), eager and
+replayed in a CUDA graph, and where a capture comes before the scratch exists (the plain kernel then).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lucebox_core.quants import QuantTensor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+COLS = 2560  # 10 GGUF blocks a row: uneven over 4 warps, and 5 per slice with 2 K-slices
+ROWS = 1000  # 62.5 row groups: the last one padded
+
+
+def weight(fmt: str, seed: int) -> QuantTensor:
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from lucebox_core.kquants import random_blocks
+
+    kind = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}[fmt]
+    if fmt == "q5_k":
+        raw = np.random.default_rng(seed).integers(0, 256, (ROWS * COLS // 256, 176), dtype=np.uint8)
+        raw[:, 0:4] = np.frombuffer(np.array([0.01, 0.002], dtype=np.float16).tobytes(), dtype=np.uint8)
+    else:
+        raw = random_blocks(kind, ROWS * COLS, 0.05, np.random.default_rng(seed))
+    data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+    return QuantTensor(f"given_sums_{fmt}", kind, (ROWS, COLS), data)
+
+
+@pytest.fixture()
+def plain_and_given(monkeypatch):
+    """Two CUDA backends, row-major weights: one computing the sums in every row group, one taking them given."""
+    from lucebox_cuda import backend as module
+    from lucebox_cuda import tiled_weights
+
+    monkeypatch.setenv(tiled_weights.ENV_SWITCH, "0")
+
+    def product(backend, on: bool):
+        def run(x, w, variant=None):
+            monkeypatch.setattr(module, "_GIVEN_SUMS", on)
+            return backend.matvec(x, w, variant=variant)
+        return run
+
+    made = module.CudaBackend(dtype=torch.bfloat16)
+    return product(made, False), product(made, True), made
+
+
+# (format, activation, rows, variants): each format at the smallest tile that takes given sums and at a 3-tile one
+# (23 rows: a padded column), the largest tile once, f16 once; streamed with two row groups and with 2 K-slices.
+CASES = [(fmt, torch.bfloat16, rows, ("mma", "mma_r2", "pipe_w4_d4_m2_k1", "pipe_w8_d3_m1_k2"))
+         for fmt in ("q4_k", "q5_k", "q6_k") for rows in (12, 16)]
+CASES += [(fmt, torch.bfloat16, 23, ("mma", "mma_r2", "pipe_w4_d4_m1_k1")) for fmt in ("q4_k", "q6_k")]
+CASES += [("q4_k", torch.bfloat16, 64, ("mma_r2",)), ("q6_k", torch.float16, 24, ("mma", "mma_r2"))]
+
+
+@pytest.mark.parametrize("fmt, dtype, rows, variants", CASES)
+def test_given_sums_keep_every_products_bits(plain_and_given, fmt, dtype, rows, variants):
+    from lucebox_cuda import catalogue
+
+    plain, given, backend = plain_and_given
+    w = weight(fmt, seed=3)
+    generator = torch.Generator(device="cuda").manual_seed(7 + rows)
+    x = torch.randn(rows, COLS, device="cuda", generator=generator).to(dtype)
+    for variant in variants:
+        launch = catalogue.matvec_kernel(fmt, catalogue.ACTIVATIONS[dtype], rows, ROWS, variant, in_features=COLS,
+                                         given=True)
+        assert launch.sums is not None and "_s_" in launch.name, (variant, launch.name)
+        expected, got = plain(x, w, variant), given(x, w, variant)
+        assert torch.equal(expected.view(torch.int16), got.view(torch.int16)), (fmt, rows, variant)
+    # A row at a time, the decode product of the shape's class (4 warps, one slice: `mma`) gives the same bits.
+    one = torch.cat([plain(x[r:r + 1], w, "mma") for r in range(rows)])
+    assert torch.equal(one.view(torch.int16), given(x, w, variants[0]).view(torch.int16)), (fmt, rows)
+
+
+def test_given_sums_replay_in_a_graph_and_a_capture_without_the_scratch_takes_the_plain_kernel(plain_and_given):
+    plain, given, backend = plain_and_given
+    w = weight("q4_k", seed=5)
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(16, COLS, device="cuda", generator=generator).to(torch.bfloat16)
+    from lucebox_cuda import backend as module
+
+    fresh = module.CudaBackend(dtype=torch.bfloat16)  # no product yet: no scratch when the capture starts
+    for made in (backend, fresh):
+        if made is backend:
+            given(x, w, "mma")  # eager first: the scratch is made outside the capture
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            module._GIVEN_SUMS = True
+            try:
+                with torch.cuda.graph(graph, stream=stream):
+                    out = made.matvec(x, w, variant="mma")
+            finally:
+                module._GIVEN_SUMS = module.os.environ.get("LUCEBOX_GIVEN_SUMS", "1") != "0"
+        state = made.__dict__["_matvec_state"]
+        assert (state.get("sums") is not None) == (made is backend)
+        for seed in (1, 2):
+            x.copy_(torch.randn(16, COLS, device="cuda", generator=generator.manual_seed(seed)).to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), plain(x, w, "mma").view(torch.int16))
