@@ -38,9 +38,11 @@ def test_source_compiles(source, arch):
             kind = "_s" if macro.endswith("_S") else ""
             assert f"matvec_pipe{kind}_w{warps}_d{depth}_m{groups}_{fmt}_{act}_{batch}".encode() in cubin
             continue
-        if macro == "LUCEBOX_MATVEC_TILED":
+        if macro in ("LUCEBOX_MATVEC_TILED", "LUCEBOX_MATVEC_TILED_S"):
             fmt, act, batch, warps, row_tiles, ahead, order = parts
-            assert f"matvec_tiled_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_{act}_{batch}".encode() in cubin
+            kind = "_s" if macro.endswith("_S") else ""
+            name = f"matvec_tiled{kind}_w{warps}_r{row_tiles}_a{ahead}_o{order}_{fmt}_{act}_{batch}"
+            assert name.encode() in cubin
             continue
         if macro == "LUCEBOX_MATVEC_TILED_BOUNDED":
             fmt, act, batch, warps, row_tiles, ahead, order, blocks = parts
@@ -324,6 +326,10 @@ def test_below_the_tile_and_for_fp32_the_products_compute_their_own_sums():
     launch = catalogue.matvec_kernel("q6_k", "bf16", 23, 1000, "mma_r2", in_features=2560, given=True)
     assert launch.name == "matvec_mma_r2_s_q6_k_bf16_24" and launch.sums.name == "matvec_sums_q6_k_bf16_24"
     assert (launch.sums.grid(2560), launch.sums.floats(2560)) == (40, 10 * 16 * 3 * 8)  # 160 (block, group) warps
+    program, name, _, sums = catalogue.matvec_tiled("q6_k", "bf16", 12, given=True)
+    assert name == "matvec_tiled_s_w4_r2_a1_o0_q6_k_bf16_12" and sums.name == "matvec_sums_q6_k_bf16_12"
+    assert name.encode() in nvrtc.compile_program(program, "sm_90")
+    assert catalogue.matvec_tiled("q6_k", "bf16", 8, given=True)[3] is None
     piped = catalogue.matvec_kernel("q4_k", "bf16", 12, 1000, "pipe_w4_d4_m2_k2", in_features=2560, given=True)
     assert piped.name.startswith("matvec_pipe_s_w4_d4_m2_") and piped.slices == 2 and piped.shared_bytes > 0
     for launch in (launch, piped):

@@ -106,3 +106,23 @@ def test_given_sums_replay_in_a_graph_and_a_capture_without_the_scratch_takes_th
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out.view(torch.int16), plain(x, w, "mma").view(torch.int16))
+
+
+def test_a_weight_held_tiled_keeps_its_bits_with_given_sums(plain_and_given, monkeypatch):
+    """Q6_K is held tiled by default: its verify products (matvec_tiled.cu, two row tiles a block) take given sums
+    too, and each row still gets the row-major batch-1 product's bits."""
+    from lucebox_cuda import tiled_weights
+
+    plain, given, backend = plain_and_given
+    rows_major = weight("q6_k", seed=9)
+    plain(torch.zeros(1, COLS, device="cuda", dtype=torch.bfloat16), rows_major)  # decided row-major (fixture's "0")
+    monkeypatch.setenv(tiled_weights.ENV_SWITCH, "1")
+    tiled = QuantTensor("given_sums_tiled", rows_major.ggml_type, rows_major.shape, rows_major.data.clone())
+    assert backend.holds_tiled(tiled)
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    for rows in (12, 24, 40):
+        x = torch.randn(rows, COLS, device="cuda", generator=generator).to(torch.bfloat16)
+        expected, got = plain(x, tiled), given(x, tiled)
+        assert torch.equal(expected.view(torch.int16), got.view(torch.int16)), rows
+        one = torch.cat([plain(x[r:r + 1], rows_major, "mma") for r in range(rows)])
+        assert torch.equal(one.view(torch.int16), got.view(torch.int16)), rows

@@ -377,17 +377,26 @@ class CudaBackend(TorchBackend):
         step = catalogue.MMA_MAX_BATCH[activation]
         bulk = tiled_weights.bulk_copies(self.arch)
         for first in range(0, rows, step):
-            count, shared = min(step, rows - first), 0
+            count, shared, given = min(step, rows - first), 0, []
             if bulk and count <= tiled_weights.BULK_MAX_BATCH:  # the same class and bits, tiles in flight in shared
                 program, name, shared = catalogue.matvec_bulk(weight_format, activation, count,
                                                               tiled_weights.bulk_depth())
                 self.ring_kernel(program, name, shared)
                 rows_per_block = 16
             else:
-                program, name, rows_per_block = catalogue.matvec_tiled(weight_format, activation, count)
+                program, name, rows_per_block, sums = catalogue.matvec_tiled(weight_format, activation, count,
+                                                                             _GIVEN_SUMS)
+                state = self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None})
+                scratch = None if sums is None else self._given_sums_scratch(state, sums.floats(in_features))
+                if sums is not None and scratch is None:  # captured before the scratch was made: the plain form
+                    program, name, rows_per_block, sums = catalogue.matvec_tiled(weight_format, activation, count)
+                if sums is not None:
+                    self._launch((sums.program, sums.name), sums.grid(in_features), 128, Pointer(x[first].data_ptr()),
+                                 Pointer(scratch.data_ptr()), Int(in_features), Int(count))
+                    given = [Pointer(scratch.data_ptr())]
             self._launch((program, name), -(-out_features // rows_per_block), 128, Pointer(tiles.data_ptr()),
                          Pointer(x[first].data_ptr()), Pointer(out[first].data_ptr()), Int(out_features),
-                         Int(in_features), Int(count), shared_bytes=shared)
+                         Int(in_features), Int(count), *given, shared_bytes=shared)
         return out
 
     def expert_matvec(self, x: torch.Tensor, experts: Any, ids: torch.Tensor, x_group: int, *,

@@ -240,12 +240,16 @@ def matvec_mma(weight_format: str, activation: str, batch: int, variant: str = "
 
 # The tiled-layout kernel (matvec_tiled.cu, weights `tiled_weights` holds tiled): the `mma` class (4 warps, one
 # K-slice), one GGUF block in flight ahead; one row tile a block at batch 1, two beyond (measured fastest, H100).
-def matvec_tiled(weight_format: str, activation: str, batch: int) -> tuple[KernelProgram, str, int]:
-    """(program, kernel name, rows a thread block) of the tiled kernel for `batch` activation rows (<= its tile)."""
+def matvec_tiled(weight_format: str, activation: str, batch: int,
+                 given: bool = False) -> tuple[KernelProgram, str, int, GivenSums | None]:
+    """(program, kernel name, rows a thread block, its sums kernel or None) of the tiled kernel for `batch` activation
+    rows (<= its tile), in its given-sums form from GIVEN_SUMS_MIN_TILE rows where `given`."""
     tile, row_tiles = batch_tile(batch), 1 if batch == 1 else 2
-    line = f"LUCEBOX_MATVEC_TILED({weight_format}, {activation}, {tile}, 4, {row_tiles}, 1, 0)"
-    name = f"matvec_tiled_w4_r{row_tiles}_a1_o0_{weight_format}_{activation}_{tile}"
-    return KernelProgram("matvec_tiled.cu", [line]), name, 16 * row_tiles
+    sums = given_sums(weight_format, activation, tile) if given and tile >= GIVEN_SUMS_MIN_TILE else None
+    kind = "_S" if sums else ""
+    line = f"LUCEBOX_MATVEC_TILED{kind}({weight_format}, {activation}, {tile}, 4, {row_tiles}, 1, 0)"
+    name = f"matvec_tiled{kind.lower()}_w4_r{row_tiles}_a1_o0_{weight_format}_{activation}_{tile}"
+    return KernelProgram("matvec_tiled.cu", [line]), name, 16 * row_tiles, sums
 
 
 # The same class read through a ring of DEPTH tiles a warp filled by bulk copies (matvec_tiled.cu's
@@ -644,6 +648,8 @@ def compile_check_programs() -> dict[str, KernelProgram]:
                "LUCEBOX_MATVEC_TILED_BOUNDED(q6_k, bf16, 1, 4, 1, 1, 0, 5)",
                "LUCEBOX_MATVEC_TILED_UNITS(q4_k, bf16, 1, 4, 3, 0)",
                f"LUCEBOX_MATVEC_TILED_UNITS(q6_k, bf16, {MAX_BATCH}, 4, 2, 0)"]
+            + [f"LUCEBOX_MATVEC_TILED_S({f}, bf16, {b}, 4, 2, 1, 0)" for f in MMA_FORMATS
+               for b in (GIVEN_SUMS_MIN_TILE, MAX_BATCH)]
             + [f"LUCEBOX_MATVEC_BULK({f}, bf16, {b}, 4)" for f in MMA_FORMATS for b in (1, MAX_BATCH)]
             + ["LUCEBOX_MATVEC_BULK(q4_k, f32, 8, 6)"]),
         "dequant.cu": KernelProgram("dequant.cu", [f"LUCEBOX_DEQUANT{kind}({f}, {a})" for kind in ("", "_ROWS")

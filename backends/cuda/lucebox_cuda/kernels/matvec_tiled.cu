@@ -95,10 +95,11 @@ template <> struct TileLayout<MmaQ6K> {
 
 // Warp `warp` of the WARPS that share row groups row0 / 16 .. + ROW_TILES - 1: its sums over GGUF blocks warp, warp +
 // WARPS, ... of those rows, into `acc`.
-template <class W, class X, int NB, int WARPS, int ROW_TILES, int AHEAD, int ORDER>
+template <class W, class X, int NB, int WARPS, int ROW_TILES, int AHEAD, int ORDER, bool GIVEN_SUMS = false>
 __device__ __forceinline__ void tiled_accumulate(const u8* __restrict__ tiles, const X* __restrict__ x, int rows,
                                                  int cols, int batch, int row0, int warp,
-                                                 float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4]) {
+                                                 float (&acc)[ROW_TILES][MmaColumns<X, NB>::TILES][4],
+                                                 const float* __restrict__ sums = nullptr) {
     typedef TileLayout<W> L;
     typedef MmaColumns<X, NB> C;
     typedef typename W::Raw Raw;
@@ -145,7 +146,7 @@ __device__ __forceinline__ void tiled_accumulate(const u8* __restrict__ tiles, c
                 for (int rt = 0; rt < ROW_TILES; ++rt)
                     L::load(group_tiles[rt] + ahead * block_stride, lane, ring_a[(s + AHEAD) % STAGES][rt],
                             ring_b[(s + AHEAD) % STAGES][rt]);
-            mma_block<W, X, NB, ROW_TILES>(ring_a[s], ring_b[s], block, t, columns, acc);
+            mma_block<W, X, NB, ROW_TILES, GIVEN_SUMS>(ring_a[s], ring_b[s], block, t, columns, acc, sums);
         }
     }
 }
@@ -199,6 +200,18 @@ __device__ __forceinline__ void unit_store(const float (&acc)[1][MmaColumns<X, N
 #define LUCEBOX_MATVEC_TILED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                   \
     LUCEBOX_MATVEC_TILED_KERNEL(matvec_tiled_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB, \
                                 __launch_bounds__(32 * WARPS), FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)
+// With given sums (matvec_mma.cu's LUCEBOX_MATVEC_MMA_S): `matvec_tiled_s_w...`, the sums a last argument.
+#define LUCEBOX_MATVEC_TILED_S(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER)                                 \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                                   \
+        matvec_tiled_s_w##WARPS##_r##ROW_TILES##_a##AHEAD##_o##ORDER##_##FORMAT##_##ACT##_##NB(                \
+            const u8* __restrict__ tiles, const ACT* __restrict__ x, ACT* __restrict__ y, int rows, int cols,  \
+            int batch, const float* __restrict__ sums) {                                                       \
+        float acc[ROW_TILES][MmaColumns<ACT, NB>::TILES][4];                                                   \
+        const int row0 = blockIdx.x * 16 * ROW_TILES;                                                          \
+        tiled_accumulate<Mma_##FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, true>(                         \
+            tiles, x, rows, cols, batch, row0, threadIdx.x >> 5, acc, sums);                                   \
+        mma_store<ACT, NB, WARPS, ROW_TILES>(acc, y, rows, batch, row0);                                       \
+    }
 // The probe's register caps: MIN_BLOCKS thread blocks an SM must hold at once, named _b<MIN_BLOCKS> after the order
 // (an explicit minimum changes ptxas's allocation even at 1: see matvec_mma.cu).
 #define LUCEBOX_MATVEC_TILED_BOUNDED(FORMAT, ACT, NB, WARPS, ROW_TILES, AHEAD, ORDER, MIN_BLOCKS)               \
