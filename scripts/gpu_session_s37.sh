@@ -36,12 +36,16 @@ draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.ar
   return 0
 }
 
-s37_ncu() {  # ~5 min: the given-sums GPU tests; Nsight Compute on the 27B's gate | up and down (Q4_K) products at batch
+s37_ncu() {  # ~6 min: the given-sums GPU tests; the probe at 12-24 rows off and on; Nsight Compute on the 27B's gate | up and down (Q4_K) products at batch
   #            1 and 24 rows (tiled_probe.py --ncu --basic: each kernel once), without and with given sums.  carry: .whl
   step given-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
     tests/test_given_sums_gpu.py
-  command -v ncu >/dev/null || { echo "ncu not on the PATH"; return 1; }
   local pass
+  for pass in 0 1; do
+    step "probe-$pass" 60 env LUCEBOX_GIVEN_SUMS=$pass python3 scripts/tiled_probe.py --basic --batches 12,16,24 \
+      --shapes 27b --json "$RES/probe_$pass.json"
+  done
+  command -v ncu >/dev/null || { echo "ncu not on the PATH"; return 1; }
   for pass in 0 1; do
     step "ncu-given-$pass" 150 sh -c "LUCEBOX_GIVEN_SUMS=$pass ncu --clock-control none --kernel-name regex:matvec \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \

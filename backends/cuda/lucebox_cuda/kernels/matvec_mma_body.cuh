@@ -121,6 +121,16 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
         // The group's A registers, [step within the group][row tile], then each tile's B registers: two steps of 8
         // consecutive columns come in one load, and B is live for one tile at a time (registers at 16-64 rows).
         // Every accumulator sees the group's steps in step order, as a step-outer loop would.
+        if constexpr (GIVEN_SUMS) {  // asked for before the group's mma steps, which hide the load
+#pragma unroll
+            for (int tile = 0; tile < TILES; ++tile) {
+                // Every row of the all-ones product is the same sum: columns 2t, 2t + 1 serve rows g and g + 8.
+                const float2 v =
+                    __ldg(reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t));
+                s[tile][0] = s[tile][2] = v.x;
+                s[tile][1] = s[tile][3] = v.y;
+            }
+        }
         u32 a[W::STEPS_PER_GROUP][ROW_TILES][4];
 #pragma unroll
         for (int within = 0; within < W::STEPS_PER_GROUP; ++within)
@@ -142,16 +152,6 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
 #pragma unroll
                 for (int rt = 0; rt < ROW_TILES; ++rt) E::mma(p[rt][tile], a[within][rt], b0[within], b1[within]);
                 if constexpr (!GIVEN_SUMS) E::mma(s[tile], ones, b0[within], b1[within]);
-            }
-        }
-        if constexpr (GIVEN_SUMS) {
-#pragma unroll
-            for (int tile = 0; tile < TILES; ++tile) {
-                // Every row of the all-ones product is the same sum: columns 2t, 2t + 1 serve rows g and g + 8.
-                const float2 v =
-                    *reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t);
-                s[tile][0] = s[tile][2] = v.x;
-                s[tile][1] = s[tile][3] = v.y;
             }
         }
 #pragma unroll

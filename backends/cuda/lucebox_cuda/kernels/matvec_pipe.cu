@@ -227,6 +227,15 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
 #pragma unroll
                     for (int m = 0; m < GM; ++m) p[m][tile][k] = 0.0f;
                 }
+            if constexpr (GIVEN_SUMS) {  // as matvec_mma_body.cuh's mma_block: every row's sum is the same
+#pragma unroll
+                for (int tile = 0; tile < TILES; ++tile) {
+                    const float2 v =
+                        __ldg(reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t));
+                    s[tile][0] = s[tile][2] = v.x;
+                    s[tile][1] = s[tile][3] = v.y;
+                }
+            }
 #pragma unroll
             for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
                 const int step = grp * W::STEPS_PER_GROUP + within;
@@ -244,15 +253,6 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
                     const u32 a[4] = {low_pair<E>(q_a), low_pair<E>(q_b), high_pair<E>(q_a), high_pair<E>(q_b)};
 #pragma unroll
                     for (int tile = 0; tile < TILES; ++tile) E::mma(p[m][tile], a, b0[tile], b1[tile]);
-                }
-            }
-            if constexpr (GIVEN_SUMS) {  // as matvec_mma_body.cuh's mma_block: every row's sum is the same
-#pragma unroll
-                for (int tile = 0; tile < TILES; ++tile) {
-                    const float2 v =
-                        *reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t);
-                    s[tile][0] = s[tile][2] = v.x;
-                    s[tile][1] = s[tile][3] = v.y;
                 }
             }
 #pragma unroll
