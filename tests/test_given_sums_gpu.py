@@ -81,7 +81,8 @@ def test_given_sums_keep_every_products_bits(plain_and_given, fmt, dtype, rows, 
     assert torch.equal(one.view(torch.int16), given(x, w, variants[0]).view(torch.int16)), (fmt, rows)
 
 
-def test_given_sums_replay_in_a_graph_and_a_capture_without_the_scratch_takes_the_plain_kernel(plain_and_given):
+def test_given_sums_replay_in_a_graph_and_a_capture_without_the_scratch_takes_the_plain_kernel(plain_and_given,
+                                                                                                 monkeypatch):
     plain, given, backend = plain_and_given
     w = weight("q4_k", seed=5)
     generator = torch.Generator(device="cuda").manual_seed(11)
@@ -95,13 +96,9 @@ def test_given_sums_replay_in_a_graph_and_a_capture_without_the_scratch_takes_th
             given(x, w, "mma")  # eager first: the scratch is made outside the capture
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            module._GIVEN_SUMS = True
-            try:
-                with torch.cuda.graph(graph, stream=stream):
-                    out = made.matvec(x, w, variant="mma")
-            finally:
-                module._GIVEN_SUMS = module.os.environ.get("LUCEBOX_GIVEN_SUMS", "1") != "0"
+        monkeypatch.setattr(module, "_GIVEN_SUMS", True)
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = made.matvec(x, w, variant="mma")
         state = made.__dict__["_matvec_state"]
         assert (state.get("sums") is not None) == (made is backend)
         for seed in (1, 2):

@@ -34,9 +34,10 @@ from .nvrtc import (DEFAULT_OPTIONS, CudaModule, Float, Int, Int64, KernelProgra
 ALIGNMENT = 16  # the kernels read weights and activations with up-to-16-byte vector loads
 # A matvec variant every product uses where it exists (bisecting, benchmarking); empty: the measured defaults.
 _FORCED_MATVEC_VARIANT = os.environ.get("LUCEBOX_MATVEC_VARIANT", "")
-# Products of GIVEN_SUMS_MIN_TILE rows or more take their activations' sub-block sums from a kernel run once a
-# product (`catalogue.with_given_sums`: the same bits); "0" computes them in every row group, as below that tile.
-_GIVEN_SUMS = os.environ.get("LUCEBOX_GIVEN_SUMS", "1") != "0"
+# "1": products of GIVEN_SUMS_MIN_TILE rows or more take their activations' sub-block sums from a kernel run once a
+# product (`catalogue.with_given_sums`: the same bits). Off by default: the 27B's verify passes measured no faster
+# (session 37: the 24-row products 8-24% faster, the sums kernels' launches as much again).
+_GIVEN_SUMS = os.environ.get("LUCEBOX_GIVEN_SUMS", "0") == "1"
 GIVEN_SUMS_FLOATS = 1 << 18  # the sums scratch, 1 MiB: a 64-row product of 65,536-column Q6_K rows needs 1 << 18
 # A prefill product's weight rows are dequantized into a scratch tile of at most this many bytes, then
 # multiplied by cuBLAS: 192 MiB holds the 27B's largest matrix (17408 x 5120 in bf16) whole, so each product is
