@@ -50,6 +50,20 @@ template <class W, int TILES> __device__ __forceinline__ i64 given_sums_at(int b
     return ((static_cast<i64>(block) * GROUPS + grp) * TILES + tile) * 8;
 }
 
+// Group `grp` of GGUF block `block`: lane t's S fragment of each column tile, as the all-ones mma leaves it (every row
+// of that product is the same sum: columns 2t, 2t + 1 serve rows g and g + 8).
+template <class W, int TILES>
+__device__ __forceinline__ void read_given_sums(const float* __restrict__ sums, int block, int grp, int t,
+                                                float (&s)[TILES][4]) {
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile) {
+        const float* at = sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t;
+        const float2 v = __ldg(reinterpret_cast<const float2*>(at));
+        s[tile][0] = s[tile][2] = v.x;
+        s[tile][1] = s[tile][3] = v.y;
+    }
+}
+
 // The sums S of every sub-block group of every column tile (the all-ones mma of `mma_block`, fragment for fragment),
 // written once for a whole product: sums[((block * GROUPS + group) * TILES + tile) * 8 + column]. One warp a
 // (GGUF block, group) pair; launch with 128 threads and ceil(cols / BLOCK_VALUES * GROUPS / 4) blocks.
@@ -121,16 +135,7 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
         // The group's A registers, [step within the group][row tile], then each tile's B registers: two steps of 8
         // consecutive columns come in one load, and B is live for one tile at a time (registers at 16-64 rows).
         // Every accumulator sees the group's steps in step order, as a step-outer loop would.
-        if constexpr (GIVEN_SUMS) {  // asked for before the group's mma steps, which hide the load
-#pragma unroll
-            for (int tile = 0; tile < TILES; ++tile) {
-                // Every row of the all-ones product is the same sum: columns 2t, 2t + 1 serve rows g and g + 8.
-                const float2 v =
-                    __ldg(reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t));
-                s[tile][0] = s[tile][2] = v.x;
-                s[tile][1] = s[tile][3] = v.y;
-            }
-        }
+        if constexpr (GIVEN_SUMS) read_given_sums<W>(sums, block, grp, t, s);  // before the mma steps that hide it
         u32 a[W::STEPS_PER_GROUP][ROW_TILES][4];
 #pragma unroll
         for (int within = 0; within < W::STEPS_PER_GROUP; ++within)

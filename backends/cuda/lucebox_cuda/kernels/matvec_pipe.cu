@@ -227,15 +227,7 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
 #pragma unroll
                     for (int m = 0; m < GM; ++m) p[m][tile][k] = 0.0f;
                 }
-            if constexpr (GIVEN_SUMS) {  // as matvec_mma_body.cuh's mma_block: every row's sum is the same
-#pragma unroll
-                for (int tile = 0; tile < TILES; ++tile) {
-                    const float2 v =
-                        __ldg(reinterpret_cast<const float2*>(sums + given_sums_at<W, TILES>(block, grp, tile) + 2 * t));
-                    s[tile][0] = s[tile][2] = v.x;
-                    s[tile][1] = s[tile][3] = v.y;
-                }
-            }
+            if constexpr (GIVEN_SUMS) read_given_sums<W>(sums, block, grp, t, s);  // as matvec_mma_body.cuh's
 #pragma unroll
             for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
                 const int step = grp * W::STEPS_PER_GROUP + within;
