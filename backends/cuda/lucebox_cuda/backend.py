@@ -387,8 +387,9 @@ class CudaBackend(TorchBackend):
             else:
                 program, name, rows_per_block, sums = catalogue.matvec_tiled(weight_format, activation, count,
                                                                              _GIVEN_SUMS)
-                state = self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None})
-                scratch = None if sums is None else self._given_sums_scratch(state, sums.floats(in_features))
+                scratch = None if sums is None else self._given_sums_scratch(
+                    self.__dict__.setdefault("_matvec_state", {"scratch": None, "counters": None}),
+                    sums.floats(in_features))
                 if sums is not None and scratch is None:  # captured before the scratch was made: the plain form
                     program, name, rows_per_block, sums = catalogue.matvec_tiled(weight_format, activation, count)
                 if sums is not None:

@@ -268,9 +268,9 @@ def matvec_pipe(weight_format: str, activation: str, batch: int, pipe: PipeVaria
     return KernelProgram("matvec_pipe.cu", [line]), pipe.kernel_name(weight_format, activation, batch)
 
 
-# Given sums (matvec_mma_body.cuh's `given_sums`): from this batch tile the tensor-core products take the activations'
-# sub-block sums from a small kernel run once a product (`GivenSums`) instead of an all-ones mma in every row group:
-# the same bits, a third to a half fewer tensor-core steps where the activations fill two or more column tiles.
+# Given sums (matvec_mma_body.cuh's `given_sums`; the backend asks for them only with LUCEBOX_GIVEN_SUMS=1): from this
+# batch tile the tensor-core products take the activations' sub-block sums from a small kernel run once a product
+# (`GivenSums`) instead of an all-ones mma in every row group: the same bits, a third to a half fewer mma steps.
 GIVEN_SUMS_MIN_TILE = 12
 GIVEN_SUMS_VARIANTS = {"mma": "matvec_mma_s", "mma_r2": "matvec_mma_r2_s"}  # and every streamed variant
 SUMS_GROUPS: dict[str, int] = {"q4_k": 8, "q5_k": 8, "q6_k": 16}  # sub-block groups a GGUF block (scale steps)

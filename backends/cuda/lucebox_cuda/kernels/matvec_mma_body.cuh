@@ -93,9 +93,10 @@ __device__ __forceinline__ void given_sums(const X* __restrict__ x, float* __res
 
 // Add one GGUF block (`block` of the row) of ROW_TILES row tiles to the accumulators: `raw_a` / `raw_b` hold this
 // lane's bytes of rows g and g+8 of each tile. The mma steps, then each sub-block's scale and min on its fp32 sums.
-// GIVEN_SUMS: S comes from `sums` (matvec_sums' output for these activations, `given_sums` below) instead of this
-// block's own all-ones mma: the same mma on the same fragments, so the same bits, at a third to a half fewer
-// tensor-core steps where the activations fill two or more tiles (the verify products, bound by those steps).
+// GIVEN_SUMS: S comes from `sums` (matvec_sums' output for these activations, `given_sums` above) instead of this
+// block's own all-ones mma: the same mma on the same fragments, so the same bits, with a third to a half fewer
+// tensor-core steps where the activations fill two or more tiles. Those steps turned out not to bound the verify
+// products (session 37: no faster end to end), so the backend takes this form only with LUCEBOX_GIVEN_SUMS=1.
 template <class W, class X, int NB, int ROW_TILES, bool GIVEN_SUMS = false>
 __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TILES],
                                           const typename W::Raw (&raw_b)[ROW_TILES], int block, int t,
@@ -132,10 +133,10 @@ __device__ __forceinline__ void mma_block(const typename W::Raw (&raw_a)[ROW_TIL
 #pragma unroll
                 for (int rt = 0; rt < ROW_TILES; ++rt) p[rt][tile][k] = 0.0f;
             }
+        if constexpr (GIVEN_SUMS) read_given_sums<W>(sums, block, grp, t, s);  // before the mma steps that hide it
         // The group's A registers, [step within the group][row tile], then each tile's B registers: two steps of 8
         // consecutive columns come in one load, and B is live for one tile at a time (registers at 16-64 rows).
         // Every accumulator sees the group's steps in step order, as a step-outer loop would.
-        if constexpr (GIVEN_SUMS) read_given_sums<W>(sums, block, grp, t, s);  // before the mma steps that hide it
         u32 a[W::STEPS_PER_GROUP][ROW_TILES][4];
 #pragma unroll
         for (int within = 0; within < W::STEPS_PER_GROUP; ++within)

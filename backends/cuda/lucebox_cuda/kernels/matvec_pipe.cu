@@ -227,7 +227,7 @@ __device__ __forceinline__ void matvec_pipe_body(const u8* __restrict__ weight, 
 #pragma unroll
                     for (int m = 0; m < GM; ++m) p[m][tile][k] = 0.0f;
                 }
-            if constexpr (GIVEN_SUMS) read_given_sums<W>(sums, block, grp, t, s);  // as matvec_mma_body.cuh's
+            if constexpr (GIVEN_SUMS) read_given_sums<W>(sums, block, grp, t, s);  // as in mma_block
 #pragma unroll
             for (int within = 0; within < W::STEPS_PER_GROUP; ++within) {
                 const int step = grp * W::STEPS_PER_GROUP + within;
