@@ -36,7 +36,8 @@ def weight(fmt: str, seed: int) -> QuantTensor:
 
 @pytest.fixture()
 def plain_and_given(monkeypatch):
-    """Two CUDA backends, row-major weights: one computing the sums in every row group, one taking them given."""
+    """One CUDA backend, row-major weights, and two ways to run a product on it: the sums computed in every row group,
+    and given."""
     from lucebox_cuda import backend as module
     from lucebox_cuda import tiled_weights
 
