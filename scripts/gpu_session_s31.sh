@@ -51,11 +51,13 @@ s31_table() {  # ~8.5 min: #17's table in one call: the recorded prefill's GPU t
 draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
     > "$RES/synth_draft.log" 2>&1 ) &
   local writer=$!
-  step gpu-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-    tests/test_recorded_prefill.py
+  # TABLE_TESTS: the GPU tests run while llama.cpp builds (session 38's table: tests/test_given_sums_gpu.py).
+  step gpu-tests "${TABLE_TESTS_S:-120}" env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short \
+    -rf ${TABLE_TESTS:-tests/test_recorded_prefill.py}
   variants 27b "$m" "-p 512,4096 -n 128 -r 3" default
   wait "$writer"; tail -n1 "$RES/synth_draft.log"
-  step b22-forced 70 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
+  # The first speculative run compiles the tree kernels: 70 s was too short for it in session 31's call 2.
+  step b22-forced 120 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
     --force-accept 8.3 --json | spec_detail b22-forced"
   step auto-unforced 70 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
     --json | spec_detail auto-unforced"

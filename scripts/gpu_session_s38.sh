@@ -1,7 +1,7 @@
 # Session 38's modes of scripts/gpu_session.sh (sourced by it; its helpers: step, synth, model; variants, llama_rows,
 # llama_build_bg, llama_wait from gpu_session_more.sh; spec_detail from gpu_session_s31.sh).
 #
-#   bash scripts/gpu_session.sh s38-table    # ~8.5 min: #17's table in one call (both engines, the same files): the
+#   bash scripts/gpu_session.sh s38-table    # ~6-8.5 min: #17's table in one call (both engines, the same files): the
 #                                            #   27B's pp512 / pp4096 / tg128, forced DDTree 8.3 at budget 22 and
 #                                            #   auto, a drafter that accepts nothing with auto, the 0.8B's pp512 /
 #                                            #   tg128, the 27B's tg128 at depth 32768; llama-bench beside each; the
@@ -11,34 +11,9 @@
 #                                            #   nodes, Nsight Compute on the 27B's batch-1 products (Q4_K gate | up,
 #                                            #   Q4_K down, the Q6_K head), the copy bandwidth.              carry: .whl
 
-s38_table() {
-  LLAMA_NICE=19 llama_build_bg
-  step synth-08b 60 synth 0.8b
-  step synth-27b 90 synth 27b
-  local m d; m=$(model 27b); d=$WORK/draft-27b.gguf
-  ( python3 -c "from lucebox_qwen35 import draft_synth; import sys
-draft_synth.write(sys.argv[1], size='full', type='q4_k_m', seed=1, target=sys.argv[2])" "$d" "$m" \
-    > "$RES/synth_draft.log" 2>&1 ) &
-  local writer=$!
-  step given-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-    tests/test_given_sums_gpu.py
-  variants 27b "$m" "-p 512,4096 -n 128 -r 3" default
-  wait "$writer"; tail -n1 "$RES/synth_draft.log"
-  # The first speculative run compiles the tree kernels: it gets the longest limit.
-  step b22-forced 120 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget 22 \
-    --force-accept 8.3 --json | spec_detail b22-forced"
-  step auto-unforced 70 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 128 -r 2 --tree-budget auto \
-    --json | spec_detail auto-unforced"
-  step auto-forced 90 bash -c "python3 -m lucebox_core.cli bench -m $m -md $d -p 0 -n 256 -r 2 --tree-budget auto \
-    --force-accept 8.3 --json | spec_detail auto-forced"
-  llama_wait
-  variants 08b "$(model 0.8b)" "-p 512 -n 128 -r 5" default
-  llama_rows 08b -m "$(model 0.8b)" -p 512 -n 128 -r 5 && llama_rows 27b -m "$m" -p 512,4096 -n 128 -r 3
-  variants 27b-d32k "$m" "-p 0 -n 128 -d 32768 -r 2" default
-  llama_rows 27b-d32k -m "$m" -p 0 -n 128 -d 32768 -r 2
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  return 0
-}
+# Session 38's call 1 ran these steps from a copy of s31_table with b22-forced at 120 s (now s31_table's too) and
+# auto-forced at 90 s (s31_table: 120 s); 353 s on an H100.
+s38_table() { TABLE_TESTS=tests/test_given_sums_gpu.py TABLE_TESTS_S=90 s31_table; }
 
 s38_profile() {
   step synth-27b 90 synth 27b
