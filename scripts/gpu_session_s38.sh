@@ -6,7 +6,7 @@
 #                                            #   auto, a drafter that accepts nothing with auto, the 0.8B's pp512 /
 #                                            #   tg128, the 27B's tg128 at depth 32768; llama-bench beside each; the
 #                                            #   given-sums GPU tests while llama.cpp builds.    carry: .whl .llamacpp
-#   bash scripts/gpu_session.sh s38-profile  # ~7 min: the profiles #17's results ask for: the 27B's and the 0.8B's
+#   bash scripts/gpu_session.sh s38-profile  # ~1.5 min: the profiles #17's results ask for: the 27B's and the 0.8B's
 #                                            #   decode step (kernel by kernel), the 27B's verify passes at 1, 16, 23
 #                                            #   nodes, Nsight Compute on the 27B's batch-1 products (Q4_K gate | up,
 #                                            #   Q4_K down, the Q6_K head), the copy bandwidth.              carry: .whl
